@@ -1,0 +1,121 @@
+"""Hardware-independent counters: host syncs and ATen ops, counted with a ``TorchDispatchMode``.
+
+These are the numbers our tests assert on (zero syncs in the hot path, one metadata build per step),
+because unlike timings they do not depend on the machine or its load.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["OpCounter", "SyncCounter", "SYNC_OPS"]
+
+# ATen ops that force the host to wait for the device (or, on CPU, that would on an accelerator):
+# they produce data-dependent shapes or read a device value into Python.
+SYNC_OPS: frozenset[str] = frozenset(
+    {
+        "_local_scalar_dense",  # .item(), int(t), bool(t), `if t:`
+        "nonzero",  # also torch.where(cond) with one argument, boolean-mask indexing
+        "nonzero_static",
+        "unique",
+        "_unique",
+        "_unique2",
+        "unique_consecutive",
+        "unique_dim",
+        "masked_select",
+        "bincount",
+        "repeat_interleave",  # without output_size its output shape is data dependent
+        "_assert_async",
+        "equal",
+        "is_nonzero",
+    }
+)
+
+
+def _op_name(func: Any) -> str:
+    # func is an OpOverload such as aten.nonzero.default; its packet name is "nonzero".
+    return func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+
+
+def _is_device_to_host_copy(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    if name not in {"_to_copy", "copy_"}:
+        return False
+    if name == "copy_":
+        dst, src = args[0], args[1]
+        return isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst.device.type == "cpu"
+    src = args[0]
+    device = kwargs.get("device")
+    return (
+        isinstance(src, torch.Tensor)
+        and src.device.type != "cpu"
+        and device is not None
+        and torch.device(device).type == "cpu"
+    )
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every ATen op dispatched inside the context.
+
+    Attributes:
+        counts: ``Counter`` of op packet names (``"mm"``, ``"nonzero"``...).
+
+    Example::
+
+        with OpCounter() as ops:
+            model(x).sum().backward()
+        print(ops.total, ops.counts.most_common(5))
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    @property
+    def total(self) -> int:
+        """Number of ATen ops dispatched so far."""
+        return sum(self.counts.values())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self._record(_op_name(func), args, kwargs)
+        return func(*args, **kwargs)
+
+    def _record(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.counts[name] += 1
+
+
+class SyncCounter(OpCounter):
+    """Counts ops that force a device-to-host synchronisation (see :data:`SYNC_OPS`).
+
+    Counting happens on CPU too, so a zero-sync guarantee can be tested without a GPU: an op that would
+    block the host on CUDA is counted wherever it runs.
+
+    Attributes:
+        syncs: ``Counter`` of the sync-forcing op names seen (``"device_to_host_copy"`` for explicit copies).
+
+    Example::
+
+        with SyncCounter() as sc:
+            plan = route(logits, top_k=2, validate=False)
+        assert sc.num_syncs == 0, sc.syncs
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: Counter[str] = Counter()
+
+    @property
+    def num_syncs(self) -> int:
+        """Number of sync-forcing ops seen."""
+        return sum(self.syncs.values())
+
+    def _record(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super()._record(name, args, kwargs)
+        if name in SYNC_OPS:
+            self.syncs[name] += 1
+        elif _is_device_to_host_copy(name, args, kwargs):
+            self.syncs["device_to_host_copy"] += 1
