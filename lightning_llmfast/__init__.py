@@ -50,12 +50,27 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "ConfigError",
     "DataError",
+    "ExpertLoadMonitor",
+    "GroupedRouterMixin",
     "LLMFastError",
+    "LLMFastStrategy",
     "MetadataError",
+    "MoEGPT",
+    "MoEGPTConfig",
+    "MoEGPTLightningModule",
     "OffloadError",
+    "PackedBatch",
+    "PackedDataModule",
     "RoutingError",
+    "SequenceMetadata",
+    "SequenceMetadataCache",
+    "SequenceMetadataCallback",
+    "SyntheticCorpus",
+    "TextCorpus",
+    "TokenThroughputMonitor",
     "__version__",
-    *_LAZY,
+    "pack_documents",
+    "register_moe_adapter",
 ]
 
 
@@ -67,6 +82,10 @@ def __getattr__(name: str) -> Any:
     globals()[name] = value
     return value
 
+
+# Registers "llmfast" and "llmfast_offload" in Lightning's StrategyRegistry, so Trainer(strategy="llmfast") works
+# after `import lightning_llmfast`.
+importlib.import_module("lightning_llmfast.strategy")
 
 if TYPE_CHECKING:
     from lightning_llmfast.callbacks import ExpertLoadMonitor, SequenceMetadataCallback, TokenThroughputMonitor

@@ -41,6 +41,17 @@ def _op_name(func: Any) -> str:
     return func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
 
 
+_INDEX_OPS = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
+
+
+def _is_boolean_mask_index(name: str, args: tuple[Any, ...]) -> bool:
+    # x[mask] and x[mask] = v dispatch as index/index_put_ with a bool index; the kernel turns the mask into
+    # indices with a nonzero internally, so the output size (or the write) waits on the device.
+    if name not in _INDEX_OPS or len(args) < 2:
+        return False
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] or ())
+
+
 def _is_device_to_host_copy(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     if name not in {"_to_copy", "copy_"}:
         return False
@@ -117,5 +128,7 @@ class SyncCounter(OpCounter):
         super()._record(name, args, kwargs)
         if name in SYNC_OPS:
             self.syncs[name] += 1
+        elif _is_boolean_mask_index(name, args):
+            self.syncs["boolean_mask_index"] += 1
         elif _is_device_to_host_copy(name, args, kwargs):
             self.syncs["device_to_host_copy"] += 1

@@ -1,0 +1,330 @@
+#!/usr/bin/env bash
+# Every GPU check of lightning_llmfast in one script, for a lent CUDA machine (nothing downloaded).
+#
+#   bash benchmarks/gpu_check.sh            # logs, JUnit XML, bench.json and bench.png under $OUT (else ./gpu_out)
+#
+# Stages (each under its own `timeout`, cut to fit a global budget so the whole script ends in < 8 minutes even if
+# one hangs; a failing stage does not stop the later ones; the exit status is non-zero if any stage failed):
+#   env           nvidia-smi -L, versions, `pip install --no-deps -e .` (PYTHONPATH=. as the fallback)
+#   cuda_tests    pytest -m cuda (TRITON_INTERPRET unset: Triton compiles for the GPU)
+#   kernel_tests  the Triton/routing/permute/MoE test files on CUDA (LLMFAST_TEST_DEVICE=cuda for tests that read it)
+#   kernel_check  Triton kernels against their PyTorch references at T=65536, E=64, k=8, sync-free, with timings
+#   sync_step     llmfast training steps under torch.cuda.set_sync_debug_mode("error") (forward + backward)
+#   bench         python -m lightning_llmfast.bench --profile full --device cuda (bf16)
+# The last thing printed is a short table: one line per stage.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+export OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+unset TRITON_INTERPRET
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1
+export BUDGET_S="${GPU_CHECK_BUDGET_S:-450}"
+START_S=$(date +%s)
+PY="${PYTHON:-python3}"
+export PY
+
+# ---------------------------------------------------------------------------------------------------------- stages
+stage_env() {
+    nvidia-smi -L || return 1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    "$PY" - <<'EOF'
+import importlib, platform
+print("python", platform.python_version())
+for name in ("torch", "triton", "lightning", "transformers", "hypothesis", "pytest", "matplotlib"):
+    try:
+        print(f"{name:13s}", importlib.import_module(name).__version__)
+    except Exception as err:  # report, do not fail: optional pieces may be absent
+        print(f"{name:13s} missing ({type(err).__name__})")
+import torch
+print("cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
+EOF
+    # No network: no build isolation (it would fetch setuptools). PYTHONPATH=. covers a failed install.
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip_install.log" 2>&1 \
+        || echo "pip install -e . failed (see pip_install.log); using PYTHONPATH=$PWD"
+    "$PY" -c "import lightning_llmfast, lightning_llmfast.moe.kernels; print('lightning_llmfast', lightning_llmfast.__version__, 'from', lightning_llmfast.__file__)"
+}
+
+stage_cuda_tests() {
+    "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs --junitxml="$OUT/cuda_tests.xml" tests
+}
+
+stage_kernel_tests() {
+    local files
+    files=$(ls tests/test_*.py | grep -E 'kernel|triton|rout|permute|moe|expert' | tr '\n' ' ')
+    if [ -z "$files" ]; then echo "no kernel/routing/MoE test files found"; return 1; fi
+    echo "test files: $files"
+    # -m "not cuda": those ran in cuda_tests already.
+    # shellcheck disable=SC2086
+    LLMFAST_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider -m "not cuda" --junitxml="$OUT/kernel_tests.xml" $files
+}
+
+stage_kernel_check() {
+    "$PY" - <<'EOF'
+"""Triton kernels against their PyTorch references at production shapes, with CUDA-event timings."""
+import json, os, time, traceback
+import torch
+from lightning_llmfast.bench import SyncCounter
+from lightning_llmfast.moe import kernels, permute, route, unpermute
+
+# KCHECK_* let the script be dry-run on a CPU with TRITON_INTERPRET=1 and small shapes.
+dev = torch.device(os.environ.get("KCHECK_DEVICE", "cuda"))
+T, E, K, H = (int(os.environ.get(f"KCHECK_{n}", d)) for n, d in (("T", 65536), ("E", 64), ("K", 8), ("H", 1024)))
+cuda = dev.type == "cuda"
+failures, report = [], {}
+
+
+def check(name, fn):
+    try:
+        fn()
+        print(f"PASS {name}")
+    except Exception:
+        failures.append(name)
+        print(f"FAIL {name}\n{traceback.format_exc()}")
+
+
+def timed(fn, reps=10):
+    fn()
+    if not cuda:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+g = torch.Generator(device=dev).manual_seed(0)
+logits = torch.randn(T, E, device=dev, generator=g)
+x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=g)
+
+
+def plans_equal(cf):
+    ref = route(logits, K, capacity_factor=cf, validate=False, backend="torch")
+    tri = route(logits, K, capacity_factor=cf, validate=False, backend="triton")
+    for field in ("expert_ids", "tokens_per_expert", "offsets", "permutation", "kept", "num_dropped"):
+        a, b = getattr(ref, field), getattr(tri, field)
+        assert a.shape == b.shape and torch.equal(a, b), f"capacity_factor={cf}: {field} differs"
+    torch.testing.assert_close(tri.weights, ref.weights)
+    torch.testing.assert_close(tri.aux_loss, ref.aux_loss)
+    torch.testing.assert_close(tri.z_loss, ref.z_loss)
+    assert int(tri.tokens_per_expert.sum()) == int(tri.offsets[-1]) == int(tri.kept.sum())
+    report[f"route_ms_torch_cf{cf}"] = timed(lambda: route(logits, K, capacity_factor=cf, validate=False, backend="torch"))
+    report[f"route_ms_triton_cf{cf}"] = timed(lambda: route(logits, K, capacity_factor=cf, validate=False, backend="triton"))
+
+
+def counting_sort_equal():
+    keys = torch.randint(0, E, (T * K,), device=dev, dtype=torch.int32, generator=g)
+    ref = kernels.stable_counting_sort(keys, E, backend="torch")
+    tri = kernels.stable_counting_sort(keys, E, backend="triton")
+    for a, b in zip(ref, tri):
+        assert torch.equal(a, b), "stable_counting_sort differs"
+    report["counting_sort_ms_torch"] = timed(lambda: kernels.stable_counting_sort(keys, E, backend="torch"))
+    report["counting_sort_ms_triton"] = timed(lambda: kernels.stable_counting_sort(keys, E, backend="triton"))
+
+
+def permute_roundtrip():
+    # Independent identity: unpermute(permute(x)) = x * (sum of the token's kept weights), dropped pairs excluded.
+    for cf in (None, 1.0):
+        plan = route(logits, K, capacity_factor=cf, validate=False, backend="triton")
+        y = permute(x, plan)
+        n = int(plan.offsets[-1])
+        rows = plan.permutation[:n].long() // K
+        torch.testing.assert_close(y[:n], x[rows])
+        back = unpermute(y, plan)
+        expect = (x.float() * (plan.weights * plan.kept).sum(-1, keepdim=True)).to(back.dtype)
+        torch.testing.assert_close(back, expect, rtol=2e-2, atol=2e-2)
+    plan = route(logits, K, validate=False, backend="triton")
+    report["permute_ms"] = timed(lambda: permute(x, plan))
+    report["unpermute_ms"] = timed(lambda: unpermute(permute(x, plan), plan))
+
+
+def sync_free():
+    with SyncCounter() as sc:
+        plan = route(logits, K, validate=False, backend="triton")
+        unpermute(permute(x, plan), plan)
+    assert sc.num_syncs == 0, dict(sc.syncs)
+    if not cuda:
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        plan = route(logits, K, capacity_factor=1.25, validate=False, backend="triton")
+        unpermute(permute(x, plan), plan)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def memory():
+    if not cuda:
+        return
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    plan = route(logits, K, validate=False, backend="triton")
+    peak = torch.cuda.max_memory_allocated() - base
+    # Reported, not asserted (the MoE tests own the O(T*k) memory claim): float scores (T, E) are inherent,
+    # one int64 [T, E] mask would add 32 MiB.
+    report["route_peak_extra_MiB"] = peak / 2**20
+    report["route_T_by_E_float32_MiB"] = T * E * 4 / 2**20
+    del plan
+
+
+for name, fn in (
+    ("route triton == torch (dropless)", lambda: plans_equal(None)),
+    ("route triton == torch (capacity 1.0)", lambda: plans_equal(1.0)),
+    ("stable counting sort triton == torch", counting_sort_equal),
+    ("permute/unpermute round trip", permute_roundtrip),
+    ("sync-free route+permute+unpermute", sync_free),
+    ("route memory", memory),
+):
+    check(name, fn)
+print(json.dumps(report, indent=1))
+with open(os.path.join(os.environ["OUT"], "kernel_check.json"), "w") as f:
+    json.dump({"failures": failures, **report}, f, indent=1)
+raise SystemExit(1 if failures else 0)
+EOF
+}
+
+stage_sync_step() {
+    "$PY" - <<'EOF'
+"""llmfast training steps with torch.cuda.set_sync_debug_mode("error") over forward + backward."""
+import warnings
+import lightning as L
+import torch
+import lightning_llmfast  # noqa: F401  registers strategy="llmfast"
+from lightning_llmfast import MoEGPTConfig, MoEGPTLightningModule, SequenceMetadataCallback, TokenThroughputMonitor
+from lightning_llmfast.bench.e2e import E2ESettings, make_batches
+
+settings = E2ESettings(
+    model={"hidden_size": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_size": 512, "num_experts": 8},
+    seq_len=1024, batch_size=4, mean_doc_len=200,
+)
+batches = [b.pin_memory() for b in make_batches(settings, 4, settings.config("before").vocab_size)]
+
+
+class Batches:
+    def __len__(self):
+        return len(batches)
+
+    def __iter__(self):
+        return iter(batches)
+
+
+class SyncDebug(L.Callback):
+    """Step 0 warms up (Triton compilation, lazy init); later steps run forward+backward in "error" mode."""
+
+    def __init__(self):
+        self.step, self.checked, self.on = 0, 0, False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.step >= 1:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            self.on = True
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.on:
+            torch.cuda.set_sync_debug_mode("warn")  # the optimizer step: reported, not failed
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.on:
+            torch.cuda.set_sync_debug_mode(0)
+            self.checked += 1
+            self.on = False
+        self.step += 1
+
+
+torch.manual_seed(0)
+module = MoEGPTLightningModule(settings.config("llmfast"), lr=1e-3)
+probe = SyncDebug()
+trainer = L.Trainer(
+    accelerator="cuda", devices=1, strategy="llmfast", precision="bf16-mixed", max_steps=len(batches),
+    callbacks=[SequenceMetadataCallback(), TokenThroughputMonitor(), probe], logger=False,
+    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+        trainer.fit(module, train_dataloaders=Batches())
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+optimizer_syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+print(f"PASS: {probe.checked} llmfast steps, forward+backward under set_sync_debug_mode('error')")
+print(f"optimizer-step sync warnings: {len(optimizer_syncs)} {optimizer_syncs[:3]}")
+assert probe.checked == len(batches) - 1
+
+# The detector itself: the "before" model must trip it (else a pass above would mean nothing).
+before = MoEGPTLightningModule(settings.config("before")).cuda()
+batch = batches[0].to("cuda")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        before(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+n = sum("synchroniz" in str(w.message) for w in caught)
+print(f"detector check: the before model's forward raised {n} sync warnings")
+assert n > 0, "set_sync_debug_mode did not flag the before model's syncs"
+EOF
+}
+
+stage_bench() {
+    set -o pipefail  # the status of the benchmark, not of tee
+    "$PY" -m lightning_llmfast.bench --profile full --device cuda --json "$OUT/bench.json" --plot "$OUT/bench.png" \
+        | tee "$OUT/bench.md"
+}
+
+# ------------------------------------------------------------------------------------------------------- the runner
+export -f stage_env stage_cuda_tests stage_kernel_tests stage_kernel_check stage_sync_step stage_bench
+# name:max seconds:min seconds (the min of every later stage is reserved when an earlier one's limit is set)
+STAGES=(env:60:20 cuda_tests:60:20 kernel_tests:60:20 kernel_check:50:20 sync_step:50:20 bench:280:150)
+declare -a RESULTS
+FAILED=0
+for i in "${!STAGES[@]}"; do
+    IFS=: read -r name max _ <<<"${STAGES[$i]}"
+    reserve=0
+    for later in "${STAGES[@]:$((i + 1))}"; do reserve=$((reserve + ${later##*:})); done
+    left=$((BUDGET_S - ($(date +%s) - START_S) - reserve))
+    limit=$((max < left ? max : left))
+    echo
+    echo "=================================== $name (limit ${limit}s) ==================================="
+    if [ "$limit" -lt 10 ]; then
+        RESULTS+=("$name|SKIP (no time left)|0")
+        FAILED=1
+        continue
+    fi
+    t0=$(date +%s)
+    timeout -k 10 "$limit" bash -c "stage_$name" 2>&1 | tee "$OUT/$name.log"
+    rc=${PIPESTATUS[0]}
+    secs=$(($(date +%s) - t0))
+    case $rc in
+        0) status=PASS ;;
+        124 | 137) status="TIMEOUT after ${limit}s" ;;
+        *) status="FAIL (exit $rc)" ;;
+    esac
+    [ "$rc" -eq 0 ] || FAILED=1
+    RESULTS+=("$name|$status|$secs")
+done
+
+echo
+if [ -f "$OUT/bench.json" ]; then
+    "$PY" -c "import json, sys; from lightning_llmfast.bench.report import markdown_report; \
+print(markdown_report(json.load(open(sys.argv[1]))))" "$OUT/bench.json" || true
+fi
+echo
+echo "gpu_check: $(($(date +%s) - START_S)) s in all, logs in $OUT"
+echo "| stage | status | seconds |"
+echo "|---|---|---|"
+for row in "${RESULTS[@]}"; do
+    IFS='|' read -r name status secs <<<"$row"
+    echo "| $name | $status | $secs |"
+done
+exit "$FAILED"

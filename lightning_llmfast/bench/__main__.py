@@ -1,0 +1,80 @@
+"""``python -m lightning_llmfast.bench``: before, peer and llmfast in one run, plus the micro-benchmarks.
+
+Example::
+
+    python -m lightning_llmfast.bench --profile quick --device cpu --json bench.json --plot bench.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_llmfast.bench.e2e import VARIANTS
+from lightning_llmfast.bench.harness import MICRO_BENCHMARKS, PROFILES, run_benchmark
+from lightning_llmfast.bench.report import markdown_report, plot_result
+
+
+def _names(text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    names = tuple(n for n in text.split(",") if n)
+    bad = [n for n in names if n not in allowed]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {','.join(allowed)}")
+    return names
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse arguments, run the benchmark, print the Markdown table, write the JSON and the plot.
+
+    Returns:
+        The process exit status (0).
+    """
+    parser = argparse.ArgumentParser(prog="python -m lightning_llmfast.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="quick", help="quick (CPU), full (GPU)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--json", type=Path, help="write the result dictionary here")
+    parser.add_argument("--plot", type=Path, help="write a PNG comparing the variants here (needs matplotlib)")
+    parser.add_argument(
+        "--variants", type=lambda s: _names(s, VARIANTS), default=VARIANTS, help="comma-separated e2e variants"
+    )
+    parser.add_argument(
+        "--micro",
+        type=lambda s: _names(s, MICRO_BENCHMARKS),
+        default=MICRO_BENCHMARKS,
+        help="comma-separated micro-benchmarks ('' for none)",
+    )
+    parser.add_argument("--repeats", type=int, help="override the profile's timed repeats")
+    parser.add_argument("--steps", type=int, help="override the profile's measured steps per segment")
+    args = parser.parse_args(argv)
+
+    def write_json(result: dict[str, Any]) -> None:
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            # default=str: micro-benchmarks may return non-JSON scalars (dtypes, devices); keep them readable.
+            args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+    result = run_benchmark(
+        args.profile,
+        args.device,
+        variants=args.variants,
+        micro=args.micro,
+        repeats=args.repeats,
+        measured_steps=args.steps,
+        log=lambda msg: print(msg, file=sys.stderr, flush=True),
+        on_update=write_json,
+    )
+    if args.plot is not None:
+        try:
+            plot_result(result, args.plot)
+        except ImportError:
+            print("--plot skipped: matplotlib is not installed (pip install lightning-llmfast[plot])", file=sys.stderr)
+    print(markdown_report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""Expert-load monitoring: log MoE load balance from the router's counts, and surface non-finite router logits.
+
+Example::
+
+    trainer = L.Trainer(callbacks=[ExpertLoadMonitor(log_every_n_steps=50)])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_llmfast.errors import ConfigError, RoutingError
+from lightning_llmfast.moe.metrics import ExpertLoadMetric
+
+__all__ = ["ExpertLoadMonitor"]
+
+
+class ExpertLoadMonitor(Callback):
+    """Logs ``moe/load_imbalance``, ``moe/dropped_fraction`` and ``moe/load_entropy`` during training.
+
+    Every module with a ``last_tokens_per_expert`` attribute counts as an MoE block (this package's blocks and the
+    adapted transformers blocks). After each training batch its counts are added to one
+    :class:`~lightning_llmfast.moe.ExpertLoadMetric` per block, on the device, without a host sync. Every
+    ``log_every_n_steps`` batches the metrics are computed, averaged over the blocks, logged and reset. At that
+    point, where the host reads device values anyway, a non-finite router-logit flag recorded since the last log
+    (``last_nonfinite``, set by routing with ``validate=False``) raises :class:`~lightning_llmfast.RoutingError`
+    naming the blocks.
+
+    Args:
+        log_every_n_steps: logging period in training batches; ``None`` uses the trainer's ``log_every_n_steps``.
+
+    Raises:
+        ConfigError: ``log_every_n_steps < 1``.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[ExpertLoadMonitor()], log_every_n_steps=10)
+        trainer.fit(MyMoEModule())  # logs moe/load_imbalance etc. every 10 batches
+    """
+
+    def __init__(self, log_every_n_steps: int | None = None) -> None:
+        if log_every_n_steps is not None and (isinstance(log_every_n_steps, bool) or log_every_n_steps < 1):
+            raise ConfigError(f"log_every_n_steps must be an int >= 1 or None, got {log_every_n_steps!r}")
+        self.log_every_n_steps = log_every_n_steps
+        self._blocks: dict[str, nn.Module] = {}
+        self._metrics: dict[str, ExpertLoadMetric] = {}
+        self._nonfinite: dict[str, Tensor] = {}
+        self._batches = 0
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Here rather than in setup(): configure_model (and GroupedRouterMixin's block swap) runs after setup.
+        self._blocks = {name: m for name, m in pl_module.named_modules() if hasattr(m, "last_tokens_per_expert")}
+        self._metrics = {}
+        self._nonfinite = {}
+        self._batches = 0
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        for name, block in self._blocks.items():
+            counts = block.last_tokens_per_expert
+            if counts is None:
+                continue
+            metric = self._metrics.get(name)
+            if metric is None:
+                metric = self._metrics[name] = ExpertLoadMetric(counts.numel()).to(counts.device)
+            plan = getattr(block, "last_plan", None)
+            if plan is None:
+                metric.update(counts)
+            else:
+                metric.update(counts, plan.num_dropped, plan.num_tokens * plan.top_k)
+            flag = getattr(block, "last_nonfinite", None)
+            if flag is not None:
+                # OR-ed on the device: a NaN in any batch of the window is reported, not only in the last one.
+                seen = self._nonfinite.get(name)
+                self._nonfinite[name] = flag if seen is None else seen | flag
+        self._batches += 1
+        period = self.log_every_n_steps or trainer.log_every_n_steps
+        if self._batches % period == 0 and self._metrics:
+            self._check_finite()
+            self._log(pl_module)
+
+    def _check_finite(self) -> None:
+        if not self._nonfinite:
+            return
+        names = list(self._nonfinite)
+        # NOTE: host sync, once per logging period, where the logger reads device values anyway.
+        flags = torch.stack([self._nonfinite[n] for n in names]).tolist()
+        bad = [n for n, f in zip(names, flags) if f]
+        self._nonfinite = {}
+        if bad:
+            raise RoutingError(f"router logits contained NaN or infinite values in MoE block(s) {bad}")
+
+    def _log(self, pl_module: pl.LightningModule) -> None:
+        results = [metric.compute() for metric in self._metrics.values()]
+        for key in ("load_imbalance", "dropped_fraction", "load_entropy"):
+            value = torch.stack([r[key] for r in results]).mean()
+            pl_module.log(f"moe/{key}", value, on_step=True, on_epoch=False)
+        for metric in self._metrics.values():
+            metric.reset()

@@ -1,0 +1,212 @@
+"""``SequenceMetadataCallback``: one packed-sequence metadata build per batch, with no change to ``training_step``.
+
+The callback owns lifecycles only; building, validating and caching live in :mod:`lightning_llmfast.seqmeta`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
+
+from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.seqmeta import SequenceMetadataCache
+
+__all__ = ["SequenceMetadataCallback"]
+
+Validate = Literal["first_layer", "every_layer", "off"]
+_VALIDATE = ("first_layer", "every_layer", "off")
+
+
+def _find_layers(root: nn.Module, layers: nn.ModuleList | Sequence[nn.Module] | str | None) -> list[nn.Module]:
+    """Resolves the transformer layers: an explicit list, a dotted attribute path, or the largest ``ModuleList``
+    whose children all share one class."""
+    if isinstance(layers, str):
+        found: Any = root
+        for part in layers.split("."):
+            if not hasattr(found, part):
+                raise ConfigError(f"layers: {type(root).__name__} has no attribute path {layers!r} (missing {part!r})")
+            found = getattr(found, part)
+        layers = found
+    if layers is not None:
+        if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
+            raise ConfigError(f"layers: expected a module list or sequence of modules, got {type(layers).__name__}")
+        result = list(layers)
+        if not result or not all(isinstance(m, nn.Module) for m in result):
+            raise ConfigError("layers: must be a non-empty list of nn.Module transformer layers")
+        return result
+    best: list[nn.Module] = []
+    for module in root.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > len(best):
+            children = list(module)
+            if len({type(child) for child in children}) == 1:
+                best = children
+    if not best:
+        raise ConfigError(
+            f"layers: no nn.ModuleList of identical blocks found in {type(root).__name__}; "
+            "pass SequenceMetadataCallback(layers=...) (a module list or an attribute path such as 'model.layers')"
+        )
+    return best
+
+
+def _hidden_and_positions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """The layer's hidden states (first floating-point tensor) and position ids (``position_ids=`` or the first
+    int64 tensor argument)."""
+    values = [*args, *kwargs.values()]
+    hidden = next((t for t in values if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = next((t for t in args if isinstance(t, torch.Tensor) and t.dtype == torch.int64), None)
+    return hidden, positions
+
+
+class SequenceMetadataCallback(L.Callback):
+    """Builds each batch's packed-sequence metadata once, at the first transformer layer, for every layer to reuse.
+
+    At setup it finds the model's layers and installs a forward pre-hook on the first one; each batch-start hook
+    (train, validation, test, predict) opens a new :class:`~lightning_llmfast.seqmeta.SequenceMetadataCache` version
+    for the batch and each batch-end hook closes it, so nothing is reused across batches. Layers read the metadata
+    with ``active_cache().get(hidden)`` (the reference model does this in ``attention_metadata="cached"`` mode).
+    Batches may be a ``PackedBatch``, a mapping or object holding ``cu_seqlens`` (with ``max_seqlen``) or
+    ``position_ids``, or a tuple/list holding one; failing those, the metadata is built from the position ids the
+    first layer receives. Logs ``seqmeta/builds_per_step`` (a host integer: no sync).
+
+    Args:
+        validate: ``"first_layer"`` checks the first layer's token count against the metadata; ``"every_layer"``
+            also checks every layer's input (host-side shape arithmetic); ``"off"`` checks nothing.
+        layers: the transformer layers (a module list) or the attribute path to them from the LightningModule
+            (``"model.layers"``); by default the largest ``nn.ModuleList`` of identical blocks.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[SequenceMetadataCallback()])
+        trainer.fit(MoEGPTLightningModule(), datamodule=PackedDataModule())
+    """
+
+    def __init__(
+        self, validate: Validate = "first_layer", layers: nn.ModuleList | Sequence[nn.Module] | str | None = None
+    ) -> None:
+        if validate not in _VALIDATE:
+            raise ConfigError(f"validate: must be one of {_VALIDATE}, got {validate!r}")
+        self.validate = validate
+        self.layers = layers
+        self.cache = SequenceMetadataCache()
+        self._handles: list[RemovableHandle] = []
+        self._builds_at_begin = 0
+
+    @property
+    def builds_last_batch(self) -> int:
+        """Metadata builds of the most recent (or current) batch."""
+        return self.cache.stats["builds"] - self._builds_at_begin
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._remove_hooks()
+        found = _find_layers(pl_module, self.layers)
+        self._handles.append(found[0].register_forward_pre_hook(self._build_hook, with_kwargs=True))
+        if self.validate == "every_layer":
+            for layer in found[1:]:
+                self._handles.append(layer.register_forward_pre_hook(self._check_hook, with_kwargs=True))
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._remove_hooks()
+        self.cache.end()
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _build_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # A forward outside a batch hook (e.g. generation in on_train_epoch_end) has no version: leave it alone.
+        if not self.cache.is_open:
+            return
+        hidden, positions = _hidden_and_positions(args, kwargs)
+        self.cache.get(hidden, position_ids=positions, check=self.validate != "off")
+
+    def _check_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self.cache.is_open:
+            return
+        hidden, _ = _hidden_and_positions(args, kwargs)
+        if hidden is not None:
+            self.cache.check(hidden)
+
+    def _begin(self, batch: Any) -> None:
+        self._builds_at_begin = self.cache.stats["builds"]
+        self.cache.begin(batch)
+
+    # Batch hooks: a new version per batch (micro-batch under gradient accumulation), closed at its end.
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._begin(batch)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.cache.end()
+        pl_module.log(
+            "seqmeta/builds_per_step", float(self.builds_last_batch), on_step=True, on_epoch=False, batch_size=1
+        )
+
+    @override
+    def on_validation_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._begin(batch)
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self.cache.end()
+
+    @override
+    def on_test_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._begin(batch)
+
+    @override
+    def on_test_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self.cache.end()
+
+    @override
+    def on_predict_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._begin(batch)
+
+    @override
+    def on_predict_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self.cache.end()

@@ -1,0 +1,185 @@
+"""Real-token throughput: tokens/sec that excludes padding, summed over ranks, logged through Lightning."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.utilities.throughput import Throughput, get_available_flops
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_llmfast.errors import ConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import lightning.pytorch as pl
+
+__all__ = ["TokenThroughputMonitor"]
+
+
+def _batch_tokens(batch: Any) -> tuple[int, int, int]:
+    """``(real_tokens, padded_tokens, sequences)`` of a batch, read from host-side fields only."""
+    real = getattr(batch, "num_tokens", None)
+    input_ids = getattr(batch, "input_ids", None)
+    if not isinstance(real, int) or input_ids is None:
+        raise ConfigError(
+            "TokenThroughputMonitor needs batches with an int `num_tokens` and `input_ids` (a PackedBatch), "
+            f"got {type(batch).__name__}; pass num_tokens_fn= for other batch types"
+        )
+    return real, input_ids.numel(), input_ids.shape[0]
+
+
+class TokenThroughputMonitor(Callback):
+    """Logs real (non-padding) tokens/sec, padding fraction and MFU of training.
+
+    Counting is host-side (``batch.num_tokens`` is computed by the collator), so steps between two log points
+    never synchronise the device; at a log point it synchronises once so the timer is honest and, under DDP,
+    sums every rank's token count (not rank 0's times world size). Windowing is Lightning's
+    :class:`~lightning.fabric.utilities.throughput.Throughput`.
+
+    Logged: ``train/tokens_per_sec`` (all ranks), ``train/device/tokens_per_sec``, ``train/tokens`` (cumulative real
+    tokens, all ranks), ``train/padding_fraction`` (since the last log) and, when the module has
+    ``flops_per_batch(batch)`` and the device's peak is known, ``train/mfu``. Tokens/sec also shows in the
+    progress bar.
+
+    Args:
+        log_every_n_steps: optimizer steps between log points; defaults to the trainer's ``log_every_n_steps``.
+        window_size: number of log points the rates are computed over (at least 2).
+        num_tokens_fn: maps a batch to ``(real_tokens, padded_tokens, sequences)`` for batches that are not a
+            :class:`~lightning_llmfast.data.PackedBatch`.
+        peak_flops: the device's peak FLOP/s for MFU; by default looked up from the device and precision.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[SequenceMetadataCallback(), TokenThroughputMonitor()])
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        window_size: int = 4,
+        num_tokens_fn: Callable[[Any], tuple[int, int, int]] | None = None,
+        peak_flops: float | None = None,
+    ) -> None:
+        super().__init__()
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ConfigError(f"log_every_n_steps must be >= 1, got {log_every_n_steps}")
+        if window_size < 2:
+            raise ConfigError(f"window_size must be >= 2 (a rate needs two points), got {window_size}")
+        self.log_every_n_steps = log_every_n_steps
+        self.window_size = window_size
+        self.num_tokens_fn = num_tokens_fn or _batch_tokens
+        self.peak_flops = peak_flops
+        self.total_tokens = 0
+        """Real tokens counted on this rank so far (host int)."""
+        self.last_metrics: dict[str, float] = {}
+        """What the last log point logged."""
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        self._t0: float | None = None
+        self._batches = self._samples = self._padded = 0
+        self._flops_since_log = 0
+        self._padded_since_log = self._real_since_log = 0
+        self._last_logged_step = -1
+        self._global_tokens = 0
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._reset_counters()
+        self.total_tokens = 0
+        peak = self.peak_flops
+        if peak is None:
+            dtype = _compute_dtype(trainer)
+            peak = get_available_flops(pl_module.device, dtype) if pl_module.device.type == "cuda" else None
+        # Both instances see world_size=1: the global one is fed all-reduced counts, so its "device" rate is the
+        # true sum over ranks rather than rank 0's rate times world size.
+        self._local = Throughput(available_flops=peak, world_size=1, window_size=self.window_size)
+        self._global = Throughput(world_size=1, window_size=self.window_size)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        real, padded, sequences = self.num_tokens_fn(batch)
+        self.total_tokens += real
+        self._real_since_log += real
+        self._padded_since_log += padded
+        self._batches += 1
+        self._samples += sequences
+        flops_fn = getattr(pl_module, "flops_per_batch", None)
+        if callable(flops_fn):
+            self._flops_since_log += int(flops_fn(batch))
+        step = trainer.global_step
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        # global_step only advances on optimizer steps, so under gradient accumulation we log once per step.
+        if step % every == 0 and step != self._last_logged_step:
+            self._last_logged_step = step
+            self._log(trainer, pl_module, step)
+
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        assert self._t0 is not None
+        if pl_module.device.type == "cuda":
+            # NOTE: host sync, once per log point: without it the timer measures kernel launches, not kernels.
+            torch.cuda.synchronize(pl_module.device)
+        elapsed = time.perf_counter() - self._t0
+        interval_tokens = torch.tensor(
+            [self._real_since_log, self._padded_since_log], dtype=torch.float64, device=pl_module.device
+        )
+        interval_tokens = trainer.strategy.reduce(interval_tokens, reduce_op="sum")
+        global_real, global_padded = (int(v) for v in interval_tokens.tolist())
+        self._global_tokens += global_real
+        self._local.update(
+            time=elapsed,
+            batches=self._batches,
+            samples=self._samples,
+            lengths=self.total_tokens,
+            flops=self._flops_since_log or None,
+        )
+        self._global.update(time=elapsed, batches=self._batches, samples=self._samples, lengths=self._global_tokens)
+        metrics: dict[str, float] = {
+            "train/tokens": float(self._global_tokens),
+            "train/padding_fraction": 1.0 - global_real / global_padded if global_padded else 0.0,
+        }
+        local, glob = self._local.compute(), self._global.compute()
+        if "device/items_per_sec" in local:
+            metrics["train/device/tokens_per_sec"] = local["device/items_per_sec"]
+            metrics["train/tokens_per_sec"] = glob["device/items_per_sec"]
+        if "device/mfu" in local:
+            metrics["train/mfu"] = local["device/mfu"]
+        self._real_since_log = self._padded_since_log = self._flops_since_log = 0
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+        if "train/tokens_per_sec" in metrics:
+            pl_module.log("tokens_per_sec", metrics["train/tokens_per_sec"], prog_bar=True, logger=False)
+        self.last_metrics = metrics
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"total_tokens": self.total_tokens}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.total_tokens = state_dict["total_tokens"]
+
+
+def _compute_dtype(trainer: pl.Trainer) -> torch.dtype:
+    precision = str(trainer.precision)
+    if "bf16" in precision:
+        return torch.bfloat16
+    if "16" in precision:
+        return torch.float16
+    return torch.float32

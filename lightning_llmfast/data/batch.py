@@ -1,0 +1,181 @@
+"""``PackedBatch``: a batch of packed rows plus the sequence metadata computed for it on the CPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_llmfast.errors import DataError
+
+__all__ = ["PackedBatch"]
+
+
+@dataclass
+class PackedBatch:
+    """Rows of ``seq_len`` tokens, each filled with whole documents, and the metadata describing them.
+
+    Every row is a run of sequences (documents, or chunks of documents longer than ``seq_len``) followed by an
+    optional padding tail. Over the flattened ``B * T`` positions, ``cu_seqlens`` lists the boundaries of every
+    sequence *and* of every padding tail (each tail is a segment of its own), so no segment crosses a row.
+
+    The integers ``max_seqlen`` and ``num_tokens`` and the host copy ``cu_seqlens_cpu`` are computed by the packer on
+    the CPU; consumers on an accelerator read them instead of the device tensors, so they never sync the host.
+    Treat the tensors as read-only: ``cu_seqlens_cpu`` may be the (pinned) source of an in-flight device copy.
+
+    Lightning moves a ``PackedBatch`` with :meth:`to` (it has a ``to`` method, so
+    ``move_data_to_device`` treats it as one transferable object) and a ``DataLoader(pin_memory=True)`` pins it
+    with :meth:`pin_memory`. When logging from ``training_step``, pass ``batch_size=batch.batch_size``: Lightning
+    cannot infer it from a dataclass whose tensors have different first dimensions.
+
+    Attributes:
+        input_ids: ``(B, T)`` int64 token ids; padding positions hold the packer's ``pad_id``.
+        labels: ``(B, T)`` int64: the next token of the same sequence, ``-100`` at each sequence's last token and
+            on padding.
+        position_ids: ``(B, T)`` int64, restarting at 0 at every sequence and at every padding tail.
+        cu_seqlens: ``(N + 1,)`` int32 cumulative segment boundaries over the flattened ``B * T`` positions;
+            ``cu_seqlens[0] == 0`` and ``cu_seqlens[-1] == B * T``.
+        max_seqlen: length of the longest segment (padding tails included), a Python int.
+        num_tokens: number of real (non-padding) tokens, a Python int.
+        cu_seqlens_cpu: ``(N + 1,)`` int32 host copy of ``cu_seqlens``. Set automatically when ``cu_seqlens`` is
+            built on the CPU, and kept by :meth:`to`, so boundaries stay readable on the host after the move.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_llmfast.data import pack_documents
+        >>> batch = next(pack_documents([[5, 6, 7], [8, 9]], seq_len=4, batch_size=2))
+        >>> batch.input_ids
+        tensor([[5, 6, 7, 0],
+                [8, 9, 0, 0]])
+        >>> batch.cu_seqlens.tolist(), batch.max_seqlen, batch.num_tokens
+        ([0, 3, 4, 6, 8], 3, 5)
+        >>> batch.to("cpu").cu_seqlens_cpu is not None
+        True
+    """
+
+    input_ids: Tensor
+    labels: Tensor
+    position_ids: Tensor
+    cu_seqlens: Tensor
+    max_seqlen: int
+    num_tokens: int
+    cu_seqlens_cpu: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        # Shapes, dtypes and devices only: reading tensor values here would sync when a batch is rebuilt on a
+        # device (``to``), and the packer already guarantees the values.
+        for name in ("input_ids", "labels", "position_ids"):
+            value = getattr(self, name)
+            if not isinstance(value, Tensor) or value.dim() != 2 or value.dtype != torch.int64:
+                raise DataError(f"PackedBatch.{name} must be a 2-D int64 tensor (B, T), got {_describe(value)}")
+        shape = self.input_ids.shape
+        for name in ("labels", "position_ids"):
+            if getattr(self, name).shape != shape:
+                raise DataError(
+                    f"PackedBatch.{name} has shape {tuple(getattr(self, name).shape)}, "
+                    f"expected {tuple(shape)} like input_ids"
+                )
+        for name in ("cu_seqlens", "cu_seqlens_cpu"):
+            value = getattr(self, name)
+            if name == "cu_seqlens_cpu" and value is None:
+                continue
+            if not isinstance(value, Tensor) or value.dim() != 1 or value.dtype != torch.int32 or value.numel() < 2:
+                raise DataError(
+                    f"PackedBatch.{name} must be a 1-D int32 tensor of N + 1 >= 2 boundaries, got {_describe(value)}"
+                )
+        if self.cu_seqlens_cpu is not None:
+            if self.cu_seqlens_cpu.device.type != "cpu":
+                raise DataError(f"PackedBatch.cu_seqlens_cpu must live on the CPU, got {self.cu_seqlens_cpu.device}")
+            if self.cu_seqlens_cpu.shape != self.cu_seqlens.shape:
+                raise DataError(
+                    f"PackedBatch.cu_seqlens_cpu has {self.cu_seqlens_cpu.numel()} boundaries but cu_seqlens has "
+                    f"{self.cu_seqlens.numel()}"
+                )
+        total = shape[0] * shape[1]
+        for name, low, high in (("max_seqlen", 0, shape[1]), ("num_tokens", 0, total)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise DataError(f"PackedBatch.{name} must be a Python int in [{low}, {high}], got {value!r}")
+        if self.cu_seqlens_cpu is None and self.cu_seqlens.device.type == "cpu":
+            self.cu_seqlens_cpu = self.cu_seqlens
+
+    @property
+    def batch_size(self) -> int:
+        """Number of rows ``B``."""
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        """Row length ``T``."""
+        return self.input_ids.shape[1]
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of the ``B * T`` positions that are padding, computed from host integers (no sync)."""
+        total = self.input_ids.numel()
+        return 1.0 - self.num_tokens / total if total else 0.0
+
+    def to(self, device: torch.device | str | int, non_blocking: bool = True) -> PackedBatch:
+        """Return a new batch with its tensors on ``device``; the ints and the host copy of ``cu_seqlens`` stay.
+
+        Args:
+            device: target device.
+            non_blocking: issue asynchronous copies (effective from pinned memory); ignored when the target is the
+                CPU, where an asynchronous device-to-host copy could be read before it lands.
+
+        Returns:
+            A new ``PackedBatch``; ``self`` is unchanged.
+
+        Example::
+
+            batch = batch.pin_memory().to("cuda")  # batch.cu_seqlens_cpu is still readable without a sync
+        """
+        device = torch.device(device)
+        non_blocking = non_blocking and device.type != "cpu"
+        # The host copy must be taken from the CPU tensor *before* the move: afterwards it could only be
+        # read back from the device with a sync.
+        cu_seqlens_cpu = self.cu_seqlens_cpu
+        if cu_seqlens_cpu is None and self.cu_seqlens.device.type == "cpu":
+            cu_seqlens_cpu = self.cu_seqlens
+        return PackedBatch(
+            input_ids=self.input_ids.to(device, non_blocking=non_blocking),
+            labels=self.labels.to(device, non_blocking=non_blocking),
+            position_ids=self.position_ids.to(device, non_blocking=non_blocking),
+            cu_seqlens=self.cu_seqlens.to(device, non_blocking=non_blocking),
+            max_seqlen=self.max_seqlen,
+            num_tokens=self.num_tokens,
+            cu_seqlens_cpu=cu_seqlens_cpu,
+        )
+
+    def pin_memory(self) -> PackedBatch:
+        """Return a new batch whose CPU tensors are in page-locked memory, for asynchronous host-to-device copies.
+
+        ``DataLoader(pin_memory=True)`` calls this in its pinning thread. Needs an accelerator (as
+        :meth:`torch.Tensor.pin_memory` does).
+
+        Returns:
+            A new ``PackedBatch``; when ``cu_seqlens_cpu`` is ``cu_seqlens`` itself it stays shared (pinned once).
+
+        Example::
+
+            loader = DataLoader(dataset, batch_size=None, pin_memory=True)  # yields pinned PackedBatch objects
+        """
+        cu_seqlens = self.cu_seqlens.pin_memory()
+        shared = self.cu_seqlens_cpu is self.cu_seqlens
+        return PackedBatch(
+            input_ids=self.input_ids.pin_memory(),
+            labels=self.labels.pin_memory(),
+            position_ids=self.position_ids.pin_memory(),
+            cu_seqlens=cu_seqlens,
+            max_seqlen=self.max_seqlen,
+            num_tokens=self.num_tokens,
+            cu_seqlens_cpu=cu_seqlens if shared else self.cu_seqlens_cpu,
+        )
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, Tensor):
+        return f"tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return f"{type(value).__name__}"

@@ -1,0 +1,267 @@
+"""Packing variable-length documents into fixed ``(batch_size, seq_len)`` rows, metadata computed on the CPU.
+
+The packer streams: it holds at most ``lookahead`` short pieces and ``batch_size`` finished rows, so it runs over
+corpora of any size inside a ``DataLoader`` worker. Pieces of exactly ``seq_len`` tokens (whole documents, or full
+chunks of longer documents) fill a row on their own; shorter pieces wait in a look-ahead buffer, and each new row
+takes the oldest waiting piece (so no piece waits forever) and then, best fit, repeatedly the longest waiting
+piece that still fits the space left.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_llmfast.data.batch import PackedBatch
+from lightning_llmfast.errors import DataError
+
+__all__ = ["DEFAULT_LOOKAHEAD", "IGNORE_INDEX", "check_packing_args", "pack_documents"]
+
+IGNORE_INDEX = -100
+"""Label of positions that have no next token: each sequence's last token and padding (cross-entropy's default)."""
+
+DEFAULT_LOOKAHEAD = 256
+"""Short pieces the packer may hold back to find a better fit (padding < 1% on the stdlib corpus, see README)."""
+
+_INT32_MAX = 2**31 - 1
+
+
+def pack_documents(
+    documents: Iterable[Any],
+    seq_len: int,
+    batch_size: int,
+    *,
+    pad_id: int = 0,
+    vocab_size: int | None = None,
+    drop_last: bool = False,
+    lookahead: int = DEFAULT_LOOKAHEAD,
+) -> Iterator[PackedBatch]:
+    """Pack documents into batches of ``batch_size`` rows of exactly ``seq_len`` tokens.
+
+    Each row holds whole documents; a document longer than ``seq_len`` is split into chunks of at most ``seq_len``
+    tokens, each chunk a sequence of its own (its chunks come out in document order). Empty documents are skipped.
+    Labels are the next token of the same sequence; nothing is learned across a boundary. The output is a
+    deterministic function of the inputs, and the caller's documents are never modified.
+
+    Arguments are checked when this is called; documents are checked as they are read.
+
+    Args:
+        documents: iterable of token sequences: lists of ints or 1-D integer tensors (any integer dtype).
+        seq_len: tokens per row ``T`` (at least 2).
+        batch_size: rows per batch ``B`` (at least 1). The last batch may have fewer rows.
+        pad_id: token id written on padding positions; must lie in ``[0, vocab_size)``.
+        vocab_size: when given, every token id must lie in ``[0, vocab_size)``.
+        drop_last: drop a final batch with fewer than ``batch_size`` rows.
+        lookahead: how many short pieces may wait for a better-fitting row (at least 1); larger packs tighter.
+
+    Yields:
+        :class:`PackedBatch` objects with ``input_ids``/``labels``/``position_ids`` of shape ``(B, T)`` and
+        ``cu_seqlens`` of shape ``(N + 1,)`` over the flattened ``B * T`` positions.
+
+    Raises:
+        DataError: ``seq_len < 2``, ``batch_size < 1``, ``pad_id`` outside the vocabulary, a document that is not a
+            1-D sequence of integers or has ids outside the vocabulary, or a corpus without any document.
+
+    Example::
+
+        >>> from lightning_llmfast.data import pack_documents
+        >>> batches = list(pack_documents([[1, 2, 3, 4, 5], [6, 7]], seq_len=4, batch_size=2))
+        >>> batches[0].input_ids  # the 5-token document is split into chunks of 4 and 1
+        tensor([[1, 2, 3, 4],
+                [5, 6, 7, 0]])
+        >>> batches[0].labels
+        tensor([[   2,    3,    4, -100],
+                [-100,    7, -100, -100]])
+        >>> batches[0].position_ids
+        tensor([[0, 1, 2, 3],
+                [0, 0, 1, 0]])
+    """
+    check_packing_args(seq_len, batch_size, pad_id=pad_id, vocab_size=vocab_size, lookahead=lookahead)
+    try:
+        stream = iter(documents)
+    except TypeError:
+        raise DataError(f"documents must be an iterable of token sequences, got {type(documents).__name__}") from None
+    return _pack(stream, seq_len, batch_size, pad_id, vocab_size, drop_last, lookahead)
+
+
+def check_packing_args(
+    seq_len: int,
+    batch_size: int,
+    *,
+    pad_id: int = 0,
+    vocab_size: int | None = None,
+    lookahead: int = DEFAULT_LOOKAHEAD,
+) -> None:
+    """Raise :class:`DataError` naming the first invalid packing argument (see :func:`pack_documents`).
+
+    Example::
+
+        >>> check_packing_args(seq_len=1, batch_size=8)
+        Traceback (most recent call last):
+        ...
+        lightning_llmfast.errors.DataError: seq_len must be an int >= 2 (one token and its next), got 1
+    """
+    _check_int("seq_len", seq_len, 2, "one token and its next")
+    _check_int("batch_size", batch_size, 1, "at least one row")
+    _check_int("lookahead", lookahead, 1, "at least one waiting piece")
+    if vocab_size is not None:
+        _check_int("vocab_size", vocab_size, 1, "at least one token id")
+    if batch_size * seq_len > _INT32_MAX:
+        raise DataError(f"batch_size * seq_len = {batch_size * seq_len} does not fit the int32 cu_seqlens")
+    if (
+        isinstance(pad_id, bool)
+        or not isinstance(pad_id, int)
+        or pad_id < 0
+        or (vocab_size is not None and pad_id >= vocab_size)
+    ):
+        raise DataError(f"pad_id must be an int in [0, vocab_size={vocab_size}), got {pad_id!r}")
+
+
+def _check_int(name: str, value: object, low: int, why: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise DataError(f"{name} must be an int >= {low} ({why}), got {value!r}")
+
+
+def _as_tokens(document: Any, index: int, vocab_size: int | None) -> Tensor:
+    """Document ``index`` as a 1-D int64 CPU tensor (possibly a view of the caller's data: never written)."""
+    if isinstance(document, (str, bytes)):
+        raise DataError(
+            f"document {index} is a {type(document).__name__}, not token ids; encode text first "
+            "(lightning_llmfast.data.encode)"
+        )
+    try:
+        tokens = document if isinstance(document, Tensor) else torch.as_tensor(document)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as err:
+        raise DataError(f"document {index} is not a sequence of integer token ids: {err}") from None
+    if tokens.dim() != 1:
+        raise DataError(f"document {index} must be a 1-D sequence of token ids, got shape {tuple(tokens.shape)}")
+    if tokens.numel() == 0:
+        return tokens
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise DataError(f"document {index} must hold integer token ids, got dtype {tokens.dtype}")
+    tokens = tokens.to("cpu", torch.int64)
+    low, high = (int(v) for v in tokens.aminmax())
+    if low < 0 or (vocab_size is not None and high >= vocab_size):
+        bad = (tokens < 0) if low < 0 else (tokens >= vocab_size)
+        position = int(bad.to(torch.uint8).argmax())
+        raise DataError(
+            f"document {index} has token id {int(tokens[position])} at position {position}, outside the "
+            f"vocabulary [0, {vocab_size if vocab_size is not None else 'inf'})"
+        )
+    return tokens
+
+
+class _Waiting:
+    """Pieces shorter than ``seq_len`` waiting for a row: oldest-first and longest-that-fits lookups."""
+
+    def __init__(self) -> None:
+        self._pieces: dict[int, Tensor] = {}
+        self._order: deque[int] = deque()  # arrival order; ids of pieces already taken are skipped lazily
+        # (length, -id): the last entry with length <= space is the longest fitting piece, oldest among equals.
+        self._by_length: list[tuple[int, int]] = []
+        self._next_id = 0
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+    def add(self, piece: Tensor) -> None:
+        self._pieces[self._next_id] = piece
+        self._order.append(self._next_id)
+        bisect.insort(self._by_length, (piece.numel(), -self._next_id))
+        self._next_id += 1
+
+    def take_row(self, seq_len: int) -> list[Tensor]:
+        while self._order[0] not in self._pieces:
+            self._order.popleft()
+        oldest = self._order.popleft()
+        row = [self._remove(oldest, bisect.bisect_left(self._by_length, (self._pieces[oldest].numel(), -oldest)))]
+        space = seq_len - row[0].numel()
+        while space > 0 and self._by_length:
+            at = bisect.bisect_right(self._by_length, (space, math.inf)) - 1
+            if at < 0:
+                break
+            row.append(self._remove(-self._by_length[at][1], at))
+            space -= row[-1].numel()
+        return row
+
+    def _remove(self, piece_id: int, at: int) -> Tensor:
+        del self._by_length[at]
+        return self._pieces.pop(piece_id)
+
+
+def _pack(
+    documents: Iterator[Any],
+    seq_len: int,
+    batch_size: int,
+    pad_id: int,
+    vocab_size: int | None,
+    drop_last: bool,
+    lookahead: int,
+) -> Iterator[PackedBatch]:
+    rows: list[list[Tensor]] = []
+    waiting = _Waiting()
+    positions = torch.arange(seq_len, dtype=torch.int64)
+    num_documents = num_tokens = 0
+    for index, document in enumerate(documents):
+        num_documents += 1
+        tokens = _as_tokens(document, index, vocab_size)
+        num_tokens += tokens.numel()
+        # Full chunks become rows at once, before the document's remainder can: chunks keep document order.
+        full = tokens.numel() // seq_len * seq_len
+        if full:  # (split() of an empty tensor would give one empty chunk)
+            rows.extend([chunk] for chunk in tokens[:full].split(seq_len))
+        if full < tokens.numel():
+            waiting.add(tokens[full:])
+        while len(waiting) > lookahead:
+            rows.append(waiting.take_row(seq_len))
+        while len(rows) >= batch_size:
+            yield _make_batch(rows[:batch_size], seq_len, pad_id, positions)
+            del rows[:batch_size]
+    if num_documents == 0:
+        raise DataError("empty corpus: the documents iterable yielded no document")
+    if num_tokens == 0:
+        raise DataError(f"empty corpus: all {num_documents} documents are empty")
+    while len(waiting):
+        rows.append(waiting.take_row(seq_len))
+    for start in range(0, len(rows), batch_size):
+        if len(rows) - start < batch_size and drop_last:
+            break
+        yield _make_batch(rows[start : start + batch_size], seq_len, pad_id, positions)
+
+
+def _make_batch(rows: list[list[Tensor]], seq_len: int, pad_id: int, positions: Tensor) -> PackedBatch:
+    input_ids = torch.full((len(rows), seq_len), pad_id, dtype=torch.int64)
+    labels = torch.full((len(rows), seq_len), IGNORE_INDEX, dtype=torch.int64)
+    position_ids = torch.empty((len(rows), seq_len), dtype=torch.int64)
+    boundaries = [0]
+    max_seqlen = num_tokens = 0
+    for r, row in enumerate(rows):
+        # Every piece, and the padding tail after them, is a segment starting at position 0.
+        lengths = [piece.numel() for piece in row]
+        used = sum(lengths)
+        if used < seq_len:
+            lengths.append(seq_len - used)
+        offset = 0
+        for i, length in enumerate(lengths):
+            if i < len(row):
+                input_ids[r, offset : offset + length] = row[i]
+                labels[r, offset : offset + length - 1] = row[i][1:]
+            position_ids[r, offset : offset + length] = positions[:length]
+            offset += length
+            boundaries.append(r * seq_len + offset)
+        max_seqlen = max(max_seqlen, *lengths)
+        num_tokens += used
+    return PackedBatch(
+        input_ids=input_ids,
+        labels=labels,
+        position_ids=position_ids,
+        cu_seqlens=torch.tensor(boundaries, dtype=torch.int32),
+        max_seqlen=max_seqlen,
+        num_tokens=num_tokens,
+    )

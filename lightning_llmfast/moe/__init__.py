@@ -1,0 +1,66 @@
+"""Grouped MoE routing, sync-free permutation, grouped experts, MoE blocks and adapters (plain PyTorch).
+
+Example::
+
+    from lightning_llmfast.moe import MoEBlock
+
+    block = MoEBlock(hidden_size=64, ffn_size=128, num_experts=8, top_k=2)
+    y = block(torch.randn(2, 16, 64))  # (2, 16, 64); block.last_aux_loss, block.last_tokens_per_expert
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported eagerly: the function shares its name with its submodule, and once any code imports the submodule
+# ``lightning_llmfast.moe.permute`` the import system binds that name on this package to the module, which a lazy
+# lookup would never override.
+from lightning_llmfast.moe.permute import permute, unpermute
+
+# public name -> submodule; resolved lazily so that importing one part does not import the others.
+_LAZY: dict[str, str] = {
+    "route": "lightning_llmfast.moe.routing",
+    "RoutingPlan": "lightning_llmfast.moe.routing",
+    "update_expert_bias": "lightning_llmfast.moe.routing",
+    "SwiGLUExperts": "lightning_llmfast.moe.naive",
+    "NaiveMoEBlock": "lightning_llmfast.moe.naive",
+    "GroupedExperts": "lightning_llmfast.moe.experts",
+    "MoEBlock": "lightning_llmfast.moe.block",
+    "register_moe_adapter": "lightning_llmfast.moe.adapters",
+    "get_moe_adapter": "lightning_llmfast.moe.adapters",
+    "ExpertLoadMetric": "lightning_llmfast.moe.metrics",
+}
+
+__all__ = [
+    "ExpertLoadMetric",
+    "GroupedExperts",
+    "MoEBlock",
+    "NaiveMoEBlock",
+    "RoutingPlan",
+    "SwiGLUExperts",
+    "get_moe_adapter",
+    "permute",
+    "register_moe_adapter",
+    "route",
+    "unpermute",
+    "update_expert_bias",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_llmfast.moe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from lightning_llmfast.moe.adapters import get_moe_adapter, register_moe_adapter
+    from lightning_llmfast.moe.block import MoEBlock
+    from lightning_llmfast.moe.experts import GroupedExperts
+    from lightning_llmfast.moe.metrics import ExpertLoadMetric
+    from lightning_llmfast.moe.naive import NaiveMoEBlock, SwiGLUExperts
+    from lightning_llmfast.moe.routing import RoutingPlan, route, update_expert_bias

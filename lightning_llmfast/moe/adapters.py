@@ -1,0 +1,296 @@
+"""Swap third-party MoE blocks for grouped, sync-free ones that share their parameters.
+
+An *adapter* is a callable ``adapter(block) -> nn.Module`` returning a replacement that holds the very same
+``Parameter`` objects under the same state-dict keys (no copies: optimizers, checkpoints and tied weights keep
+working) and computes the same function with :func:`~lightning_llmfast.moe.route`, :func:`~lightning_llmfast.moe.
+permute` and grouped expert GEMMs. Built in: this package's :class:`~lightning_llmfast.moe.NaiveMoEBlock` and, when
+``transformers`` is loaded, ``MixtralSparseMoeBlock``, ``Qwen2MoeSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock`` and
+``OlmoeSparseMoeBlock`` (transformers 5 layout: fused 3-D ``experts.gate_up_proj`` ``(E, 2F, H)`` and
+``experts.down_proj`` ``(E, H, F)``, router ``gate.weight`` ``(E, H)``).
+
+Example::
+
+    from lightning_llmfast.moe.adapters import swap_moe_blocks
+
+    model = MixtralForCausalLM(config)
+    num_swapped = swap_moe_blocks(model)  # one per MoE layer
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.moe.block import MoEBlock, check_block_routing_args, record_plan
+from lightning_llmfast.moe.experts import grouped_swiglu
+from lightning_llmfast.moe.naive import NaiveMoEBlock
+from lightning_llmfast.moe.permute import permute, unpermute
+from lightning_llmfast.moe.routing import route
+
+__all__ = [
+    "HFGroupedMoeBlock",
+    "get_moe_adapter",
+    "looks_like_moe",
+    "register_moe_adapter",
+    "swap_moe_blocks",
+]
+
+Adapter = Callable[..., nn.Module]
+
+_ADAPTERS: dict[type, Adapter] = {}
+
+# (module, class) of the transformers blocks we adapt. They are looked up in sys.modules only: a model holding one
+# has imported its module already, and importing transformers ourselves would cost seconds for nothing.
+_HF_BLOCKS: tuple[tuple[str, str], ...] = (
+    ("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock"),
+    ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock"),
+    ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+    ("transformers.models.olmoe.modeling_olmoe", "OlmoeSparseMoeBlock"),
+)
+
+# Class names of MoE-looking modules we do not know (warned about): sparse-MoE blocks and expert containers.
+_MOE_NAME = re.compile(r"SparseMoe|Mo[Ee](Block|Layer|MLP|FeedForward)|Mo[Ee]$|Experts$")
+
+
+def register_moe_adapter(block_class: type[nn.Module], adapter: Adapter) -> None:
+    """Teach :func:`swap_moe_blocks` (and :class:`~lightning_llmfast.GroupedRouterMixin`) a new MoE block class.
+
+    Args:
+        block_class: the class to replace (subclasses match too, unless they have their own adapter).
+        adapter: ``adapter(block) -> nn.Module``, the replacement; it also gets the routing backend as
+            ``backend=...`` when it accepts that keyword. The replacement must share the block's parameters (the
+            same ``Parameter`` objects under the same state-dict keys) and compute the same function.
+
+    Raises:
+        ConfigError: ``block_class`` is not an ``nn.Module`` subclass or ``adapter`` is not callable.
+
+    Example::
+
+        register_moe_adapter(MyMoE, lambda block: MyGroupedMoE.from_block(block))
+    """
+    if not (isinstance(block_class, type) and issubclass(block_class, nn.Module)):
+        raise ConfigError(f"block_class must be an nn.Module subclass, got {block_class!r}")
+    if not callable(adapter):
+        raise ConfigError(f"adapter must be a callable(block) -> nn.Module, got {adapter!r}")
+    _ADAPTERS[block_class] = adapter
+
+
+def get_moe_adapter(block: nn.Module) -> Adapter | None:
+    """The adapter registered for ``block``'s class (or its nearest registered base class), else ``None``.
+
+    Example::
+
+        get_moe_adapter(NaiveMoEBlock(8, 16, 4, 2))  # the built-in adapter
+    """
+    _register_loaded_hf_adapters()
+    for cls in type(block).__mro__:
+        adapter = _ADAPTERS.get(cls)
+        if adapter is not None:
+            return adapter
+    return None
+
+
+def looks_like_moe(module: nn.Module) -> bool:
+    """Heuristic for unknown MoE blocks: an ``experts`` child next to a ``gate``/``router``, or an MoE-ish name."""
+    children = dict(module.named_children())
+    structural = "experts" in children and ("gate" in children or "router" in children)
+    return structural or _MOE_NAME.search(type(module).__name__) is not None
+
+
+def swap_moe_blocks(model: nn.Module, backend: str = "auto") -> int:
+    """Replace, in place, every recognised MoE block inside ``model`` with its grouped equivalent.
+
+    Recognised: classes with a registered adapter (:func:`register_moe_adapter`; this package's naive block and the
+    loaded transformers blocks are built in). Modules already swapped are left alone, so calling it twice is safe.
+    Unknown modules that look like MoE blocks (:func:`looks_like_moe`) are left as they are, with a warning.
+
+    Args:
+        model: any module tree (``model`` itself is never replaced).
+        backend: routing backend of the replacements: ``"auto"``, ``"torch"`` or ``"triton"``.
+
+    Returns:
+        The number of blocks swapped.
+
+    Raises:
+        ConfigError: unknown ``backend``.
+
+    Example::
+
+        model = MoEGPT(MoEGPTConfig(router_backend="naive"))
+        swap_moe_blocks(model)  # == number of MoE layers
+    """
+    check_block_routing_args(None, backend, "position")
+    return _swap_children(model, backend)
+
+
+def _swap_children(parent: nn.Module, backend: str, prefix: str = "") -> int:
+    swapped = 0
+    for name, child in list(parent.named_children()):
+        path = f"{prefix}{name}"
+        if getattr(child, "_llmfast_grouped", False):
+            continue
+        adapter = get_moe_adapter(child)
+        if adapter is not None:
+            replacement = adapter(child, backend=backend) if _takes_backend(adapter) else adapter(child)
+            # Marks user adapters' replacements too, so a second pass neither swaps nor warns about them.
+            replacement._llmfast_grouped = True
+            setattr(parent, name, replacement)
+            swapped += 1
+        elif looks_like_moe(child):
+            warnings.warn(
+                f"{type(child).__qualname__} at {path!r} looks like an MoE block but has no adapter; left unchanged "
+                "(register one with lightning_llmfast.register_moe_adapter)",
+                UserWarning,
+                stacklevel=2,
+            )
+        else:
+            swapped += _swap_children(child, backend, f"{path}.")
+    return swapped
+
+
+def _takes_backend(adapter: Adapter) -> bool:
+    """Whether ``adapter`` accepts the ``backend`` keyword (plain ``adapter(block)`` callables are fine too)."""
+    try:
+        params = inspect.signature(adapter).parameters.values()
+    except (TypeError, ValueError):  # some builtins and C callables have no signature
+        return False
+    return any(p.name == "backend" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Built-in adapters
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _adapt_naive(block: NaiveMoEBlock, backend: str = "auto") -> MoEBlock:
+    """:class:`NaiveMoEBlock` -> :class:`MoEBlock` holding the same router and expert ``Parameter`` objects."""
+    # Built on the meta device: its own parameters are discarded at once, so they must not allocate.
+    with torch.device("meta"):
+        grouped = MoEBlock(
+            block.hidden_size,
+            block.ffn_size,
+            block.num_experts,
+            block.top_k,
+            backend=backend,
+            normalize=block.normalize,
+            score=block.score,
+        )
+    grouped.router = block.router
+    grouped.experts.gate_up_proj = block.experts.gate_up_proj
+    grouped.experts.down_proj = block.experts.down_proj
+    grouped.train(block.training)
+    return grouped
+
+
+class HFGroupedMoeBlock(nn.Module):
+    """Grouped, sync-free replacement of a transformers 5 sparse-MoE block, sharing its submodules.
+
+    The block's children (``gate``, ``experts`` and, for Qwen2-MoE, ``shared_expert``/``shared_expert_gate``) are
+    re-registered here in their original order, so the state-dict keys and ``Parameter`` objects are the original
+    ones. The fused expert weights are used through transposed views (``(E, 2F, H)`` -> ``(E, H, 2F)``), never
+    copied. The router module is still called (its forward hooks record ``output_router_logits``); its top-k is
+    recomputed by :func:`~lightning_llmfast.moe.route`, which costs one ``(T, E)`` softmax, far below the GEMMs.
+
+    Args:
+        block: the transformers block (``gate`` with ``weight``/``top_k``, ``experts`` with ``gate_up_proj``,
+            ``down_proj``, ``act_fn``).
+        normalize: renormalise the top-k weights (Mixtral always does; the others follow ``gate.norm_topk_prob``).
+        backend: routing backend.
+
+    Attributes:
+        last_plan, last_aux_loss, last_z_loss, last_tokens_per_expert, last_router_logits, last_nonfinite: as on
+            :class:`~lightning_llmfast.moe.MoEBlock`.
+
+    Example::
+
+        block = HFGroupedMoeBlock(model.model.layers[0].mlp, normalize=True)
+    """
+
+    _llmfast_grouped = True
+
+    def __init__(self, block: nn.Module, *, normalize: bool, backend: str = "auto") -> None:
+        super().__init__()
+        experts = getattr(block, "experts", None)
+        gate_up = getattr(experts, "gate_up_proj", None)
+        if not isinstance(gate_up, Tensor) or gate_up.dim() != 3 or getattr(experts, "has_bias", False):
+            raise ConfigError(
+                f"{type(block).__qualname__}: expected transformers>=5 fused experts (3-D experts.gate_up_proj, "
+                "no expert biases)"
+            )
+        for name, child in block.named_children():
+            self.add_module(name, child)
+        for name, param in block.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, buf in block.named_buffers(recurse=False):
+            self.register_buffer(name, buf)
+        self.top_k: int = block.gate.top_k
+        self.normalize = normalize
+        self.backend = backend
+        self.jitter_noise: float = getattr(block, "jitter_noise", 0.0)
+        act = block.experts.act_fn
+        # HF's SiLUActivation and nn.SiLU compute F.silu; passing the function itself selects the fused SwiGLU.
+        self._act: Callable[[Tensor], Tensor] = (
+            F.silu if isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" else act
+        )
+        self.train(block.training)
+        self.last_plan: Any = None
+        self.last_aux_loss: Tensor | None = None
+        self.last_z_loss: Tensor | None = None
+        self.last_tokens_per_expert: Tensor | None = None
+        self.last_router_logits: Tensor | None = None
+        self.last_nonfinite: Tensor | None = None
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        """Same contract as the transformers block.
+
+        Args:
+            hidden_states: ``(batch, seq, H)`` (any ``(..., H)``).
+
+        Returns:
+            ``(batch, seq, H)``.
+        """
+        shape = hidden_states.shape
+        if self.training and self.jitter_noise > 0:
+            # Mixtral's multiplicative router jitter, drawn exactly as the original block draws it.
+            noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+            hidden_states = hidden_states * noise
+        x = hidden_states.reshape(-1, shape[-1])
+        logits = self.gate(x)[0]  # (T, E)
+        plan = route(logits, self.top_k, normalize=self.normalize, validate=False, backend=self.backend)
+        experts = self.experts
+        rows = grouped_swiglu(
+            permute(x, plan, backend=self.backend),
+            plan.offsets,
+            experts.gate_up_proj.transpose(1, 2),
+            experts.down_proj.transpose(1, 2),
+            self._act,
+        )
+        out = unpermute(rows, plan)
+        if hasattr(self, "shared_expert"):
+            out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        record_plan(self, plan, logits)
+        return out.reshape(shape)
+
+
+def _adapt_hf(block: nn.Module, backend: str = "auto") -> HFGroupedMoeBlock:
+    # Mixtral's router has no norm_topk_prob and always renormalises; Qwen2/3-MoE and OLMoE make it a config flag.
+    return HFGroupedMoeBlock(block, normalize=getattr(block.gate, "norm_topk_prob", True), backend=backend)
+
+
+def _register_loaded_hf_adapters() -> None:
+    for module_name, class_name in _HF_BLOCKS:
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if cls is not None and cls not in _ADAPTERS:
+            _ADAPTERS[cls] = _adapt_hf
+
+
+register_moe_adapter(NaiveMoEBlock, _adapt_naive)

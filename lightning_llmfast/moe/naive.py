@@ -1,0 +1,216 @@
+"""SwiGLU expert weights and the naive ("before") MoE block.
+
+:class:`NaiveMoEBlock` is the explicit baseline every benchmark compares against: it routes like HuggingFace's
+``eager`` experts implementation (softmax top-k, ``bincount`` counts, a Python loop over experts with ``nonzero``
+and ``index_add_``). Its host syncs are the point of a baseline and are marked ``# NOTE:``. It shares its parameter
+names and layout with :class:`~lightning_llmfast.moe.block.MoEBlock`, so a state dict moves between the two.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_llmfast.errors import ConfigError
+
+__all__ = ["SwiGLUExperts", "NaiveMoEBlock", "check_moe_args", "router_scores", "router_losses"]
+
+_SCORES = ("softmax", "sigmoid")
+
+
+def check_moe_args(hidden_size: int, ffn_size: int, num_experts: int, top_k: int, score: str) -> None:
+    """Validate the constructor arguments shared by the MoE blocks.
+
+    Raises:
+        ConfigError: naming the offending argument and value.
+    """
+    for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_experts", num_experts)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ConfigError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+    if score not in _SCORES:
+        raise ConfigError(f"score must be one of {_SCORES}, got {score!r}")
+
+
+def router_scores(logits: Tensor, score: str) -> Tensor:
+    """Router scores in float32: ``softmax`` over experts or element-wise ``sigmoid``.
+
+    Args:
+        logits: ``(num_tokens, num_experts)``.
+        score: ``"softmax"`` or ``"sigmoid"``.
+
+    Returns:
+        ``(num_tokens, num_experts)`` float32 scores.
+    """
+    logits = logits.float()
+    return logits.softmax(dim=-1) if score == "softmax" else logits.sigmoid()
+
+
+def router_losses(logits: Tensor, probs: Tensor, tokens_per_expert: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """Switch/GShard load-balancing loss and router z-loss.
+
+    ``aux = E * sum_e f_e * P_e`` with ``f_e`` the fraction of (token, slot) pairs routed to expert ``e`` and
+    ``P_e`` the mean router probability of ``e``; ``z = mean(logsumexp(logits) ** 2)``.
+
+    Args:
+        logits: ``(num_tokens, num_experts)`` router logits.
+        probs: ``(num_tokens, num_experts)`` float32 router probabilities (softmax scores; sigmoid scores
+            normalised per token).
+        tokens_per_expert: ``(num_experts,)`` integer counts of routed pairs.
+        top_k: experts per token.
+
+    Returns:
+        ``(aux_loss, z_loss)``, both 0-d float32 and differentiable with respect to ``logits``.
+    """
+    num_tokens, num_experts = logits.shape
+    # max(T, 1) keeps T=0 finite (both losses are then 0) without a Python branch on a tensor.
+    denom = max(num_tokens, 1)
+    frac = tokens_per_expert.float() / (denom * top_k)
+    aux = num_experts * (frac * probs.sum(dim=0) / denom).sum()
+    z = logits.float().logsumexp(dim=-1).square().sum() / denom
+    return aux, z
+
+
+class SwiGLUExperts(nn.Module):
+    """The weights of ``num_experts`` SwiGLU feed-forward experts, stored as two 3-D tensors.
+
+    Expert ``e`` computes ``(silu(x @ W_gate) * (x @ W_up)) @ W_down`` where ``W_gate = gate_up_proj[e, :, :F]``
+    (the first half of the last dimension), ``W_up = gate_up_proj[e, :, F:]`` (the second half) and
+    ``W_down = down_proj[e]``. The ``[in, out]`` layout is the one ``torch.nn.functional.grouped_mm`` consumes
+    without a transpose.
+
+    Args:
+        num_experts: ``E``.
+        hidden_size: ``H``.
+        ffn_size: ``F``, the intermediate size of one expert.
+
+    Attributes:
+        gate_up_proj: ``(E, H, 2F)`` parameter, initialised ``N(0, 0.02)``.
+        down_proj: ``(E, F, H)`` parameter, initialised ``N(0, 0.02)``.
+
+    Example::
+
+        experts = SwiGLUExperts(num_experts=8, hidden_size=64, ffn_size=128)
+        y = experts.expert_forward(3, torch.randn(5, 64))  # (5, 64)
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.ffn_size = ffn_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * ffn_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, ffn_size, hidden_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialise both weights from ``N(0, 0.02)``."""
+        nn.init.normal_(self.gate_up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
+
+    def expert_forward(self, expert: int, x: Tensor) -> Tensor:
+        """Apply one expert.
+
+        Args:
+            expert: expert index in ``[0, E)``.
+            x: ``(n, H)`` tokens.
+
+        Returns:
+            ``(n, H)``.
+        """
+        gate, up = (x @ self.gate_up_proj[expert]).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.down_proj[expert]
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, ffn_size={self.ffn_size}"
+
+
+class NaiveMoEBlock(nn.Module):
+    """Baseline top-k MoE block: ``bincount`` counting and a Python loop over experts (HF ``eager``-like).
+
+    Maps ``[..., H]`` to ``[..., H]``. After every forward it stores the router outputs for losses and metrics.
+
+    Args:
+        hidden_size: ``H``.
+        ffn_size: ``F`` of each expert.
+        num_experts: ``E``.
+        top_k: experts per token, ``1 <= top_k <= E``.
+        normalize: renormalise the top-k weights to sum to 1.
+        score: ``"softmax"`` or ``"sigmoid"``.
+
+    Attributes:
+        router: ``nn.Linear(H, E, bias=False)``; ``router.weight`` is ``(E, H)``.
+        experts: :class:`SwiGLUExperts`.
+        last_aux_loss: 0-d differentiable load-balancing loss of the last forward.
+        last_z_loss: 0-d differentiable router z-loss of the last forward.
+        last_tokens_per_expert: ``(E,)`` int32 pair counts of the last forward.
+        last_router_logits: ``(T, E)`` router logits of the last forward (``T`` = number of tokens).
+
+    Example::
+
+        block = NaiveMoEBlock(hidden_size=64, ffn_size=128, num_experts=8, top_k=2)
+        y = block(torch.randn(2, 10, 64))  # (2, 10, 64)
+        loss = y.square().mean() + 0.01 * block.last_aux_loss
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        normalize: bool = True,
+        score: str = "softmax",
+    ) -> None:
+        super().__init__()
+        check_moe_args(hidden_size, ffn_size, num_experts, top_k, score)
+        self.hidden_size = hidden_size
+        self.ffn_size = ffn_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.normalize = normalize
+        self.score = score
+        self.router = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = SwiGLUExperts(num_experts, hidden_size, ffn_size)
+        self.last_aux_loss: Tensor | None = None
+        self.last_z_loss: Tensor | None = None
+        self.last_tokens_per_expert: Tensor | None = None
+        self.last_router_logits: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Route every token to its top-k experts and combine their outputs.
+
+        Args:
+            x: ``(..., H)``.
+
+        Returns:
+            ``(..., H)``, same dtype as ``x``.
+        """
+        shape = x.shape
+        x = x.reshape(-1, self.hidden_size)
+        logits = self.router(x)  # (T, E)
+        scores = router_scores(logits, self.score)
+        top_w, top_i = scores.topk(self.top_k, dim=-1)  # (T, k), descending
+        if self.normalize:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        # NOTE: host sync on CUDA (bincount computes its output size from the data); that is the baseline.
+        counts = torch.bincount(top_i.flatten(), minlength=self.num_experts)
+        out = torch.zeros_like(x)
+        for expert in range(self.num_experts):
+            # NOTE: host sync: nonzero has a data-dependent output shape.
+            token, slot = torch.nonzero(top_i == expert, as_tuple=True)
+            y = self.experts.expert_forward(expert, x[token])
+            out = out.index_add(0, token, (y * top_w[token, slot, None]).to(x.dtype))
+        probs = scores if self.score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+        aux, z = router_losses(logits, probs, counts, self.top_k)
+        self.last_aux_loss = aux
+        self.last_z_loss = z
+        self.last_tokens_per_expert = counts.to(torch.int32)
+        self.last_router_logits = logits
+        return out.reshape(shape)
+
+    def extra_repr(self) -> str:
+        return f"top_k={self.top_k}, normalize={self.normalize}, score={self.score!r}"

@@ -1,0 +1,18 @@
+"""Activation offload: pinned host buffer pool and the double-buffered :class:`ActivationOffloader`.
+
+Plain PyTorch (no Lightning); :class:`~lightning_llmfast.LLMFastStrategy` wires it around ``training_step``.
+
+Example::
+
+    from lightning_llmfast.offload import ActivationOffloader
+
+    with ActivationOffloader(model.layers, min_offload_bytes=1 << 20) as off:
+        model(x).mean().backward()
+"""
+
+from __future__ import annotations
+
+from lightning_llmfast.offload.offloader import ActivationOffloader, resolve_layers
+from lightning_llmfast.offload.pool import PinnedBufferPool, size_class
+
+__all__ = ["ActivationOffloader", "PinnedBufferPool", "resolve_layers", "size_class"]

@@ -1,0 +1,617 @@
+"""Double-buffered activation offload through ``saved_tensors_hooks`` (plain PyTorch, no Lightning).
+
+Forward: every tensor autograd saves inside one of the tracked layers (except parameters, buffers, tensors
+under ``min_offload_bytes`` and the last ``keep_last_layers`` layers) is copied, one copy per *storage* (views
+and tensors sharing a storage are deduplicated), into a pooled pinned host buffer on a device-to-host stream.
+The source stays referenced until that copy's event has completed, so the caching allocator can never hand its
+memory to another kernel while the copy still reads it.
+
+Backward: when layer ``i``'s backward starts (a pre-hook on the grad_fn of the layer's output), the
+host-to-device copies of layers ``i - 1 ... i - prefetch_layers`` are issued on a host-to-device stream into one
+of ``prefetch_layers + 1`` device buffer sets used round-robin (two sets, i.e. double buffering, by default), so
+they overlap layer ``i``'s compute. Each unpack makes the compute stream wait on its own copy event. A tensor
+unpacked before its prefetch was issued is reloaded lazily (counted in ``stats["lazy_reloads"]``).
+
+On CPU (``force=True``) there are no streams: the same bookkeeping runs with synchronous copies, which is how
+the tests prove bit-identical gradients, deduplication, pool reuse and prefetch ordering without a GPU.
+
+Example::
+
+    offloader = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True)
+    with offloader:
+        loss = model(x).sum()
+        loss.backward()
+    print(offloader.stats["offloaded_bytes"])
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_llmfast.errors import OffloadError
+from lightning_llmfast.offload.pool import PinnedBufferPool
+
+__all__ = ["ActivationOffloader", "resolve_layers", "validate_offload_config"]
+
+# Device-side offsets are aligned so that every reloaded dtype view is aligned like a fresh allocation (vectorised
+# CPU kernels and MKL pick their code path by alignment; a different path could change rounding).
+_ALIGN = 256
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def validate_offload_config(
+    *, min_offload_bytes: Any, keep_last_layers: Any, prefetch_layers: Any, pool_headroom: Any, owner: str
+) -> None:
+    """Check offload settings; shared by :class:`ActivationOffloader` and the strategy so both fail at construction.
+
+    Raises:
+        OffloadError: naming the field, the rule and the value (negative sizes or counts, headroom below 1).
+    """
+    counts = {
+        "min_offload_bytes": min_offload_bytes,
+        "keep_last_layers": keep_last_layers,
+        "prefetch_layers": prefetch_layers,
+    }
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise OffloadError(f"{owner}: {name} must be an int >= 0, got {value!r}")
+    if isinstance(pool_headroom, bool) or not isinstance(pool_headroom, (int, float)) or not pool_headroom >= 1.0:
+        raise OffloadError(f"{owner}: pool_headroom must be a number >= 1, got {pool_headroom!r}")
+
+
+def resolve_layers(root: nn.Module, layers: Sequence[nn.Module] | nn.Module | str | None) -> list[nn.Module]:
+    """Find the layer stack whose activations are offloaded.
+
+    Args:
+        root: the model.
+        layers: ``None`` (the largest ``nn.ModuleList`` whose children all have the same type), an attribute path
+            such as ``"model.layers"``, or the modules themselves (a ``ModuleList``/``Sequential`` or a list).
+
+    Returns:
+        The layers in execution order.
+
+    Raises:
+        OffloadError: when nothing matches (no such attribute, no ``ModuleList`` of identical blocks, empty list).
+
+    Example::
+
+        layers = resolve_layers(model, "layers")
+    """
+    if layers is None:
+        candidates = [
+            (len(m), name)
+            for name, m in root.named_modules()
+            if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(c) for c in m}) == 1
+        ]
+        if not candidates:
+            raise OffloadError(
+                f"layers=None: {type(root).__name__} has no nn.ModuleList of identical blocks; pass layers= "
+                "(an attribute path such as 'model.layers' or the modules)"
+            )
+        _, name = max(candidates, key=lambda c: c[0])  # largest; first one on ties
+        found: Any = root.get_submodule(name)
+    elif isinstance(layers, str):
+        found = root
+        for part in layers.split("."):
+            if not hasattr(found, part):
+                raise OffloadError(f"layers={layers!r}: {type(found).__name__} has no attribute {part!r}")
+            found = getattr(found, part)
+    else:
+        found = layers
+    if isinstance(found, nn.Module) and not isinstance(found, (nn.ModuleList, nn.Sequential)):
+        found = [found]
+    try:
+        result = list(found)
+    except TypeError as err:
+        raise OffloadError(f"layers={layers!r} resolved to {type(found).__name__}, not a list of modules") from err
+    if not result or not all(isinstance(m, nn.Module) for m in result):
+        raise OffloadError(f"layers={layers!r} matched no modules (got {len(result)} entries)")
+    return result
+
+
+class _Copier:
+    """The only place where CUDA (side streams, events) and the CPU path (synchronous copies) differ.
+
+    ``copy`` returns an event on CUDA and ``None`` on CPU, where a copy has completed when it returns.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.d2h = torch.cuda.Stream(device) if self.is_cuda else None
+        self.h2d = torch.cuda.Stream(device) if self.is_cuda else None
+
+    def mark_compute(self) -> torch.cuda.Event | None:
+        """Event on the compute (current) stream: copies issued after waiting on it see all prior compute."""
+        return torch.cuda.current_stream(self.device).record_event() if self.is_cuda else None
+
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, to_host: bool, after: Sequence[torch.cuda.Event | None] = ()
+    ) -> torch.cuda.Event | None:
+        if not self.is_cuda:
+            dst.copy_(src)
+            return None
+        stream = self.d2h if to_host else self.h2d
+        with torch.cuda.stream(stream):
+            for event in after:
+                if event is not None:
+                    stream.wait_event(event)
+            dst.copy_(src, non_blocking=True)
+            return stream.record_event()
+
+    def compute_waits(self, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def done(self, event: torch.cuda.Event | None) -> bool:
+        # event.query() asks the driver without blocking; it is not a host sync.
+        return event is None or event.query()
+
+    def wait_host(self, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            event.synchronize()  # NOTE: host sync; only at step boundaries and on error/teardown paths.
+
+
+@dataclass(eq=False)
+class _Block:
+    """One offloaded storage: host copy, its events, and where it was reloaded on the device."""
+
+    nbytes: int
+    segment: int
+    host: torch.Tensor | None = None  # pooled (capacity,) uint8 buffer
+    source: torch.Tensor | None = None  # (nbytes,) uint8 device view, alive until the device-to-host copy is done
+    d2h_event: Any = None
+    flat: torch.Tensor | None = None  # device buffer set it was prefetched into
+    offset: int = 0
+    set_index: int = -1
+    h2d_event: Any = None
+    reads: list[Any] = field(default_factory=list)  # events of every host-to-device copy from `host`
+
+
+@dataclass(eq=False)
+class _Saved:
+    """Handle returned by the pack hook: either the tensor itself (kept) or a view recipe into a block."""
+
+    tensor: torch.Tensor | None
+    block: _Block | None = None
+    dtype: torch.dtype = torch.float32
+    size: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
+    storage_offset: int = 0
+
+
+@dataclass(eq=False)
+class _Segment:
+    """One call of one tracked layer in this step's forward."""
+
+    index: int
+    layer_index: int
+    offload: bool
+    blocks: list[_Block] = field(default_factory=list)
+    dedup: dict[tuple[int, int], _Block] = field(default_factory=dict)  # (storage ptr, version) -> block
+    prefetched: bool = False
+
+
+class ActivationOffloader:
+    """Offload saved activations of a layer stack to pinned host memory and prefetch them in backward.
+
+    Use it as a context manager around forward *and* backward of one step (or call :meth:`begin_step`,
+    :meth:`forward_context`, :meth:`end_step` yourself, as :class:`~lightning_llmfast.LLMFastStrategy` does).
+
+    Args:
+        layers: the blocks, in execution order (e.g. ``model.layers``). Tensors saved inside a block call belong
+            to it; tensors saved between two block calls (e.g. ``torch.utils.checkpoint`` inputs saved just before
+            the block runs) belong to the next block; tensors saved before the first or after the last block stay
+            on the device, and so do a block's inputs that need no grad (RoPE tables, masks: shared by all blocks).
+        min_offload_bytes: storages smaller than this stay on the device.
+        keep_last_layers: the last this many layers are not offloaded (their backward runs first).
+        prefetch_layers: how many layers ahead backward prefetches; ``prefetch_layers + 1`` device buffer sets.
+        pool_headroom: the host pool is sized after the first step to its peak need times this (``>= 1``).
+        force: run the whole mechanism on CPU too (synchronous copies, plain memory if pinning is unavailable).
+
+    Raises:
+        OffloadError: on negative sizes or counts, headroom below 1 or an empty layer list.
+
+    Example::
+
+        off = ActivationOffloader(model.layers, min_offload_bytes=1 << 20, keep_last_layers=1,
+                                  prefetch_layers=1, pool_headroom=1.5)
+        for x in loader:
+            with off:
+                model(x).mean().backward()
+            opt.step()
+        off.close()
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module] | nn.Module,
+        *,
+        min_offload_bytes: int = 1 << 20,
+        keep_last_layers: int = 1,
+        prefetch_layers: int = 1,
+        pool_headroom: float = 1.5,
+        force: bool = False,
+    ) -> None:
+        validate_offload_config(
+            min_offload_bytes=min_offload_bytes,
+            keep_last_layers=keep_last_layers,
+            prefetch_layers=prefetch_layers,
+            pool_headroom=pool_headroom,
+            owner="ActivationOffloader",
+        )
+        self.min_offload_bytes = min_offload_bytes
+        self.keep_last_layers = keep_last_layers
+        self.prefetch_layers = prefetch_layers
+        if layers is None or isinstance(layers, str):
+            raise OffloadError(
+                f"ActivationOffloader: layers must be the modules (e.g. model.layers), got {layers!r}; "
+                "resolve names with resolve_layers(model, ...)"
+            )
+        self.layers = resolve_layers(nn.Module(), layers)
+        self.force = bool(force)
+        self.pool = PinnedBufferPool(headroom=float(pool_headroom))
+        self._num_sets = self.prefetch_layers + 1
+        self._sets: list[torch.Tensor | None] = [None] * self._num_sets
+        self._set_owner: list[int] = [-1] * self._num_sets
+        self._copier: _Copier | None = None
+        self._handles = [h for i, layer in enumerate(self.layers) for h in self._hook_layer(i, layer)]
+        self._packing = False
+        self._in_step = False
+        self._steps_done = 0
+        self._segments: list[_Segment] = []
+        self._current: _Segment | None = None
+        self._unassigned: list[_Saved] = []
+        self._pending_sources: list[_Block] = []
+        self._retired: list[_Block] = []
+        self._param_ptrs: set[int] = set()
+        self._shared_inputs: set[int] = set()
+        self._counters = dict.fromkeys(
+            ("offloaded_bytes", "offloaded_tensors", "dedup_hits", "prefetch_hits", "lazy_reloads", "segments"), 0
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    def _hook_layer(self, index: int, layer: nn.Module) -> list[Any]:
+        def pre(_module: nn.Module, args: Any, kwargs: Any) -> None:
+            self._layer_begins(index, (args, kwargs))
+
+        def post(_module: nn.Module, _args: Any, output: Any) -> None:
+            self._layer_ends(output)
+
+        return [
+            layer.register_forward_pre_hook(pre, with_kwargs=True),
+            layer.register_forward_hook(post, always_call=True),
+        ]
+
+    def _device(self) -> torch.device:
+        for layer in self.layers:
+            for p in layer.parameters():
+                return p.device
+        return torch.device("cpu")
+
+    @staticmethod
+    def _make_copier(device: torch.device) -> _Copier:
+        # A seam for tests: they substitute a copier that defers every copy until something waits for it.
+        return _Copier(device)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this step offloads: on CUDA always, on CPU only with ``force=True``."""
+        return self._copier is not None
+
+    def begin_step(self) -> None:
+        """Start a step: release the previous step's buffers and reset the per-step counters."""
+        self._release_all()
+        device = self._device()
+        if device.type == "cuda" or self.force:
+            if self._copier is None or self._copier.device != device:
+                self._copier = self._make_copier(device)
+                self._sets = [None] * self._num_sets
+        else:
+            self._copier = None
+        # Parameters, buffers and views of them (W.t() saved by mm) are never offloaded: they stay resident anyway.
+        self._param_ptrs = {
+            t.untyped_storage().data_ptr() for layer in self.layers for t in (*layer.parameters(), *layer.buffers())
+        }
+        self._counters = dict.fromkeys(self._counters, 0)
+        self._set_owner = [-1] * self._num_sets
+        self.pool.reset_peak()
+        self._in_step = True
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """Install the pack/unpack hooks for the forward of the current step (between begin/end_step)."""
+        if not self._in_step:
+            self.begin_step()
+        self._packing = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._packing = False
+            self._current = None
+            self._unassigned.clear()  # saved after the last layer: they stay on the device
+
+    def end_step(self, failed: bool = False) -> None:
+        """Finish a step; the first successful step sizes the pool.
+
+        Args:
+            failed: the step raised; every buffer is waited for and returned to the pool at once.
+        """
+        self._packing = False
+        self._in_step = False
+        self._current = None
+        self._unassigned.clear()
+        self._retired.extend(b for seg in self._segments for b in seg.blocks)
+        self._segments = []
+        if failed:
+            self._release_all()
+        else:
+            self._release_done()
+            self._steps_done += 1
+            if self._steps_done == 1:
+                self.pool.reserve_measured()
+
+    def synchronize(self) -> None:
+        """Wait for every outstanding copy and return all host buffers to the pool."""
+        self._release_all()
+
+    def close(self) -> None:
+        """Remove the layer hooks and free the pool and device buffer sets."""
+        self.end_step(failed=True)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.pool.clear()
+        self._sets = [None] * self._num_sets
+        self._copier = None
+
+    def __enter__(self) -> ActivationOffloader:
+        self.begin_step()
+        self._ctx = self.forward_context()
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._ctx.__exit__(None, None, None)
+        self.end_step(failed=exc_type is not None)
+
+    @property
+    def stats(self) -> dict[str, int | bool]:
+        """Counters of the last step and of the pool.
+
+        ``offloaded_bytes`` (storages copied to the host in the last step), ``offloaded_tensors``,
+        ``dedup_hits`` (saved views served by an already offloaded storage), ``prefetch_hits``/``lazy_reloads``
+        (unpacks served by a prefetch / by a fallback reload), ``segments`` (layer calls), ``pool_bytes``,
+        ``checked_out`` (host buffers in use now), ``peak_inflight`` (most host bytes in use at once during the
+        last step), ``pool_buffers``, ``pool_grow_events``, ``pinned``, ``device_set_bytes``.
+        """
+        return {
+            **self._counters,
+            **self.pool.stats(),
+            "peak_inflight": self.pool.peak_out_bytes,
+            "device_set_bytes": sum(s.numel() for s in self._sets if s is not None),
+        }
+
+    # ------------------------------------------------------------------ forward
+    @staticmethod
+    def _in_backward() -> bool:
+        # Checkpoint recomputation and create_graph run module hooks and pack hooks inside the autograd engine.
+        return torch._C._current_autograd_node() is not None
+
+    def _layer_begins(self, index: int, inputs: Any) -> None:
+        if not self._packing or self._in_backward():
+            return
+        # Inputs that need no grad (RoPE tables, masks, ids) are shared by every layer and alive outside it:
+        # offloading them would copy them once per layer and free nothing.
+        self._shared_inputs = {t.untyped_storage().data_ptr() for t in _tensors(inputs) if not t.requires_grad}
+        seg = _Segment(
+            index=len(self._segments),
+            layer_index=index,
+            offload=self._copier is not None and index < len(self.layers) - self.keep_last_layers,
+        )
+        self._segments.append(seg)
+        self._counters["segments"] += 1
+        self._current = seg
+        for saved in self._unassigned:
+            assert saved.tensor is not None
+            if seg.offload and saved.tensor.untyped_storage().data_ptr() not in self._shared_inputs:
+                self._offload(saved, seg)
+        self._unassigned.clear()
+
+    def _layer_ends(self, output: Any) -> None:
+        seg = self._current
+        if seg is None or self._in_backward():
+            return
+        self._current = None
+        self._shared_inputs = set()
+        # Dedup entries are only valid while this layer's sources are referenced; after it, an address could be
+        # reused by a new tensor, so the map is dropped and the sources become releasable.
+        seg.dedup.clear()
+        self._pending_sources.extend(b for b in seg.blocks if b.source is not None)
+        self._release_sources()
+        grad_fn = next((t.grad_fn for t in _tensors(output) if t.grad_fn is not None), None)
+        if grad_fn is not None:
+            grad_fn.register_prehook(lambda _grads, i=seg.index: self._backward_begins(i))
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if (
+            self._copier is None
+            or self._in_backward()
+            or type(t) is not torch.Tensor  # parameters, tensor subclasses (fake/functional/distributed)
+            or t.layout != torch.strided
+            or t.device != self._copier.device
+        ):
+            return t
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if storage.nbytes() < self.min_offload_bytes or ptr in self._param_ptrs or ptr in self._shared_inputs:
+            return t
+        if self._current is None and not self._segments:
+            return t  # before the first layer: outside the layers
+        saved = _Saved(tensor=t)
+        if self._current is None:
+            self._unassigned.append(saved)  # between layers: decided when the next one starts (kept after the last)
+        elif self._current.offload:
+            self._offload(saved, self._current)
+        else:
+            return t
+        return saved
+
+    def _offload(self, saved: _Saved, seg: _Segment) -> None:
+        t = saved.tensor
+        assert t is not None and self._copier is not None
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t._version)
+        block = seg.dedup.get(key)
+        if block is None:
+            nbytes = storage.nbytes()
+            source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            block = _Block(nbytes=nbytes, segment=seg.index, host=self.pool.acquire(nbytes), source=source)
+            block.d2h_event = self._copier.copy(
+                block.host[:nbytes], source, to_host=True, after=(self._copier.mark_compute(),)
+            )
+            seg.blocks.append(block)
+            seg.dedup[key] = block
+            self._counters["offloaded_bytes"] += nbytes
+        else:
+            self._counters["dedup_hits"] += 1
+        self._counters["offloaded_tensors"] += 1
+        saved.block = block
+        saved.dtype = t.dtype
+        saved.size = tuple(t.shape)
+        saved.stride = t.stride()
+        saved.storage_offset = t.storage_offset()
+        saved.tensor = None
+
+    def _release_sources(self) -> None:
+        if self._copier is None:
+            return  # nothing was offloaded
+        still = []
+        for block in self._pending_sources:
+            if self._copier.done(block.d2h_event):
+                block.source = None
+            else:
+                still.append(block)
+        self._pending_sources = still
+
+    # ------------------------------------------------------------------ backward
+    def _backward_begins(self, seg_index: int) -> None:
+        if not self._segments:
+            return  # the step already ended (graph retained past it)
+        self._release_sources()
+        for j in range(seg_index, max(seg_index - self.prefetch_layers, 0) - 1, -1):
+            seg = self._segments[j]
+            if seg.offload and not seg.prefetched and seg.blocks:
+                self._prefetch(seg)
+
+    def _prefetch(self, seg: _Segment) -> None:
+        copier = self._copier
+        assert copier is not None
+        s = seg.index % self._num_sets
+        total = sum(_aligned(b.nbytes) for b in seg.blocks)
+        flat = self._sets[s]
+        if flat is None or flat.numel() < total:
+            # Grows to the largest layer (MoE layers differ per step); the old set lives on while views use it.
+            flat = self._sets[s] = torch.empty(total, dtype=torch.uint8, device=copier.device)
+            if copier.h2d is not None:
+                # Written on the copy stream: the allocator must not reuse it before those copies are done.
+                flat.record_stream(copier.h2d)
+        # The set was last used by a layer whose backward has finished; copies wait for that compute.
+        compute_done = copier.mark_compute()
+        offset = 0
+        for block in seg.blocks:
+            assert block.host is not None
+            block.flat, block.offset, block.set_index = flat, offset, s
+            block.h2d_event = copier.copy(
+                flat[offset : offset + block.nbytes],
+                block.host[: block.nbytes],
+                to_host=False,
+                after=(compute_done, block.d2h_event),
+            )
+            block.reads.append(block.h2d_event)
+            offset += _aligned(block.nbytes)
+        seg.prefetched = True
+        self._set_owner[s] = seg.index
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Saved):
+            return saved
+        if saved.tensor is not None:
+            return saved.tensor
+        block = saved.block
+        copier = self._copier
+        assert block is not None and copier is not None
+        if block.host is None:
+            raise OffloadError(
+                "ActivationOffloader: a saved activation was unpacked after its step ended; run backward inside "
+                "the step (retain_graph across steps is not supported with offloading)"
+            )
+        if block.flat is not None and self._set_owner[block.set_index] == block.segment:
+            copier.compute_waits(block.h2d_event)
+            flat, offset = block.flat, block.offset
+            self._counters["prefetch_hits"] += 1
+        else:
+            # Fallback: unpacked before its prefetch was issued, or after its buffer set was reused.
+            flat = torch.empty(_aligned(block.nbytes), dtype=torch.uint8, device=copier.device)
+            copier.compute_waits(block.d2h_event)
+            flat[: block.nbytes].copy_(block.host[: block.nbytes], non_blocking=copier.is_cuda)
+            block.reads.append(copier.mark_compute())
+            offset = 0
+            self._counters["lazy_reloads"] += 1
+        # Sets and fallback buffers are multiples of _ALIGN bytes, so every dtype view of them is exact.
+        typed = flat.view(saved.dtype)
+        return torch.as_strided(typed, saved.size, saved.stride, offset // saved.dtype.itemsize + saved.storage_offset)
+
+    # ------------------------------------------------------------------ release
+    def _release_done(self) -> None:
+        copier = self._copier
+        if copier is None:
+            return  # nothing was offloaded
+        still = []
+        for block in self._retired:
+            if all(copier.done(e) for e in (block.d2h_event, *block.reads)):
+                self._give_back(block)
+            else:
+                still.append(block)
+        self._retired = still
+
+    def _release_all(self) -> None:
+        self._retired.extend(b for seg in self._segments for b in seg.blocks)
+        self._segments = []
+        self._current = None
+        self._unassigned.clear()
+        for block in self._retired:
+            if self._copier is not None:
+                for event in (block.d2h_event, *block.reads):
+                    self._copier.wait_host(event)
+            self._give_back(block)
+        self._retired = []
+        self._pending_sources = []
+
+    def _give_back(self, block: _Block) -> None:
+        if block.host is not None:
+            self.pool.release(block.host)
+        block.host = block.source = block.flat = None
+        block.reads.clear()
+
+
+def _tensors(output: Any) -> Iterator[torch.Tensor]:
+    """Tensors in a module output (tensor, tuple/list, dict or dataclass-like with tensor fields)."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for item in output:
+            yield from _tensors(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors(item)

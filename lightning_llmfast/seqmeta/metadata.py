@@ -1,0 +1,470 @@
+"""Validated, immutable packed-sequence metadata (``cu_seqlens``, ``max_seqlen`` and what derives from them).
+
+All validation and every shape-deciding value (``num_tokens``, ``max_seqlen``, the document lengths) is computed on
+the host from a CPU copy of ``cu_seqlens``, with NumPy, so building a :class:`SequenceMetadata` from a batch whose
+collator already produced ``cu_seqlens`` on the CPU never waits for the device. Per-token tensors
+(``position_ids``, ``document_ids``) are derived on the target device with sync-free ops, lazily and once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_llmfast.errors import MetadataError
+
+__all__ = ["SequenceMetadata"]
+
+_INT32_MIN = -(2**31)
+_INT32_MAX = 2**31 - 1
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _host_int_array(value: Any, field: str) -> np.ndarray:
+    """Returns ``value`` as a 1-D int64 NumPy array on the host, validating dimensionality and dtype.
+
+    Args:
+        value: a tensor (any device), a NumPy array or a sequence of Python ints.
+        field: the name used in error messages.
+
+    Returns:
+        ``(n,)`` int64 array. A tensor that lives on an accelerator is copied to the host (a sync).
+    """
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in _INTEGER_DTYPES:
+            raise MetadataError(f"{field}: must have an integer dtype, got {value.dtype}")
+        if value.dim() != 1:
+            raise MetadataError(f"{field}: must be 1-D, got shape {tuple(value.shape)}")
+        # NOTE: host sync when `value` lives on an accelerator; callers that care pass a CPU copy.
+        return value.detach().cpu().numpy().astype(np.int64, copy=False)
+    if isinstance(value, (str, bytes)):
+        raise MetadataError(f"{field}: must be a 1-D integer tensor or sequence, got {type(value).__name__}")
+    try:
+        array = np.asarray(value)
+    except (OverflowError, ValueError) as err:
+        raise MetadataError(f"{field}: cannot be read as a 1-D integer array ({err})") from err
+    if array.dtype == object:
+        raise MetadataError(f"{field}: values do not fit int32 (or are not integers)")
+    if array.ndim != 1:
+        raise MetadataError(f"{field}: must be 1-D, got shape {array.shape}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise MetadataError(f"{field}: must have an integer dtype, got {array.dtype}")
+    return array.astype(np.int64, copy=False)
+
+
+def _first_index(flags: np.ndarray) -> int:
+    return int(np.argmax(flags))
+
+
+def _validate_cu_seqlens(cu: np.ndarray, num_tokens: int | None, max_seqlen: int | None) -> int:
+    """Checks every rule of a ``cu_seqlens`` array on the host and returns the true maximum length.
+
+    Args:
+        cu: ``(num_sequences + 1,)`` int64 host array.
+        num_tokens: the expected ``cu[-1]`` when known.
+        max_seqlen: a caller-provided maximum length, which must not be below the true maximum.
+
+    Returns:
+        The longest sequence length (0 when there is no sequence).
+    """
+    if cu.size == 0:
+        raise MetadataError("cu_seqlens: must hold at least one value (cu_seqlens[0] == 0), got an empty array")
+    out_of_range = (cu < _INT32_MIN) | (cu > _INT32_MAX)
+    if out_of_range.any():
+        i = _first_index(out_of_range)
+        raise MetadataError(f"cu_seqlens: values must fit int32; first offending index {i} (value {int(cu[i])})")
+    if cu[0] != 0:
+        raise MetadataError(f"cu_seqlens: must start at 0; first offending index 0 (value {int(cu[0])})")
+    lengths = np.diff(cu)
+    decreasing = lengths < 0
+    if decreasing.any():
+        i = _first_index(decreasing) + 1
+        raise MetadataError(
+            f"cu_seqlens: must be non-decreasing; first offending index {i} "
+            f"(cu_seqlens[{i}]={int(cu[i])} < cu_seqlens[{i - 1}]={int(cu[i - 1])})"
+        )
+    if num_tokens is not None and int(cu[-1]) != num_tokens:
+        raise MetadataError(
+            f"cu_seqlens: last value must equal num_tokens={num_tokens}; "
+            f"offending index {cu.size - 1} (value {int(cu[-1])})"
+        )
+    true_max = int(lengths.max()) if lengths.size else 0
+    if max_seqlen is not None:
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, np.integer)):
+            raise MetadataError(f"max_seqlen: must be a Python int, got {type(max_seqlen).__name__}")
+        if max_seqlen < true_max:
+            i = _first_index(lengths == true_max)
+            raise MetadataError(
+                f"max_seqlen: {max_seqlen} is below the longest sequence ({true_max} tokens, sequence index {i})"
+            )
+    return true_max
+
+
+class SequenceMetadata:
+    """Boundaries of the sequences packed into a flattened batch of ``num_tokens`` positions; immutable.
+
+    Build it with one of the ``from_*`` constructors. Everything the host needs (``num_tokens``, ``max_seqlen``,
+    ``num_sequences``, the per-sequence lengths and the ``fingerprint``) comes from ``cu_seqlens_cpu`` and never
+    reads the device. Per-token tensors and attention masks are built lazily on the target device and memoised,
+    so every layer that receives the same object shares them.
+
+    Attributes:
+        cu_seqlens: ``(num_sequences + 1,)`` int32 on the target device.
+        cu_seqlens_cpu: ``(num_sequences + 1,)`` int32 on the CPU (pinned when this object copies it to CUDA).
+        max_seqlen: the longest sequence length (or the caller's upper bound), a Python int.
+        num_tokens: ``cu_seqlens[-1]``, the number of flattened positions (padding segments included).
+        num_sequences: number of sequences (segments), a Python int.
+
+    Example::
+
+        meta = SequenceMetadata.from_lengths([3, 1, 4])
+        meta.cu_seqlens          # tensor([0, 3, 4, 8], dtype=torch.int32)
+        meta.position_ids        # tensor([0, 1, 2, 0, 0, 1, 2, 3])
+        meta.max_seqlen, meta.num_tokens, meta.num_sequences  # (4, 8, 3)
+    """
+
+    __slots__ = ("_cu_cpu", "_cu_device", "_device", "_lengths", "_max_seqlen", "_memo", "_starts")
+
+    def __init__(
+        self,
+        cu_seqlens: torch.Tensor | Sequence[int] | np.ndarray,
+        *,
+        num_tokens: int | None = None,
+        max_seqlen: int | None = None,
+        device: torch.device | str | None = None,
+        device_cu_seqlens: torch.Tensor | None = None,
+    ) -> None:
+        """Validates ``cu_seqlens`` on the host and places a copy on ``device``.
+
+        Prefer the ``from_*`` constructors; this is their common core.
+
+        Args:
+            cu_seqlens: ``(num_sequences + 1,)`` integer boundaries; a CPU tensor or a Python sequence keeps the host
+                free of syncs, an accelerator tensor is copied to the host once (a sync).
+            num_tokens: expected ``cu_seqlens[-1]``, checked when given.
+            max_seqlen: upper bound of the sequence lengths, checked when given (defaults to the true maximum).
+            device: target device (defaults to the device of ``cu_seqlens`` when it is a tensor, else CPU).
+            device_cu_seqlens: an existing copy of the same boundaries already on ``device`` (e.g. the batch's),
+                reused instead of copying again. It is trusted: checking it would read the device.
+        """
+        if isinstance(cu_seqlens, torch.Tensor) and device is None:
+            device = cu_seqlens.device
+        target = torch.device(device) if device is not None else torch.device("cpu")
+        host = _host_int_array(cu_seqlens, "cu_seqlens")
+        true_max = _validate_cu_seqlens(host, num_tokens, max_seqlen)
+        cu_cpu = torch.from_numpy(host.astype(np.int32))
+        if target.type == "cuda" and device_cu_seqlens is None and torch.cuda.is_available():
+            # Pinned so that the host-to-device copy below (and any later .to()) is truly asynchronous.
+            cu_cpu = cu_cpu.pin_memory()
+        if device_cu_seqlens is not None:
+            cu_dev = device_cu_seqlens.to(device=target, dtype=torch.int32, non_blocking=True)
+        else:
+            cu_dev = cu_cpu if target.type == "cpu" else cu_cpu.to(target, non_blocking=True)
+        self._cu_cpu = cu_cpu
+        self._cu_device = cu_dev
+        self._device = target
+        self._max_seqlen = int(max_seqlen) if max_seqlen is not None else true_max
+        # Host-side copies used to plan attention (per-document slices, length buckets) without the device.
+        self._starts: tuple[int, ...] = tuple(int(s) for s in host[:-1])
+        self._lengths: tuple[int, ...] = tuple(int(n) for n in np.diff(host))
+        self._memo: dict[Any, Any] = {}
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_lengths(
+        cls, lengths: torch.Tensor | Sequence[int] | np.ndarray, *, device: torch.device | str | None = None
+    ) -> SequenceMetadata:
+        """Builds metadata from per-sequence lengths.
+
+        Args:
+            lengths: ``(num_sequences,)`` non-negative integers (a tensor on an accelerator is read once: a sync).
+            device: target device of ``cu_seqlens`` and the lazily built tensors (default: CPU).
+
+        Returns:
+            The validated metadata.
+
+        Example::
+
+            meta = SequenceMetadata.from_lengths(torch.tensor([5, 2]), device="cuda")
+        """
+        host = _host_int_array(lengths, "lengths")
+        negative = host < 0
+        if negative.any():
+            i = _first_index(negative)
+            raise MetadataError(f"lengths: must be non-negative; first offending index {i} (value {int(host[i])})")
+        cu = np.zeros(host.size + 1, dtype=np.int64)
+        np.cumsum(host, out=cu[1:])
+        return cls(cu, device=device)
+
+    @classmethod
+    def from_cu_seqlens(
+        cls,
+        cu_seqlens: torch.Tensor | Sequence[int] | np.ndarray,
+        *,
+        num_tokens: int | None = None,
+        max_seqlen: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> SequenceMetadata:
+        """Builds metadata from cumulative sequence lengths.
+
+        Args:
+            cu_seqlens: ``(num_sequences + 1,)`` integers starting at 0. When it lives on an accelerator it is copied
+                to the host once to be validated (a sync) and reused as the device copy.
+            num_tokens: expected ``cu_seqlens[-1]``, checked when given.
+            max_seqlen: upper bound of the lengths, checked when given.
+            device: target device (default: the device of ``cu_seqlens``, or CPU for Python sequences).
+
+        Returns:
+            The validated metadata.
+
+        Example::
+
+            meta = SequenceMetadata.from_cu_seqlens([0, 3, 8], num_tokens=8, max_seqlen=5)
+        """
+        reuse = None
+        if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type != "cpu":
+            reuse = cu_seqlens
+        return cls(cu_seqlens, num_tokens=num_tokens, max_seqlen=max_seqlen, device=device, device_cu_seqlens=reuse)
+
+    @classmethod
+    def from_position_ids(cls, position_ids: torch.Tensor) -> SequenceMetadata:
+        """Builds metadata from per-token positions: a sequence starts wherever the position is 0 and at every row.
+
+        If ``position_ids`` lives on an accelerator, this path syncs once (one device-to-host copy of the positions),
+        which is why the collator's ``cu_seqlens`` is preferred; it is still once per batch, not once per layer.
+
+        Args:
+            position_ids: ``(num_tokens,)`` or ``(batch, seq_len)`` integer positions, counting up by one inside each
+                sequence. The metadata is placed on their device.
+
+        Returns:
+            The validated metadata over the ``batch * seq_len`` flattened positions.
+
+        Example::
+
+            meta = SequenceMetadata.from_position_ids(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]))
+            meta.cu_seqlens  # tensor([0, 3, 5, 7, 10], dtype=torch.int32)
+        """
+        if not isinstance(position_ids, torch.Tensor):
+            raise MetadataError(f"position_ids: must be a tensor, got {type(position_ids).__name__}")
+        if position_ids.dtype not in _INTEGER_DTYPES:
+            raise MetadataError(f"position_ids: must have an integer dtype, got {position_ids.dtype}")
+        if position_ids.dim() not in (1, 2):
+            raise MetadataError(f"position_ids: must be 1-D or [batch, seq_len], got shape {tuple(position_ids.shape)}")
+        row_len = position_ids.shape[-1]
+        # NOTE: host sync when the positions live on an accelerator (one copy per batch, documented above).
+        flat = position_ids.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
+        negative = flat < 0
+        if negative.any():
+            i = _first_index(negative)
+            raise MetadataError(f"position_ids: must be non-negative; first offending index {i} (value {int(flat[i])})")
+        starts = flat == 0
+        if row_len > 0:
+            starts[::row_len] = True
+        # Inside a sequence the position must count up by one, or boundaries would be silently misread.
+        broken = ~starts[1:] & (flat[1:] != flat[:-1] + 1)
+        if broken.any():
+            i = _first_index(broken) + 1
+            raise MetadataError(
+                f"position_ids: must restart at 0 or count up by one; first offending flat index {i} "
+                f"(value {int(flat[i])} after {int(flat[i - 1])})"
+            )
+        cu = np.append(np.flatnonzero(starts), flat.size).astype(np.int64)
+        if flat.size == 0:
+            cu = np.zeros(1, dtype=np.int64)
+        return cls(cu, num_tokens=int(flat.size), device=position_ids.device)
+
+    @classmethod
+    def from_batch(cls, batch: Any) -> SequenceMetadata:
+        """Builds metadata from a ``PackedBatch`` or any mapping/object with ``cu_seqlens`` or ``position_ids``.
+
+        ``cu_seqlens_cpu`` (the collator's host copy) is used when present, so no device value is read; the batch's
+        ``max_seqlen`` is checked and kept. The metadata's ``num_tokens`` is ``cu_seqlens[-1]``, the number of
+        flattened positions (``B * T``); a ``PackedBatch``'s own ``num_tokens`` counts real tokens only and is a
+        different quantity, so it is not used here.
+
+        Args:
+            batch: a ``PackedBatch``, a ``SequenceMetadata`` (returned as is), or a mapping/object holding
+                ``cu_seqlens`` (optionally ``cu_seqlens_cpu`` and ``max_seqlen``) or ``position_ids``.
+
+        Returns:
+            The validated metadata, on the device of the batch's ``cu_seqlens`` (or ``position_ids``).
+
+        Example::
+
+            for batch in pack_documents(docs, seq_len=256, batch_size=8):
+                meta = SequenceMetadata.from_batch(batch)
+        """
+        if isinstance(batch, SequenceMetadata):
+            return batch
+        cu = _field(batch, "cu_seqlens")
+        if cu is not None:
+            cu_cpu = _field(batch, "cu_seqlens_cpu")
+            max_seqlen = _field(batch, "max_seqlen")
+            if isinstance(max_seqlen, torch.Tensor):
+                raise MetadataError("max_seqlen: must be a Python int computed on the host, got a tensor")
+            if cu_cpu is not None or not isinstance(cu, torch.Tensor):
+                device = cu.device if isinstance(cu, torch.Tensor) else None
+                reuse = cu if isinstance(cu, torch.Tensor) and cu.device.type != "cpu" else None
+                host = cu_cpu if cu_cpu is not None else cu
+                return cls(host, max_seqlen=max_seqlen, device=device, device_cu_seqlens=reuse)
+            return cls.from_cu_seqlens(cu, max_seqlen=max_seqlen)
+        position_ids = _field(batch, "position_ids")
+        if position_ids is not None:
+            return cls.from_position_ids(position_ids)
+        raise MetadataError(
+            f"batch: a {type(batch).__name__} holds neither cu_seqlens nor position_ids to build metadata from"
+        )
+
+    # ------------------------------------------------------------------ attributes
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """``(num_sequences + 1,)`` int32 boundaries on the target device."""
+        return self._cu_device
+
+    @property
+    def cu_seqlens_cpu(self) -> torch.Tensor:
+        """``(num_sequences + 1,)`` int32 boundaries on the CPU."""
+        return self._cu_cpu
+
+    @property
+    def device(self) -> torch.device:
+        """The target device of ``cu_seqlens`` and of the lazily built tensors."""
+        return self._device
+
+    @property
+    def max_seqlen(self) -> int:
+        """The longest sequence length (or the caller's upper bound)."""
+        return self._max_seqlen
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of flattened positions, ``cu_seqlens[-1]``."""
+        return self._starts[-1] + self._lengths[-1] if self._lengths else 0
+
+    @property
+    def num_sequences(self) -> int:
+        """Number of sequences (segments), empty ones included."""
+        return len(self._lengths)
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """Per-sequence lengths as host ints, ``(num_sequences,)``."""
+        return self._lengths
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        """Per-sequence first flattened position as host ints, ``(num_sequences,)``."""
+        return self._starts
+
+    @property
+    def fingerprint(self) -> tuple[int, int, int, bytes]:
+        """Hashable identity from host values only: ``(num_tokens, num_sequences, max_seqlen, boundary bytes)``."""
+        fp = self._memo.get("fingerprint")
+        if fp is None:
+            fp = (self.num_tokens, self.num_sequences, self._max_seqlen, self._cu_cpu.numpy().tobytes())
+            self._memo["fingerprint"] = fp
+        return fp
+
+    @property
+    def document_ids(self) -> torch.Tensor:
+        """``(num_tokens,)`` int64 index of the sequence each position belongs to, on the target device; memoised."""
+        ids = self._memo.get("document_ids")
+        if ids is None:
+            positions = torch.arange(self.num_tokens, device=self._device, dtype=torch.int32)
+            # searchsorted over the upper boundaries skips empty sequences and reads nothing back to the host.
+            ids = torch.searchsorted(self._cu_device[1:], positions, right=True)
+            self._memo["document_ids"] = ids
+        return ids
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """``(num_tokens,)`` int64 position of each token inside its sequence, on the target device; memoised."""
+        pos = self._memo.get("position_ids")
+        if pos is None:
+            positions = torch.arange(self.num_tokens, device=self._device, dtype=torch.int64)
+            pos = positions - self._cu_device.to(torch.int64)[self.document_ids]
+            self._memo["position_ids"] = pos
+        return pos
+
+    def memo(self, key: Any, build: Any) -> Any:
+        """Returns the value memoised under ``key``, building it with ``build()`` on first use.
+
+        Derived structures (masks, gather plans) live here so every layer sharing this metadata builds them once.
+
+        Args:
+            key: any hashable key.
+            build: a zero-argument callable.
+
+        Returns:
+            The memoised value.
+
+        Example::
+
+            mask = meta.memo(("my_mask", 128), lambda: build_mask(meta, 128))
+        """
+        value = self._memo.get(key)
+        if value is None:
+            value = build()
+            self._memo[key] = value
+        return value
+
+    def to(self, device: torch.device | str) -> SequenceMetadata:
+        """Returns this metadata on ``device``, copying ``cu_seqlens`` non-blocking from (pinned) host memory.
+
+        Args:
+            device: the new target device.
+
+        Returns:
+            ``self`` when already there, else a new metadata sharing the host copy (memoised tensors are rebuilt
+            lazily on the new device).
+
+        Example::
+
+            meta = SequenceMetadata.from_lengths([4, 4]).to("cuda")
+        """
+        target = torch.device(device)
+        if _same_device(target, self._device):
+            return self
+        new = object.__new__(SequenceMetadata)
+        cu_cpu = self._cu_cpu
+        if target.type == "cuda" and not cu_cpu.is_pinned():
+            cu_cpu = cu_cpu.pin_memory()
+        new._cu_cpu = cu_cpu
+        new._cu_device = cu_cpu if target.type == "cpu" else cu_cpu.to(target, non_blocking=True)
+        new._device = target
+        new._max_seqlen = self._max_seqlen
+        new._starts = self._starts
+        new._lengths = self._lengths
+        new._memo = {"fingerprint": self._memo["fingerprint"]} if "fingerprint" in self._memo else {}
+        return new
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if hasattr(self, "_memo"):
+            raise AttributeError(f"SequenceMetadata is immutable; cannot set {name!r}")
+        object.__setattr__(self, name, value)
+
+    def __repr__(self) -> str:
+        return (
+            f"SequenceMetadata(num_tokens={self.num_tokens}, num_sequences={self.num_sequences}, "
+            f"max_seqlen={self._max_seqlen}, device={self._device})"
+        )
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    # "cuda" and "cuda:0" name the same device when the current device is 0.
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        current = torch.cuda.current_device() if a.type == "cuda" and torch.cuda.is_available() else 0
+        return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+    return a.index == b.index
+
+
+def _field(batch: Any, name: str) -> Any:
+    if isinstance(batch, Mapping):
+        return batch.get(name)
+    return getattr(batch, name, None)

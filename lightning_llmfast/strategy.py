@@ -1,0 +1,218 @@
+"""``strategy="llmfast"``: DDP that skips itself on one device and owns the activation offloader.
+
+Importing this module registers two names in Lightning's ``StrategyRegistry``: ``"llmfast"`` (offload off) and
+``"llmfast_offload"`` (offload on). ``import lightning_llmfast`` imports it.
+
+Example::
+
+    import lightning as L
+    import lightning_llmfast  # registers the strategies
+
+    trainer = L.Trainer(strategy="llmfast_offload", accelerator="cuda", devices=8)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from typing_extensions import override
+
+from lightning_llmfast.offload.offloader import ActivationOffloader, resolve_layers, validate_offload_config
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies.registry import _StrategyRegistry
+    from lightning.pytorch.utilities.types import STEP_OUTPUT
+    from torch import Tensor
+    from torch.optim import Optimizer
+
+__all__ = ["LLMFastStrategy"]
+
+
+class LLMFastStrategy(DDPStrategy):
+    """DDP for LLM training with optional double-buffered activation offload.
+
+    With one process on one device it neither wraps the model in ``DistributedDataParallel`` nor creates a
+    process group, so no all-reduce is paid for; with several processes (gloo on CPU, NCCL on CUDA, any number of
+    nodes through Lightning's launchers) it is plain DDP. With ``offload_activations=True`` it creates an
+    :class:`~lightning_llmfast.offload.ActivationOffloader` (copy streams, pinned pool, device buffer sets) in
+    :meth:`setup`, runs ``training_step`` inside its pack hooks and the backward inside the same step, and
+    releases everything in :meth:`teardown`, also after an exception. The model needs no change.
+
+    Args:
+        offload_activations: offload saved activations of ``layers`` to pinned host memory.
+        layers: the layer stack: ``None`` (the largest ``nn.ModuleList`` of identical blocks in the
+            LightningModule), an attribute path such as ``"model.layers"``, or the modules.
+        min_offload_bytes: storages smaller than this stay on the device.
+        keep_last_layers: the last this many layers are not offloaded.
+        prefetch_layers: layers prefetched ahead in backward (``prefetch_layers + 1`` device buffer sets).
+        pool_headroom: the pinned pool is sized after the first step to its measured need times this (``>= 1``).
+        force_offload: run the offload mechanism on CPU-only training too (tests); otherwise offload is CUDA-only.
+        *args: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and on to DDP).
+
+    Raises:
+        OffloadError: at construction for negative sizes or counts or headroom below 1; at :meth:`setup`, before
+            any step, when ``layers`` matches nothing.
+
+    Example::
+
+        strategy = LLMFastStrategy(offload_activations=True, layers="model.layers", keep_last_layers=1)
+        trainer = L.Trainer(strategy=strategy, accelerator="cuda", devices=1, precision="bf16-mixed")
+        trainer.fit(MoEGPTLightningModule(MoEGPTConfig(n_layers=12)), datamodule=dm)
+        print(strategy.offloader.stats)
+    """
+
+    strategy_name = "llmfast"
+
+    def __init__(
+        self,
+        *args: Any,
+        offload_activations: bool = False,
+        layers: Sequence[nn.Module] | nn.Module | str | None = None,
+        min_offload_bytes: int = 1 << 20,
+        keep_last_layers: int = 1,
+        prefetch_layers: int = 1,
+        pool_headroom: float = 1.5,
+        force_offload: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        validate_offload_config(
+            min_offload_bytes=min_offload_bytes,
+            keep_last_layers=keep_last_layers,
+            prefetch_layers=prefetch_layers,
+            pool_headroom=pool_headroom,
+            owner=type(self).__name__,
+        )
+        super().__init__(*args, **kwargs)
+        self.offload_activations = bool(offload_activations)
+        self.force_offload = bool(force_offload)
+        self._layers_spec = layers
+        self._offload_kwargs: dict[str, Any] = {
+            "min_offload_bytes": min_offload_bytes,
+            "keep_last_layers": keep_last_layers,
+            "prefetch_layers": prefetch_layers,
+            "pool_headroom": pool_headroom,
+        }
+        self._offloader: ActivationOffloader | None = None
+
+    @property
+    def offloader(self) -> ActivationOffloader | None:
+        """The activation offloader while fitting with ``offload_activations=True``, else ``None``."""
+        return self._offloader
+
+    @property
+    def single_process(self) -> bool:
+        """One process on one node: no process group, no DDP wrapper, no all-reduce."""
+        return self.num_nodes * self.num_processes <= 1
+
+    # ------------------------------------------------------------------ distributed plumbing
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.single_process and not self.cluster_environment.creates_processes_externally:
+            self._launcher = None  # nothing to launch; also works in notebooks
+        else:
+            super()._configure_launcher()
+
+    @override
+    def setup_distributed(self) -> None:
+        if not self.single_process:
+            super().setup_distributed()
+            return
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if self.single_process:
+            # The base setup (device, precision, optimizers) without DDP's wrapper and module-state broadcast.
+            Strategy.setup(self, trainer)
+            # One replica needs no DistributedSampler; Lightning would inject one (it sees a DDPStrategy) and it
+            # would reshuffle training data the user did not ask to shuffle, unlike a single-device run.
+            connector = getattr(trainer, "_accelerator_connector", None)
+            if connector is not None and hasattr(connector, "use_distributed_sampler"):
+                connector.use_distributed_sampler = False
+        else:
+            super().setup(trainer)
+        if self.offload_activations and trainer.state.fn == TrainerFn.FITTING:
+            self._setup_offloader()
+
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        return model if self.single_process else super()._setup_model(model)
+
+    # ------------------------------------------------------------------ offload wiring
+    def _setup_offloader(self) -> None:
+        assert self.lightning_module is not None
+        layers = resolve_layers(self.lightning_module, self._layers_spec)  # raises before any step runs
+        if self.root_device.type != "cuda" and not self.force_offload:
+            rank_zero_warn(
+                f"{type(self).__name__}: offload_activations needs a CUDA device; it is off on "
+                f"{self.root_device.type} (pass force_offload=True to run the mechanism anyway)"
+            )
+            return
+        self._offloader = ActivationOffloader(layers, force=self.force_offload, **self._offload_kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        offloader = self._offloader
+        if offloader is None:
+            return super().training_step(*args, **kwargs)
+        offloader.begin_step()
+        with offloader.forward_context():
+            output = super().training_step(*args, **kwargs)
+        assert self.lightning_module is not None
+        # Automatic optimization runs backward next (see `backward`); manual optimization already did it inside
+        # training_step, and a `None` output means Lightning skips backward.
+        if output is None or not self.lightning_module.automatic_optimization:
+            offloader.end_step()
+        return output
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        offloader = self._offloader
+        assert self.lightning_module is not None
+        if offloader is None or not self.lightning_module.automatic_optimization:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        try:
+            result = super().backward(closure_loss, optimizer, *args, **kwargs)
+        except BaseException:
+            offloader.end_step(failed=True)
+            raise
+        offloader.end_step()
+        return result
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if self._offloader is not None:
+            self._offloader.end_step(failed=True)
+
+    @override
+    def teardown(self) -> None:
+        if self._offloader is not None:
+            self._offloader.close()
+            self._offloader = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        entries = (
+            ("llmfast", False, "LLMFastStrategy: DDP without the wrapper on one device"),
+            ("llmfast_offload", True, "LLMFastStrategy with double-buffered activation offload"),
+        )
+        for name, offload, description in entries:
+            # Guard: importing twice (or reloading) must not raise "already registered".
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, offload_activations=offload)
+
+
+LLMFastStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,267 @@
+"""The benchmark harness and its counters: sync detection, the variants' equivalence, the JSON schema, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_llmfast import ConfigError
+from lightning_llmfast.bench import OpCounter, SyncCounter, e2e
+from lightning_llmfast.bench.__main__ import main
+from lightning_llmfast.bench.e2e import E2ESettings, build_variants, make_batches
+from lightning_llmfast.bench.harness import PROFILES, run_micro
+from lightning_llmfast.bench.report import markdown_report
+from lightning_llmfast.data import VOCAB_SIZE
+
+TINY = PROFILES["tiny"].e2e
+
+
+# ------------------------------------------------------------------------------------------------------ counters
+def _bool_mask_setitem(x: torch.Tensor) -> None:
+    y = x.clone()
+    y[x > 0] = torch.zeros_like(x)[: int((x > 0).sum())]
+
+
+# (name, workload, expected number of syncs): each workload forces exactly that many host syncs on an accelerator.
+SYNC_CASES: list[tuple[str, Any, int]] = [
+    ("item", lambda x: x.sum().item(), 1),
+    ("float()", lambda x: float(x[0]), 1),
+    ("python if", lambda x: bool(x.max() > 0), 1),
+    ("nonzero", lambda x: torch.nonzero(x > 0), 1),
+    ("one-arg where", lambda x: torch.where(x > 0), 1),
+    ("bincount", lambda x: torch.bincount((x > 0).long()), 1),
+    ("bincount with minlength", lambda x: torch.bincount((x > 0).long(), minlength=4), 1),
+    ("boolean-mask getitem", lambda x: x[x > 0], 1),
+    ("boolean-mask setitem", _bool_mask_setitem, 2),  # the .sum() read, then the masked write
+    ("unique", lambda x: torch.unique((x * 3).long()), 1),
+    ("masked_select", lambda x: torch.masked_select(x, x > 0), 1),
+    ("repeat_interleave without output_size", lambda x: torch.repeat_interleave((x > 0).long()), 1),
+]
+
+
+@pytest.mark.parametrize(("name", "workload", "expected"), SYNC_CASES, ids=[c[0] for c in SYNC_CASES])
+def test_sync_counter_catches_each_sync(name: str, workload: Any, expected: int) -> None:
+    x = torch.randn(37)
+    with SyncCounter() as sc:
+        workload(x)
+    assert sc.num_syncs == expected, (name, dict(sc.syncs))
+
+
+def test_sync_counter_is_zero_on_sync_free_code_and_counts_every_op() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(101, 8, generator=g, requires_grad=True)
+    with SyncCounter() as sc:
+        # a sync-free router: top-k, counts without bincount, a stable sort, scans, gathers and a backward
+        weights, experts = logits.softmax(-1).topk(2, dim=-1)
+        counts = torch.zeros(8, dtype=torch.long).scatter_add_(0, experts.flatten(), torch.ones_like(experts.flatten()))
+        offsets = torch.cumsum(counts, 0)
+        order = torch.sort(experts.flatten(), stable=True).indices
+        gathered = weights.flatten()[order] * offsets[experts.flatten()[order]].float()
+        torch.where(gathered > 0, gathered, 0.0).sum().backward()
+    assert sc.num_syncs == 0, dict(sc.syncs)
+    assert sc.total > 20 and sc.counts["topk"] == 1 and sc.counts["sort"] == 1
+
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    with OpCounter() as ops:
+        torch.mm(a, b).relu()
+        a + 1
+    assert dict(ops.counts) == {"mm": 1, "relu": 1, "add": 1}
+    assert ops.total == 3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device-to-host copies need a CUDA device")
+def test_sync_counter_catches_device_to_host_copies_on_cuda() -> None:
+    x = torch.randn(16, device="cuda")
+    with SyncCounter() as sc:
+        x.cpu()
+        y = x * 2  # stays on the device: no sync
+        torch.empty(16).copy_(y)
+    assert sc.syncs["device_to_host_copy"] == 2, dict(sc.syncs)
+    with SyncCounter() as sc:
+        torch.randn(16).to("cuda", non_blocking=True)  # host-to-device: no sync
+    assert sc.num_syncs == 0, dict(sc.syncs)
+
+
+# -------------------------------------------------------------------------------------------------- the variants
+def test_make_batches_are_full_deterministic_and_mixed() -> None:
+    batches = make_batches(TINY, 6, vocab_size=VOCAB_SIZE)
+    again = make_batches(TINY, 6, vocab_size=VOCAB_SIZE)
+    assert len(batches) == 6
+    for b, c in zip(batches, again):
+        assert b.input_ids.shape == (TINY.batch_size, TINY.seq_len)
+        assert torch.equal(b.input_ids, c.input_ids) and torch.equal(b.cu_seqlens, c.cu_seqlens)
+        assert int(b.input_ids.max()) < VOCAB_SIZE
+    # the shuffle mixes in rows of several short documents, not only whole-row chunks of long ones
+    assert max(b.cu_seqlens.numel() - 1 for b in batches) > 2 * TINY.batch_size
+
+
+def _loss_and_grads(module: Any, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    module.zero_grad()
+    logits = module(batch)
+    loss = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=-100)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def test_variants_start_from_the_same_function() -> None:
+    pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    settings = E2ESettings(
+        model={"hidden_size": 32, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "ffn_size": 48, "num_experts": 5},
+        seq_len=37,
+        batch_size=3,
+        mean_doc_len=9,
+    )
+    modules = build_variants(settings)
+    batch = make_batches(settings, 1, vocab_size=settings.config("before").vocab_size)[0]
+    before, peer, llmfast = (modules[v] for v in ("before", "peer", "llmfast"))
+    assert not isinstance(peer, str) and not isinstance(before, str) and not isinstance(llmfast, str)
+    for layer in peer.model.layers:  # the peer is transformers' own block, in its grouped_mm mode
+        assert isinstance(layer.ffn.moe, MixtralSparseMoeBlock)
+        assert layer.ffn.moe.experts.config._experts_implementation == "grouped_mm"
+
+    ref_loss, ref_grads = _loss_and_grads(before, batch)
+    for module in (peer, llmfast):
+        loss, grads = _loss_and_grads(module, batch)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        # parameters are renamed in the peer; compare the shared ones (embeddings, attention, norms)
+        shared = [n for n in ref_grads if n in grads]
+        assert len(shared) >= 1 + 4 * settings.config("before").n_layers
+        for name in shared:
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    for i, layer in enumerate(peer.model.layers):  # the peer's expert gradients are ours, transposed
+        mine = ref_grads[f"model.layers.{i}.ffn.experts.gate_up_proj"]
+        torch.testing.assert_close(layer.ffn.moe.experts.gate_up_proj.grad, mine.transpose(1, 2), rtol=1e-4, atol=1e-6)
+
+
+def test_peer_is_skipped_with_the_reason_when_transformers_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ModuleNotFoundError
+    modules = build_variants(TINY, ("before", "peer"))
+    assert modules["peer"] == "skipped: transformers not installed"
+    assert not isinstance(modules["before"], str)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"measured_steps": 0}, {"repeats": 0}, {"warmup_steps": -1}, {"model": {"attention_metadata": "cached"}}],
+)
+def test_settings_reject_bad_values(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        E2ESettings(**kwargs)
+
+
+def test_unknown_variant_and_profile_are_rejected() -> None:
+    with pytest.raises(ConfigError, match="unknown variants"):
+        build_variants(TINY, ("before", "fastest"))
+    with pytest.raises(SystemExit):
+        main(["--profile", "huge"])
+
+
+# ------------------------------------------------------------------------------------------------ harness and CLI
+E2E_KEYS = {
+    "tokens_per_sec",
+    "host_syncs_per_step",
+    "metadata_builds_per_step",
+    "aten_ops_per_step",
+    "peak_mem_bytes",
+    "final_loss",
+}
+
+
+def test_cli_writes_the_json_schema_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert main(["--profile", "tiny", "--device", "cpu", "--json", str(out), "--plot", str(png), "--micro", ""]) == 0
+    result = json.loads(out.read_text())
+
+    assert {"profile", "device", "commit", "e2e", "ratios", "micro"} <= set(result)
+    assert result["profile"] == "tiny" and result["device"] == "cpu" and result["micro"] == {}
+    assert set(result["e2e"]) == {"before", "peer", "llmfast"}
+    for variant, row in result["e2e"].items():
+        assert set(row) == E2E_KEYS, variant
+        assert row["tokens_per_sec"] > 0 and row["aten_ops_per_step"] > 0 and row["peak_mem_bytes"] >= 0
+        assert math.isfinite(row["final_loss"])
+    e2e = result["e2e"]
+    ratios = result["ratios"]
+    assert set(ratios) == {"llmfast_vs_before", "llmfast_vs_peer"}
+    assert ratios["llmfast_vs_before"] == pytest.approx(
+        e2e["llmfast"]["tokens_per_sec"] / e2e["before"]["tokens_per_sec"]
+    )
+    assert ratios["llmfast_vs_peer"] == pytest.approx(e2e["llmfast"]["tokens_per_sec"] / e2e["peer"]["tokens_per_sec"])
+
+    # counters against what each variant does by construction
+    n_layers = PROFILES["tiny"].e2e.config("before").n_layers
+    assert e2e["before"]["metadata_builds_per_step"] == n_layers  # one dense mask per layer
+    assert e2e["before"]["host_syncs_per_step"] >= n_layers  # at least the per-layer boundary read
+    assert e2e["peer"]["metadata_builds_per_step"] == 1  # one dense mask per forward
+    assert e2e["llmfast"]["metadata_builds_per_step"] == 1
+    assert e2e["llmfast"]["host_syncs_per_step"] == 0
+    assert e2e["llmfast"]["aten_ops_per_step"] < e2e["before"]["aten_ops_per_step"]
+    # same batches, same initial weights, fp32: the losses after training agree
+    losses = [row["final_loss"] for row in e2e.values()]
+    assert max(losses) - min(losses) <= 1e-3 * min(losses), losses
+
+    table = capsys.readouterr().out
+    assert "| variant |" in table and "| llmfast |" in table and "llmfast_vs_before" in table
+    if png.exists():  # matplotlib installed
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_micro_loads_scripts_by_path_and_isolates_failures(tmp_path: Path) -> None:
+    (tmp_path / "bench_good.py").write_text(
+        "def run(quick: bool, device: str = 'cpu') -> dict:\n    return {'quick': quick, 'device': device, 'x': 2.5}\n"
+    )
+    (tmp_path / "bench_nodevice.py").write_text("def run(quick):\n    return {'quick': quick}\n")
+    (tmp_path / "bench_broken.py").write_text("def run(quick):\n    raise RuntimeError('boom')\n")
+    micro = run_micro(False, "cpu", ("good", "nodevice", "broken", "absent"), tmp_path, log=lambda _: None)
+    assert micro["good"]["quick"] is False and micro["good"]["device"] == "cpu" and micro["good"]["x"] == 2.5
+    assert micro["good"]["seconds"] >= 0
+    assert micro["nodevice"]["quick"] is False
+    assert micro["broken"] == {"error": "RuntimeError: boom"}
+    assert "not found" in micro["absent"]["skipped"]
+
+
+def test_markdown_report_shows_skipped_variants_and_ratios() -> None:
+    row = dict.fromkeys(E2E_KEYS, 1.0)
+    result = {
+        "profile": "quick",
+        "device": "cpu",
+        "commit": "abc",
+        "e2e": {
+            "before": dict(row, tokens_per_sec=100.0),
+            "peer": {"skipped": "transformers not installed"},
+            "llmfast": dict(row, tokens_per_sec=150.0),
+        },
+        "ratios": {"llmfast_vs_before": 1.5, "llmfast_vs_peer": None},
+        "micro": {"moe": {"skipped": "absent"}},
+    }
+    text = markdown_report(result)
+    assert "| peer | transformers not installed |" in text
+    assert "| llmfast | 150 | 1.50x |" in text
+    assert "llmfast_vs_before = 1.50x" in text and "llmfast_vs_peer = n/a" in text
+    assert "Micro-benchmark **moe**: absent" in text
+
+
+def test_a_failing_variant_is_reported_and_the_others_still_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    fit = e2e._fit
+
+    def fit_or_fail(variant: str, *args: Any) -> None:
+        if variant == "before":
+            raise RuntimeError("CUDA out of memory\nTried to allocate ...")
+        fit(variant, *args)
+
+    monkeypatch.setattr(e2e, "_fit", fit_or_fail)
+    settings = TINY.with_overrides(repeats=1, measured_steps=1)
+    results, notes = e2e.run_e2e(settings, "cpu", ("before", "llmfast"), log=lambda _: None)
+    assert results["before"] == {"error": "RuntimeError: CUDA out of memory"}
+    assert set(results["llmfast"]) == E2E_KEYS
+    assert any(note.startswith("before: failed") for note in notes)

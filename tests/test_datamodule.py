@@ -1,0 +1,182 @@
+"""PackedDataModule: sharding across workers and ranks, a real Trainer fit, LightningCLI configuration."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.cli import LightningCLI
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_llmfast import PackedDataModule
+from lightning_llmfast.data import IGNORE_INDEX, VOCAB_SIZE, PackedBatch, SyntheticCorpus
+from lightning_llmfast.datamodule import PackedDocumentDataset
+from lightning_llmfast.errors import ConfigError, DataError
+
+
+def _sequences(batches: list[PackedBatch]) -> list[tuple[int, ...]]:
+    """Real (non-padding) sequences of the batches, read from ``cu_seqlens`` and ``labels`` with loops."""
+    found = []
+    for batch in batches:
+        ids, labels = batch.input_ids.flatten().tolist(), batch.labels.flatten().tolist()
+        cu = batch.cu_seqlens_cpu.tolist()
+        for start, end in itertools.pairwise(cu):
+            if ids[start] != 0:  # documents below use ids >= 1; pad_id is 0
+                assert labels[end - 1] == IGNORE_INDEX
+                found.append(tuple(ids[start:end]))
+    return found
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("num_workers", [1, 2, 3])
+def test_shards_partition_the_corpus(world_size, num_workers):
+    corpus = SyntheticCorpus(53, mean_len=5, seed=0)  # prime: shards of unequal size
+    seen = Counter()
+    for rank in range(world_size):
+        dataset = PackedDocumentDataset(
+            corpus, seq_len=8, batch_size=2, vocab_size=VOCAB_SIZE, shuffle_seed=4, rank=rank, world_size=world_size
+        )
+        for worker in range(num_workers):
+            seen.update(dataset.shard(worker, num_workers))
+    assert seen == Counter(range(53))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_worker_and_rank_sharding_covers_every_document_once(num_workers):
+    # Unique documents of length 1..seq_len, each packed whole: the real sequences must be exactly the documents.
+    generator = torch.Generator().manual_seed(0)
+    documents = [
+        [1 + d, *torch.randint(1, VOCAB_SIZE, (int(n),), generator=generator).tolist()]
+        for d, n in enumerate(torch.randint(0, 12, (37,), generator=generator))
+    ]
+    sequences = []
+    for rank in range(2):
+        dataset = PackedDocumentDataset(
+            documents, seq_len=13, batch_size=3, vocab_size=VOCAB_SIZE, shuffle_seed=1, rank=rank, world_size=2
+        )
+        sequences += _sequences(list(DataLoader(dataset, batch_size=None, num_workers=num_workers)))
+    assert Counter(sequences) == Counter(tuple(d) for d in documents)
+
+
+def test_limit_batches_and_tiny_shards():
+    corpus = SyntheticCorpus(40, mean_len=30, seed=2)
+    dataset = PackedDocumentDataset(corpus, seq_len=16, batch_size=2, vocab_size=VOCAB_SIZE, limit_batches=5)
+    assert len(list(DataLoader(dataset, batch_size=None, num_workers=2))) == 5
+    # more shards than documents: the empty shards yield nothing instead of failing
+    few = PackedDocumentDataset([[1, 2, 3]], seq_len=4, batch_size=1, vocab_size=VOCAB_SIZE, rank=1, world_size=2)
+    assert list(few) == []
+    with pytest.raises(ConfigError, match="rank"):
+        PackedDocumentDataset([[1]], seq_len=4, batch_size=1, vocab_size=VOCAB_SIZE, rank=2, world_size=2)
+
+
+class _TinyLM(L.LightningModule):
+    """Embedding + linear head: enough to check what the data module hands to ``training_step``."""
+
+    def __init__(self, vocab_size: int = VOCAB_SIZE, hidden: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, hidden)
+        self.head = nn.Linear(hidden, vocab_size)
+        self.seen: list[tuple[int, int, int, bool]] = []
+
+    def _loss(self, batch: PackedBatch) -> torch.Tensor:
+        logits = self.head(self.embed(batch.input_ids))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX)
+
+    def training_step(self, batch: PackedBatch, batch_idx: int) -> torch.Tensor:
+        assert isinstance(batch, PackedBatch)
+        self.seen.append((batch.batch_size, batch.seq_len, batch.num_tokens, batch.cu_seqlens_cpu is not None))
+        loss = self._loss(batch)
+        self.log("train/loss", loss, batch_size=batch.batch_size)
+        return loss
+
+    def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:
+        self.log("val/loss", self._loss(batch), batch_size=batch.batch_size)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _trainer(**kwargs) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_trainer_fit_on_packed_batches(num_workers):
+    data = PackedDataModule(
+        corpus="synthetic",
+        synthetic_num_docs=64,
+        synthetic_mean_len=40,
+        seq_len=32,
+        batch_size=4,
+        num_workers=num_workers,
+        limit_batches=2,
+        limit_val_batches=1,
+    )
+    model = _TinyLM(vocab_size=data.vocab_size)
+    trainer = _trainer(max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(model, datamodule=data)
+    assert trainer.global_step == 2
+    assert [s[:2] for s in model.seen] == [(4, 32)] * 2 and all(s[3] for s in model.seen)
+    assert all(0 < s[2] <= 4 * 32 for s in model.seen)
+    assert torch.isfinite(trainer.callback_metrics["val/loss"])
+
+
+def test_stdlib_data_module_batches():
+    data = PackedDataModule(seq_len=64, batch_size=2, num_workers=0, max_docs=4, limit_batches=3)
+    data.setup("fit")
+    batches = list(data.train_dataloader())
+    assert len(batches) == 3 and all(b.input_ids.shape == (2, 64) for b in batches)
+    assert all(int(b.input_ids.max()) < data.vocab_size for b in batches)
+    assert len(list(data.val_dataloader())) > 0
+
+
+def test_lightning_cli_fills_the_data_module_from_config(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["train.py"])
+    cli = LightningCLI(
+        _TinyLM,
+        PackedDataModule,
+        run=False,
+        args={
+            "data": {"corpus": "synthetic", "seq_len": 24, "batch_size": 3, "num_workers": 0, "limit_batches": 1},
+            "trainer": {"logger": False, "enable_checkpointing": False, "max_steps": 1},
+        },
+        save_config_callback=None,
+    )
+    assert isinstance(cli.datamodule, PackedDataModule)
+    assert (cli.datamodule.corpus, cli.datamodule.seq_len, cli.datamodule.batch_size) == ("synthetic", 24, 3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"corpus": "wikipedia"}, ConfigError, "corpus"),
+        ({"corpus": "files"}, ConfigError, "paths"),
+        ({"paths": ["a.txt"]}, ConfigError, "paths"),
+        ({"num_workers": -1}, ConfigError, "num_workers"),
+        ({"limit_batches": 0}, ConfigError, "limit_batches"),
+        ({"seq_len": 1}, DataError, "seq_len"),
+        ({"batch_size": 0}, DataError, "batch_size"),
+        ({"pad_id": VOCAB_SIZE}, DataError, "pad_id"),
+    ],
+)
+def test_data_module_rejects_bad_config(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        PackedDataModule(**kwargs)
+
+
+def test_data_module_missing_files_fail_at_setup(tmp_path):
+    data = PackedDataModule(corpus="files", paths=[str(tmp_path / "nope")], num_workers=0)
+    with pytest.raises(DataError, match="does not exist"):
+        data.setup("fit")

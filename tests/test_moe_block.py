@@ -1,0 +1,329 @@
+"""MoE blocks: naive baseline vs grouped block vs a float64 loop reference, sync counts, compile, metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_llmfast.bench.counters import SyncCounter
+from lightning_llmfast.errors import ConfigError, RoutingError
+from lightning_llmfast.moe import ExpertLoadMetric, GroupedExperts, MoEBlock, NaiveMoEBlock, SwiGLUExperts
+from lightning_llmfast.moe.experts import grouped_mm_supported, grouped_swiglu
+from lightning_llmfast.moe.kernels import triton_available
+
+H, FFN = 8, 12  # multiples of 4: the float32 grouped_mm path (16-byte aligned rows)
+
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            not triton_available(torch.device("cpu")), reason="Triton kernels need TRITON_INTERPRET=1 on CPU"
+        ),
+    ),
+]
+
+
+def _pair(num_experts: int, top_k: int, *, seed: int = 0, **kwargs: object) -> tuple[NaiveMoEBlock, MoEBlock]:
+    torch.manual_seed(seed)
+    naive = NaiveMoEBlock(H, FFN, num_experts, top_k)
+    # Larger weights than the 0.02 init, so that outputs and gradients are far from zero and comparisons bite.
+    for p in naive.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    grouped = MoEBlock(H, FFN, num_experts, top_k, **kwargs)
+    grouped.load_state_dict(naive.state_dict(), strict=False)  # expert_bias, if any, stays zero
+    return naive, grouped
+
+
+def _reference(block: torch.nn.Module, x: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """Float64 per-token, per-slot loop over the block's parameters: the independent oracle."""
+    w_router = block.router.weight.double()
+    gate_up, down = block.experts.gate_up_proj.double(), block.experts.down_proj.double()
+    x = x.double().reshape(-1, w_router.shape[1])
+    probs = (x @ w_router.T).softmax(-1)
+    top_w, top_i = probs.topk(block.top_k, dim=-1)
+    top_w = top_w / top_w.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for s in range(block.top_k):
+            if kept is not None and not kept[t, s]:
+                continue
+            e = int(top_i[t, s])
+            gate, up = (x[t] @ gate_up[e]).chunk(2)
+            out[t] += top_w[t, s] * ((F.silu(gate) * up) @ down[e])
+    return out
+
+
+def _grads(block: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    block.zero_grad()
+    x = x.detach().requires_grad_()
+    y = block(x)
+    (y * g).sum().backward()
+    return (y.detach(), x.grad, *(p.grad.clone() for p in block.parameters()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "num_tokens"),
+    [(1, 1, 5), (2, 1, 1), (4, 2, 7), (8, 2, 13), (8, 8, 6), (5, 3, 17)],
+)
+def test_grouped_matches_naive_and_reference(backend: str, num_experts: int, top_k: int, num_tokens: int) -> None:
+    naive, grouped = _pair(num_experts, top_k, seed=num_tokens, backend=backend)
+    x = torch.randn(num_tokens, H)
+    g = torch.randn(num_tokens, H)
+    ref = _reference(naive, x)
+    a, b = _grads(naive, x, g), _grads(grouped, x, g)
+    torch.testing.assert_close(a[0].double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b[0].double(), ref, rtol=1e-5, atol=1e-5)
+    for ga, gb in zip(a[1:], b[1:]):
+        torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(naive.last_router_logits, grouped.last_router_logits)
+    assert torch.equal(naive.last_tokens_per_expert, grouped.last_tokens_per_expert)
+    torch.testing.assert_close(naive.last_aux_loss, grouped.last_aux_loss)
+    torch.testing.assert_close(naive.last_z_loss, grouped.last_z_loss)
+    assert grouped.last_tokens_per_expert.sum() == num_tokens * top_k
+    assert not grouped.last_nonfinite
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_sigmoid_scores_match_naive(normalize: bool) -> None:
+    torch.manual_seed(5)
+    naive = NaiveMoEBlock(H, FFN, 6, 3, score="sigmoid", normalize=normalize)
+    grouped = MoEBlock(H, FFN, 6, 3, score="sigmoid", normalize=normalize, backend="torch")
+    grouped.load_state_dict(naive.state_dict())
+    x, g = torch.randn(11, H), torch.randn(11, H)
+    for a, b in zip(_grads(naive, x, g), _grads(grouped, x, g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(naive.last_aux_loss, grouped.last_aux_loss)
+
+
+def test_one_expert_gets_everything_and_leading_dims() -> None:
+    naive, grouped = _pair(6, 2, backend="torch")
+    with torch.no_grad():  # experts 2 and 4 dominate every token's router logits
+        for block in (naive, grouped):
+            block.router.weight.zero_()
+            block.router.weight[2, 0] = 50.0
+            block.router.weight[4, 0] = 25.0
+    x = torch.randn(3, 5, H)
+    x[..., 0] = x[..., 0].abs() + 1
+    y_naive, y_grouped = naive(x), grouped(x)
+    assert y_grouped.shape == x.shape
+    torch.testing.assert_close(y_grouped, y_naive, rtol=1e-5, atol=1e-5)
+    assert grouped.last_tokens_per_expert.tolist() == [0, 0, 15, 0, 15, 0]
+    torch.testing.assert_close(y_grouped.reshape(-1, H).double(), _reference(naive, x), rtol=1e-5, atol=1e-5)
+
+
+def test_empty_input_forward() -> None:
+    _, grouped = _pair(4, 2, backend="torch")
+    y = grouped(torch.randn(0, H))
+    assert y.shape == (0, H)
+    assert grouped.last_tokens_per_expert.tolist() == [0, 0, 0, 0]
+    assert grouped.last_aux_loss == 0
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    num_experts=st.integers(1, 9),
+    data=st.data(),
+    num_tokens=st.integers(1, 23),
+    seed=st.integers(0, 2**16),
+)
+def test_grouped_matches_naive_random(num_experts: int, data: st.DataObject, num_tokens: int, seed: int) -> None:
+    top_k = data.draw(st.integers(1, num_experts))
+    naive, grouped = _pair(num_experts, top_k, seed=seed, backend="torch")
+    x, g = torch.randn(num_tokens, H), torch.randn(num_tokens, H)
+    for ga, gb in zip(_grads(naive, x, g), _grads(grouped, x, g)):
+        torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("drop_policy", ["position", "score"])
+def test_capacity_matches_reference_over_kept_pairs(drop_policy: str) -> None:
+    _, grouped = _pair(4, 2, backend="torch", capacity_factor=0.5, drop_policy=drop_policy)
+    x = torch.randn(19, H, requires_grad=True)
+    y = grouped(x)
+    plan = grouped.last_plan
+    assert int(plan.num_dropped) > 0
+    torch.testing.assert_close(y.double(), _reference(grouped, x, plan.kept), rtol=1e-5, atol=1e-5)
+    y.square().sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(grouped.experts.gate_up_proj.grad).all()
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"capacity_factor": 1.0}, {"expert_bias": True}, {"score": "sigmoid"}], ids=str)
+def test_forward_backward_has_no_host_sync(kwargs: dict[str, object]) -> None:
+    _, grouped = _pair(8, 2, backend="torch", **kwargs)
+    x = torch.randn(2, 11, H, requires_grad=True)
+    with SyncCounter() as counter:
+        y = grouped(x)
+        (y.square().mean() + grouped.last_aux_loss + grouped.last_z_loss).backward()
+    assert counter.num_syncs == 0, counter.syncs
+    # The counter is live: the naive baseline is caught syncing.
+    naive, _ = _pair(8, 2)
+    with SyncCounter() as counter:
+        naive(x)
+    assert counter.syncs["nonzero"] >= 8 and counter.syncs["bincount"] == 1
+
+
+def test_torch_compile_fullgraph_forward_backward() -> None:
+    _, grouped = _pair(4, 2, backend="torch")
+    x = torch.randn(9, H)
+    compiled = torch.compile(grouped, fullgraph=True, backend="aot_eager")
+    g = torch.randn(9, H)
+    eager = _grads(grouped, x, g)
+    traced = _grads(compiled, x, g)
+    for a, b in zip(eager, traced):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_deterministic_bitwise() -> None:
+    _, grouped = _pair(8, 2, backend="torch", capacity_factor=1.25)
+    x, g = torch.randn(31, H), torch.randn(31, H)
+    first, second = _grads(grouped, x, g), _grads(grouped, x, g)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_expert_bias_buffer_updates_only_in_training() -> None:
+    _, grouped = _pair(4, 1, backend="torch", expert_bias=True, bias_update_rate=0.1)
+    assert "expert_bias" in grouped.state_dict()
+    x = torch.randn(16, H)
+    grouped.eval()
+    grouped(x)
+    assert torch.equal(grouped.expert_bias, torch.zeros(4))
+    grouped.train()
+    grouped(x)
+    counts = grouped.last_tokens_per_expert.float()
+    torch.testing.assert_close(grouped.expert_bias, 0.1 * torch.sign(counts.mean() - counts))
+
+
+def test_nonfinite_logits_are_recorded_not_raised() -> None:
+    _, grouped = _pair(4, 2, backend="torch")
+    x = torch.randn(5, H)
+    x[2, 0] = float("nan")
+    grouped(x)
+    assert bool(grouped.last_nonfinite)
+    with pytest.raises(RoutingError, match="NaN"):
+        grouped.last_plan.check_finite()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"top_k": 5}, "top_k"),
+        ({"top_k": 0}, "top_k"),
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"score": "relu"}, "score"),
+        ({"capacity_factor": 0.0}, "capacity_factor"),
+        ({"backend": "cuda"}, "backend"),
+        ({"drop_policy": "random"}, "drop_policy"),
+    ],
+)
+def test_bad_config_raises(kwargs: dict[str, object], match: str) -> None:
+    args = {"hidden_size": H, "ffn_size": FFN, "num_experts": 4, "top_k": 2, **kwargs}
+    with pytest.raises(ConfigError, match=match):
+        MoEBlock(**args)
+    if set(kwargs) <= {"top_k", "hidden_size", "score"}:
+        with pytest.raises(ConfigError, match=match):
+            NaiveMoEBlock(**args)
+
+
+def _loop_experts(x: torch.Tensor, sizes: list[int], experts: SwiGLUExperts) -> torch.Tensor:
+    out, start = torch.zeros(sum(sizes), experts.hidden_size, dtype=torch.float64), 0
+    for e, n in enumerate(sizes):
+        gate, up = (x[start : start + n].double() @ experts.gate_up_proj[e].double()).chunk(2, -1)
+        out[start : start + n] = (F.silu(gate) * up) @ experts.down_proj[e].double()
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 5, 1], [0, 0, 0, 7], [0, 0, 0, 0], [2, 2, 2, 2]])
+def test_grouped_experts_vs_loop_with_padding(sizes: list[int]) -> None:
+    torch.manual_seed(len(sizes) + sum(sizes))
+    experts = GroupedExperts(4, H, FFN)
+    offsets = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+    pad = 3
+    x = torch.randn(sum(sizes) + pad, H, requires_grad=True)
+    with SyncCounter() as counter:
+        y = experts(x, offsets, padded=True)
+        (y * torch.randn_like(y)).sum().backward()
+    assert counter.num_syncs == 0
+    torch.testing.assert_close(y[: sum(sizes)].double(), _loop_experts(x.detach(), sizes, experts))
+    assert torch.equal(y[sum(sizes) :], torch.zeros(pad, H))
+    assert torch.equal(x.grad[sum(sizes) :], torch.zeros(pad, H))
+
+
+def test_grouped_experts_fallback_float64_and_odd_sizes() -> None:
+    experts = GroupedExperts(3, 6, 10).double()  # float64 and 6/10 (unaligned): the per-expert loop
+    offsets = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    assert not grouped_mm_supported(x, experts.gate_up_proj, experts.down_proj)
+    y = experts(x, offsets)
+    torch.testing.assert_close(y, _loop_experts(x.detach(), [2, 0, 3], experts))
+    assert torch.autograd.gradcheck(lambda a: grouped_swiglu(a, offsets, experts.gate_up_proj, experts.down_proj), x)
+
+
+def test_grouped_mm_backward_matches_autograd_reference() -> None:
+    torch.manual_seed(1)
+    experts = GroupedExperts(3, H, FFN)
+    offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int32)
+    x = torch.randn(9, H, requires_grad=True)
+    y = experts(x, offsets)
+    y.sum().backward()  # an expanded (stride-0) gradient: grouped_mm needs it made contiguous
+    grads = [x.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
+    experts.zero_grad()
+    x2 = x.detach().double().requires_grad_()
+    params = [experts.gate_up_proj, experts.down_proj]
+    ref = torch.cat(
+        [
+            (F.silu(a) * b) @ params[1][e].double()
+            for e, (s, t) in enumerate([(0, 4), (4, 4), (4, 9)])
+            for a, b in [(x2[s:t] @ params[0][e].double()).chunk(2, -1)]
+        ]
+    )
+    ref_grads = torch.autograd.grad(ref.sum(), [x2, *params])
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-6)
+
+
+def test_expert_load_metric_against_hand_computation() -> None:
+    metric = ExpertLoadMetric(4)
+    metric.update(torch.tensor([3, 1, 0, 0], dtype=torch.int32))
+    metric.update(torch.tensor([1, 1, 2, 0]), num_dropped=torch.tensor(2), num_pairs=10)
+    out = metric.compute()
+    counts = [4.0, 2.0, 2.0, 0.0]
+    torch.testing.assert_close(out["load_imbalance"], torch.tensor(4.0 / 2.0))
+    torch.testing.assert_close(out["dropped_fraction"], torch.tensor(2 / (4 + 10)))
+    entropy = -sum(c / 8 * torch.log(torch.tensor(c / 8)) for c in counts if c)
+    torch.testing.assert_close(out["load_entropy"], entropy)
+    metric.reset()
+    metric.update(torch.full((4,), 5))
+    out = metric.compute()
+    torch.testing.assert_close(out["load_imbalance"], torch.tensor(1.0))
+    torch.testing.assert_close(out["load_entropy"], torch.log(torch.tensor(4.0)))
+    assert out["dropped_fraction"] == 0
+
+
+def test_expert_load_metric_update_is_sync_free_and_validates() -> None:
+    metric = ExpertLoadMetric(3)
+    with SyncCounter() as counter:
+        metric.update(torch.tensor([1, 2, 3]), torch.tensor(1))
+    assert counter.num_syncs == 0
+    with pytest.raises(RoutingError, match="tokens_per_expert"):
+        metric.update(torch.tensor([1, 2]))
+    with pytest.raises(ConfigError, match="num_experts"):
+        ExpertLoadMetric(0)
+
+
+def test_autocast_bf16_is_sync_free_and_matches_naive() -> None:
+    naive, grouped = _pair(4, 2, backend="torch")
+    x = torch.randn(2, 7, H)
+    with torch.autocast("cpu", dtype=torch.bfloat16), SyncCounter() as counter:
+        y = grouped(x)
+        y.float().square().sum().backward()
+    assert counter.num_syncs == 0, counter.syncs
+    assert grouped.experts.gate_up_proj.grad.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_naive = naive(x)
+    torch.testing.assert_close(y.float(), y_naive.float(), rtol=3e-2, atol=3e-2)

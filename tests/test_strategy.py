@@ -1,0 +1,298 @@
+"""strategy="llmfast": registry, single-device fast path, offload wiring, errors, checkpoint resume, 2-process DDP."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import StrategyRegistry
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+import lightning_llmfast
+from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule, OffloadError
+from lightning_llmfast.data import SyntheticCorpus, pack_documents
+
+VOCAB = 64
+
+
+def _batches(n: int) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    docs = [
+        torch.randint(0, VOCAB - 1, (len(d),), generator=g)
+        for d in SyntheticCorpus(num_docs=100, mean_len=12, seed=0, vocab_size=VOCAB)
+    ]
+    batches = list(pack_documents(docs, 32, 2, pad_id=VOCAB - 1, vocab_size=VOCAB))[:n]
+    assert len(batches) == n
+    return DataLoader(batches, batch_size=None)  # already batched PackedBatch objects
+
+
+def _module() -> MoEGPTLightningModule:
+    torch.manual_seed(0)
+    config = MoEGPTConfig(vocab_size=VOCAB, hidden_size=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_size=64)
+    return MoEGPTLightningModule(config, lr=1e-2, warmup_steps=2)
+
+
+class _Spy(L.Callback):
+    """Records losses, offloader stats and what the strategy looked like during training."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.stats: list[dict[str, Any]] = []
+        self.wrapped: list[bool] = []
+        self.offloader: Any = None
+        self.steps_started = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.steps_started += 1
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+        self.wrapped.append(isinstance(trainer.strategy.model, DistributedDataParallel))
+        off = getattr(trainer.strategy, "offloader", None)
+        if off is not None:
+            self.offloader = off
+            self.stats.append(dict(off.stats))
+
+
+def _fit(strategy: Any, steps: int = 3, module: Any = None, **trainer_kwargs: Any) -> tuple[Any, _Spy, L.Trainer]:
+    module = module if module is not None else _module()
+    spy = _Spy()
+    callbacks = [spy, *trainer_kwargs.pop("callbacks", [])]
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": steps,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    if any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        defaults["enable_checkpointing"] = True
+    trainer = L.Trainer(strategy=strategy, callbacks=callbacks, **{**defaults, **trainer_kwargs})
+    trainer.fit(module, train_dataloaders=_batches(min(steps, 3)))  # epochs of at most 3 batches
+    return module, spy, trainer
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_strategies_registered_on_import() -> None:
+    assert lightning_llmfast.LLMFastStrategy is LLMFastStrategy
+    for name, offload in (("llmfast", False), ("llmfast_offload", True)):
+        assert name in StrategyRegistry
+        strategy = StrategyRegistry.get(name)
+        assert isinstance(strategy, LLMFastStrategy) and strategy.offload_activations is offload
+    LLMFastStrategy.register_strategies(StrategyRegistry)  # guarded: registering again does not raise
+
+
+def test_string_strategy_single_device_skips_ddp_and_matches_default() -> None:
+    reference, _, _ = _fit("auto")
+    module, spy, trainer = _fit("llmfast")
+    assert isinstance(trainer.strategy, LLMFastStrategy) and trainer.strategy.single_process
+    assert spy.wrapped == [False, False, False]  # no DistributedDataParallel wrapper, so no all-reduce
+    assert not torch.distributed.is_initialized()
+    assert _same(reference, module)  # same data order and math as a plain single-device run
+
+
+def test_forced_offload_under_trainer_is_bit_identical_and_released() -> None:
+    reference, _, _ = _fit("llmfast")
+    strategy = LLMFastStrategy(offload_activations=True, force_offload=True, min_offload_bytes=0)
+    module, spy, _ = _fit(strategy)
+    assert _same(reference, module)
+    assert len(spy.stats) == 3
+    assert all(s["offloaded_bytes"] > 0 and s["checked_out"] == 0 and s["lazy_reloads"] == 0 for s in spy.stats)
+    # teardown released the offloader: hooks gone, pool empty
+    assert strategy.offloader is None and spy.offloader.stats["pool_bytes"] == 0
+    assert all(not layer._forward_pre_hooks for layer in module.model.layers)
+
+
+def test_offload_on_cpu_without_force_warns_and_stays_off() -> None:
+    with pytest.warns(UserWarning, match="needs a CUDA device"):
+        _, spy, _ = _fit("llmfast_offload", steps=1)
+    assert spy.offloader is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"min_offload_bytes": -1}, "min_offload_bytes"),
+        ({"keep_last_layers": -1}, "keep_last_layers"),
+        ({"prefetch_layers": -3}, "prefetch_layers"),
+        ({"pool_headroom": 0.5}, "pool_headroom"),
+    ],
+)
+def test_bad_configuration_raises_at_construction(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(OffloadError, match=field) as info:
+        LLMFastStrategy(offload_activations=True, **kwargs)
+    assert isinstance(info.value, ValueError)
+
+
+def test_layers_matching_nothing_raise_at_setup_before_any_step() -> None:
+    strategy = LLMFastStrategy(offload_activations=True, force_offload=True, layers="model.blocks")
+    spy = _Spy()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, callbacks=[spy],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(OffloadError, match="no attribute 'blocks'"):
+        trainer.fit(_module(), train_dataloaders=_batches(2))
+    assert spy.steps_started == 0
+
+
+class _FailingModule(MoEGPTLightningModule):
+    """Raises inside backward at a chosen global step (through a hook on the loss)."""
+
+    fail_at = 1
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == self.fail_at:
+
+            def boom(grad: torch.Tensor) -> torch.Tensor:
+                raise RuntimeError("boom in backward")
+
+            loss.register_hook(boom)
+        return loss
+
+
+def test_exception_in_backward_releases_everything_and_next_fit_works() -> None:
+    torch.manual_seed(0)
+    config = MoEGPTConfig(vocab_size=VOCAB, hidden_size=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_size=64)
+    strategy = LLMFastStrategy(offload_activations=True, force_offload=True, min_offload_bytes=0)
+    spy = _Spy()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=3, logger=False, callbacks=[spy],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(_FailingModule(config, lr=1e-2), train_dataloaders=_batches(3))
+    assert spy.offloader is not None and spy.offloader.stats["checked_out"] == 0
+    assert strategy.offloader is None  # torn down after the exception
+    # training goes on in the same process (Lightning binds a strategy object to one Trainer, so a fresh one)
+    _, spy2, _ = _fit(LLMFastStrategy(offload_activations=True, force_offload=True, min_offload_bytes=0), steps=2)
+    assert len(spy2.stats) == 2 and spy2.stats[-1]["offloaded_bytes"] > 0
+
+
+def test_checkpoint_resume_gives_the_same_subsequent_losses(tmp_path: Path) -> None:
+    def strategy() -> LLMFastStrategy:
+        return LLMFastStrategy(offload_activations=True, force_offload=True, min_offload_bytes=0)
+
+    _, full, _ = _fit(strategy(), steps=6)
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    _fit(strategy(), steps=3, callbacks=[saver])
+    (ckpt,) = tmp_path.glob("*.ckpt")
+    spy = _Spy()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy(), max_steps=6, logger=False, callbacks=[spy],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    # weights_only=False: the module's hyper-parameters hold a MoEGPTConfig (our own file, trusted)
+    trainer.fit(_module(), train_dataloaders=_batches(3), ckpt_path=ckpt, weights_only=False)  # epoch 2 start
+    assert len(spy.losses) == 3 and len(spy.stats) == 3
+    assert spy.losses == full.losses[3:]
+
+
+_DDP_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import lightning as L
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader
+    import lightning_llmfast
+    from lightning_llmfast import LLMFastStrategy
+
+    devices, out = int(sys.argv[1]), sys.argv[2]
+    GLOBAL_BATCH, STEPS = 8, 4
+
+
+    class Toy(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+            self.head = nn.Linear(16, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            for layer in self.layers:
+                x = layer(x)
+            loss = (self.head(x).squeeze(-1) - y).square().mean()
+            self.wrapped = type(self.trainer.strategy.model).__name__
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(1)
+            x, y = torch.randn(STEPS * GLOBAL_BATCH, 16, generator=g), torch.randn(STEPS * GLOBAL_BATCH, generator=g)
+            rank, world = self.trainer.global_rank, self.trainer.world_size
+            # every global batch of 8 rows is split evenly over the ranks
+            rows = [i for i in range(len(x)) if i % world == rank]
+            return DataLoader(list(zip(x[rows], y[rows])), batch_size=GLOBAL_BATCH // world)
+
+
+    model = Toy()
+    init = [p.detach().flatten().tolist() for p in model.parameters()]
+    strategy = LLMFastStrategy(offload_activations=True, force_offload=True, min_offload_bytes=0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(model)
+    if trainer.global_rank == 0:
+        params = [p.detach().flatten().tolist() for p in model.parameters()]
+        with open(out, "w") as f:
+            json.dump({"params": params, "init": init, "world": trainer.world_size, "wrapped": model.wrapped}, f)
+    """
+)
+
+
+def test_two_process_gloo_ddp_matches_one_process_with_the_same_global_batch(tmp_path: Path) -> None:
+    script = tmp_path / "ddp_fit.py"
+    script.write_text(_DDP_SCRIPT)
+    results = {}
+    for devices in (1, 2):
+        out = tmp_path / f"out{devices}.json"
+        proc = subprocess.run(
+            [sys.executable, str(script), str(devices), str(out)],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[devices] = json.loads(out.read_text())
+    assert results[1]["world"] == 1 and results[2]["world"] == 2
+    assert results[1]["wrapped"] == "Toy" and results[2]["wrapped"] == "DistributedDataParallel"
+    for p1, p2, p0 in zip(results[1]["params"], results[2]["params"], results[1]["init"]):
+        torch.testing.assert_close(torch.tensor(p2), torch.tensor(p1), rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(torch.tensor(p1), torch.tensor(p0))  # training moved them: not vacuous
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (copy streams, pinned memory)")
+def test_llmfast_offload_by_string_on_cuda_trains_and_offloads() -> None:
+    reference, _, _ = _fit("llmfast", accelerator="cuda")
+    module, spy, trainer = _fit("llmfast_offload", accelerator="cuda")
+    assert trainer.strategy.offload_activations and spy.wrapped == [False, False, False]
+    assert len(spy.stats) == 3 and all(s["pinned"] for s in spy.stats)
+    # min_offload_bytes=1 MiB default: this tiny model saves nothing that large, so nothing moves but it runs
+    assert all(s["lazy_reloads"] == 0 for s in spy.stats)
+    for a, b in zip(reference.parameters(), module.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=2e-3)  # 3 AdamW steps: loose
+    strategy = LLMFastStrategy(offload_activations=True, min_offload_bytes=0)
+    module, spy, _ = _fit(strategy, accelerator="cuda")
+    assert all(s["offloaded_bytes"] > 0 and s["lazy_reloads"] == 0 for s in spy.stats)
+    for a, b in zip(reference.parameters(), module.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=2e-3)  # 3 AdamW steps: loose

@@ -1,0 +1,132 @@
+"""Lightning end to end: a short fit whose loss falls, and a token monitor that counts real tokens exactly."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
+
+from lightning_llmfast import (
+    ConfigError,
+    MoEGPTConfig,
+    MoEGPTLightningModule,
+    SequenceMetadataCallback,
+    TokenThroughputMonitor,
+)
+from lightning_llmfast.data import SyntheticCorpus, pack_documents
+
+VOCAB = 64
+PAD = VOCAB - 1
+
+
+class _Recorder(L.Callback):
+    """Independent record of what the monitor should have counted: per-step loss and real tokens of each batch."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.tokens = 0
+        self.tokens_by_step: dict[int, int] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+        # count the non-padding positions from the tensors (PAD never occurs in a document), not from num_tokens
+        self.tokens += int((batch.input_ids != PAD).sum())
+        self.tokens_by_step[trainer.global_step] = self.tokens
+
+
+def _batches(num_batches: int, seq_len: int, batch_size: int, seed: int = 0) -> list[Any]:
+    # A learnable corpus: each document counts upwards from a random start (next = token + 1 mod PAD), so a model
+    # that learns the bigram rule drives the loss down within a few steps.
+    g = torch.Generator().manual_seed(seed)
+    corpus = SyntheticCorpus(num_docs=num_batches * batch_size * 4, mean_len=seq_len // 3, seed=seed, vocab_size=VOCAB)
+    docs = [(torch.arange(len(doc)) + torch.randint(0, PAD, (1,), generator=g)) % PAD for doc in corpus]
+    return list(pack_documents(docs, seq_len, batch_size, pad_id=PAD, vocab_size=VOCAB))[:num_batches]
+
+
+def _module(**overrides: Any) -> MoEGPTLightningModule:
+    torch.manual_seed(0)
+    config = MoEGPTConfig(
+        vocab_size=VOCAB, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_size=64, **overrides
+    )
+    return MoEGPTLightningModule(config, lr=1e-2, warmup_steps=2)
+
+
+def test_fit_loss_falls_and_monitor_counts_real_tokens(tmp_path: Path) -> None:
+    batches = _batches(20, seq_len=64, batch_size=4)
+    recorder = _Recorder()
+    monitor = TokenThroughputMonitor(log_every_n_steps=5, window_size=2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=20,
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=5,
+        callbacks=[SequenceMetadataCallback(), monitor, recorder],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(_module(), train_dataloaders=DataLoader(batches, batch_size=None))
+
+    assert len(recorder.losses) == 20
+    first, last = sum(recorder.losses[:3]) / 3, sum(recorder.losses[-3:]) / 3
+    assert last < 0.8 * first, recorder.losses
+
+    rows = list(csv.DictReader((Path(trainer.logger.log_dir) / "metrics.csv").open()))
+    logged = {int(r["step"]): float(r["train/tokens"]) for r in rows if r.get("train/tokens")}
+    assert sorted(logged) == [5, 10, 15, 20]
+    for step, tokens in logged.items():
+        assert tokens == recorder.tokens_by_step[step]
+    rates = [float(r["train/tokens_per_sec"]) for r in rows if r.get("train/tokens_per_sec")]
+    assert len(rates) == 3 and all(r > 0 for r in rates)  # window of 2 log points: from the second on
+    padding = [float(r["train/padding_fraction"]) for r in rows if r.get("train/padding_fraction")]
+    assert all(0.0 <= p < 0.5 for p in padding)
+
+
+def test_monitor_counts_each_micro_batch_under_gradient_accumulation(tmp_path: Path) -> None:
+    batches = _batches(12, seq_len=32, batch_size=2, seed=1)
+    recorder = _Recorder()
+    monitor = TokenThroughputMonitor(log_every_n_steps=2, window_size=2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=6,
+        accumulate_grad_batches=2,
+        logger=CSVLogger(tmp_path),
+        callbacks=[monitor, recorder],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(_module(), train_dataloaders=DataLoader(batches, batch_size=None))
+    assert monitor.total_tokens == recorder.tokens == sum(b.num_tokens for b in batches)
+    assert monitor.last_metrics["train/tokens"] == recorder.tokens_by_step[6]
+
+
+@pytest.mark.parametrize("kwargs", [{"log_every_n_steps": 0}, {"window_size": 1}])
+def test_monitor_rejects_bad_arguments(kwargs: dict[str, int]) -> None:
+    with pytest.raises(ConfigError):
+        TokenThroughputMonitor(**kwargs)
+
+
+def test_monitor_rejects_batches_without_token_counts(tmp_path: Path) -> None:
+    class Plain(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.layer(batch).sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, callbacks=[TokenThroughputMonitor()], enable_progress_bar=False
+    )
+    with pytest.raises(ConfigError, match="num_tokens"):
+        trainer.fit(Plain(), train_dataloaders=DataLoader(torch.randn(4, 2), batch_size=2))

@@ -1,0 +1,187 @@
+"""varlen_attention against a float64 per-document reference (forward and gradients), syncs and torch.compile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from lightning_llmfast import ConfigError, MetadataError
+from lightning_llmfast.bench.counters import SyncCounter
+from lightning_llmfast.seqmeta import SequenceMetadata, SequenceMetadataCache, varlen_attention
+from lightning_llmfast.seqmeta.attention import _auto_impl
+
+EXACT_IMPLS = ("masked", "per_document", "bucketed")
+IMPLS = (*EXACT_IMPLS, "auto")
+
+
+def reference_attention(q, k, v, lengths, causal: bool, scale: float | None):
+    """float64, one document at a time, explicit softmax; kv heads repeated for grouped-query attention."""
+    q, k, v = q.double(), k.double(), v.double()
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    outs, start = [], 0
+    for n in lengths:
+        qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))  # (heads, n, d)
+        scores = qs @ ks.transpose(1, 2) * scale
+        if causal:
+            scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        outs.append((scores.softmax(-1) @ vs).transpose(0, 1))
+        start += n
+    return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], v.shape[2])
+
+
+def _inputs(n: int, heads: int, kv_heads: int, dim: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(n, h, dim, generator=gen, dtype=torch.float32).requires_grad_() for h in (heads, kv_heads, kv_heads)
+    ]
+
+
+def _check(lengths: list[int], heads: int, kv_heads: int, dim: int, causal: bool, scale, seed: int, impls=EXACT_IMPLS):
+    meta = SequenceMetadata.from_lengths(lengths)
+    q, k, v = _inputs(meta.num_tokens, heads, kv_heads, dim, seed)
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*leaves64, lengths, causal, scale)
+    grad_out = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    ref_grads = torch.autograd.grad(ref, leaves64, grad_out) if ref.numel() else None
+    for impl in impls:
+        out = varlen_attention(q, k, v, meta, causal=causal, scale=scale, impl=impl)
+        assert out.shape == (meta.num_tokens, heads, dim) and out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4, msg=lambda m, impl=impl: f"{impl}: {m}")
+        if ref_grads is not None:
+            grads = torch.autograd.grad(out, (q, k, v), grad_out.float())
+            for name, g, r in zip("qkv", grads, ref_grads):
+                torch.testing.assert_close(
+                    g.double(), r, atol=5e-5, rtol=1e-4, msg=lambda m, impl=impl, name=name: f"{impl} d{name}: {m}"
+                )
+
+
+# Packings: arbitrary, single-token documents only, one document filling the row, many tiny ones.
+packings = st.one_of(
+    st.lists(st.integers(1, 13), min_size=1, max_size=7),
+    st.integers(1, 24).map(lambda n: [1] * n),
+    st.integers(1, 40).map(lambda n: [n]),
+    st.lists(st.integers(1, 3), min_size=5, max_size=20),
+    st.lists(st.integers(0, 5), min_size=1, max_size=6),  # empty segments too
+)
+heads_kv = st.sampled_from([(1, 1), (2, 2), (4, 2), (4, 1), (6, 3)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=packings,
+    heads=heads_kv,
+    dim=st.sampled_from([2, 4, 8]),
+    causal=st.booleans(),
+    scale=st.sampled_from([None, 0.3]),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_float64_per_document_reference(lengths, heads, dim, causal, scale, seed) -> None:
+    _check(lengths, heads[0], heads[1], dim, causal, scale, seed)
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [600],  # one document: per_document
+        [17, 1, 300, 64, 65, 2, 150],  # several buckets: bucketed
+        [1] * 130,  # short documents in a small batch: masked
+    ],
+)
+def test_auto_paths_on_larger_packings(lengths: list[int]) -> None:
+    _check(lengths, 4, 2, 8, causal=True, scale=None, seed=len(lengths), impls=("auto",))
+
+
+def test_auto_rule() -> None:
+    q = torch.zeros(1, 1, 1)
+    assert _auto_impl(q, SequenceMetadata.from_lengths([64, 64])) == "masked"
+    assert _auto_impl(q, SequenceMetadata.from_lengths([2] * 200)) == "masked"
+    assert _auto_impl(q, SequenceMetadata.from_lengths([1000, 24])) == "per_document"
+    assert _auto_impl(q, SequenceMetadata.from_lengths([100] * 10)) == "bucketed"
+
+
+def test_empty_and_errors() -> None:
+    meta = SequenceMetadata.from_lengths([])
+    q, k, v = _inputs(0, 2, 1, 4, 0)
+    assert varlen_attention(q, k, v, meta).shape == (0, 2, 4)
+    meta = SequenceMetadata.from_lengths([3, 2])
+    q, k, v = _inputs(6, 2, 1, 4, 0)
+    with pytest.raises(MetadataError, match=r"num_tokens: q/k/v hold 6/6/6 tokens but the metadata describes 5"):
+        varlen_attention(q, k, v, meta)
+    q, k, v = _inputs(5, 3, 2, 4, 0)
+    with pytest.raises(ConfigError, match=r"kv_heads"):
+        varlen_attention(q, k, v, meta)
+    with pytest.raises(ConfigError, match=r"must be \(num_tokens, heads, head_dim\)"):
+        varlen_attention(q[None], k, v, meta)
+    q, k, v = _inputs(5, 2, 2, 4, 0)
+    with pytest.raises(ConfigError, match=r"impl: must be one of"):
+        varlen_attention(q, k, v, meta, impl="nope")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_host_syncs_forward_backward(impl: str) -> None:
+    batch = {"cu_seqlens": torch.tensor([0, 5, 6, 30, 33, 64], dtype=torch.int32), "max_seqlen": 31}
+    batch["cu_seqlens_cpu"] = batch["cu_seqlens"]
+    cache = SequenceMetadataCache()
+    q, k, v = _inputs(64, 4, 2, 8, 1)
+    with SyncCounter() as sc, cache.batch(batch):
+        for _ in range(3):  # three "layers" share one metadata
+            meta = cache.get(q.flatten(1))  # hidden states are (..., hidden_dim)
+            varlen_attention(q, k, v, meta, impl=impl).sum().backward()
+    assert sc.num_syncs == 0, sc.syncs
+    assert cache.stats["builds"] == 1
+
+
+class _TinyAttentionLayer(nn.Module):
+    def __init__(self, impl: str) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48, bias=False)
+        self.impl = impl
+
+    def forward(self, x: torch.Tensor, meta: SequenceMetadata) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(-1, 3, 4, 4).unbind(1)
+        return varlen_attention(q, k, v, meta, impl=self.impl).reshape(x.shape)
+
+
+@pytest.mark.parametrize("impl", ["auto", "bucketed"])
+def test_torch_compile_fullgraph_with_cached_metadata(impl: str) -> None:
+    torch._dynamo.reset()
+    layer = _TinyAttentionLayer(impl)
+    compiled = torch.compile(layer, fullgraph=True)
+    cache = SequenceMetadataCache()
+    x = torch.randn(16, 16, requires_grad=True)
+    with cache.batch({"cu_seqlens": [0, 3, 10, 11, 16], "max_seqlen": 7}):
+        meta = cache.get(x)  # fresh: the mask / gather plan is built inside the compiled graph
+        out = compiled(x, meta)
+        (grad,) = torch.autograd.grad(out.square().sum(), x)
+    ref = layer(x, meta)
+    (ref_grad,) = torch.autograd.grad(ref.square().sum(), x)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_cuda_flash_varlen_matches_reference(dtype: torch.dtype, kv_heads: int) -> None:
+    lengths = [1, 37, 128, 5, 200, 63]
+    meta = SequenceMetadata.from_lengths(lengths, device="cuda")
+    q, k, v = (t.detach().cuda().to(dtype).requires_grad_() for t in _inputs(meta.num_tokens, 4, kv_heads, 64, 3))
+    with SyncCounter() as sc:
+        out = varlen_attention(q, k, v, meta)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    assert sc.counts["_local_scalar_dense"] == 0 and sc.counts["nonzero"] == 0, sc.syncs
+    qc, kc, vc = (t.detach().cpu().float().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qc, kc, vc, lengths, True, None)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (qc, kc, vc))
+    tol = 2e-2 if dtype == torch.float16 else 6e-2
+    torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double().cpu(), r, atol=5 * tol, rtol=5 * tol)
