@@ -85,11 +85,11 @@ class Stack(nn.Module):
 
 
 def make_batch(seq_len: int, seed: int) -> PackedBatch:
-    """One packed row of ``seq_len`` tokens from documents of random (exponential) lengths, ``seq_len / 16`` on
-    average."""
+    """One packed row of ``seq_len`` tokens from documents of ``seq_len / 32`` to ``3 * seq_len / 32`` tokens (about
+    16 per row)."""
     rng = random.Random(seed)
-    mean_doc_len = max(1, seq_len // 16)
-    docs = [[1] * max(1, int(rng.expovariate(1 / mean_doc_len))) for _ in range(4 * seq_len // mean_doc_len + 8)]
+    low, high = max(1, seq_len // 32), max(1, 3 * seq_len // 32)
+    docs = [[1] * rng.randint(low, high) for _ in range(seq_len // low + 1)]
     return next(pack_documents(docs, seq_len=seq_len, batch_size=1))
 
 

@@ -16,7 +16,7 @@ from lightning_llmfast import ConfigError
 from lightning_llmfast.bench import OpCounter, SyncCounter, e2e
 from lightning_llmfast.bench.__main__ import main
 from lightning_llmfast.bench.e2e import E2ESettings, build_variants, make_batches
-from lightning_llmfast.bench.harness import PROFILES, run_micro
+from lightning_llmfast.bench.harness import PROFILES, run_benchmark, run_micro
 from lightning_llmfast.bench.report import markdown_report
 from lightning_llmfast.data import VOCAB_SIZE
 
@@ -265,3 +265,13 @@ def test_a_failing_variant_is_reported_and_the_others_still_run(monkeypatch: pyt
     assert results["before"] == {"error": "RuntimeError: CUDA out of memory"}
     assert set(results["llmfast"]) == E2E_KEYS
     assert any(note.startswith("before: failed") for note in notes)
+
+
+def test_time_budget_cuts_repeats_and_skips_micro_benchmarks(tmp_path: Path) -> None:
+    (tmp_path / "bench_never.py").write_text("raise AssertionError('must not be loaded')\n")
+    result = run_benchmark(
+        "tiny", "cpu", variants=("before",), micro=("never",), max_seconds=1e-6, benchmarks_dir=tmp_path, log=print
+    )
+    assert f"time budget reached: 1 of {TINY.repeats} timed repeats ran" in result["notes"]
+    assert result["micro"] == {"never": {"skipped": "time budget of 1e-06 s used up"}}
+    assert set(result["e2e"]["before"]) == E2E_KEYS and result["ratios"]["llmfast_vs_before"] is None

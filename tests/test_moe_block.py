@@ -116,12 +116,16 @@ def test_one_expert_gets_everything_and_leading_dims() -> None:
     torch.testing.assert_close(y_grouped.reshape(-1, H).double(), _reference(naive, x), rtol=1e-5, atol=1e-5)
 
 
-def test_empty_input_forward() -> None:
+def test_empty_input_forward_backward() -> None:
     _, grouped = _pair(4, 2, backend="torch")
-    y = grouped(torch.randn(0, H))
+    x = torch.randn(0, H, requires_grad=True)
+    y = grouped(x)
     assert y.shape == (0, H)
     assert grouped.last_tokens_per_expert.tolist() == [0, 0, 0, 0]
     assert grouped.last_aux_loss == 0
+    (y.sum() + grouped.last_aux_loss + grouped.last_z_loss).backward()
+    assert x.grad.shape == (0, H)
+    assert torch.equal(grouped.experts.gate_up_proj.grad, torch.zeros_like(grouped.experts.gate_up_proj))
 
 
 @settings(max_examples=15, deadline=None)
@@ -327,3 +331,23 @@ def test_autocast_bf16_is_sync_free_and_matches_naive() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y_naive = naive(x)
     torch.testing.assert_close(y.float(), y_naive.float(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bf16_matches_naive_and_is_sync_free() -> None:
+    torch.manual_seed(0)
+    naive = NaiveMoEBlock(64, 128, 8, 2).cuda().bfloat16()
+    grouped = MoEBlock(64, 128, 8, 2, backend="auto").cuda().bfloat16()
+    grouped.load_state_dict(naive.state_dict())
+    x = torch.randn(4, 33, 64, device="cuda", dtype=torch.bfloat16)
+    y_naive = naive(x)
+    grouped(x)  # warm-up: lazy CUDA/Triton initialisation may read device properties
+    with SyncCounter() as counter:
+        y = grouped(x)
+        y.float().square().sum().backward()
+    rows = torch.empty(8, 64, device="cuda", dtype=torch.bfloat16)
+    if grouped_mm_supported(rows, grouped.experts.gate_up_proj, grouped.experts.down_proj):
+        assert counter.num_syncs == 0, counter.syncs
+    torch.testing.assert_close(y.float(), y_naive.float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(grouped.last_tokens_per_expert.cpu(), naive.last_tokens_per_expert.cpu())

@@ -197,8 +197,7 @@ def test_checkpoint_resume_gives_the_same_subsequent_losses(tmp_path: Path) -> N
         accelerator="cpu", devices=1, strategy=strategy(), max_steps=6, logger=False, callbacks=[spy],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
-    # weights_only=False: the module's hyper-parameters hold a MoEGPTConfig (our own file, trusted)
-    trainer.fit(_module(), train_dataloaders=_batches(3), ckpt_path=ckpt, weights_only=False)  # epoch 2 start
+    trainer.fit(_module(), train_dataloaders=_batches(3), ckpt_path=ckpt)  # epoch 2 start
     assert len(spy.losses) == 3 and len(spy.stats) == 3
     assert spy.losses == full.losses[3:]
 

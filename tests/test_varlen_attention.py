@@ -103,7 +103,9 @@ def test_auto_rule() -> None:
     assert _auto_impl(q, SequenceMetadata.from_lengths([64, 64])) == "masked"
     assert _auto_impl(q, SequenceMetadata.from_lengths([2] * 200)) == "masked"
     assert _auto_impl(q, SequenceMetadata.from_lengths([1000, 24])) == "per_document"
+    assert _auto_impl(q, SequenceMetadata.from_lengths([300] * 10)) == "per_document"
     assert _auto_impl(q, SequenceMetadata.from_lengths([100] * 10)) == "bucketed"
+    assert _auto_impl(q, SequenceMetadata.from_lengths([300] * 20)) == "bucketed"
 
 
 def test_empty_and_errors() -> None:

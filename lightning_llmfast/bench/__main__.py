@@ -49,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--repeats", type=int, help="override the profile's timed repeats")
     parser.add_argument("--steps", type=int, help="override the profile's measured steps per segment")
+    parser.add_argument("--max-seconds", type=float, help="soft time budget (fewer repeats, micro-benchmarks skipped)")
     args = parser.parse_args(argv)
 
     def write_json(result: dict[str, Any]) -> None:
@@ -64,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         micro=args.micro,
         repeats=args.repeats,
         measured_steps=args.steps,
+        max_seconds=args.max_seconds,
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
         on_update=write_json,
     )

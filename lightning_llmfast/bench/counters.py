@@ -53,15 +53,23 @@ def _is_boolean_mask_index(name: str, args: tuple[Any, ...]) -> bool:
 
 
 def _is_device_to_host_copy(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    # A blocking copy from an accelerator to the host waits for the device; a non_blocking one (into pinned memory,
+    # as the activation offloader does on its copy stream) does not.
     if name not in {"_to_copy", "copy_"}:
         return False
     if name == "copy_":
         dst, src = args[0], args[1]
-        return isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst.device.type == "cpu"
-    src = args[0]
-    device = kwargs.get("device")
+        non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
+        return (
+            not non_blocking
+            and isinstance(src, torch.Tensor)
+            and src.device.type != "cpu"
+            and dst.device.type == "cpu"
+        )
+    src, device = args[0], kwargs.get("device")
     return (
-        isinstance(src, torch.Tensor)
+        not kwargs.get("non_blocking", False)
+        and isinstance(src, torch.Tensor)
         and src.device.type != "cpu"
         and device is not None
         and torch.device(device).type == "cpu"

@@ -546,6 +546,7 @@ def run_e2e(
     device: str | torch.device = "cpu",
     variants: tuple[str, ...] = VARIANTS,
     log: Callable[[str], None] = print,
+    deadline: float | None = None,
 ) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """Train every variant on the same batches from the same weights and measure it.
 
@@ -554,6 +555,8 @@ def run_e2e(
         device: ``"cpu"`` or ``"cuda"``.
         variants: names from :data:`VARIANTS`.
         log: progress messages.
+        deadline: a ``time.perf_counter()`` value after which no further timed repeat starts (at least one runs);
+            the notes say how many ran.
 
     Returns:
         ``(results, notes)``: ``results[variant]`` holds ``tokens_per_sec`` (median over repeats),
@@ -610,6 +613,9 @@ def run_e2e(
                 counted[variant], memory[variant] = probe, mem.peak_bytes
                 log(f"[e2e] counted {variant}: {probe.syncs / probe.measured:.1f} syncs/step")
         for r in range(settings.repeats):
+            if r > 0 and deadline is not None and time.perf_counter() > deadline:
+                notes.append(f"time budget reached: {r} of {settings.repeats} timed repeats ran")
+                break
             segment = batches[count_seg + r * seg : count_seg + (r + 1) * seg]
             order = active[r % len(active) :] + active[: r % len(active)]
             for variant in order:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import math
 import platform
 import subprocess
 import time
@@ -51,7 +52,7 @@ class BenchProfile:
     Example::
 
         profile = PROFILES["quick"]
-        profile.e2e.seq_len  # 512
+        profile.e2e.seq_len  # 1024
     """
 
     name: str
@@ -75,18 +76,19 @@ PROFILES: dict[str, BenchProfile] = {
         ),
         micro_quick=True,
     ),
-    # Under 2 minutes on 2 CPU cores, micro-benchmarks included: the default model at a packed length where
-    # attention over whole rows costs what it costs in real training.
+    # Under 2 minutes on 2 CPU cores, micro-benchmarks included: the default model on rows of 1024 tokens packed
+    # with ~10 documents each. The gains grow with the row length (attention over a dense row mask is O(T^2)):
+    # see benchmarks/RESULTS.md for T = 512 and 2048.
     "quick": BenchProfile(
         "quick",
         E2ESettings(
             model={},
-            seq_len=512,
+            seq_len=1024,
             batch_size=2,
             mean_doc_len=96,
             warmup_steps=1,
             measured_steps=3,
-            repeats=3,
+            repeats=5,
             count_steps=2,
         ),
         micro_quick=True,
@@ -218,6 +220,7 @@ def run_benchmark(
     micro: tuple[str, ...] = MICRO_BENCHMARKS,
     repeats: int | None = None,
     measured_steps: int | None = None,
+    max_seconds: float | None = None,
     benchmarks_dir: Path | None = None,
     log: Callable[[str], None] = print,
     on_update: Callable[[dict[str, Any]], None] | None = None,
@@ -231,6 +234,8 @@ def run_benchmark(
         micro: micro-benchmarks to run (empty: none).
         repeats: override of the profile's timed repeats.
         measured_steps: override of the profile's measured steps per segment.
+        max_seconds: a soft time budget: timed repeats stop starting after 60% of it, micro-benchmarks after all of
+            it (those not started are marked skipped), so a run under a hard time limit still reports.
         benchmarks_dir: where the micro-benchmark scripts live.
         log: progress messages.
         on_update: called with the result so far after the end-to-end part and after every micro-benchmark, so a
@@ -252,7 +257,8 @@ def run_benchmark(
         raise ConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
     settings = profile.e2e.with_overrides(repeats=repeats, measured_steps=measured_steps)
     start = time.perf_counter()
-    e2e, notes = run_e2e(settings, device, variants, log=log)
+    budget = math.inf if max_seconds is None else max_seconds
+    e2e, notes = run_e2e(settings, device, variants, log=log, deadline=start + 0.6 * budget)
     result: dict[str, Any] = {
         "profile": profile.name,
         "device": device,
@@ -271,6 +277,9 @@ def run_benchmark(
     if on_update is not None:
         on_update(result)
     for name in micro:
+        if time.perf_counter() - start > budget:
+            result["micro"][name] = {"skipped": f"time budget of {max_seconds} s used up"}
+            continue
         result["micro"].update(run_micro(profile.micro_quick, device, (name,), benchmarks_dir, log))
         result["seconds"] = round(time.perf_counter() - start, 1)
         if on_update is not None:

@@ -18,6 +18,10 @@ if TYPE_CHECKING:
 
 __all__ = ["MoEGPTLightningModule"]
 
+# Checkpoints store the config object among the hyper-parameters; allow it under torch.load(weights_only=True),
+# Lightning's default, so resuming needs no unsafe loading.
+torch.serialization.add_safe_globals([MoEGPTConfig])
+
 
 class MoEGPTLightningModule(L.LightningModule):
     """Trains :class:`MoEGPT` with cross-entropy over ``labels`` plus the router's load-balancing loss.

@@ -52,16 +52,20 @@ _jit = triton.jit if triton is not None else (lambda fn: fn)
 _SORT_BLOCK = 128
 # Elements of the (blocks, bins) tile the scan kernel holds at once.
 _SCAN_TILE = 8192
+# Elements per chunk of the PyTorch references' gathers: 1 MiB of float32, well inside a CPU core's L2.
+_CHUNK_ELEMENTS = 1 << 18
 
 __all__ = [
     "BACKENDS",
     "combine_rows",
+    "combine_rows_backward",
+    "combine_rows_backward_reference",
+    "combine_rows_backward_triton",
     "combine_rows_reference",
     "combine_rows_triton",
     "gather_rows",
     "gather_rows_reference",
     "gather_rows_triton",
-    "pair_dots",
     "pair_dots_reference",
     "pair_dots_triton",
     "resolve_backend",
@@ -285,12 +289,35 @@ def gather_rows_reference(
     """
     out = x.index_select(0, src)
     if scale is not None:
-        acc = _acc_dtype(x)
-        out = (out.to(acc) * scale.to(acc).unsqueeze(1)).to(x.dtype)
+        _scale_rows_(out, scale)
     if num_valid is not None:
         row_ok = torch.arange(src.numel(), device=src.device) < num_valid
-        out = out.masked_fill(~row_ok.unsqueeze(1), 0)  # a fill, not a product: inf * 0 would be NaN
+        out.masked_fill_(~row_ok.unsqueeze(1), 0)  # a fill, not a product: inf * 0 would be NaN
     return out
+
+
+def _scale_rows_(rows: Tensor, scale: Tensor) -> None:
+    """``rows[r] *= scale[r]`` in place, in the accumulation dtype; ``rows`` ``(n, hidden)``, ``scale`` ``(n,)``.
+
+    In place because the callers own ``rows`` (a fresh gather): a new ``(n, hidden)`` buffer would cost a pass of
+    page faults on CPU, where large allocations come fresh from the OS.
+    """
+    scaled = rows.to(_acc_dtype(rows))  # the same tensor when rows are float32/float64
+    scaled.mul_(scale.to(scaled.dtype).unsqueeze(1))
+    if scaled is not rows:
+        rows.copy_(scaled)
+
+
+def _chunk_size(row_elements: int, length: int) -> int:
+    """Rows per chunk so that a chunk of ``row_elements``-element rows stays cache resident; one chunk when compiling.
+
+    The PyTorch references gather, reduce and scale chunk by chunk: each ``(chunk, hidden)`` tile is reused from
+    cache instead of streaming a ``(T * k, hidden)`` intermediate through memory (about 2x faster on CPU at
+    T=8192, k=8, H=256). Inductor fuses the unchunked expressions itself, and a loop would unroll into the graph.
+    """
+    if torch.compiler.is_compiling():
+        return max(length, 1)
+    return max(1, _CHUNK_ELEMENTS // max(row_elements, 1))
 
 
 @_jit
@@ -394,7 +421,9 @@ def gather_rows(
 def combine_rows_reference(rows: Tensor, positions: Tensor, weights: Tensor | None = None) -> Tensor:
     """PyTorch reference of the weighted combine: ``out[t] = sum_s weights[t, s] * rows[positions[t, s]]``.
 
-    The sum runs over ``s`` in order in float32 (float64 for float64 rows): no atomics, bitwise reproducible.
+    Summed in float32 (float64 for float64 rows) without atomics: bitwise reproducible. Tokens are processed in
+    cache-sized chunks (a ``(chunk, k, hidden)`` gather, then one batched product or sum), so no ``(T, k, hidden)``
+    intermediate is materialised.
 
     Args:
         rows: ``(num_rows, hidden)``.
@@ -408,12 +437,22 @@ def combine_rows_reference(rows: Tensor, positions: Tensor, weights: Tensor | No
 
         out = combine_rows_reference(rows, torch.tensor([[0, 2], [1, 3]]), torch.full((2, 2), 0.5))
     """
-    num_tokens, top_k = positions.shape
+    (num_tokens, top_k), hidden = positions.shape, rows.shape[1]
     acc = _acc_dtype(rows)
-    gathered = rows.index_select(0, positions.reshape(-1)).view(num_tokens, top_k, rows.shape[1]).to(acc)
-    if weights is None:
-        return gathered.sum(dim=1).to(rows.dtype)
-    return torch.bmm(weights.to(acc).unsqueeze(1), gathered).squeeze(1).to(rows.dtype)
+    out = torch.empty(num_tokens, hidden, dtype=acc, device=rows.device)
+    chunk = _chunk_size(top_k * hidden, num_tokens)
+    gathered = rows.new_empty(min(chunk, num_tokens) * top_k, hidden)  # reused by every chunk
+    if weights is not None:
+        weights = weights.to(acc)
+    for start in range(0, num_tokens, chunk):
+        end = min(start + chunk, num_tokens)
+        tile = torch.index_select(rows, 0, positions[start:end].reshape(-1), out=gathered[: (end - start) * top_k])
+        tile = tile.view(end - start, top_k, hidden).to(acc)
+        if weights is None:
+            torch.sum(tile, dim=1, out=out[start:end])
+        else:
+            torch.bmm(weights[start:end].unsqueeze(1), tile, out=out[start:end].unsqueeze(1))
+    return out.to(rows.dtype)
 
 
 @_jit
@@ -592,22 +631,83 @@ def pair_dots_triton(rows: Tensor, grad: Tensor, positions: Tensor) -> Tensor:
     return out
 
 
-def pair_dots(rows: Tensor, grad: Tensor, positions: Tensor, *, backend: str = "torch") -> Tensor:
-    """``dots[t, s] = <rows[positions[t, s]], grad[t]>``; Triton or the PyTorch reference.
+def combine_rows_backward_reference(
+    grad: Tensor, rows: Tensor, src: Tensor, scale: Tensor, positions: Tensor
+) -> tuple[Tensor, Tensor]:
+    """PyTorch reference of the combine's backward: both gradients from one gather of ``grad``.
+
+    Equals ``(gather_rows_reference(grad, src, scale=scale), pair_dots_reference(rows, grad, positions))`` when
+    ``src[positions[t, s]] == t`` (``positions`` maps each pair to its row and ``src`` each row to its token). Row
+    by row, in cache-sized chunks: ``grad[src[r]]`` is gathered straight into the output, dotted with ``rows[r]``,
+    then scaled in place. That is one pass over ``(num_rows, hidden)`` memory and one gather, where the separate
+    functions make three passes and two gathers (the saving is about half the backward's dispatch time on CPU).
 
     Args:
-        rows: ``(num_rows, hidden)``.
+        grad: ``(num_tokens, hidden)`` gradient of the combined output.
+        rows: ``(num_rows, hidden)`` the combined rows.
+        src: ``(num_rows,)`` int64 token of each row.
+        scale: ``(num_rows,)`` weight of each row.
+        positions: ``(num_tokens, k)`` int64 row of each pair.
+
+    Returns:
+        ``grad_rows`` ``(num_rows, hidden)`` in the dtype of ``grad`` and ``grad_weights`` ``(num_tokens, k)`` in
+        float32 (float64 for float64 rows).
+
+    Example::
+
+        grad_rows, grad_weights = combine_rows_backward_reference(grad_out, rows, tokens, row_weights, positions)
+    """
+    (num_rows, hidden), acc = rows.shape, _acc_dtype(rows)
+    grad_rows = grad.new_empty(num_rows, hidden)
+    dots = torch.empty(num_rows, dtype=acc, device=rows.device)
+    chunk = _chunk_size(hidden, num_rows)
+    for start in range(0, num_rows, chunk):
+        end = min(start + chunk, num_rows)
+        tile = torch.index_select(grad, 0, src[start:end], out=grad_rows[start:end])
+        row_tile = rows[start:end].to(acc).unsqueeze(1)
+        torch.bmm(row_tile, tile.to(acc).unsqueeze(2), out=dots[start:end].view(-1, 1, 1))
+        _scale_rows_(tile, scale[start:end])
+    return grad_rows, dots.index_select(0, positions.reshape(-1)).view(positions.shape)
+
+
+def combine_rows_backward_triton(
+    grad: Tensor, rows: Tensor, src: Tensor, scale: Tensor, positions: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Triton combine backward; same contract as :func:`combine_rows_backward_reference`.
+
+    The scaled gather and the per-pair dots read ``grad`` and ``rows`` directly in their kernels, so two launches
+    with no intermediate buffer.
+
+    Example::
+
+        grad_rows, grad_weights = combine_rows_backward_triton(grad_out, rows, tokens, row_weights, positions)
+    """
+    return gather_rows_triton(grad, src, scale=scale), pair_dots_triton(rows, grad, positions)
+
+
+def combine_rows_backward(
+    grad: Tensor, rows: Tensor, src: Tensor, scale: Tensor, positions: Tensor, *, backend: str = "torch"
+) -> tuple[Tensor, Tensor]:
+    """Gradients of the weighted combine for the rows and the weights; Triton or the PyTorch reference.
+
+    ``grad_rows[r] = scale[r] * grad[src[r]]`` and ``grad_weights[t, s] = <rows[positions[t, s]], grad[t]>``.
+
+    Args:
         grad: ``(num_tokens, hidden)``.
+        rows: ``(num_rows, hidden)``.
+        src: ``(num_rows,)`` int64 token of each row.
+        scale: ``(num_rows,)`` weight of each row.
         positions: ``(num_tokens, k)`` int64 row of each pair.
         backend: ``"torch"`` or ``"triton"`` (already resolved).
 
     Returns:
-        ``(num_tokens, k)`` in float32 (float64 for float64 rows).
+        ``grad_rows`` ``(num_rows, hidden)`` (dtype of ``grad``) and ``grad_weights`` ``(num_tokens, k)`` (float32,
+        float64 for float64 rows).
 
     Example::
 
-        grad_weights = pair_dots(rows, grad_out, positions)
+        grad_rows, grad_weights = combine_rows_backward(grad_out, rows, tokens, row_weights, positions)
     """
     if backend == "triton":
-        return pair_dots_triton(rows, grad, positions)
-    return pair_dots_reference(rows, grad, positions)
+        return combine_rows_backward_triton(grad, rows, src, scale, positions)
+    return combine_rows_backward_reference(grad, rows, src, scale, positions)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_llmfast.errors import RoutingError
-from lightning_llmfast.moe.kernels import combine_rows, gather_rows, pair_dots, resolve_backend
+from lightning_llmfast.moe.kernels import combine_rows, combine_rows_backward, gather_rows, resolve_backend
 from lightning_llmfast.moe.routing import RoutingPlan
 
 __all__ = ["permute", "unpermute"]
@@ -88,14 +88,20 @@ class _Unpermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         rows, weights, pairs, tokens, positions = ctx.saved_tensors
-        grad_rows = grad_weights = None
-        if ctx.needs_input_grad[0]:
-            # Each row belongs to exactly one pair: a scaled gather, no accumulation. Dropped pairs have weight 0.
-            row_weights = weights.reshape(-1).index_select(0, pairs)
-            grad_rows = gather_rows(grad_out, tokens, scale=row_weights, backend=ctx.backend).to(rows.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_weights = pair_dots(rows, grad_out, positions, backend=ctx.backend).to(weights.dtype)
-        return grad_rows, grad_weights, None, None, None, None
+        # Each row belongs to exactly one pair: its gradient is a scaled gather, no accumulation (dropped pairs
+        # have weight 0). Both gradients come from one gather of grad_out; an unneeded one is simply dropped.
+        row_weights = weights.reshape(-1).index_select(0, pairs)
+        grad_rows, grad_weights = combine_rows_backward(
+            grad_out.to(rows.dtype), rows, tokens, row_weights, positions, backend=ctx.backend
+        )
+        return (
+            grad_rows if ctx.needs_input_grad[0] else None,
+            grad_weights.to(weights.dtype) if ctx.needs_input_grad[1] else None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def permute(x: Tensor, plan: RoutingPlan, *, backend: str = "auto") -> Tensor:

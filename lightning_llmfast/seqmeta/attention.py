@@ -31,25 +31,29 @@ __all__ = ["dense_block_causal_mask", "varlen_attention"]
 
 Impl = Literal["auto", "masked", "per_document", "bucketed", "flash"]
 
-# Measured on this project's shared 2-core CPU machine (torch 2.13, fp32, 4 heads x 32 dims, forward+backward,
-# median of 4 interleaved repeats, documents of random lengths; `python benchmarks/bench_metadata.py --attention`).
-# Time relative to "bucketed" (lower is better; the machine is noisy, so only the trends are meaningful):
+# Measured on this project's shared 2-core CPU machine (torch 2.13, fp32, 4 heads / 2 kv heads x 32 dims, one
+# thread, forward+backward, median of 5 interleaved repeats, random cut points;
+# `python benchmarks/bench_metadata.py --attention`). Time relative to "bucketed" (lower is better; the machine was
+# loaded by other jobs, so single cells are noisy and only the trends count):
 #
-#   N tokens  docs   masked  per_document        N tokens  docs   masked  per_document
-#   128       16     0.97    5.22                1024      4      2.02    0.88
-#   128       64     0.43    4.96                1024      16     4.14    1.16
-#   256       64     1.01    5.90                1024      256    3.96    8.68
-#   256       256    0.21    5.71                2048      2      1.93    0.91
-#   512       8      3.50    2.02                2048      16     13.18   6.92
-#   512       256    0.74    7.10                2048      256    9.66    39.0
+#   N tokens  docs  masked  per_document  bucketed ms     N tokens  docs  masked  per_document  bucketed ms
+#   128       16    0.61    14.3          1.0            1024      4     1.01    0.54          40
+#   128       64    0.11    3.55          7.6            1024      16    2.74    1.07          15
+#   256       16    6.83    4.76          1.4            1024      64    4.10    2.67          9.0
+#   256       256   0.31    2.86          46             2048      2     1.39    0.52          251
+#   512       16    1.85    1.08          15             2048      16    3.09    0.82          111
+#   512       256   0.38    3.46          48             2048      256   7.27    8.80          36
 #
-# Rule: the dense mask wins only while its O(N^2) work is cheaper than a few extra calls: tiny N, or small N packed
-# with very short documents (mean length under 4). Per-document calls win (by ~10%, no padding waste) with one or two
-# documents. Everywhere else length-bucketing wins, by 2-13x over the mask and 1.2-40x over per-document calls.
+# Rule: the dense mask wins only while its O(N^2) work is cheaper than the extra calls: N <= 128, or N <= 512 packed
+# with very short documents (mean length under 4). Per-document calls win (exact work, no padding) with a few long
+# documents: up to 4, or up to 16 of 128+ tokens on average. Everywhere else length-bucketing wins (2-7x over the
+# mask, 1.5-14x over per-document calls at 64+ documents).
 _MASKED_MAX_TOKENS = 128
 _MASKED_SHORT_DOCS_MAX_TOKENS = 512
 _MASKED_SHORT_DOCS_MEAN_LEN = 4
-_PER_DOCUMENT_MAX_DOCS = 2
+_PER_DOCUMENT_MAX_DOCS = 4
+_PER_DOCUMENT_LONG_DOCS_MAX_DOCS = 16
+_PER_DOCUMENT_LONG_DOCS_MEAN_LEN = 128
 _MIN_BUCKET = 16
 
 
@@ -135,16 +139,17 @@ def _host_tensor(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-    # q: (..., heads, L, D); k/v: (..., kv_heads, L, D). enable_gqa lets SDPA broadcast the kv heads itself.
-    return F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[-3] != q.shape[-3], **kwargs)
+    # q: (batch, heads, L, D); k/v: (batch, kv_heads, L, D). Always 4-D: with 3-D inputs the CPU dispatcher skips the
+    # flash kernel for the O(L^2)-memory math path (measured 2-6x slower). enable_gqa broadcasts the kv heads.
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1], **kwargs)
 
 
 def _masked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SequenceMetadata, causal: bool, scale: Any
 ) -> torch.Tensor:
     mask = dense_block_causal_mask(meta, causal=causal)
-    out = _sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
+    out = _sdpa(*(t.transpose(0, 1)[None] for t in (q, k, v)), attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def _per_document(
@@ -155,8 +160,8 @@ def _per_document(
         if length == 0:
             continue
         sl = slice(start, start + length)
-        o = _sdpa(q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1), is_causal=causal, scale=scale)
-        outs.append(o.transpose(0, 1))
+        o = _sdpa(*(t[sl].transpose(0, 1)[None] for t in (q, k, v)), is_causal=causal, scale=scale)
+        outs.append(o[0].transpose(0, 1))
     return torch.cat(outs, dim=0) if outs else q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 
@@ -228,7 +233,9 @@ def _auto_impl(q: torch.Tensor, meta: SequenceMetadata) -> str:
     n, docs = meta.num_tokens, meta.num_sequences
     if n <= _MASKED_MAX_TOKENS or (n <= _MASKED_SHORT_DOCS_MAX_TOKENS and n < _MASKED_SHORT_DOCS_MEAN_LEN * docs):
         return "masked"
-    if docs <= _PER_DOCUMENT_MAX_DOCS:
+    if docs <= _PER_DOCUMENT_MAX_DOCS or (
+        docs <= _PER_DOCUMENT_LONG_DOCS_MAX_DOCS and n >= _PER_DOCUMENT_LONG_DOCS_MEAN_LEN * docs
+    ):
         return "per_document"
     return "bucketed"
 
