@@ -287,7 +287,7 @@ stage_bench() {
 # ------------------------------------------------------------------------------------------------------- the runner
 export -f stage_env stage_cuda_tests stage_kernel_tests stage_kernel_check stage_sync_step stage_bench
 # name:max seconds:min seconds (the min of every later stage is reserved when an earlier one's limit is set)
-STAGES=(env:60:20 cuda_tests:60:20 kernel_tests:60:20 kernel_check:50:20 sync_step:50:20 bench:280:150)
+STAGES=(env:60:20 cuda_tests:90:20 kernel_tests:60:20 kernel_check:50:20 sync_step:50:20 bench:280:150)
 declare -a RESULTS
 FAILED=0
 for i in "${!STAGES[@]}"; do

@@ -188,7 +188,7 @@ def test_cli_writes_the_json_schema_table_and_plot(tmp_path: Path, capsys: pytes
     assert set(result["e2e"]) == {"before", "peer", "llmfast"}
     for variant, row in result["e2e"].items():
         assert set(row) == E2E_KEYS, variant
-        assert row["tokens_per_sec"] > 0 and row["aten_ops_per_step"] > 0 and row["peak_mem_bytes"] >= 0
+        assert row["tokens_per_sec"] > 0 and row["aten_ops_per_step"] > 0 and row["peak_mem_bytes"] > 0
         assert math.isfinite(row["final_loss"])
     e2e = result["e2e"]
     ratios = result["ratios"]
@@ -275,3 +275,15 @@ def test_time_budget_cuts_repeats_and_skips_micro_benchmarks(tmp_path: Path) -> 
     assert f"time budget reached: 1 of {TINY.repeats} timed repeats ran" in result["notes"]
     assert result["micro"] == {"never": {"skipped": "time budget of 1e-06 s used up"}}
     assert set(result["e2e"]["before"]) == E2E_KEYS and result["ratios"]["llmfast_vs_before"] is None
+
+
+def test_peak_memory_on_cpu_counts_live_tensor_bytes_once() -> None:
+    kept = torch.zeros(4)  # exists before the block: not counted
+    with e2e._PeakMemory(torch.device("cpu")) as mem:
+        a = torch.empty(1 << 18)  # 1 MiB of float32
+        a.view(-1, 2).add_(1)  # a view and an in-place op: the same storage
+        b = torch.empty(1 << 19)  # 2 MiB
+        del b
+        c = torch.empty(1 << 17)  # 0.5 MiB, allocated after b was freed
+    assert mem.peak_bytes == (1 << 20) + (2 << 20), mem.peak_bytes
+    assert a.numel() + c.numel() + kept.numel() > 0

@@ -116,7 +116,12 @@ def loop_combine(rows: torch.Tensor, positions: torch.Tensor, weights: torch.Ten
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize(("num_tokens", "top_k", "hidden"), [(0, 2, 8), (1, 1, 1), (7, 3, 37), (33, 8, 300)])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_combine_rows_and_pair_dots_match_loops(dtype, num_tokens, top_k, hidden, weighted):
+@pytest.mark.parametrize("chunk_elements", [None, 500])  # None: one chunk; 500: many, the last one ragged
+def test_combine_rows_and_pair_dots_match_loops(
+    dtype, num_tokens, top_k, hidden, weighted, chunk_elements, monkeypatch
+):
+    if chunk_elements is not None:
+        monkeypatch.setattr(kernels, "_CHUNK_ELEMENTS", chunk_elements)
     gen = torch.Generator().manual_seed(num_tokens * 31 + hidden)
     num_rows = max(num_tokens * top_k, 1)
     rows = torch.randn(num_rows, hidden, generator=gen).to(dtype)
@@ -140,6 +145,43 @@ def test_combine_rows_and_pair_dots_match_loops(dtype, num_tokens, top_k, hidden
     for got in (kernels.pair_dots_reference(rows, grad, positions), kernels.pair_dots_triton(rows, grad, positions)):
         assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
         torch.testing.assert_close(got.double(), expected_dots, rtol=1e-5, atol=1e-4)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(("num_tokens", "top_k", "hidden"), [(0, 2, 8), (1, 1, 1), (7, 3, 37), (31, 8, 300)])
+@pytest.mark.parametrize("chunk_elements", [None, 700])  # None: one chunk; 700: many, the last one ragged
+def test_combine_rows_backward_matches_loops(dtype, num_tokens, top_k, hidden, chunk_elements, monkeypatch):
+    if chunk_elements is not None:
+        monkeypatch.setattr(kernels, "_CHUNK_ELEMENTS", chunk_elements)
+    gen = torch.Generator().manual_seed(num_tokens * 17 + top_k)
+    num_rows = num_tokens * top_k
+    # A consistent layout, as a plan makes one: row r holds pair perm[r], positions is the inverse.
+    perm = torch.randperm(num_rows, generator=gen)
+    src = perm // top_k
+    positions = torch.empty_like(perm).scatter_(0, perm, torch.arange(num_rows)).view(num_tokens, top_k)
+    rows = torch.randn(num_rows, hidden, generator=gen).to(dtype)
+    grad = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    scale = torch.rand(num_rows, generator=gen)
+    scale[: num_rows // 3] = 0  # dropped pairs have weight 0
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    expected_rows = torch.zeros(num_rows, hidden, dtype=dtype)
+    for r in range(num_rows):
+        expected_rows[r] = (grad[src[r]].to(acc) * scale[r].to(acc)).to(dtype)
+    expected_dots = torch.zeros(num_tokens, top_k, dtype=torch.float64)
+    for t in range(num_tokens):
+        for s in range(top_k):
+            expected_dots[t, s] = rows[positions[t, s]].double() @ grad[t].double()
+    reference = kernels.combine_rows_backward_reference(grad, rows, src, scale, positions)
+    triton_out = kernels.combine_rows_backward_triton(grad, rows, src, scale, positions)
+    for _, got_dots in (reference, triton_out):
+        assert got_dots.dtype == acc and got_dots.shape == (num_tokens, top_k)
+        torch.testing.assert_close(got_dots.double(), expected_dots, rtol=1e-5, atol=1e-4)
+    assert torch.equal(reference[0], expected_rows)  # the same float products, rounded once
+    assert_same(triton_out[0], expected_rows)
+    for backend, expected in (("torch", reference), ("triton", triton_out)):
+        got = kernels.combine_rows_backward(grad, rows, src, scale, positions, backend=backend)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 @needs_interpreter

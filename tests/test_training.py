@@ -32,12 +32,25 @@ class _Recorder(L.Callback):
         self.losses: list[float] = []
         self.tokens = 0
         self.tokens_by_step: dict[int, int] = {}
+        self.flops = 0
+        self.flops_by_step: dict[int, int] = {}
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.losses.append(float(outputs["loss"]))
         # count the non-padding positions from the tensors (PAD never occurs in a document), not from num_tokens
         self.tokens += int((batch.input_ids != PAD).sum())
         self.tokens_by_step[trainer.global_step] = self.tokens
+        # FLOPs by hand: 6 per active parameter per token plus causal attention, from the recorded boundaries
+        c = pl_module.config
+        lengths = (batch.cu_seqlens_cpu[1:] - batch.cu_seqlens_cpu[:-1]).tolist()
+        active = sum(
+            p.numel() * (c.top_k / c.num_experts if ".experts." in n else 1)
+            for n, p in pl_module.model.named_parameters()
+            if not n.startswith("embed.")
+        )
+        active += c.hidden_size * c.vocab_size
+        self.flops += 6 * active * sum(lengths) + 6 * c.n_layers * c.hidden_size * sum(n * n for n in lengths)
+        self.flops_by_step[trainer.global_step] = self.flops
 
 
 def _batches(num_batches: int, seq_len: int, batch_size: int, seed: int = 0) -> list[Any]:
@@ -60,7 +73,7 @@ def _module(**overrides: Any) -> MoEGPTLightningModule:
 def test_fit_loss_falls_and_monitor_counts_real_tokens(tmp_path: Path) -> None:
     batches = _batches(20, seq_len=64, batch_size=4)
     recorder = _Recorder()
-    monitor = TokenThroughputMonitor(log_every_n_steps=5, window_size=2)
+    monitor = TokenThroughputMonitor(log_every_n_steps=5, window_size=2, peak_flops=1e12)
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=20,
@@ -78,12 +91,22 @@ def test_fit_loss_falls_and_monitor_counts_real_tokens(tmp_path: Path) -> None:
     assert last < 0.8 * first, recorder.losses
 
     rows = list(csv.DictReader((Path(trainer.logger.log_dir) / "metrics.csv").open()))
-    logged = {int(r["step"]): float(r["train/tokens"]) for r in rows if r.get("train/tokens")}
+    # rows are indexed like Lightning's own: optimizer step n is logged at row n - 1
+    logged = {int(r["step"]) + 1: float(r["train/tokens"]) for r in rows if r.get("train/tokens")}
     assert sorted(logged) == [5, 10, 15, 20]
     for step, tokens in logged.items():
         assert tokens == recorder.tokens_by_step[step]
     rates = [float(r["train/tokens_per_sec"]) for r in rows if r.get("train/tokens_per_sec")]
     assert len(rates) == 3 and all(r > 0 for r in rates)  # window of 2 log points: from the second on
+    # MFU * peak / tokens-per-sec is the FLOPs per real token of the window; check it against the hand count
+    for r in rows:
+        if r.get("train/mfu"):
+            step = int(r["step"]) + 1
+            window_flops = recorder.flops_by_step[step] - recorder.flops_by_step[step - 5]
+            window_tokens = recorder.tokens_by_step[step] - recorder.tokens_by_step[step - 5]
+            per_token = float(r["train/mfu"]) * 1e12 / float(r["train/device/tokens_per_sec"])
+            assert per_token == pytest.approx(window_flops / window_tokens, rel=1e-3)
+    assert any(r.get("train/mfu") for r in rows)
     padding = [float(r["train/padding_fraction"]) for r in rows if r.get("train/padding_fraction")]
     assert all(0.0 <= p < 0.5 for p in padding)
 

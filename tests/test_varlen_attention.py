@@ -184,6 +184,6 @@ def test_cuda_flash_varlen_matches_reference(dtype: torch.dtype, kv_heads: int) 
     ref = reference_attention(qc, kc, vc, lengths, True, None)
     ref_grads = torch.autograd.grad(ref.square().sum(), (qc, kc, vc))
     tol = 2e-2 if dtype == torch.float16 else 6e-2
-    torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.double().cpu(), ref.double(), atol=tol, rtol=tol)
     for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g.double().cpu(), r, atol=5 * tol, rtol=5 * tol)
+        torch.testing.assert_close(g.double().cpu(), r.double(), atol=5 * tol, rtol=5 * tol)

@@ -61,10 +61,7 @@ def _is_device_to_host_copy(name: str, args: tuple[Any, ...], kwargs: dict[str, 
         dst, src = args[0], args[1]
         non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
         return (
-            not non_blocking
-            and isinstance(src, torch.Tensor)
-            and src.device.type != "cpu"
-            and dst.device.type == "cpu"
+            not non_blocking and isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst.device.type == "cpu"
         )
     src, device = args[0], kwargs.get("device")
     return (

@@ -12,10 +12,11 @@ Every variant is the reference :class:`~lightning_llmfast.models.MoEGPTLightning
 - ``llmfast``: ``attention_metadata="cached"``, ``router_backend="auto"``, ``Trainer(strategy="llmfast")`` with
   :class:`~lightning_llmfast.SequenceMetadataCallback` and :class:`~lightning_llmfast.TokenThroughputMonitor`.
 
-Each variant first runs one *counting* segment (host syncs, ATen ops, metadata builds and peak memory, under a
-``TorchDispatchMode`` that would distort timings), then ``repeats`` *timed* segments, interleaved with the other
-variants (the order rotates every repeat); tokens/sec is the median over repeats. All variants see the same
-sequence of batches, so their losses must agree: the report prints the largest relative difference.
+Each variant first runs one unmeasured step (lazy initialisation, kernel compilation, optimizer state), then one
+*counting* segment (host syncs, ATen ops, metadata builds and peak memory, under a ``TorchDispatchMode`` that would
+distort timings), then ``repeats`` *timed* segments, interleaved with the other variants (the order rotates every
+repeat); tokens/sec is the median over repeats. One optimizer per variant lives across all segments. All variants
+see the same sequence of batches, so their losses must agree: the report prints the largest relative difference.
 
 The load-balancing loss is left out of the objective (``aux_loss_coef=0``): transformers defines it ``top_k``
 times larger than ours, and with it the three variants would optimise different functions.
@@ -27,12 +28,10 @@ import contextlib
 import functools
 import logging
 import math
-import os
-import resource
 import statistics
-import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -41,6 +40,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from typing_extensions import override
 
 from lightning_llmfast.bench.counters import SyncCounter
@@ -152,6 +153,11 @@ def make_batches(settings: E2ESettings, num_batches: int, vocab_size: int) -> li
 
     Raises:
         ConfigError: the vocabulary is too small for the text, or the text ran out.
+
+    Example::
+
+        batches = make_batches(E2ESettings(seq_len=256, batch_size=2), num_batches=4, vocab_size=258)
+        batches[0].input_ids.shape  # (2, 256)
     """
     if vocab_size < TextCorpus.vocab_size:
         raise ConfigError(f"vocab_size {vocab_size} is below the byte tokenizer's {TextCorpus.vocab_size}")
@@ -172,18 +178,18 @@ def make_batches(settings: E2ESettings, num_batches: int, vocab_size: int) -> li
     return [batches[i] for i in order[:num_batches].tolist()]
 
 
-def _text_pieces(lengths: list[int]) -> Iterator[list[int]]:
-    """Consecutive pieces of the stdlib text with the given lengths."""
+def _text_pieces(lengths: list[int]) -> Iterator[Tensor]:
+    """Consecutive pieces of the stdlib text with the given lengths, as 1-D int64 views (no per-piece copy)."""
     files = iter(TextCorpus())
-    buffer: list[int] = []
+    pending = torch.empty(0, dtype=torch.int64)
     for length in lengths:
-        while len(buffer) < length:
+        while pending.numel() < length:
             chunk = next(files, None)
             if chunk is None:
                 raise ConfigError(f"the standard library's text ran out after {len(lengths)} documents' worth")
-            buffer.extend(chunk)
-        yield buffer[:length]
-        del buffer[:length]
+            pending = torch.cat([pending, torch.tensor(chunk, dtype=torch.int64)])
+        yield pending[:length]
+        pending = pending[length:]
 
 
 # ------------------------------------------------------------------------------------------------------ the peer
@@ -303,9 +309,26 @@ def build_variants(
     return out
 
 
+class _BenchModule(MoEGPTLightningModule):
+    """The reference module with one optimizer kept across the benchmark's many short fits.
+
+    A fresh AdamW per segment would make each segment's first update ``lr * sign(grad)`` for every parameter,
+    rounding noise included (an expert without tokens has a gradient of exactly 0 in one implementation and 1e-12
+    in another), and the variants' losses would drift apart for no reason but the restarts.
+    """
+
+    _kept: Any = None
+
+    @override
+    def configure_optimizers(self) -> Any:
+        if self._kept is None:
+            self._kept = super().configure_optimizers()
+        return self._kept
+
+
 def _module(settings: E2ESettings, variant: str) -> MoEGPTLightningModule:
-    # warmup_steps=1: a constant learning rate, so restarting the optimizer every segment changes nothing else.
-    return MoEGPTLightningModule(settings.config(variant), lr=settings.lr, aux_loss_coef=0.0, warmup_steps=1)
+    # warmup_steps=1: a constant learning rate from the first step.
+    return _BenchModule(settings.config(variant), lr=settings.lr, aux_loss_coef=0.0, warmup_steps=1)
 
 
 # ------------------------------------------------------------------------------------------------- measurement
@@ -429,52 +452,48 @@ class _StepProbe(Callback):
         return self.tokens / (self.t1 - self.t0) if self.t1 > self.t0 else float("nan")
 
 
-class _PeakMemory:
-    """Peak device memory (CUDA) or peak resident-memory growth (CPU, sampled) over a ``with`` block.
+class _PeakMemory(TorchDispatchMode):
+    """Peak memory over a ``with`` block: CUDA's peak allocated bytes, or on CPU the peak of live tensor bytes.
 
-    CPU figures are indicative only: the host allocator keeps freed memory, so a later variant may grow less.
+    On CPU the resident set size is no measure: the host allocator keeps freed pages, so the second variant to run
+    "grows" by almost nothing. Instead every tensor storage an op creates is counted until it is freed (a weak
+    finalizer), which is what the allocator had to hold, independent of its caching. Tensors that exist before the
+    block (weights, optimizer state) are not counted; on CUDA everything on the device is.
     """
 
-    def __init__(self, device: torch.device, period_s: float = 0.002) -> None:
-        self.device, self.period_s = device, period_s
-        self.peak_bytes = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._base = 0
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.peak_bytes = self._live_bytes = 0
+        self._live: dict[int, int] = {}
 
     def __enter__(self) -> _PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            self._base = self.peak_bytes = _rss_bytes()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.period_s):
-            self.peak_bytes = max(self.peak_bytes, _rss_bytes())
+            return self
+        return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         if self.device.type == "cuda":
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
             return
-        self._stop.set()
-        assert self._thread is not None
-        self._thread.join()
-        self.peak_bytes = max(self.peak_bytes, _rss_bytes()) - self._base
+        super().__exit__(*exc)
 
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self._live:  # views and in-place results share a storage already counted
+                    self._live[key] = storage.nbytes()
+                    self._live_bytes += storage.nbytes()
+                    self.peak_bytes = max(self.peak_bytes, self._live_bytes)
+                    weakref.finalize(storage, self._free, key)
+        return out
 
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _rss_bytes() -> int:
-    """Resident set size of this process now (``/proc``), or its high-water mark where ``/proc`` is missing."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE_SIZE
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    def _free(self, key: int) -> None:
+        self._live_bytes -= self._live.pop(key, 0)
 
 
 # --------------------------------------------------------------------------------------------------------- runner
@@ -561,7 +580,8 @@ def run_e2e(
     Returns:
         ``(results, notes)``: ``results[variant]`` holds ``tokens_per_sec`` (median over repeats),
         ``host_syncs_per_step`` (forward + backward), ``metadata_builds_per_step``, ``aten_ops_per_step`` (whole
-        step), ``peak_mem_bytes`` (CUDA peak allocated, or CPU resident growth) and ``final_loss``; a skipped
+        step), ``peak_mem_bytes`` (CUDA peak allocated; CPU peak of tensor bytes allocated during the counted
+        segment) and ``final_loss``; a skipped
         variant maps to ``{"skipped": reason}``. ``notes`` lists what a reader needs to interpret them (loss
         agreement, syncs by op). A variant that raises maps to ``{"error": message}``; the others still run.
 
@@ -605,6 +625,10 @@ def run_e2e(
 
     with _quiet():
         for variant in active:
+            # One unmeasured step each first: lazy initialisation, kernel compilation and the optimizer state are
+            # then in place for every variant, and the first variant's memory reading no longer carries them.
+            run_segment(variant, batches[:1], _StepProbe(warmup=1, count=False))
+        for variant in active:
             masks = _MaskBuildCounter()
             probe = _StepProbe(settings.warmup_steps, count=True, masks=masks)
             with masks.installed(), _PeakMemory(device) as mem:
@@ -636,6 +660,7 @@ def run_e2e(
             "metadata_builds_per_step": c.builds / c.measured,
             "aten_ops_per_step": c.ops / c.measured,
             "peak_mem_bytes": int(memory[variant]),
+            # NOTE: host sync, once per variant after all measurement.
             "final_loss": float(last[variant].losses[-1]),
         }
         if c.sync_names:
@@ -666,5 +691,10 @@ def _settings_notes(settings: E2ESettings, device: torch.device) -> list[str]:
         f"(mean document {settings.mean_doc_len:g} tokens), {settings.precision} on {device.type}",
         f"timing: {settings.repeats} interleaved segments of {settings.warmup_steps} warm-up + "
         f"{settings.measured_steps} measured steps per variant, median; counters over {settings.count_steps} steps; "
-        "host syncs over forward+backward (the optimizer's CPU step counter is not a device sync)",
+        "host syncs over forward+backward (the optimizer's CPU step counter is not a device sync); peak memory: "
+        + (
+            "torch.cuda.max_memory_allocated over the counted segment"
+            if device.type == "cuda"
+            else "peak of tensor bytes allocated during the counted segment (weights and optimizer state excluded)"
+        ),
     ]

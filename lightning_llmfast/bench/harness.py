@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import math
+import os
 import platform
 import subprocess
 import time
@@ -145,16 +146,30 @@ def git_commit(path: Path = _REPO_ROOT) -> str:
 
 
 def machine(device: torch.device) -> str:
-    """One line naming the hardware and the versions that produced a result."""
+    """One line naming the hardware and the versions that produced a result.
+
+    Example::
+
+        machine(torch.device("cpu"))  # "Intel(R) Xeon(R) Processor, 2 cores, torch threads 2; python 3.11.7, ..."
+    """
     import lightning
 
     if device.type == "cuda":
         hardware = torch.cuda.get_device_name(device)
     else:
-        hardware = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        hardware = f"{_cpu_name()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
     return (
         f"{hardware}; python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}"
     )
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def run_micro(

@@ -132,7 +132,7 @@ def plot_result(result: dict[str, Any], path: str | Path) -> None:
         names = list(rows)
         values = [rows[v][key] * scale for v in names]
         bars = ax.bar(names, values, color=[colors.get(v, "#607d8b") for v in names])
-        ax.bar_label(bars, labels=[f"{v:,.3g}" for v in values], fontsize=8)
+        ax.bar_label(bars, labels=[f"{v:,.0f}" if v >= 100 else f"{v:.3g}" for v in values], fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.spines[["top", "right"]].set_visible(False)
     fig.suptitle(f"lightning_llmfast: {result['profile']} profile on {result['device']} ({result['commit']})")

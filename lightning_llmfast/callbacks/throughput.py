@@ -47,7 +47,8 @@ class TokenThroughputMonitor(Callback):
 
     Args:
         log_every_n_steps: optimizer steps between log points; defaults to the trainer's ``log_every_n_steps``.
-        window_size: number of log points the rates are computed over (at least 2).
+        window_size: number of log points the rates are computed over (at least 2; 2 = the rate since the
+            previous log point, which leaves the warm-up before the first log point out).
         num_tokens_fn: maps a batch to ``(real_tokens, padded_tokens, sequences)`` for batches that are not a
             :class:`~lightning_llmfast.data.PackedBatch`.
         peak_flops: the device's peak FLOP/s for MFU; by default looked up from the device and precision.
@@ -60,7 +61,7 @@ class TokenThroughputMonitor(Callback):
     def __init__(
         self,
         log_every_n_steps: int | None = None,
-        window_size: int = 4,
+        window_size: int = 2,
         num_tokens_fn: Callable[[Any], tuple[int, int, int]] | None = None,
         peak_flops: float | None = None,
     ) -> None:
@@ -161,8 +162,10 @@ class TokenThroughputMonitor(Callback):
             metrics["train/mfu"] = local["device/mfu"]
         self._real_since_log = self._padded_since_log = self._flops_since_log = 0
         if trainer.is_global_zero:
+            # Lightning's own rows for this optimizer step carry the index step - 1 (batches stepped before it);
+            # use the same so our metrics share their rows.
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
+                logger.log_metrics(metrics, step=step - 1)
         if "train/tokens_per_sec" in metrics:
             pl_module.log("tokens_per_sec", metrics["train/tokens_per_sec"], prog_bar=True, logger=False)
         self.last_metrics = metrics

