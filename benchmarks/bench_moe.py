@@ -9,8 +9,8 @@ runs use bfloat16 (grouped_mm's CUDA dtype, and what training uses).
 Issue 4's target: ours at or below 1.05x the expert-only time and faster than every HF implementation, at T=4096,
 H=256, F=512, E=8, k=2 and at T=8192, E=64, k=8.
 
-Measured on this project's shared 2-core CPU box (``--threads 1 --repeats 3``; with 2 threads the load of the
-other jobs on the box stalls OpenMP barriers and inflates every small op), ratios to expert-only:
+Measured with ``--threads 1`` (with 2 threads the load of other jobs on the shared box stalls OpenMP barriers and
+inflates every small op), ratios to expert-only. First version on the shared 2-core box (``--repeats 3``):
 
 ==========================  ======  =============  ========  =====  ==============================
 shape (H=256, F=512)        ours    hf_grouped_mm  hf_eager  naive  host syncs (ours/naive/hf_eager)
@@ -19,8 +19,11 @@ T=4096, E=8,  k=2           1.24x   1.42x          1.45x     1.43x  0 / 9 / 43
 T=8192, E=64, k=8           1.14x   1.28x          2.95x     2.60x  0 / 65 / 323
 ==========================  ======  =============  ========  =====  ==============================
 
-Ours is the fastest block at both shapes; the 1.05x target is not met on CPU: what remains is the dispatch
-(about five ``(T*k, H)`` gathers and a batched combine in route/permute/unpermute, forward and backward).
+After halving the dispatch time (one gather in unpermute's backward, a chunked combine without a ``(T, k, H)``
+intermediate): ours 1.07-1.10x at T=4096 and 1.06-1.08x at T=8192 against the old code in the same process, and
+1.062x / 1.110x on a quiet 16-core machine (``--repeats 5``). The 1.05x target is still not met reliably on CPU: what
+remains at T=8192 is mostly first-touch page faults of the two unavoidable ``(T*k, H)`` buffers (the permuted rows and
+their gradient). On an H200 (bf16) the blocks are launch-bound at these small shapes; see ``benchmarks/RESULTS.md``.
 
 Usage::
 

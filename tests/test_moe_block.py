@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.moe import ExpertLoadMetric, GroupedExperts, MoEBlock, NaiveMoEBlock, SwiGLUExperts
-from lightning_llmfast.moe.experts import grouped_mm_supported, grouped_swiglu
+from lightning_llmfast.moe.experts import (
+    _grouped_mm,
+    _silu_glu,
+    _silu_glu_backward,
+    grouped_mm_supported,
+    grouped_swiglu,
+)
 from lightning_llmfast.moe.kernels import triton_available
 
 H, FFN = 8, 12  # multiples of 4: the float32 grouped_mm path (16-byte aligned rows)
@@ -170,15 +176,49 @@ def test_forward_backward_has_no_host_sync(kwargs: dict[str, object]) -> None:
     assert counter.syncs["nonzero"] >= 8 and counter.syncs["bincount"] == 1
 
 
-def test_torch_compile_fullgraph_forward_backward() -> None:
-    _, grouped = _pair(4, 2, backend="torch")
+@pytest.mark.parametrize("capacity_factor", [None, 0.5], ids=["dropless", "capacity"])
+def test_torch_compile_fullgraph_forward_backward(capacity_factor: float | None) -> None:
+    """The output and every gradient (x, router, both expert weights) agree compiled and eager.
+
+    torch 2.11 once returned all-zero gradients here, silently, while the output was right: the permute/unpermute
+    autograd.Functions' forwards returned buffers filled in place. The eager run is itself checked against the
+    float64 loop oracle, and every gradient must be nonzero, so two equally wrong runs cannot pass.
+    """
+    naive, grouped = _pair(4, 2, backend="torch", capacity_factor=capacity_factor)
     x = torch.randn(9, H)
     compiled = torch.compile(grouped, fullgraph=True, backend="aot_eager")
     g = torch.randn(9, H)
     eager = _grads(grouped, x, g)
+    kept = grouped.last_plan.kept
+    assert capacity_factor is None or not kept.all()
+    torch.testing.assert_close(eager[0].double(), _reference(grouped, x, kept), rtol=1e-5, atol=1e-5)
+    if capacity_factor is None:
+        for a, b in zip(eager, _grads(naive, x, g)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     traced = _grads(compiled, x, g)
+    assert len(traced) == 5
     for a, b in zip(eager, traced):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert b.abs().sum() > 0
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_custom_ops_pass_opcheck() -> None:
+    """Schema (no undeclared mutation or aliasing), fake implementations (shapes, dtypes, strides), autograd."""
+    torch.manual_seed(3)
+    offs = torch.tensor([2, 2, 5, 9], dtype=torch.int32)  # group ends: an empty group, and uneven ones
+    x = torch.randn(9, H, requires_grad=True)
+    gate_up = torch.randn(4, H, 2 * FFN, requires_grad=True)
+    hf_layout = torch.randn(4, 2 * FFN, H).transpose(1, 2).requires_grad_()  # HF's (E, 2F, H) as a view
+    cases = [
+        (_grouped_mm, (x, gate_up, offs)),
+        (_grouped_mm, (x, hf_layout, offs)),
+        (_grouped_mm, (x.detach().T, torch.randn(9, 2 * FFN), offs)),  # the weight-gradient form
+        (_silu_glu, (torch.randn(9, 2 * FFN, requires_grad=True),)),
+        (_silu_glu, (torch.randn(1, 2 * FFN, requires_grad=True),)),
+        (_silu_glu_backward, (torch.randn(9, FFN), torch.randn(9, 2 * FFN), torch.randn(9, FFN))),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
 
 
 def test_deterministic_bitwise() -> None:

@@ -7,11 +7,29 @@ import torch
 
 from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.errors import RoutingError
-from lightning_llmfast.moe.permute import permute, unpermute
+from lightning_llmfast.moe.kernels import triton_available
+from lightning_llmfast.moe.permute import (
+    _combine_rows,
+    _combine_rows_backward,
+    _permute_rows,
+    _plan_indices,
+    _unpermute_rows,
+    permute,
+    unpermute,
+)
 from lightning_llmfast.moe.routing import RoutingPlan, route
 
 SHAPES = [(0, 4, 2), (1, 1, 1), (7, 3, 3), (13, 8, 2), (31, 5, 1), (97, 16, 4)]
 CAPACITY = [(None, "position"), (1.0, "position"), (0.5, "score"), (0.05, "position")]
+KERNEL_BACKENDS = [
+    "torch",
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            not triton_available(torch.device("cpu")), reason="Triton kernels need TRITON_INTERPRET=1 on CPU"
+        ),
+    ),
+]
 
 
 def make_plan(num_tokens: int, num_experts: int, top_k: int, capacity_factor, drop_policy, seed: int) -> RoutingPlan:
@@ -127,23 +145,40 @@ def test_sync_free_forward_backward(capacity_factor, drop_policy):
     assert x.grad is not None and logits.grad is not None
 
 
-def test_bitwise_deterministic():
+def _loop_experts(rows: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Expert ``e`` multiplies its rows by ``w[e]``; padding rows stay zero.
+
+    A loop over the offsets read on the host, so the test's own part of the backward is a per-expert matmul
+    (deterministic at any thread count), unlike ``w[expert_of_row]``, whose backward is an accumulating
+    ``index_put_`` that varies with threading.
+    """
+    bounds = offsets.tolist()
+    parts = [rows[bounds[e] : bounds[e + 1]] @ w[e] for e in range(w.shape[0])]
+    parts.append(rows.new_zeros(rows.shape[0] - bounds[-1], w.shape[2]))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("num_threads", [1, 4])
+def test_bitwise_deterministic(num_threads):
     gen = torch.Generator().manual_seed(5)
     logits0, x0 = torch.randn(300, 16, generator=gen), torch.randn(300, 32, generator=gen)
     w_expert = torch.randn(16, 32, 32, generator=gen)
-    results = []
-    for _ in range(2):
-        logits, x, w = logits0.clone().requires_grad_(), x0.clone().requires_grad_(), w_expert.clone().requires_grad_()
-        plan = route(logits, 4, capacity_factor=1.1, validate=False)
-        rows = permute(x, plan)
-        expert_of_row = torch.repeat_interleave(
-            torch.arange(16), plan.tokens_per_expert.long(), output_size=int(plan.offsets[-1])
-        )
-        expert_of_row = torch.nn.functional.pad(expert_of_row, (0, plan.num_rows - expert_of_row.numel()))
-        y = torch.bmm(rows.unsqueeze(1), w[expert_of_row]).squeeze(1)
-        unpermute(y, plan).square().sum().backward()
-        results.append((x.grad, logits.grad, w.grad))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        results = []
+        for _ in range(2):
+            logits, x = logits0.clone().requires_grad_(), x0.clone().requires_grad_()
+            w = w_expert.clone().requires_grad_()
+            plan = route(logits, 4, capacity_factor=1.1, validate=False)
+            assert int(plan.num_dropped) > 0  # the capacity path, padding rows included
+            y = _loop_experts(permute(x, plan), plan.offsets, w)
+            unpermute(y, plan).square().sum().backward()
+            results.append((x.grad, logits.grad, w.grad))
+    finally:
+        torch.set_num_threads(previous)
     for a, b in zip(*results):
+        assert a.abs().sum() > 0
         assert torch.equal(a, b)
 
 
@@ -155,3 +190,26 @@ def test_bad_shapes_raise():
         permute(torch.randn(10), plan)
     with pytest.raises(RoutingError, match="num_rows=20"):
         unpermute(torch.randn(19, 3), plan)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize(("num_tokens", "capacity_factor"), [(13, None), (13, 0.5), (1, None), (0, None)])
+def test_custom_ops_pass_opcheck(backend, num_tokens, capacity_factor):
+    """Schema (no undeclared mutation or aliasing), fake implementations (shapes, dtypes, strides), autograd."""
+    plan = make_plan(num_tokens, 5, 2, capacity_factor, "position", seed=7)
+    idx = _plan_indices(plan)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(num_tokens, 8, generator=gen, requires_grad=True)
+    rows = torch.randn(plan.num_rows, 8, generator=gen, requires_grad=True)
+    weights = plan.weights.detach().clone().requires_grad_()
+    pair_mask = plan.kept.float() if capacity_factor is not None else None
+    grad = torch.randn(num_tokens, 8, generator=gen)
+    row_weights = weights.detach().reshape(-1)[idx.pairs]
+    cases = [
+        (_permute_rows, (x, idx.tokens, idx.num_valid, idx.positions, pair_mask, backend)),
+        (_unpermute_rows, (rows, weights, idx.pairs, idx.tokens, idx.positions, backend)),
+        (_combine_rows, (rows.detach(), idx.positions, pair_mask, backend)),
+        (_combine_rows_backward, (grad, rows.detach(), idx.tokens, row_weights, idx.positions, backend)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)

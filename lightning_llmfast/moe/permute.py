@@ -19,7 +19,13 @@ import torch
 from torch import Tensor
 
 from lightning_llmfast.errors import RoutingError
-from lightning_llmfast.moe.kernels import combine_rows, combine_rows_backward, gather_rows, resolve_backend
+from lightning_llmfast.moe.kernels import (
+    _acc_dtype,
+    combine_rows,
+    combine_rows_backward,
+    gather_rows,
+    resolve_backend,
+)
 from lightning_llmfast.moe.routing import RoutingPlan
 
 __all__ = ["permute", "unpermute"]
@@ -49,59 +55,117 @@ def _plan_indices(plan: RoutingPlan) -> _PlanIndices:
     return _PlanIndices(pairs, pairs // plan.top_k, positions.view(plan.num_tokens, plan.top_k), num_valid)
 
 
-class _Permute(torch.autograd.Function):
-    """``rows[r] = x[tokens[r]]``; backward sums each token's kept rows in slot order (a gather, no atomics)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: Tensor,
-        tokens: Tensor,
-        num_valid: Tensor | None,
-        positions: Tensor,
-        pair_mask: Tensor | None,
-        backend: str,
-    ) -> Tensor:
-        ctx.save_for_backward(positions, pair_mask)
-        ctx.backend = backend
-        return gather_rows(x, tokens, num_valid, backend=backend)
-
-    @staticmethod
-    def backward(ctx: Any, grad_rows: Tensor) -> tuple[Tensor | None, ...]:
-        positions, pair_mask = ctx.saved_tensors
-        # pair_mask (1 kept, 0 dropped) zeroes dropped pairs, whose clamped position points at an unrelated row.
-        grad_x = combine_rows(grad_rows, positions, pair_mask, backend=ctx.backend)
-        return grad_x, None, None, None, None, None
+# The data movement runs inside custom ops rather than as torch.autograd.Function bodies, so that
+# torch.compile treats each as one opaque call with a declared shape function and never traces the kernels'
+# internals. Tracing them is not safe across torch versions: the references fill fresh buffers with out= and
+# in-place writes, and torch 2.11's Dynamo silently drops the gradient of an autograd.Function whose forward
+# returns such a buffer (x.grad and every weight gradient came out zero under
+# torch.compile(fullgraph=True, backend="aot_eager")). A custom op's contract is simple and checkable with
+# torch.library.opcheck: fresh outputs (no alias of an input), no input mutated (mutates_args=()), and a fake
+# implementation with the real outputs' shapes, dtypes and (contiguous) strides.
 
 
-class _Unpermute(torch.autograd.Function):
-    """``out[t] = sum_s w[t, s] * rows[positions[t, s]]``; a fixed-order sum, so bitwise reproducible."""
+@torch.library.custom_op("lightning_llmfast::permute_rows", mutates_args=())
+def _permute_rows(
+    x: Tensor, tokens: Tensor, num_valid: Tensor | None, positions: Tensor, pair_mask: Tensor | None, backend: str
+) -> Tensor:
+    """``rows[r] = x[tokens[r]]`` (zero from row ``num_valid`` on): ``(R, H)``.
 
-    @staticmethod
-    def forward(
-        ctx: Any, rows: Tensor, weights: Tensor, pairs: Tensor, tokens: Tensor, positions: Tensor, backend: str
-    ) -> Tensor:
-        ctx.save_for_backward(rows, weights, pairs, tokens, positions)
-        ctx.backend = backend
-        return combine_rows(rows, positions, weights, backend=backend)
+    ``positions`` ``(T, k)`` and ``pair_mask`` ``(T, k)`` (1 kept, 0 dropped, or ``None``) are for the backward.
+    """
+    return gather_rows(x, tokens, num_valid, backend=backend)
 
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        rows, weights, pairs, tokens, positions = ctx.saved_tensors
-        # Each row belongs to exactly one pair: its gradient is a scaled gather, no accumulation (dropped pairs
-        # have weight 0). Both gradients come from one gather of grad_out; an unneeded one is simply dropped.
-        row_weights = weights.reshape(-1).index_select(0, pairs)
-        grad_rows, grad_weights = combine_rows_backward(
-            grad_out.to(rows.dtype), rows, tokens, row_weights, positions, backend=ctx.backend
-        )
-        return (
-            grad_rows if ctx.needs_input_grad[0] else None,
-            grad_weights.to(weights.dtype) if ctx.needs_input_grad[1] else None,
-            None,
-            None,
-            None,
-            None,
-        )
+
+@_permute_rows.register_fake
+def _permute_rows_fake(
+    x: Tensor, tokens: Tensor, num_valid: Tensor | None, positions: Tensor, pair_mask: Tensor | None, backend: str
+) -> Tensor:
+    return x.new_empty(tokens.shape[0], x.shape[1])
+
+
+def _permute_rows_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    _, _, _, positions, pair_mask, backend = inputs
+    ctx.save_for_backward(positions, pair_mask)
+    ctx.backend = backend
+
+
+def _permute_rows_backward(ctx: Any, grad_rows: Tensor) -> tuple[Tensor | None, ...]:
+    """Sums each token's kept rows in slot order: a gather, no atomics."""
+    positions, pair_mask = ctx.saved_tensors
+    # pair_mask zeroes dropped pairs, whose clamped position points at an unrelated row.
+    grad_x = _combine_rows(grad_rows, positions, pair_mask, ctx.backend) if ctx.needs_input_grad[0] else None
+    return grad_x, None, None, None, None, None
+
+
+_permute_rows.register_autograd(_permute_rows_backward, setup_context=_permute_rows_setup)
+
+
+@torch.library.custom_op("lightning_llmfast::combine_rows", mutates_args=())
+def _combine_rows(rows: Tensor, positions: Tensor, weights: Tensor | None, backend: str) -> Tensor:
+    """``out[t] = sum_s weights[t, s] * rows[positions[t, s]]`` (plain sum without weights): ``(T, H)``."""
+    return combine_rows(rows, positions, weights, backend=backend)
+
+
+@_combine_rows.register_fake
+def _combine_rows_fake(rows: Tensor, positions: Tensor, weights: Tensor | None, backend: str) -> Tensor:
+    return rows.new_empty(positions.shape[0], rows.shape[1])
+
+
+@torch.library.custom_op("lightning_llmfast::unpermute_rows", mutates_args=())
+def _unpermute_rows(
+    rows: Tensor, weights: Tensor, pairs: Tensor, tokens: Tensor, positions: Tensor, backend: str
+) -> Tensor:
+    """``out[t] = sum_s weights[t, s] * rows[positions[t, s]]``: ``(T, H)``. ``pairs``, ``tokens``: for the backward."""
+    return combine_rows(rows, positions, weights, backend=backend)
+
+
+@_unpermute_rows.register_fake
+def _unpermute_rows_fake(
+    rows: Tensor, weights: Tensor, pairs: Tensor, tokens: Tensor, positions: Tensor, backend: str
+) -> Tensor:
+    return rows.new_empty(positions.shape[0], rows.shape[1])
+
+
+def _unpermute_rows_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    rows, weights, pairs, tokens, positions, backend = inputs
+    ctx.save_for_backward(rows, weights, pairs, tokens, positions)
+    ctx.backend = backend
+
+
+def _unpermute_rows_backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+    """Each row belongs to exactly one pair: its gradient is a scaled gather, no accumulation."""
+    rows, weights, pairs, tokens, positions = ctx.saved_tensors
+    # Dropped pairs have weight 0. Both gradients come from one gather of grad_out; an unneeded one is dropped.
+    row_weights = weights.reshape(-1).index_select(0, pairs)
+    grad_rows, grad_weights = _combine_rows_backward(
+        grad_out.to(rows.dtype), rows, tokens, row_weights, positions, ctx.backend
+    )
+    return (
+        grad_rows if ctx.needs_input_grad[0] else None,
+        grad_weights.to(weights.dtype) if ctx.needs_input_grad[1] else None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+_unpermute_rows.register_autograd(_unpermute_rows_backward, setup_context=_unpermute_rows_setup)
+
+
+@torch.library.custom_op("lightning_llmfast::combine_rows_backward", mutates_args=())
+def _combine_rows_backward(
+    grad: Tensor, rows: Tensor, src: Tensor, scale: Tensor, positions: Tensor, backend: str
+) -> tuple[Tensor, Tensor]:
+    """``grad_rows`` ``(R, H)`` (dtype of ``grad``) and ``grad_weights`` ``(T, k)`` (float32/float64)."""
+    return combine_rows_backward(grad, rows, src, scale, positions, backend=backend)
+
+
+@_combine_rows_backward.register_fake
+def _combine_rows_backward_fake(
+    grad: Tensor, rows: Tensor, src: Tensor, scale: Tensor, positions: Tensor, backend: str
+) -> tuple[Tensor, Tensor]:
+    return grad.new_empty(rows.shape), rows.new_empty(positions.shape, dtype=_acc_dtype(rows))
 
 
 def permute(x: Tensor, plan: RoutingPlan, *, backend: str = "auto") -> Tensor:
@@ -132,7 +196,7 @@ def permute(x: Tensor, plan: RoutingPlan, *, backend: str = "auto") -> Tensor:
     backend = resolve_backend(backend, x.device)
     idx = _plan_indices(plan)
     pair_mask = plan.kept.to(x.dtype) if plan.capacity is not None else None
-    return _Permute.apply(x, idx.tokens, idx.num_valid, idx.positions, pair_mask, backend)
+    return _permute_rows(x, idx.tokens, idx.num_valid, idx.positions, pair_mask, backend)
 
 
 def unpermute(rows: Tensor, plan: RoutingPlan, *, backend: str = "auto") -> Tensor:
@@ -162,4 +226,4 @@ def unpermute(rows: Tensor, plan: RoutingPlan, *, backend: str = "auto") -> Tens
     backend = resolve_backend(backend, rows.device)
     idx = _plan_indices(plan)
     weights = plan.weights if plan.capacity is None else plan.weights * plan.kept.to(plan.weights.dtype)
-    return _Unpermute.apply(rows, weights, idx.pairs, idx.tokens, idx.positions, backend)
+    return _unpermute_rows(rows, weights, idx.pairs, idx.tokens, idx.positions, backend)
