@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from typing_extensions import override
 
+from lightning_llmfast.errors import MetadataError
 from lightning_llmfast.models.model import MoEGPT, MoEGPTConfig
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ class MoEGPTLightningModule(L.LightningModule):
         """Training FLOPs of ``batch``, from its host-side boundaries (no device sync); used for MFU."""
         cu = batch.cu_seqlens_cpu if batch.cu_seqlens_cpu is not None else batch.cu_seqlens
         if cu.device.type != "cpu":
-            raise ValueError("flops_per_batch needs host-side cu_seqlens (PackedBatch.cu_seqlens_cpu)")
+            raise MetadataError("flops_per_batch needs host-side cu_seqlens (PackedBatch.cu_seqlens_cpu), got none")
         lengths = (cu[1:] - cu[:-1]).tolist()
         return self.model.flops_per_batch(lengths)
 
