@@ -14,8 +14,9 @@ Example::
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from lightning_llmfast._lazy import lazy_getattr
 from lightning_llmfast.errors import (
     ConfigError,
     DataError,
@@ -74,14 +75,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lightning_llmfast' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 # Registers "llmfast" and "llmfast_offload" in Lightning's StrategyRegistry, so Trainer(strategy="llmfast") works
 # after `import lightning_llmfast`.

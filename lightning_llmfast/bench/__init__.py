@@ -5,9 +5,9 @@ The counters are plain PyTorch; the harness names resolve lazily because they im
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from lightning_llmfast._lazy import lazy_getattr
 from lightning_llmfast.bench.counters import SYNC_OPS, OpCounter, SyncCounter
 
 _LAZY = {
@@ -32,12 +32,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lightning_llmfast.bench' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from lightning_llmfast.bench.e2e import E2ESettings

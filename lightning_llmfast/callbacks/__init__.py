@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lightning_llmfast._lazy import lazy_getattr
 
 _LAZY = {
     "SequenceMetadataCallback": "lightning_llmfast.callbacks.seqmeta",
@@ -14,8 +13,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lightning_llmfast.callbacks' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)

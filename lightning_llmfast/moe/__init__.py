@@ -10,8 +10,9 @@ Example::
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lightning_llmfast._lazy import lazy_getattr
 
 # Imported eagerly: the function shares its name with its submodule, and once any code imports the submodule
 # ``lightning_llmfast.moe.permute`` the import system binds that name on this package to the module, which a lazy
@@ -48,14 +49,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lightning_llmfast.moe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from lightning_llmfast.moe.adapters import get_moe_adapter, register_moe_adapter

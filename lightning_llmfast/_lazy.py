@@ -1,0 +1,31 @@
+"""Lazy public names for packages: ``import lightning_llmfast.moe`` stays cheap until a name is used."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["lazy_getattr"]
+
+
+def lazy_getattr(package: str, names: dict[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that imports ``names[name]`` (a module path) on first use and caches the value.
+
+    Example::
+
+        __getattr__ = lazy_getattr(__name__, {"MoEBlock": "lightning_llmfast.moe.block"})
+    """
+
+    def __getattr__(name: str) -> Any:
+        module = names.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        setattr(sys.modules[package], name, value)  # later lookups skip this function
+        return value
+
+    return __getattr__
