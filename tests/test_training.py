@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -153,3 +154,44 @@ def test_monitor_rejects_batches_without_token_counts(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="num_tokens"):
         trainer.fit(Plain(), train_dataloaders=DataLoader(torch.randn(4, 2), batch_size=2))
+
+
+def test_monitor_sums_real_tokens_over_ranks_instead_of_scaling_rank_zero() -> None:
+    """Two simulated ranks with different real-token counts: the global rate is their sum, not 2x rank 0's."""
+    other_rank_real, other_rank_padded = 300, 512  # what the second rank counted between the two log points
+
+    class TwoRankStrategy:
+        def reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+            assert reduce_op == "sum"
+            return tensor + torch.tensor([other_rank_real, other_rank_padded])
+
+    logged: list[dict[str, float]] = []
+
+    class Logger:
+        def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+            logged.append(metrics)
+
+    trainer = SimpleNamespace(
+        strategy=TwoRankStrategy(),
+        loggers=[Logger()],
+        is_global_zero=True,
+        global_step=0,
+        log_every_n_steps=1,
+        precision="32-true",
+    )
+    module = SimpleNamespace(device=torch.device("cpu"), log=lambda *args, **kwargs: None)
+    monitor = TokenThroughputMonitor(window_size=2)
+    monitor.setup(trainer, module, "fit")  # type: ignore[arg-type]
+    ids = torch.zeros(2, 256, dtype=torch.long)
+    for step, real in ((1, 400), (2, 100)):
+        monitor.on_train_batch_start(trainer, module, None, step)  # type: ignore[arg-type]
+        trainer.global_step = step
+        batch = SimpleNamespace(num_tokens=real, input_ids=ids)
+        monitor.on_train_batch_end(trainer, module, None, batch, step)  # type: ignore[arg-type]
+    first, second = logged
+    assert first["train/tokens"] == 400 + other_rank_real
+    assert second["train/tokens"] == 400 + 100 + 2 * other_rank_real
+    assert second["train/padding_fraction"] == pytest.approx(1 - (100 + other_rank_real) / (512 + other_rank_padded))
+    # over the window both rates divide by the same elapsed time: global / device = (100 + 300) / 100, not 2
+    ratio = second["train/tokens_per_sec"] / second["train/device/tokens_per_sec"]
+    assert ratio == pytest.approx((100 + other_rank_real) / 100)

@@ -82,7 +82,7 @@ class TokenThroughputMonitor(Callback):
 
     def _reset_counters(self) -> None:
         self._t0: float | None = None
-        self._batches = self._samples = self._padded = 0
+        self._batches = self._samples = 0
         self._flops_since_log = 0
         self._padded_since_log = self._real_since_log = 0
         self._last_logged_step = -1
@@ -137,7 +137,7 @@ class TokenThroughputMonitor(Callback):
             torch.cuda.synchronize(pl_module.device)
         elapsed = time.perf_counter() - self._t0
         interval_tokens = torch.tensor(
-            [self._real_since_log, self._padded_since_log], dtype=torch.float64, device=pl_module.device
+            [self._real_since_log, self._padded_since_log], dtype=torch.int64, device=pl_module.device
         )
         interval_tokens = trainer.strategy.reduce(interval_tokens, reduce_op="sum")
         global_real, global_padded = (int(v) for v in interval_tokens.tolist())
