@@ -2,6 +2,7 @@
 # Every GPU check of lightning_llmfast in one script, for a lent CUDA machine (nothing downloaded).
 #
 #   bash benchmarks/gpu_check.sh            # logs, JUnit XML, bench.json and bench.png under $OUT (else ./gpu_out)
+#   LLMFAST_COMMIT=abc1234 bash benchmarks/gpu_check.sh   # a copy without .git: name the commit for the report
 #
 # Stages (each under its own `timeout`, cut to fit a global budget so the whole script ends in < 8 minutes even if
 # one hangs; a failing stage does not stop the later ones; the exit status is non-zero if any stage failed):

@@ -124,6 +124,8 @@ PROFILES: dict[str, BenchProfile] = {
 def git_commit(path: Path = _REPO_ROOT) -> str:
     """Short commit hash of the repository at ``path`` (``+dirty`` with uncommitted changes), or ``"unknown"``.
 
+    A copy of the tree without ``.git`` (as on a lent GPU machine) reports ``$LLMFAST_COMMIT`` when it is set.
+
     Example::
 
         git_commit()  # "b3f7d21+dirty"
@@ -141,7 +143,7 @@ def git_commit(path: Path = _REPO_ROOT) -> str:
             timeout=10,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return os.environ.get("LLMFAST_COMMIT", "unknown")
     return f"{head}+dirty" if dirty else head
 
 
