@@ -1,7 +1,9 @@
 """Activation offload: peak activation memory and tokens/sec with and without offload, copy/compute overlap.
 
-On CUDA the reference ``MoEGPT`` (12 layers or more) trains with AdamW under bf16 autocast; the two modes are
-interleaved in one process and timed with CUDA events (median of repeats). Reported:
+On CUDA the reference ``MoEGPT`` (12 layers or more) trains with AdamW under bf16 autocast in three modes, interleaved
+in one process and timed with CUDA events (median of repeats): ``off``, ``on`` (every layer but the last offloads,
+reported at the top level) and ``auto`` (``offload_layers="auto"``: as many leading layers as the copies can hide
+behind compute, reported under ``"auto"`` with its plan: measured per-layer compute, bytes and bandwidth). Reported:
 
 - ``peak_act_bytes``: peak allocated memory during a step minus what is allocated before it (weights, gradients,
   optimizer state), i.e. the activations (plus transient buffers), per mode; ``mem_reduction`` = 1 - on/off.
@@ -76,21 +78,28 @@ def _step(model: MoEGPT, opt: torch.optim.Optimizer, ids: torch.Tensor, off: Act
 def _cpu(quick: bool) -> dict[str, Any]:
     model, opt, ids = _setup(CPU, "cpu")
     ref, ref_opt, _ = _setup(CPU, "cpu")
+    auto_model, auto_opt, _ = _setup(CPU, "cpu")
     off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True)
-    identical = True
+    auto = ActivationOffloader(
+        auto_model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto"
+    )
+    identical = {"on": True, "auto": True}
     for _ in range(2 if quick else 3):
-        _step(model, opt, ids, off)
         _step(ref, ref_opt, ids, None)
-        identical &= all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
-    stats = off.stats
-    off.close()
-    return {
+        for name, (m, o, offloader) in {"on": (model, opt, off), "auto": (auto_model, auto_opt, auto)}.items():
+            _step(m, o, ids, offloader)
+            identical[name] &= all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
+    report = {
         "device": "cpu",
         "note": "timings, peak memory and overlap need CUDA (copy streams); CPU runs the forced path for stats only",
         "shape": CPU,
-        "bit_identical_params": identical,
-        "stats": stats,
+        "bit_identical_params": identical["on"],
+        "stats": off.stats,
+        "auto": {"bit_identical_params": identical["auto"], "stats": auto.stats, "plan": auto.auto_plan},
     }
+    off.close()
+    auto.close()
+    return report
 
 
 def _copy_ms(nbytes: int, device: str) -> float:
@@ -111,17 +120,22 @@ def _cuda(quick: bool, repeats: int) -> dict[str, Any]:
     shape = QUICK if quick else FULL
     device = "cuda"
     model, opt, ids = _setup(shape, device)
-    off = ActivationOffloader(model.layers, min_offload_bytes=1 << 20, keep_last_layers=1, prefetch_layers=1)
-    modes = {"off": None, "on": off}
-    for mode in modes.values():  # warm-up: Triton compilation, allocator, pool sizing (first offload step)
-        for _ in range(2):
+    kwargs: dict[str, Any] = {"min_offload_bytes": 1 << 20, "keep_last_layers": 1, "prefetch_layers": 1}
+    off = ActivationOffloader(model.layers, **kwargs)
+    auto = ActivationOffloader(model.layers, offload_layers="auto", **kwargs)
+    modes = {"off": None, "on": off, "auto": auto}
+    # Warm-up: Triton compilation (in "off", first, so that "auto" measures warm kernels), allocator, pool sizing
+    # (first offload step; for "auto" the second, after its measuring step).
+    for mode in modes.values():
+        for _ in range(3):
             _step(model, opt, ids, mode)
     torch.cuda.synchronize()
     times: dict[str, list[float]] = {name: [] for name in modes}
     peaks: dict[str, int] = dict.fromkeys(modes, 0)
     for _ in range(repeats):
-        for name, mode in modes.items():  # interleaved: the machine's noise hits both modes alike
-            off.synchronize()
+        for name, mode in modes.items():  # interleaved: the machine's noise hits every mode alike
+            if mode is not None:
+                mode.synchronize()
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -132,16 +146,30 @@ def _cuda(quick: bool, repeats: int) -> dict[str, Any]:
             end.synchronize()
             times[name].append(start.elapsed_time(end))
             peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated() - base)
-    stats = off.stats
-    # The device buffer sets persist between steps, so `base` already holds them: charge them to offload.
-    peaks["on"] += int(stats["device_set_bytes"])
-    off.close()
     tokens = ids.numel()
     ms = {name: statistics.median(t) for name, t in times.items()}
-    copy_ms = _copy_ms(max(int(stats["offloaded_bytes"]), 1), device)
-    exposed = max(ms["on"] - ms["off"], 0.0)
-    mem_reduction = 1 - peaks["on"] / peaks["off"]
-    tps_ratio = ms["off"] / ms["on"]
+    compared = {}
+    for name in ("on", "auto"):
+        offloader = modes[name]
+        assert offloader is not None
+        stats = offloader.stats
+        # The device buffer sets persist between steps, so `base` already holds them: charge them to offload.
+        peaks[name] += int(stats["device_set_bytes"])
+        copy_ms = _copy_ms(max(int(stats["offloaded_bytes"]), 1), device)
+        exposed = max(ms[name] - ms["off"], 0.0)
+        mem_reduction = 1 - peaks[name] / peaks["off"]
+        tps_ratio = ms["off"] / ms[name]
+        compared[name] = {
+            "offload_layers": stats["offload_layers"],
+            "mem_reduction": mem_reduction,
+            "tps_ratio": tps_ratio,
+            "copy_ms": copy_ms,
+            "exposed_copy_ms": exposed,
+            "overlap": max(0.0, min(1.0, 1 - exposed / copy_ms)) if copy_ms > 0 else None,
+            "meets_target": mem_reduction >= MEM_TARGET and tps_ratio >= TPS_TARGET,
+            "stats": stats,
+        }
+        offloader.close()
     return {
         "device": torch.cuda.get_device_name(0),
         "shape": shape,
@@ -150,14 +178,9 @@ def _cuda(quick: bool, repeats: int) -> dict[str, Any]:
         "step_ms": ms,
         "tokens_per_sec": {name: tokens / (t / 1e3) for name, t in ms.items()},
         "peak_act_bytes": peaks,
-        "mem_reduction": mem_reduction,
-        "tps_ratio": tps_ratio,
-        "copy_ms": copy_ms,
-        "exposed_copy_ms": exposed,
-        "overlap": max(0.0, min(1.0, 1 - exposed / copy_ms)) if copy_ms > 0 else None,
-        "meets_target": mem_reduction >= MEM_TARGET and tps_ratio >= TPS_TARGET,
         "targets": {"mem_reduction": MEM_TARGET, "tps_ratio": TPS_TARGET},
-        "stats": stats,
+        **compared["on"],  # "all": every layer but the last (the previous report's top-level numbers)
+        "auto": {**compared["auto"], "plan": auto.auto_plan},
     }
 
 
@@ -171,7 +194,8 @@ def run(quick: bool = False, device: str = "cpu", repeats: int | None = None) ->
 
     Returns:
         On CUDA ``{"step_ms", "tokens_per_sec", "peak_act_bytes", "mem_reduction", "tps_ratio", "overlap",
-        "meets_target", "stats", ...}``; on CPU ``{"note", "bit_identical_params", "stats"}``.
+        "meets_target", "stats", "offload_layers", "auto": {the same for "auto", "plan"}, ...}``; on CPU
+        ``{"note", "bit_identical_params", "stats", "auto": {"bit_identical_params", "stats", "plan"}}``.
 
     Example::
 

@@ -53,16 +53,20 @@ class LLMFastStrategy(DDPStrategy):
         prefetch_layers: layers prefetched ahead in backward (``prefetch_layers + 1`` device buffer sets).
         pool_headroom: the pinned pool is sized after the first step to its measured need times this (``>= 1``).
         force_offload: run the offload mechanism on CPU-only training too (tests); otherwise offload is CUDA-only.
+        offload_layers: ``None`` (all but the last ``keep_last_layers``), an int ``N`` (only the first ``N``
+            layers) or ``"auto"`` (measure the first step, then offload as many leading layers as the copies can
+            hide behind compute; see :class:`~lightning_llmfast.offload.ActivationOffloader`).
         *args: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and on to DDP).
 
     Raises:
-        OffloadError: at construction for negative sizes or counts or headroom below 1; at :meth:`setup`, before
-            any step, when ``layers`` matches nothing.
+        OffloadError: at construction for negative sizes or counts, headroom below 1 or an ``offload_layers``
+            other than ``None``, an int ``>= 0`` or ``"auto"``; at :meth:`setup`, before any step, when ``layers``
+            matches nothing.
 
     Example::
 
-        strategy = LLMFastStrategy(offload_activations=True, layers="model.layers", keep_last_layers=1)
+        strategy = LLMFastStrategy(offload_activations=True, layers="model.layers", offload_layers="auto")
         trainer = L.Trainer(strategy=strategy, accelerator="cuda", devices=1, precision="bf16-mixed")
         trainer.fit(MoEGPTLightningModule(MoEGPTConfig(n_layers=12)), datamodule=dm)
         print(strategy.offloader.stats)
@@ -80,6 +84,7 @@ class LLMFastStrategy(DDPStrategy):
         prefetch_layers: int = 1,
         pool_headroom: float = 1.5,
         force_offload: bool = False,
+        offload_layers: int | str | None = None,
         **kwargs: Any,
     ) -> None:
         validate_offload_config(
@@ -88,6 +93,7 @@ class LLMFastStrategy(DDPStrategy):
             prefetch_layers=prefetch_layers,
             pool_headroom=pool_headroom,
             owner=type(self).__name__,
+            offload_layers=offload_layers,
         )
         super().__init__(*args, **kwargs)
         self.offload_activations = bool(offload_activations)
@@ -98,6 +104,7 @@ class LLMFastStrategy(DDPStrategy):
             "keep_last_layers": keep_last_layers,
             "prefetch_layers": prefetch_layers,
             "pool_headroom": pool_headroom,
+            "offload_layers": offload_layers,
         }
         self._offloader: ActivationOffloader | None = None
 

@@ -18,7 +18,13 @@ from torch.utils.checkpoint import checkpoint
 from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
-from lightning_llmfast.offload import ActivationOffloader, PinnedBufferPool, resolve_layers, size_class
+from lightning_llmfast.offload import (
+    ActivationOffloader,
+    PinnedBufferPool,
+    plan_offload_layers,
+    resolve_layers,
+    size_class,
+)
 from lightning_llmfast.offload.offloader import _Copier
 
 VOCAB = 64
@@ -492,6 +498,212 @@ def test_reference_model_pool_does_not_grow_after_second_step() -> None:
     assert sizes[0] > 0 and len(set(sizes[1:])) == 1, sizes
     assert results[-1][1]["pool_grow_events"] == 0 and results[-1][1]["checked_out"] == 0
     assert all(stats["peak_inflight"] <= sizes[1] for _, stats in results)
+
+
+# ---------------------------------------------------------------------------------------------- offload_layers
+@pytest.mark.parametrize(
+    ("compute_ms", "nbytes", "bandwidth", "margin", "prefetch", "expected"),
+    [
+        # F = 1, 2, 3, 4 (forward ends 4); copies of 1 ms end 2, 3, 4, 5: the fourth ends after the forward
+        ([1.0] * 4, [1] * 4, 1.0, 0.0, 1, 3),
+        # a 100% margin makes copies 2 ms: they end 3, then max(3, 2) + 2 = 5 > 4
+        ([1.0] * 4, [1] * 4, 1.0, 1.0, 1, 1),
+        # same numbers through the bandwidth: 2 bytes at 2 bytes/ms is 1 ms
+        ([1.0] * 4, [2] * 4, 2.0, 0.0, 1, 3),
+        # zero layers fit: layer 0's copy (10 ms) ends at 11, after the 2 ms forward
+        ([1.0, 1.0], [10, 10], 1.0, 0.0, 1, 0),
+        # all fit: nothing to copy
+        ([1.0, 1.0, 1.0], [0, 0, 0], 1.0, 0.0, 1, 3),
+        # one layer: no forward follows its copy, so it cannot hide ...
+        ([5.0], [1], 1.0, 0.0, 1, 0),
+        # ... unless there is nothing to copy
+        ([5.0], [0], 1.0, 0.0, 1, 1),
+        # forward fits (layer 0's copy ends at 2 <= 6.25) but backward does not: B = (10.5, 10, 0), layer 0's
+        # prefetch is issued at B_1 = 10 and ends at 11 > B_0 = 10.5
+        ([1.0, 0.25, 5.0], [1, 1, 1], 1.0, 0.0, 1, 0),
+        # prefetching two layers ahead issues it at B_2 = 0: layers 0 and 1 fit; layer 2's copy would end at
+        # max(3, 6.25) + 1 = 7.25 > 6.25
+        ([1.0, 0.25, 5.0], [1, 1, 1], 1.0, 0.0, 2, 2),
+        # empty stack
+        ([], [], 1.0, 0.0, 1, 0),
+    ],
+)
+def test_plan_offload_layers_hand_computed(
+    compute_ms: list[float], nbytes: list[int], bandwidth: float, margin: float, prefetch: int, expected: int
+) -> None:
+    got = plan_offload_layers(compute_ms, nbytes, bandwidth, margin=margin, prefetch_layers=prefetch)
+    assert got == expected
+
+
+def test_plan_offload_layers_h200_like_numbers() -> None:
+    # 12 layers of 3 ms forward (6 ms backward), 10 ms copies per layer and direction (the issue's H200: 223 ms of
+    # copies for 11 layers both ways against 106 ms of compute). B_j = 6 (11 - j).
+    args = ([3.0] * 12, [10_000] * 12, 1_000.0)
+    # prefetching one layer ahead leaves 6 ms for a 10 ms copy: nothing hides
+    assert plan_offload_layers(*args, margin=0.0, prefetch_layers=1) == 0
+    # three ahead: forward copies end at 13, 23, 33 (<= 36), 43 (> 36); backward prefetches of layers 2, 1, 0
+    # are issued at B_5 = 36, B_4 = 42, B_3 = 48 and end at 46 <= 54, 56 <= 60, 66 <= 66
+    assert plan_offload_layers(*args, margin=0.0, prefetch_layers=3) == 3
+    # a 20% margin (12 ms copies: forward 15, 27, 39 > 36) costs one layer
+    assert plan_offload_layers(*args, margin=0.2, prefetch_layers=3) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (([1.0], [1, 2], 1.0), "bytes_per_layer has 2"),
+        (([-1.0], [1], 1.0), r"compute_ms\[0\]"),
+        (([1.0, 1.0], [1, -5], 1.0), r"bytes_per_layer\[1\]"),
+        (([1.0], [1], 0.0), "bandwidth"),
+        (([1.0], [1], float("nan")), "bandwidth"),
+    ],
+)
+def test_plan_offload_layers_rejects_bad_inputs(args: tuple[Any, ...], match: str) -> None:
+    with pytest.raises(OffloadError, match=match):
+        plan_offload_layers(*args, margin=0.0)
+    with pytest.raises(OffloadError, match="margin"):
+        plan_offload_layers([1.0], [1], 1.0, margin=-0.1)
+
+
+@pytest.mark.parametrize("value", [-1, "all", "AUTO", True, 1.5, [1]])
+def test_bad_offload_layers_raise_at_construction(value: Any) -> None:
+    model = Stack(n_layers=2)
+    with pytest.raises(OffloadError, match="offload_layers") as info:
+        ActivationOffloader(model.layers, offload_layers=value, force=True)
+    assert isinstance(info.value, ValueError)
+
+
+def _saved_bytes_per_layer(model: Stack, x: torch.Tensor) -> list[int]:
+    """Independent count: distinct non-parameter storages saved inside each layer (a plain hooks pass)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[tuple[int, int], int] = {}
+    current: list[int | None] = [None]
+    hooks = [
+        layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i))
+        for i, layer in enumerate(model.layers)
+    ] + [layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)) for layer in model.layers]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if current[0] is not None and s.data_ptr() not in params:
+            seen[(current[0], s.data_ptr())] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).square().mean().backward()
+    for h in hooks:
+        h.remove()
+    model.zero_grad(set_to_none=True)
+    return [sum(n for (i, _), n in seen.items() if i == layer) for layer in range(len(model.layers))]
+
+
+@pytest.mark.parametrize("n_layers", [1, 4, 5])
+@pytest.mark.parametrize("keep", [0, 1])
+def test_offload_layers_n_offloads_exactly_the_first_n_and_keeps_gradients(n_layers: int, keep: int) -> None:
+    x = torch.randn(3, 7, 8, generator=torch.Generator().manual_seed(n_layers))
+    ref, _ = _pair(11, n_layers=n_layers)
+    per_layer = _saved_bytes_per_layer(copy.deepcopy(ref), x)
+    assert all(b > 0 for b in per_layer)
+    for n in sorted({0, 1, 2, n_layers - 1, n_layers, n_layers + 3}):
+        ref, model = _pair(11, n_layers=n_layers)
+        off = ActivationOffloader(
+            model.layers, min_offload_bytes=0, keep_last_layers=keep, force=True, offload_layers=n
+        )
+        for _ in range(2):
+            assert all(torch.equal(a, b) for a, b in zip(_step(ref, x), _step(model, x, off)))
+            chosen = min(n, n_layers - keep)
+            stats = off.stats
+            assert stats["offload_layers"] == chosen
+            assert stats["offloaded_bytes"] == sum(per_layer[:chosen]), (n, per_layer)
+            assert stats["checked_out"] == 0 and stats["lazy_reloads"] == 0
+            assert (stats["prefetch_hits"] > 0) == (chosen > 0)
+        off.close()
+
+
+def test_offload_layers_none_is_all_but_keep_last() -> None:
+    x = torch.randn(2, 5, 8)
+    ref, model = _pair(5, n_layers=4)
+    per_layer = _saved_bytes_per_layer(ref, x)
+    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True)
+    _step(model, x, off)
+    assert off.stats["offload_layers"] == 3 and off.stats["offloaded_bytes"] == sum(per_layer[:3])
+    off.close()
+
+
+@pytest.mark.parametrize(("bandwidth", "expected"), [(1e30, 3), (1e-30, 0)])
+def test_auto_measures_first_step_then_offloads_the_planned_prefix(
+    monkeypatch: pytest.MonkeyPatch, bandwidth: float, expected: int
+) -> None:
+    # The probe's bandwidth decides: practically infinite -> every eligible layer; practically zero -> none.
+    monkeypatch.setattr(_Copier, "bandwidth", lambda self, nbytes, host: bandwidth)
+    x = torch.randn(2, 5, 8)
+    ref, model = _pair(7, n_layers=4)
+    per_layer = _saved_bytes_per_layer(copy.deepcopy(ref), x)
+    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    assert all(torch.equal(a, b) for a, b in zip(_step(ref, x), _step(model, x, off)))
+    first = off.stats
+    assert first["offloaded_bytes"] == 0 and first["checked_out"] == 0  # step 1 only measures
+    assert first["offload_layers"] == expected  # the plan is in place once step 1 has ended
+    plan = off.auto_plan
+    assert plan is not None and plan["bytes_per_layer"] == per_layer and plan["offload_layers"] == expected
+    assert len(plan["compute_ms"]) == 4 and all(ms > 0 for ms in plan["compute_ms"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # sized after step 2: no growth after that
+        pool_sizes = []
+        for _ in range(4):
+            assert all(torch.equal(a, b) for a, b in zip(_step(ref, x), _step(model, x, off)))
+            stats = off.stats
+            assert stats["offload_layers"] == expected and stats["offloaded_bytes"] == sum(per_layer[:expected])
+            assert stats["lazy_reloads"] == 0 and stats["checked_out"] == 0
+            pool_sizes.append(stats["pool_bytes"])
+    assert len(set(pool_sizes)) == 1 and stats["pool_grow_events"] == 0
+    off.close()
+
+
+def test_auto_with_measured_cpu_bandwidth_keeps_reference_gradients_bit_identical() -> None:
+    # The whole "auto" path unpatched: perf_counter layer times and a measured memcpy bandwidth.
+    seq_lens = [17, 1, 31]
+    expected = _train(_reference(n_layers=3), 3, None, seq_lens)
+    model = _reference(n_layers=3)
+    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # step 3 is the longest sequence: the pool may grow once
+        got = _train(model, 3, off, seq_lens)
+    for (g_ref, _), (g_off, stats) in zip(expected, got):
+        assert all(torch.equal(a, b) for a, b in zip(g_ref, g_off))
+        assert stats["checked_out"] == 0 and stats["lazy_reloads"] == 0
+    plan = off.auto_plan
+    assert plan is not None and plan["bandwidth_bytes_per_ms"] > 0 and all(b > 0 for b in plan["bytes_per_layer"])
+    assert 0 <= got[-1][1]["offload_layers"] == plan["offload_layers"] <= 2
+    assert (got[-1][1]["offloaded_bytes"] > 0) == (plan["offload_layers"] > 0)
+    off.close()
+
+
+def test_auto_adds_no_host_syncs_in_measuring_or_planned_steps() -> None:
+    _, model = _pair(6, n_layers=3)
+    off = ActivationOffloader(model.layers, min_offload_bytes=0, force=True, offload_layers=2)
+    auto = ActivationOffloader(model.layers, min_offload_bytes=0, force=True, offload_layers="auto")
+    x = torch.randn(2, 4, 8)
+    for offloader in (off, auto, auto):  # fixed N; "auto" measuring step; "auto" planned step
+        with SyncCounter() as counter, offloader:
+            model(x).sum().backward()
+        assert counter.num_syncs == 0, counter.syncs
+    assert off.stats["offloaded_tensors"] > 0 and auto.auto_plan is not None
+    off.close()
+    auto.close()
+
+
+def test_auto_measuring_step_that_fails_is_measured_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_Copier, "bandwidth", lambda self, nbytes, host: 1e30)
+    model = Stack(n_layers=3)
+    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    with pytest.raises(RuntimeError, match="boom"), off:
+        model(torch.randn(2, 8))
+        raise RuntimeError("boom")
+    assert off.auto_plan is None and off.stats["offload_layers"] == 0
+    _step(model, torch.randn(2, 8), off)
+    assert off.auto_plan is not None and off.stats["offload_layers"] == 2
+    off.close()
 
 
 # ---------------------------------------------------------------------------------------------- CUDA

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 import lightning_llmfast
 from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule, OffloadError
 from lightning_llmfast.data import SyntheticCorpus, pack_documents
+from lightning_llmfast.offload.offloader import _Copier
 
 VOCAB = 64
 
@@ -117,6 +118,31 @@ def test_forced_offload_under_trainer_is_bit_identical_and_released() -> None:
     assert all(not layer._forward_pre_hooks for layer in module.model.layers)
 
 
+def test_offload_layers_under_trainer_is_bit_identical_and_offloads_only_the_first_n(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reference, _, _ = _fit("llmfast")
+    runs = {}
+    for spec in (None, 1, "auto"):
+        if spec == "auto":  # the probe reports a practically infinite bandwidth: every eligible layer hides
+            monkeypatch.setattr(_Copier, "bandwidth", lambda self, nbytes, host: 1e30)
+        strategy = LLMFastStrategy(
+            offload_activations=True, force_offload=True, min_offload_bytes=0, offload_layers=spec
+        )
+        module, spy, _ = _fit(strategy)
+        assert _same(reference, module), spec
+        assert all(s["checked_out"] == 0 and s["lazy_reloads"] == 0 for s in spy.stats)
+        runs[spec] = spy.stats
+    # three layers, keep_last_layers=1: None offloads layers 0 and 1, N=1 only layer 0 (same shapes every step)
+    assert [s["offload_layers"] for s in runs[None]] == [2, 2, 2]
+    assert [s["offload_layers"] for s in runs[1]] == [1, 1, 1]
+    assert 0 < runs[1][0]["offloaded_bytes"] < runs[None][0]["offloaded_bytes"]
+    # "auto": step 1 measures (nothing moves), then the plan (all eligible layers here) is in effect
+    assert [s["offload_layers"] for s in runs["auto"]] == [2, 2, 2]
+    assert runs["auto"][0]["offloaded_bytes"] == 0
+    assert [s["offloaded_bytes"] for s in runs["auto"][1:]] == [s["offloaded_bytes"] for s in runs[None][1:]]
+
+
 def test_offload_on_cpu_without_force_warns_and_stays_off() -> None:
     with pytest.warns(UserWarning, match="needs a CUDA device"):
         _, spy, _ = _fit("llmfast_offload", steps=1)
@@ -130,6 +156,8 @@ def test_offload_on_cpu_without_force_warns_and_stays_off() -> None:
         ({"keep_last_layers": -1}, "keep_last_layers"),
         ({"prefetch_layers": -3}, "prefetch_layers"),
         ({"pool_headroom": 0.5}, "pool_headroom"),
+        ({"offload_layers": -1}, "offload_layers"),
+        ({"offload_layers": "fastest"}, "offload_layers"),
     ],
 )
 def test_bad_configuration_raises_at_construction(kwargs: dict[str, Any], field: str) -> None:

@@ -12,7 +12,7 @@ Example::
 
 from __future__ import annotations
 
-from lightning_llmfast.offload.offloader import ActivationOffloader, resolve_layers
+from lightning_llmfast.offload.offloader import ActivationOffloader, plan_offload_layers, resolve_layers
 from lightning_llmfast.offload.pool import PinnedBufferPool, size_class
 
-__all__ = ["ActivationOffloader", "PinnedBufferPool", "resolve_layers", "size_class"]
+__all__ = ["ActivationOffloader", "PinnedBufferPool", "plan_offload_layers", "resolve_layers", "size_class"]

@@ -12,6 +12,10 @@ of ``prefetch_layers + 1`` device buffer sets used round-robin (two sets, i.e. d
 they overlap layer ``i``'s compute. Each unpack makes the compute stream wait on its own copy event. A tensor
 unpacked before its prefetch was issued is reloaded lazily (counted in ``stats["lazy_reloads"]``).
 
+Schedule: ``offload_layers`` limits offloading to the first ``N`` layers (their activations live longest);
+``"auto"`` measures the first step and picks ``N`` with :func:`plan_offload_layers` so that the copies hide behind
+compute instead of stretching the step (offloading every layer costs throughput once copies outlast compute).
+
 On CPU (``force=True``) there are no streams: the same bookkeeping runs with synchronous copies, which is how
 the tests prove bit-identical gradients, deduplication, pool reuse and prefetch ordering without a GPU.
 
@@ -27,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,25 +42,122 @@ from torch import nn
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload.pool import PinnedBufferPool
 
-__all__ = ["ActivationOffloader", "resolve_layers", "validate_offload_config"]
+__all__ = ["ActivationOffloader", "plan_offload_layers", "resolve_layers", "validate_offload_config"]
 
 # Device-side offsets are aligned so that every reloaded dtype view is aligned like a fresh allocation (vectorised
 # CPU kernels and MKL pick their code path by alignment; a different path could change rounding).
 _ALIGN = 256
 
 
+# Backward of a transformer block costs about twice its forward (two matmuls per forward matmul); the "auto" plan
+# only measures the forward, so it estimates each layer's backward with this factor.
+_BACKWARD_PER_FORWARD = 2.0
+# Copy times are padded by this fraction in the "auto" plan: bandwidth and compute vary from step to step.
+AUTO_MARGIN = 0.2
+# The "auto" bandwidth probe copies the largest layer's bytes, within these bounds (long enough to time, short).
+_PROBE_MIN_BYTES = 1 << 20
+_PROBE_MAX_BYTES = 64 << 20
+
+
 def _aligned(nbytes: int) -> int:
     return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def plan_offload_layers(
+    compute_ms: Sequence[float],
+    bytes_per_layer: Sequence[int],
+    bandwidth_bytes_per_ms: float,
+    *,
+    margin: float,
+    prefetch_layers: int = 1,
+) -> int:
+    """Choose how many leading layers to offload so that their copies hide behind compute.
+
+    The rule, for ``L`` layers with forward compute ``c_i`` (ms) and padded copy time
+    ``d_i = bytes_i / bandwidth * (1 + margin)`` (one copy stream per direction, copies run in issue order):
+
+    - Forward: layer ``i``'s device-to-host copy may start when its forward ends, at ``F_i = c_0 + ... + c_i``,
+      and must end by the end of the forward ``F_{L-1}``: a copy still running then keeps its source alive at the
+      memory peak, so it saves nothing. With ``e_{-1} = 0``: ``e_i = max(e_{i-1}, F_i) + d_i <= F_{L-1}``.
+    - Backward: layer ``j``'s backward takes ``2 c_j`` and the backward runs ``L-1 .. 0``, so layer ``j`` starts it
+      at ``B_j = 2 (c_{j+1} + ... + c_{L-1})``. Layer ``i``'s prefetch is issued when layer
+      ``k = min(i + prefetch_layers, L - 1)`` starts its backward and must end before layer ``i``'s starts:
+      with the previous prefetch ending at ``h``, ``h_i = max(h, B_k) + d_i <= B_i``.
+
+    ``N`` grows from 0 while layers ``0 .. N-1`` satisfy both; the first ``N`` that does not stops the search.
+
+    Args:
+        compute_ms: ``(L,)`` forward compute time of each layer in milliseconds.
+        bytes_per_layer: ``(L,)`` bytes each layer would offload.
+        bandwidth_bytes_per_ms: copy bandwidth (the slower direction), bytes per millisecond, ``> 0``.
+        margin: fraction added to every copy time (``>= 0``), e.g. ``0.2``.
+        prefetch_layers: how many layers ahead backward prefetches (``>= 1`` for any hiding in backward).
+
+    Returns:
+        ``N`` in ``[0, L]``: offload layers ``0 .. N-1``.
+
+    Raises:
+        OffloadError: on lengths that differ, negative times or bytes, a bandwidth ``<= 0`` or a negative margin.
+
+    Example::
+
+        plan_offload_layers([1.0] * 4, [1] * 4, 1.0, margin=0.0)  # 3: the last copy would end after the forward
+    """
+    if len(compute_ms) != len(bytes_per_layer):
+        raise OffloadError(
+            f"plan_offload_layers: compute_ms has {len(compute_ms)} layers but bytes_per_layer has "
+            f"{len(bytes_per_layer)}"
+        )
+    for name, values in (("compute_ms", compute_ms), ("bytes_per_layer", bytes_per_layer)):
+        bad = next((i for i, v in enumerate(values) if not v >= 0), None)
+        if bad is not None:
+            raise OffloadError(f"plan_offload_layers: {name}[{bad}] must be >= 0, got {values[bad]!r}")
+    if not bandwidth_bytes_per_ms > 0:
+        raise OffloadError(f"plan_offload_layers: bandwidth_bytes_per_ms must be > 0, got {bandwidth_bytes_per_ms!r}")
+    if not margin >= 0:
+        raise OffloadError(f"plan_offload_layers: margin must be >= 0, got {margin!r}")
+    num = len(compute_ms)
+    copy_ms = [b / bandwidth_bytes_per_ms * (1.0 + margin) for b in bytes_per_layer]
+    forward_ends = [sum(compute_ms[: i + 1]) for i in range(num)]
+    backward_starts = [_BACKWARD_PER_FORWARD * sum(compute_ms[j + 1 :]) for j in range(num)]
+
+    def fits(n: int) -> bool:
+        end = 0.0
+        for i in range(n):
+            end = max(end, forward_ends[i]) + copy_ms[i]
+            if end > forward_ends[-1]:
+                return False
+        end = 0.0
+        for i in range(n - 1, -1, -1):
+            end = max(end, backward_starts[min(i + prefetch_layers, num - 1)]) + copy_ms[i]
+            if end > backward_starts[i]:
+                return False
+        return True
+
+    chosen = 0
+    while chosen < num and fits(chosen + 1):
+        chosen += 1
+    return chosen
+
+
 def validate_offload_config(
-    *, min_offload_bytes: Any, keep_last_layers: Any, prefetch_layers: Any, pool_headroom: Any, owner: str
+    *,
+    min_offload_bytes: Any,
+    keep_last_layers: Any,
+    prefetch_layers: Any,
+    pool_headroom: Any,
+    owner: str,
+    offload_layers: Any = None,
 ) -> None:
     """Check offload settings; shared by :class:`ActivationOffloader` and the strategy so both fail at construction.
 
     Raises:
-        OffloadError: naming the field, the rule and the value (negative sizes or counts, headroom below 1).
+        OffloadError: naming the field, the rule and the value (negative sizes or counts, headroom below 1,
+            ``offload_layers`` other than ``None``, an int ``>= 0`` or ``"auto"``).
     """
+    if offload_layers is not None and offload_layers != "auto":
+        if isinstance(offload_layers, bool) or not isinstance(offload_layers, int) or offload_layers < 0:
+            raise OffloadError(f"{owner}: offload_layers must be None, an int >= 0 or 'auto', got {offload_layers!r}")
     counts = {
         "min_offload_bytes": min_offload_bytes,
         "keep_last_layers": keep_last_layers,
@@ -160,6 +262,37 @@ class _Copier:
         if event is not None:
             event.synchronize()  # NOTE: host sync; only at step boundaries and on error/teardown paths.
 
+    def timestamp(self) -> torch.cuda.Event | float:
+        """A point on the compute stream (a timing event on CUDA, ``perf_counter`` on CPU) for the "auto" plan."""
+        if not self.is_cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        if not self.is_cuda:
+            return (end - start) * 1e3
+        end.synchronize()  # NOTE: host sync; once, when the "auto" plan is made after the first step.
+        return float(start.elapsed_time(end))
+
+    def bandwidth(self, nbytes: int, host: torch.Tensor) -> float:
+        """Copy bandwidth in bytes/ms of the slower direction between the device and ``host`` (``(>= nbytes,)``).
+
+        Best of four timed copies per direction (the first one doubles as the warm-up).
+        """
+        device_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        best = {True: float("inf"), False: float("inf")}
+        for to_host in (True, False, True, False, True, False, True, False):
+            dst, src = (host[:nbytes], device_buf) if to_host else (device_buf, host[:nbytes])
+            stream = self.d2h if to_host else self.h2d
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                start = self.timestamp()
+                dst.copy_(src, non_blocking=self.is_cuda)
+                best[to_host] = min(best[to_host], self.elapsed_ms(start, self.timestamp()))
+        # A copy too short for the clock would read as infinitely fast; floor it at one microsecond.
+        return nbytes / max(max(best.values()), 1e-3)
+
 
 @dataclass(eq=False)
 class _Block:
@@ -199,6 +332,11 @@ class _Segment:
     blocks: list[_Block] = field(default_factory=list)
     dedup: dict[tuple[int, int], _Block] = field(default_factory=dict)  # (storage ptr, version) -> block
     prefetched: bool = False
+    # "auto" measuring step only: what this call would offload and when its forward started and ended.
+    seen: set[tuple[int, int]] = field(default_factory=set)
+    candidate_bytes: int = 0
+    started: Any = None
+    ended: Any = None
 
 
 class ActivationOffloader:
@@ -215,11 +353,18 @@ class ActivationOffloader:
         min_offload_bytes: storages smaller than this stay on the device.
         keep_last_layers: the last this many layers are not offloaded (their backward runs first).
         prefetch_layers: how many layers ahead backward prefetches; ``prefetch_layers + 1`` device buffer sets.
-        pool_headroom: the host pool is sized after the first step to its peak need times this (``>= 1``).
+        pool_headroom: the host pool is sized after the first offloading step to its peak need times this (``>= 1``).
         force: run the whole mechanism on CPU too (synchronous copies, plain memory if pinning is unavailable).
+        offload_layers: which layers offload. ``None``: all but the last ``keep_last_layers``. An int ``N``: only
+            the first ``N`` of those (the earliest layers: their activations live longest). ``"auto"``: the first
+            step offloads nothing and measures each layer's forward time (CUDA events; ``perf_counter`` on CPU),
+            the bytes each layer would offload and the copy bandwidth (a probe copy through pinned memory); from then on
+            the first :func:`plan_offload_layers` layers offload (copy times padded by ``AUTO_MARGIN``).
+            ``stats["offload_layers"]`` is the number in effect.
 
     Raises:
-        OffloadError: on negative sizes or counts, headroom below 1 or an empty layer list.
+        OffloadError: on negative sizes or counts, headroom below 1, an ``offload_layers`` that is not ``None``,
+            an int ``>= 0`` or ``"auto"``, or an empty layer list.
 
     Example::
 
@@ -241,6 +386,7 @@ class ActivationOffloader:
         prefetch_layers: int = 1,
         pool_headroom: float = 1.5,
         force: bool = False,
+        offload_layers: int | str | None = None,
     ) -> None:
         validate_offload_config(
             min_offload_bytes=min_offload_bytes,
@@ -248,6 +394,7 @@ class ActivationOffloader:
             prefetch_layers=prefetch_layers,
             pool_headroom=pool_headroom,
             owner="ActivationOffloader",
+            offload_layers=offload_layers,
         )
         self.min_offload_bytes = min_offload_bytes
         self.keep_last_layers = keep_last_layers
@@ -259,6 +406,15 @@ class ActivationOffloader:
             )
         self.layers = resolve_layers(nn.Module(), layers)
         self.force = bool(force)
+        self.offload_layers = offload_layers
+        eligible = max(len(self.layers) - keep_last_layers, 0)
+        # How many leading layers offload; None until the "auto" plan is made after its measuring step.
+        self._planned: int | None = None
+        if offload_layers != "auto":
+            self._planned = eligible if offload_layers is None else min(int(offload_layers), eligible)
+        self._measuring = False
+        self._sized = False
+        self.auto_plan: dict[str, Any] | None = None
         self.pool = PinnedBufferPool(headroom=float(pool_headroom))
         self._num_sets = self.prefetch_layers + 1
         self._sets: list[torch.Tensor | None] = [None] * self._num_sets
@@ -323,6 +479,7 @@ class ActivationOffloader:
             t.untyped_storage().data_ptr() for layer in self.layers for t in (*layer.parameters(), *layer.buffers())
         }
         self._counters = dict.fromkeys(self._counters, 0)
+        self._measuring = self._copier is not None and self._planned is None
         self._set_owner = [-1] * self._num_sets
         self.pool.reset_peak()
         self._in_step = True
@@ -342,24 +499,55 @@ class ActivationOffloader:
             self._unassigned.clear()  # saved after the last layer: they stay on the device
 
     def end_step(self, failed: bool = False) -> None:
-        """Finish a step; the first successful step sizes the pool.
+        """Finish a step; the first successful step that offloads sizes the pool (with ``"auto"``: the second).
 
         Args:
-            failed: the step raised; every buffer is waited for and returned to the pool at once.
+            failed: the step raised; every buffer is waited for and returned to the pool at once (an ``"auto"``
+                measuring step is then repeated).
         """
         self._packing = False
         self._in_step = False
         self._current = None
         self._unassigned.clear()
         self._retired.extend(b for seg in self._segments for b in seg.blocks)
-        self._segments = []
+        segments, self._segments = self._segments, []
+        measured, self._measuring = self._measuring, False
         if failed:
             self._release_all()
-        else:
-            self._release_done()
-            self._steps_done += 1
-            if self._steps_done == 1:
-                self.pool.reserve_measured()
+            return
+        self._release_done()
+        self._steps_done += 1
+        if measured:
+            self._plan(segments)
+        elif not self._sized and self._copier is not None:
+            self.pool.reserve_measured()  # the first step that offloaded under the final plan sizes the pool
+            self._sized = True
+
+    def _plan(self, segments: list[_Segment]) -> None:
+        """Make the ``"auto"`` plan from the measuring step (see :func:`plan_offload_layers`)."""
+        copier = self._copier
+        assert copier is not None
+        compute_ms = [0.0] * len(self.layers)
+        bytes_per_layer = [0] * len(self.layers)
+        for seg in segments:  # a layer called several times adds up its calls
+            if seg.ended is not None:
+                compute_ms[seg.layer_index] += copier.elapsed_ms(seg.started, seg.ended)
+            bytes_per_layer[seg.layer_index] += seg.candidate_bytes
+        probe = min(max(max(bytes_per_layer), _PROBE_MIN_BYTES), _PROBE_MAX_BYTES)
+        # A temporary buffer, pinned like the pool's: through the pool it would count towards the pool's sizing.
+        bandwidth = copier.bandwidth(probe, torch.empty(probe, dtype=torch.uint8, pin_memory=self.pool.pinned))
+        eligible = max(len(self.layers) - self.keep_last_layers, 0)
+        chosen = plan_offload_layers(
+            compute_ms, bytes_per_layer, bandwidth, margin=AUTO_MARGIN, prefetch_layers=self.prefetch_layers
+        )
+        self._planned = min(chosen, eligible)
+        self.auto_plan = {
+            "compute_ms": compute_ms,
+            "bytes_per_layer": bytes_per_layer,
+            "bandwidth_bytes_per_ms": bandwidth,
+            "margin": AUTO_MARGIN,
+            "offload_layers": self._planned,
+        }
 
     def synchronize(self) -> None:
         """Wait for every outstanding copy and return all host buffers to the pool."""
@@ -393,11 +581,13 @@ class ActivationOffloader:
         ``dedup_hits`` (saved views served by an already offloaded storage), ``prefetch_hits``/``lazy_reloads``
         (unpacks served by a prefetch / by a fallback reload), ``segments`` (layer calls), ``pool_bytes``,
         ``checked_out`` (host buffers in use now), ``peak_inflight`` (most host bytes in use at once during the
-        last step), ``pool_buffers``, ``pool_grow_events``, ``pinned``, ``device_set_bytes``.
+        last step), ``pool_buffers``, ``pool_grow_events``, ``pinned``, ``device_set_bytes``,
+        ``offload_layers`` (leading layers that offload; 0 during an ``"auto"`` measuring step and when offload is off).
         """
         return {
             **self._counters,
             **self.pool.stats(),
+            "offload_layers": (self._planned or 0) if self.enabled else 0,
             "peak_inflight": self.pool.peak_out_bytes,
             "device_set_bytes": sum(s.numel() for s in self._sets if s is not None),
         }
@@ -417,16 +607,23 @@ class ActivationOffloader:
         seg = _Segment(
             index=len(self._segments),
             layer_index=index,
-            offload=self._copier is not None and index < len(self.layers) - self.keep_last_layers,
+            offload=self._copier is not None and self._planned is not None and index < self._planned,
         )
         self._segments.append(seg)
         self._counters["segments"] += 1
         self._current = seg
         for saved in self._unassigned:
             assert saved.tensor is not None
-            if seg.offload and saved.tensor.untyped_storage().data_ptr() not in self._shared_inputs:
+            if saved.tensor.untyped_storage().data_ptr() in self._shared_inputs:
+                continue
+            if seg.offload:
                 self._offload(saved, seg)
+            elif self._measuring:
+                self._measure(saved.tensor, seg)
         self._unassigned.clear()
+        if self._measuring:
+            assert self._copier is not None
+            seg.started = self._copier.timestamp()
 
     def _layer_ends(self, output: Any) -> None:
         seg = self._current
@@ -434,6 +631,9 @@ class ActivationOffloader:
             return
         self._current = None
         self._shared_inputs = set()
+        if self._measuring:
+            assert self._copier is not None
+            seg.ended = self._copier.timestamp()
         # Dedup entries are only valid while this layer's sources are referenced; after it, an address could be
         # reused by a new tensor, so the map is dropped and the sources become releasable.
         seg.dedup.clear()
@@ -464,8 +664,19 @@ class ActivationOffloader:
         elif self._current.offload:
             self._offload(saved, self._current)
         else:
+            if self._measuring:
+                self._measure(t, self._current)
             return t
         return saved
+
+    @staticmethod
+    def _measure(t: torch.Tensor, seg: _Segment) -> None:
+        # The "auto" measuring step counts what offloading would copy, deduplicated as `_offload` does.
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t._version)
+        if key not in seg.seen:
+            seg.seen.add(key)
+            seg.candidate_bytes += storage.nbytes()
 
     def _offload(self, saved: _Saved, seg: _Segment) -> None:
         t = saved.tensor
