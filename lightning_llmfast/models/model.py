@@ -16,6 +16,7 @@ Two switches select the "before" and "after" of this package so benchmarks compa
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -304,8 +305,12 @@ class MoEGPT(nn.Module):
         losses = [block.last_aux_loss for block in self.moe_blocks()]
         return torch.stack(losses).sum() if losses else self.lm_head.weight.new_zeros(())
 
+    @functools.cached_property
     def num_active_params(self) -> int:
-        """Parameters touched per token (top_k of num_experts experts), embeddings excluded; for FLOPs estimates."""
+        """Parameters touched per token (top_k of num_experts experts), embeddings excluded; for FLOPs estimates.
+
+        Cached: the throughput monitor asks for FLOPs every batch, and parameter shapes never change.
+        """
         c = self.config
         total = 0
         for name, p in self.named_parameters():
@@ -323,4 +328,4 @@ class MoEGPT(nn.Module):
         c = self.config
         tokens = sum(lengths)
         attention = 6 * c.n_layers * c.head_dim * c.n_heads * sum(n * n for n in lengths)
-        return 6 * self.num_active_params() * tokens + attention
+        return 6 * self.num_active_params * tokens + attention

@@ -13,11 +13,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.moe.routing import SCORES
 
 __all__ = ["SwiGLUExperts", "NaiveMoEBlock", "check_moe_args", "router_scores", "router_losses"]
-
-_SCORES = ("softmax", "sigmoid")
-
 
 def check_moe_args(hidden_size: int, ffn_size: int, num_experts: int, top_k: int, score: str) -> None:
     """Validate the constructor arguments shared by the MoE blocks.
@@ -30,8 +28,8 @@ def check_moe_args(hidden_size: int, ffn_size: int, num_experts: int, top_k: int
             raise ConfigError(f"{name} must be a positive int, got {value!r}")
     if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ConfigError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
-    if score not in _SCORES:
-        raise ConfigError(f"score must be one of {_SCORES}, got {score!r}")
+    if score not in SCORES:
+        raise ConfigError(f"score must be one of {sorted(SCORES)}, got {score!r}")
 
 
 def router_scores(logits: Tensor, score: str) -> Tensor:
