@@ -1,24 +1,35 @@
-"""Activation offload: peak activation memory and tokens/sec with and without offload, copy/compute overlap.
+"""Activation offload and selective recomputation: peak activation memory and tokens/sec, copy/compute overlap.
 
-On CUDA the reference ``MoEGPT`` (12 layers or more) trains with AdamW under bf16 autocast in three modes, interleaved
-in one process and timed with CUDA events (median of repeats): ``off``, ``on`` (every layer but the last offloads,
-reported at the top level) and ``auto`` (``offload_layers="auto"``: as many leading layers as the copies can hide
-behind compute, reported under ``"auto"`` with its plan: measured per-layer compute, bytes and bandwidth). Reported:
+On CUDA the reference ``MoEGPT`` (12 layers or more) trains with AdamW under bf16 autocast in these modes, interleaved
+in one process and timed with CUDA events (median of repeats):
 
-- ``peak_act_bytes``: peak allocated memory during a step minus what is allocated before it (weights, gradients,
-  optimizer state), i.e. the activations (plus transient buffers), per mode; ``mem_reduction`` = 1 - on/off.
-- ``tokens_per_sec`` per mode and ``tps_ratio`` = on/off (the issue's target: >= 40% less peak activation memory at
-  no more than 5% fewer tokens/sec).
-- ``overlap``: ``1 - exposed / copy_ms`` where ``copy_ms`` is the device-to-host plus host-to-device time of the
-  offloaded bytes alone (CUDA events, pinned buffers) and ``exposed`` = step time with offload minus without.
+- ``off``: nothing (the baseline);
+- ``all``: every layer but the last offloads (``offload_layers=None``);
+- ``auto``: ``offload_layers="auto"``: as many leading layers as the copies can hide behind compute (with its plan:
+  measured per-layer compute, bytes and bandwidth);
+- ``recompute``: no offload, every layer under selective recomputation (``offload_layers=0, recompute="selective"``);
+- ``auto_recompute``: ``"auto"`` offload plus selective recomputation of the layers that do not offload (what
+  ``strategy="llmfast_offload"`` does by default).
+
+Reported per mode:
+
+- ``peak_act_bytes``: peak allocated memory during a step minus what is allocated before it once the gradients are
+  freed (weights and optimizer state), i.e. activations, gradients as they appear and transient buffers;
+  ``mem_reduction`` = 1 - mode/off.
+- ``tokens_per_sec`` and ``tps_ratio`` = mode/off (the issue's target: >= 40% less peak activation memory at no more
+  than 5% fewer tokens/sec: ``meets_target``).
+- ``overlap`` (offloading modes): ``1 - exposed / copy_ms`` where ``copy_ms`` is the device-to-host plus
+  host-to-device time of the offloaded bytes alone (CUDA events, pinned buffers) and ``exposed`` = step time of the
+  mode minus ``off``.
 
 On CPU there are no copy streams: it runs the forced path on a tiny model for the offloader's stats and a
-bit-identity check only, and says that timings need CUDA.
+bit-identity check of every mode only, and says that timings need CUDA.
 
 Usage::
 
-    python benchmarks/bench_offload.py --device cuda            # 12 layers, hidden 1024, 4 x 2048 tokens
-    python benchmarks/bench_offload.py --quick --device cpu     # forced CPU path, stats only
+    python benchmarks/bench_offload.py --device cuda                # 12 layers, hidden 1024, 4 x 2048 tokens
+    python benchmarks/bench_offload.py --device cuda --shape wide   # 12 layers, hidden 2048
+    python benchmarks/bench_offload.py --quick --device cpu         # forced CPU path, stats only
 """
 
 from __future__ import annotations
@@ -31,26 +42,43 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
 from lightning_llmfast.offload import ActivationOffloader
 
 MEM_TARGET = 0.40  # at least 40% lower peak activation memory
 TPS_TARGET = 0.95  # at no more than 5% lower tokens/sec
 
-FULL = {
-    "model": {"hidden_size": 1024, "n_layers": 12, "n_heads": 16, "n_kv_heads": 8, "ffn_size": 1408},
-    "batch": 4,
-    "seq_len": 2048,
+SHAPES: dict[str, dict[str, Any]] = {
+    "full": {
+        "model": {"hidden_size": 1024, "n_layers": 12, "n_heads": 16, "n_kv_heads": 8, "ffn_size": 1408},
+        "batch": 4,
+        "seq_len": 2048,
+    },
+    # A width closer to production MoE layers: per token, compute grows with H^2 and saved bytes with H.
+    "wide": {
+        "model": {"hidden_size": 2048, "n_layers": 12, "n_heads": 16, "n_kv_heads": 8, "ffn_size": 2816},
+        "batch": 4,
+        "seq_len": 2048,
+    },
+    "quick": {
+        "model": {"hidden_size": 512, "n_layers": 12, "n_heads": 8, "n_kv_heads": 4, "ffn_size": 704},
+        "batch": 2,
+        "seq_len": 1024,
+    },
+    "cpu": {
+        "model": {"hidden_size": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_size": 64},
+        "batch": 2,
+        "seq_len": 33,
+    },
 }
-QUICK = {
-    "model": {"hidden_size": 512, "n_layers": 12, "n_heads": 8, "n_kv_heads": 4, "ffn_size": 704},
-    "batch": 2,
-    "seq_len": 1024,
-}
-CPU = {
-    "model": {"hidden_size": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_size": 64},
-    "batch": 2,
-    "seq_len": 33,
+# Offloader settings per mode (None: no offloader); "auto_recompute" is the llmfast_offload strategy's default.
+MODES: dict[str, dict[str, Any] | None] = {
+    "off": None,
+    "all": {"offload_layers": None},
+    "auto": {"offload_layers": "auto"},
+    "recompute": {"offload_layers": 0, "recompute": "selective"},
+    "auto_recompute": {"offload_layers": "auto", "recompute": "selective"},
 }
 # A small vocabulary keeps the (B, T, V) logits, which no layer offload can touch, from dominating the peak.
 VOCAB = 4096
@@ -76,29 +104,28 @@ def _step(model: MoEGPT, opt: torch.optim.Optimizer, ids: torch.Tensor, off: Act
 
 
 def _cpu(quick: bool) -> dict[str, Any]:
-    model, opt, ids = _setup(CPU, "cpu")
-    ref, ref_opt, _ = _setup(CPU, "cpu")
-    auto_model, auto_opt, _ = _setup(CPU, "cpu")
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True)
-    auto = ActivationOffloader(
-        auto_model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto"
-    )
-    identical = {"on": True, "auto": True}
+    ref, ref_opt, ids = _setup(SHAPES["cpu"], "cpu")
+    runs = {}
+    for name, settings in MODES.items():
+        if settings is not None:
+            model, opt, _ = _setup(SHAPES["cpu"], "cpu")
+            off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, **settings)
+            runs[name] = (model, opt, off)
+    identical = dict.fromkeys(runs, True)
     for _ in range(2 if quick else 3):
         _step(ref, ref_opt, ids, None)
-        for name, (m, o, offloader) in {"on": (model, opt, off), "auto": (auto_model, auto_opt, auto)}.items():
-            _step(m, o, ids, offloader)
-            identical[name] &= all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
-    report = {
+        for name, (model, opt, off) in runs.items():
+            _step(model, opt, ids, off)
+            identical[name] &= all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    report: dict[str, Any] = {
         "device": "cpu",
         "note": "timings, peak memory and overlap need CUDA (copy streams); CPU runs the forced path for stats only",
-        "shape": CPU,
-        "bit_identical_params": identical["on"],
-        "stats": off.stats,
-        "auto": {"bit_identical_params": identical["auto"], "stats": auto.stats, "plan": auto.auto_plan},
+        "shape": SHAPES["cpu"],
+        "modes": {},
     }
-    off.close()
-    auto.close()
+    for name, (_, _, off) in runs.items():
+        report["modes"][name] = {"bit_identical_params": identical[name], "stats": off.stats, "plan": off.auto_plan}
+        off.close()
     return report
 
 
@@ -116,14 +143,15 @@ def _copy_ms(nbytes: int, device: str) -> float:
     return start.elapsed_time(end)
 
 
-def _cuda(quick: bool, repeats: int) -> dict[str, Any]:
-    shape = QUICK if quick else FULL
+def _cuda(shape_name: str, repeats: int) -> dict[str, Any]:
+    shape = SHAPES[shape_name]
     device = "cuda"
     model, opt, ids = _setup(shape, device)
-    kwargs: dict[str, Any] = {"min_offload_bytes": 1 << 20, "keep_last_layers": 1, "prefetch_layers": 1}
-    off = ActivationOffloader(model.layers, **kwargs)
-    auto = ActivationOffloader(model.layers, offload_layers="auto", **kwargs)
-    modes = {"off": None, "on": off, "auto": auto}
+    common: dict[str, Any] = {"min_offload_bytes": 1 << 20, "keep_last_layers": 1, "prefetch_layers": 1}
+    modes = {
+        name: None if settings is None else ActivationOffloader(model.layers, **common, **settings)
+        for name, settings in MODES.items()
+    }
     # Warm-up: Triton compilation (in "off", first, so that "auto" measures warm kernels), allocator, pool sizing
     # (first offload step; for "auto" the second, after its measuring step).
     for mode in modes.values():
@@ -136,6 +164,9 @@ def _cuda(quick: bool, repeats: int) -> dict[str, Any]:
         for name, mode in modes.items():  # interleaved: the machine's noise hits every mode alike
             if mode is not None:
                 mode.synchronize()
+            # Gradients of the previous step are freed inside the step; free them first so `base` is weights and
+            # optimizer state only and the peak counts the gradients as backward creates them.
+            opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -148,71 +179,87 @@ def _cuda(quick: bool, repeats: int) -> dict[str, Any]:
             peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated() - base)
     tokens = ids.numel()
     ms = {name: statistics.median(t) for name, t in times.items()}
-    compared = {}
-    for name in ("on", "auto"):
-        offloader = modes[name]
-        assert offloader is not None
-        stats = offloader.stats
-        # The device buffer sets persist between steps, so `base` already holds them: charge them to offload.
-        peaks[name] += int(stats["device_set_bytes"])
-        copy_ms = _copy_ms(max(int(stats["offloaded_bytes"]), 1), device)
-        exposed = max(ms[name] - ms["off"], 0.0)
-        mem_reduction = 1 - peaks[name] / peaks["off"]
-        tps_ratio = ms["off"] / ms[name]
-        compared[name] = {
-            "offload_layers": stats["offload_layers"],
-            "mem_reduction": mem_reduction,
-            "tps_ratio": tps_ratio,
-            "copy_ms": copy_ms,
-            "exposed_copy_ms": exposed,
-            "overlap": max(0.0, min(1.0, 1 - exposed / copy_ms)) if copy_ms > 0 else None,
-            "meets_target": mem_reduction >= MEM_TARGET and tps_ratio >= TPS_TARGET,
-            "stats": stats,
+    results: dict[str, Any] = {}
+    for name, offloader in modes.items():
+        row: dict[str, Any] = {
+            "step_ms": ms[name],
+            "tokens_per_sec": tokens / (ms[name] / 1e3),
+            "tps_ratio": ms["off"] / ms[name],
         }
-        offloader.close()
+        if offloader is not None:
+            stats = offloader.stats
+            # The device buffer sets persist between steps, so `base` already holds them: charge them to offload.
+            peaks[name] += int(stats["device_set_bytes"])
+            row["offload_layers"] = stats["offload_layers"]
+            row["recompute_layers"] = stats["recompute_layers"]
+            if stats["offloaded_bytes"]:
+                copy_ms = _copy_ms(int(stats["offloaded_bytes"]), device)
+                exposed = max(ms[name] - ms["off"], 0.0)
+                row["copy_ms"] = copy_ms
+                row["exposed_ms"] = exposed
+                row["overlap"] = max(0.0, min(1.0, 1 - exposed / copy_ms))
+            row["stats"] = stats
+            row["plan"] = offloader.auto_plan
+            offloader.close()
+        row["peak_act_bytes"] = peaks[name]
+        row["mem_reduction"] = 1 - peaks[name] / peaks["off"]
+        row["meets_target"] = row["mem_reduction"] >= MEM_TARGET and row["tps_ratio"] >= TPS_TARGET
+        results[name] = row
     return {
         "device": torch.cuda.get_device_name(0),
+        "shape_name": shape_name,
         "shape": shape,
         "tokens_per_step": tokens,
         "repeats": repeats,
-        "step_ms": ms,
-        "tokens_per_sec": {name: tokens / (t / 1e3) for name, t in ms.items()},
-        "peak_act_bytes": peaks,
         "targets": {"mem_reduction": MEM_TARGET, "tps_ratio": TPS_TARGET},
-        **compared["on"],  # "all": every layer but the last (the previous report's top-level numbers)
-        "auto": {**compared["auto"], "plan": auto.auto_plan},
+        "modes": results,
+        "meeting_target": [name for name, row in results.items() if row["meets_target"]],
     }
 
 
-def run(quick: bool = False, device: str = "cpu", repeats: int | None = None) -> dict[str, Any]:
+def run(
+    quick: bool = False, device: str = "cpu", repeats: int | None = None, shape: str | None = None
+) -> dict[str, Any]:
     """Run the offload benchmark.
 
     Args:
-        quick: a smaller model (still 12 layers) and fewer repeats.
-        device: ``"cuda"`` for timings and memory; ``"cpu"`` runs the forced path for stats only.
-        repeats: interleaved timed steps per mode (default 5 quick, 10 full).
+        quick: the ``"quick"`` shape (the harness's switch); otherwise ``shape``.
+        device: ``"cuda"`` for timings and memory; ``"cpu"`` runs the forced path on a tiny model, stats only.
+        repeats: interleaved timed steps per mode (default 5 quick, 8 otherwise).
+        shape: ``"full"`` (hidden 1024, the default), ``"wide"`` (hidden 2048) or ``"quick"`` (hidden 512); 12
+            layers each.
 
     Returns:
-        On CUDA ``{"step_ms", "tokens_per_sec", "peak_act_bytes", "mem_reduction", "tps_ratio", "overlap",
-        "meets_target", "stats", "offload_layers", "auto": {the same for "auto", "plan"}, ...}``; on CPU
-        ``{"note", "bit_identical_params", "stats", "auto": {"bit_identical_params", "stats", "plan"}}``.
+        On CUDA ``{"modes": {mode: {"step_ms", "tokens_per_sec", "tps_ratio", "peak_act_bytes", "mem_reduction",
+        "meets_target", "offload_layers", "recompute_layers", "overlap", "stats", "plan", ...}}, "meeting_target",
+        ...}``; on CPU ``{"note", "modes": {mode: {"bit_identical_params", "stats", "plan"}}}``.
 
     Example::
 
         report = run(quick=True, device="cpu")
     """
+    shape = shape or ("quick" if quick else "full")
+    if shape not in SHAPES or shape == "cpu":
+        raise ConfigError(f"shape must be one of full, wide, quick; got {shape!r}")
     if device == "cuda" and torch.cuda.is_available():
-        return _cuda(quick, repeats or (5 if quick else 10))
-    return _cpu(quick)
+        return _cuda(shape, repeats or (5 if shape == "quick" else 8))
+    return _cpu(shape == "quick")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--shape", default="full", choices=["full", "wide", "quick"])
+    parser.add_argument("--quick", action="store_true", help="same as --shape quick")
+    parser.add_argument("--json", help="also write the result here")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args()
-    print(json.dumps(run(quick=args.quick, device=args.device, repeats=args.repeats), indent=1, default=str))
+    result = run(quick=args.quick, device=args.device, repeats=args.repeats, shape=None if args.quick else args.shape)
+    text = json.dumps(result, indent=1, default=str)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":

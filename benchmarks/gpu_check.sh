@@ -9,9 +9,10 @@
 #   env           nvidia-smi -L, versions, `pip install --no-deps -e .` (PYTHONPATH=. as the fallback)
 #   cuda_tests    pytest -m cuda (TRITON_INTERPRET unset: Triton compiles for the GPU)
 #   kernel_tests  the Triton/routing/permute/MoE test files on CUDA (LLMFAST_TEST_DEVICE=cuda for tests that read it)
+#   offload       benchmarks/bench_offload.py at hidden 1024 and 2048: off/all/auto/recompute/auto_recompute modes
 #   kernel_check  Triton kernels against their PyTorch references at T=65536, E=64, k=8, sync-free, with timings
 #   sync_step     llmfast training steps under torch.cuda.set_sync_debug_mode("error") (forward + backward)
-#   bench         python -m lightning_llmfast.bench --profile full --device cuda (bf16)
+#   bench         python -m lightning_llmfast.bench --profile full --device cuda (bf16; micro: metadata, moe)
 # The last thing printed is a short table: one line per stage.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -277,18 +278,47 @@ assert n > 0, "set_sync_debug_mode did not flag the before model's syncs"
 EOF
 }
 
+stage_offload() {
+    set -o pipefail
+    local shape
+    for shape in full wide; do
+        "$PY" benchmarks/bench_offload.py --device cuda --shape "$shape" --json "$OUT/offload_$shape.json" >/dev/null \
+            || return 1
+        "$PY" - "$OUT/offload_$shape.json" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"offload {r['shape_name']}: {r['shape']['model']}, {r['tokens_per_step']} tokens/step, {r['device']}")
+print("| mode | step ms | tokens/s | vs off | peak act GiB | mem reduction | offload layers | recompute layers "
+      "| overlap | target |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for name, m in r["modes"].items():
+    overlap = m.get("overlap")
+    print(f"| {name} | {m['step_ms']:.1f} | {m['tokens_per_sec']:,.0f} | {m['tps_ratio']:.3f} "
+          f"| {m['peak_act_bytes'] / 2**30:.2f} | {m['mem_reduction']:.1%} | {m.get('offload_layers', 0)} "
+          f"| {m.get('recompute_layers', 0)} | {'-' if overlap is None else f'{overlap:.2f}'} "
+          f"| {'met' if m['meets_target'] else 'missed'} |")
+for name, m in r["modes"].items():
+    if m.get("plan"):
+        p = m["plan"]
+        print(f"{name} plan: bandwidth {p['bandwidth_bytes_per_ms'] / 1e6:.1f} GB/s, "
+              f"compute ms {[round(c, 2) for c in p['compute_ms']]}, MB {[b >> 20 for b in p['bytes_per_layer']]}")
+print("meeting target:", r["meeting_target"])
+EOF
+    done
+}
+
 stage_bench() {
     set -o pipefail  # the status of the benchmark, not of tee
     # A soft budget under the stage's hard limit: fewer repeats and skipped micro-benchmarks, not a lost run.
     local soft=$((STAGE_LIMIT_S > 80 ? STAGE_LIMIT_S - 40 : STAGE_LIMIT_S / 2))
-    "$PY" -m lightning_llmfast.bench --profile full --device cuda --max-seconds "$soft" \
+    "$PY" -m lightning_llmfast.bench --profile full --device cuda --max-seconds "$soft" --micro metadata,moe \
         --json "$OUT/bench.json" --plot "$OUT/bench.png" | tee "$OUT/bench.md"
 }
 
 # ------------------------------------------------------------------------------------------------------- the runner
-export -f stage_env stage_cuda_tests stage_kernel_tests stage_kernel_check stage_sync_step stage_bench
+export -f stage_env stage_cuda_tests stage_kernel_tests stage_offload stage_kernel_check stage_sync_step stage_bench
 # name:max seconds:min seconds (the min of every later stage is reserved when an earlier one's limit is set)
-STAGES=(env:60:20 cuda_tests:90:20 kernel_tests:60:20 kernel_check:50:20 sync_step:50:20 bench:280:150)
+STAGES=(env:60:20 cuda_tests:90:20 kernel_tests:60:20 offload:150:60 kernel_check:40:15 sync_step:40:15 bench:200:90)
 declare -a RESULTS
 FAILED=0
 for i in "${!STAGES[@]}"; do

@@ -56,12 +56,16 @@ class LLMFastStrategy(DDPStrategy):
         offload_layers: ``None`` (all but the last ``keep_last_layers``), an int ``N`` (only the first ``N``
             layers) or ``"auto"`` (measure the first step, then offload as many leading layers as the copies can
             hide behind compute; see :class:`~lightning_llmfast.offload.ActivationOffloader`).
+        recompute: ``None`` or ``"selective"``: the layers that do not offload keep only matmul, attention and
+            routing outputs and recompute the cheap rest in backward
+            (:mod:`~lightning_llmfast.offload.recompute`).
         *args: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and on to DDP).
 
     Raises:
         OffloadError: at construction for negative sizes or counts, headroom below 1 or an ``offload_layers``
-            other than ``None``, an int ``>= 0`` or ``"auto"``; at :meth:`setup`, before any step, when ``layers``
+            other than ``None``, an int ``>= 0`` or ``"auto"``, or a ``recompute`` other than ``None`` or
+            ``"selective"``; at :meth:`setup`, before any step, when ``layers``
             matches nothing.
 
     Example::
@@ -85,6 +89,7 @@ class LLMFastStrategy(DDPStrategy):
         pool_headroom: float = 1.5,
         force_offload: bool = False,
         offload_layers: int | str | None = None,
+        recompute: str | None = None,
         **kwargs: Any,
     ) -> None:
         validate_offload_config(
@@ -94,6 +99,7 @@ class LLMFastStrategy(DDPStrategy):
             pool_headroom=pool_headroom,
             owner=type(self).__name__,
             offload_layers=offload_layers,
+            recompute=recompute,
         )
         super().__init__(*args, **kwargs)
         self.offload_activations = bool(offload_activations)
@@ -105,6 +111,7 @@ class LLMFastStrategy(DDPStrategy):
             "prefetch_layers": prefetch_layers,
             "pool_headroom": pool_headroom,
             "offload_layers": offload_layers,
+            "recompute": recompute,
         }
         self._offloader: ActivationOffloader | None = None
 

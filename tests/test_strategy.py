@@ -143,6 +143,17 @@ def test_offload_layers_under_trainer_is_bit_identical_and_offloads_only_the_fir
     assert [s["offloaded_bytes"] for s in runs["auto"][1:]] == [s["offloaded_bytes"] for s in runs[None][1:]]
 
 
+def test_recompute_under_trainer_is_bit_identical_and_leaves_the_model_as_it_was() -> None:
+    reference, _, _ = _fit("llmfast")
+    strategy = LLMFastStrategy(
+        offload_activations=True, force_offload=True, min_offload_bytes=0, offload_layers=1, recompute="selective"
+    )
+    module, spy, _ = _fit(strategy)
+    assert _same(reference, module)
+    assert [(s["offload_layers"], s["recompute_layers"]) for s in spy.stats] == [(1, 2)] * 3
+    assert all("forward" not in layer.__dict__ for layer in module.model.layers)
+
+
 def test_offload_on_cpu_without_force_warns_and_stays_off() -> None:
     with pytest.warns(UserWarning, match="needs a CUDA device"):
         _, spy, _ = _fit("llmfast_offload", steps=1)

@@ -144,7 +144,8 @@ class MoEBlock(nn.Module):
         rows = permute(x, plan, backend=self.backend)
         y = self.experts(rows, plan.offsets, padded=plan.capacity is not None)
         out = unpermute(y, plan).to(x.dtype)
-        if self.expert_bias is not None and self.training and self.bias_update_rate > 0:
+        recomputing = torch._C._current_autograd_node() is not None  # activation recomputation inside backward
+        if self.expert_bias is not None and self.training and self.bias_update_rate > 0 and not recomputing:
             # After routing, so this forward selected with the bias it started with (DeepSeek-V3 updates per step).
             update_expert_bias(self.expert_bias, plan.tokens_per_expert, self.bias_update_rate)
         record_plan(self, plan, logits)

@@ -41,6 +41,7 @@ from torch import nn
 
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload.pool import PinnedBufferPool
+from lightning_llmfast.offload.recompute import RECOMPUTE_MODES, RecomputeHandle, recompute_layer
 
 __all__ = ["ActivationOffloader", "plan_offload_layers", "resolve_layers", "validate_offload_config"]
 
@@ -148,13 +149,17 @@ def validate_offload_config(
     pool_headroom: Any,
     owner: str,
     offload_layers: Any = None,
+    recompute: Any = None,
 ) -> None:
     """Check offload settings; shared by :class:`ActivationOffloader` and the strategy so both fail at construction.
 
     Raises:
         OffloadError: naming the field, the rule and the value (negative sizes or counts, headroom below 1,
-            ``offload_layers`` other than ``None``, an int ``>= 0`` or ``"auto"``).
+            ``offload_layers`` other than ``None``, an int ``>= 0`` or ``"auto"``, ``recompute`` other than
+            ``None`` or ``"selective"``).
     """
+    if recompute not in RECOMPUTE_MODES:
+        raise OffloadError(f"{owner}: recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     if offload_layers is not None and offload_layers != "auto":
         if isinstance(offload_layers, bool) or not isinstance(offload_layers, int) or offload_layers < 0:
             raise OffloadError(f"{owner}: offload_layers must be None, an int >= 0 or 'auto', got {offload_layers!r}")
@@ -361,10 +366,16 @@ class ActivationOffloader:
             the bytes each layer would offload and the copy bandwidth (a probe copy through pinned memory); from then on
             the first :func:`plan_offload_layers` layers offload (copy times padded by ``AUTO_MARGIN``).
             ``stats["offload_layers"]`` is the number in effect.
+        recompute: ``None``, or ``"selective"``: every layer that does not offload (once the plan is known) runs
+            under :func:`~lightning_llmfast.offload.recompute.recompute_layer`: it keeps matmul, grouped GEMM,
+            attention and routing outputs and recomputes the cheap rest in backward. Copies hide behind compute for
+            only a few layers when layers are narrow; recomputation cuts the memory of the others at a small cost.
+            ``stats["recompute_layers"]`` is the number in effect.
 
     Raises:
         OffloadError: on negative sizes or counts, headroom below 1, an ``offload_layers`` that is not ``None``,
-            an int ``>= 0`` or ``"auto"``, or an empty layer list.
+            an int ``>= 0`` or ``"auto"``, a ``recompute`` that is not ``None`` or ``"selective"``, or an empty layer
+            list.
 
     Example::
 
@@ -387,6 +398,7 @@ class ActivationOffloader:
         pool_headroom: float = 1.5,
         force: bool = False,
         offload_layers: int | str | None = None,
+        recompute: str | None = None,
     ) -> None:
         validate_offload_config(
             min_offload_bytes=min_offload_bytes,
@@ -395,6 +407,7 @@ class ActivationOffloader:
             pool_headroom=pool_headroom,
             owner="ActivationOffloader",
             offload_layers=offload_layers,
+            recompute=recompute,
         )
         self.min_offload_bytes = min_offload_bytes
         self.keep_last_layers = keep_last_layers
@@ -407,6 +420,8 @@ class ActivationOffloader:
         self.layers = resolve_layers(nn.Module(), layers)
         self.force = bool(force)
         self.offload_layers = offload_layers
+        self.recompute = recompute
+        self._recomputed: list[RecomputeHandle] = []
         eligible = max(len(self.layers) - keep_last_layers, 0)
         # How many leading layers offload; None until the "auto" plan is made after its measuring step.
         self._planned: int | None = None
@@ -432,7 +447,16 @@ class ActivationOffloader:
         self._param_ptrs: set[int] = set()
         self._shared_inputs: set[int] = set()
         self._counters = dict.fromkeys(
-            ("offloaded_bytes", "offloaded_tensors", "dedup_hits", "prefetch_hits", "lazy_reloads", "segments"), 0
+            (
+                "offloaded_bytes",
+                "offloaded_tensors",
+                "dedup_hits",
+                "prefetch_hits",
+                "lazy_reloads",
+                "segments",
+                "recompute_layers",
+            ),
+            0,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -481,8 +505,25 @@ class ActivationOffloader:
         self._counters = dict.fromkeys(self._counters, 0)
         self._measuring = self._copier is not None and self._planned is None
         self._set_owner = [-1] * self._num_sets
+        self._apply_recompute()
         self.pool.reset_peak()
         self._in_step = True
+
+    def _apply_recompute(self) -> None:
+        """Wrap the layers that recompute this step: with ``recompute`` set and a plan, those not offloaded.
+
+        The wrapping lasts one step (:meth:`end_step` removes it), so the user's modules are only changed while the
+        offloader runs them, and two offloaders over the same layers (the benchmark's modes) never stack wrappers.
+        """
+        self._remove_recompute()
+        if self.recompute is not None and self._copier is not None and self._planned is not None:
+            self._recomputed = [recompute_layer(layer) for layer in self.layers[self._planned :]]
+        self._counters["recompute_layers"] = len(self._recomputed)
+
+    def _remove_recompute(self) -> None:
+        for handle in self._recomputed:
+            handle.remove()
+        self._recomputed = []
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
@@ -509,6 +550,7 @@ class ActivationOffloader:
         self._in_step = False
         self._current = None
         self._unassigned.clear()
+        self._remove_recompute()  # the autograd graph keeps what recomputation needs; the wrapper is not
         self._retired.extend(b for seg in self._segments for b in seg.blocks)
         segments, self._segments = self._segments, []
         measured, self._measuring = self._measuring, False
@@ -582,7 +624,8 @@ class ActivationOffloader:
         (unpacks served by a prefetch / by a fallback reload), ``segments`` (layer calls), ``pool_bytes``,
         ``checked_out`` (host buffers in use now), ``peak_inflight`` (most host bytes in use at once during the
         last step), ``pool_buffers``, ``pool_grow_events``, ``pinned``, ``device_set_bytes``,
-        ``offload_layers`` (leading layers that offload; 0 during an ``"auto"`` measuring step and when offload is off).
+        ``offload_layers`` (leading layers that offload; 0 during an ``"auto"`` measuring step and when offload is off),
+        ``recompute_layers`` (layers under selective recomputation in the last step).
         """
         return {
             **self._counters,

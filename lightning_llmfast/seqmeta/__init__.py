@@ -13,13 +13,14 @@ Example::
 from __future__ import annotations
 
 from lightning_llmfast.seqmeta.attention import dense_block_causal_mask, varlen_attention
-from lightning_llmfast.seqmeta.cache import SequenceMetadataCache, active_cache
+from lightning_llmfast.seqmeta.cache import SequenceMetadataCache, activate_cache, active_cache
 from lightning_llmfast.seqmeta.hf import to_flash_attention_kwargs
 from lightning_llmfast.seqmeta.metadata import SequenceMetadata
 
 __all__ = [
     "SequenceMetadata",
     "SequenceMetadataCache",
+    "activate_cache",
     "active_cache",
     "dense_block_causal_mask",
     "to_flash_attention_kwargs",

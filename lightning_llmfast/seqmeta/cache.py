@@ -21,7 +21,7 @@ import torch
 from lightning_llmfast.errors import MetadataError
 from lightning_llmfast.seqmeta.metadata import SequenceMetadata
 
-__all__ = ["SequenceMetadataCache", "active_cache"]
+__all__ = ["SequenceMetadataCache", "activate_cache", "active_cache"]
 
 _LOCAL = threading.local()
 
@@ -44,6 +44,33 @@ def active_cache() -> SequenceMetadataCache | None:
     """
     stack = _stack()
     return stack[-1] if stack else None
+
+
+@contextmanager
+def activate_cache(cache: SequenceMetadataCache | None) -> Iterator[None]:
+    """Make ``cache`` the active cache of the *current thread* for the block (``None``: do nothing).
+
+    The active stack is per thread, and the autograd engine runs CUDA backward on its own threads; activation
+    recomputation (:mod:`lightning_llmfast.offload.recompute`) replays a layer's forward there and needs the cache
+    that was active when the layer first ran. The cache's version is not touched: it must still be open.
+
+    Example::
+
+        with activate_cache(cache_seen_in_forward):
+            out = layer_forward(x)
+    """
+    if cache is None:
+        yield
+        return
+    stack = _stack()
+    stack.append(cache)
+    try:
+        yield
+    finally:
+        if stack and stack[-1] is cache:
+            stack.pop()
+        elif cache in stack:
+            stack.remove(cache)
 
 
 def _has_source_fields(obj: Any) -> bool:

@@ -1,0 +1,139 @@
+"""Selective activation recomputation: keep what is expensive to recompute, recompute the rest in backward.
+
+A transformer layer saves far more for backward than its expensive ops produce: norms, RoPE, SwiGLU, residual adds,
+routing gathers and autocast's bf16 copies of every weight are cheap, memory-bound work whose outputs autograd keeps
+alive until backward. :func:`recompute_policy` keeps only the outputs of matmuls, grouped GEMMs, attention kernels and
+the router's ``topk``; everything else is recomputed during the layer's backward from those and the layer's input
+(``torch.utils.checkpoint`` with selective-checkpoint contexts). On the reference model this cuts what a layer holds
+for backward by about two thirds (CPU, bf16 autocast: 20.2 MB to 7.1 MB per layer at ``T=1024, H=256``), with
+bit-identical gradients, for the cost of re-running the cheap ops.
+
+:class:`~lightning_llmfast.offload.ActivationOffloader` (``recompute="selective"``) applies it to the layers it does not
+offload: copies over PCIe hide behind compute for only a few layers, and recomputation covers the others.
+
+Caveat (as for any activation checkpointing): a layer's forward runs twice, so side effects in it run twice.
+Module hooks of the wrapped layer itself do not run again; hooks of its submodules do. Routing decisions are saved,
+so a router whose state changes in forward (an expert bias) recomputes the same assignment.
+
+Example::
+
+    handle = recompute_layer(model.layers[3])
+    model(x).sum().backward()  # layer 3 keeps matmul/attention outputs only and recomputes the rest
+    handle.remove()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from lightning_llmfast.seqmeta.cache import activate_cache, active_cache
+
+__all__ = ["RECOMPUTE_MODES", "RecomputeHandle", "recompute_layer", "recompute_policy"]
+
+RECOMPUTE_MODES = (None, "selective")
+
+# Ops whose outputs are kept: recomputing them would cost real FLOPs (matmuls, grouped expert GEMMs).
+_SAVED_OPS = frozenset(
+    {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "grouped_mm", "_scaled_mm"}
+)
+# Routing decisions are kept too (small: (T, k)), so recomputation can never pick other experts than the forward did
+# (an expert bias updated in forward, or ties broken differently).
+_ROUTING_OPS = frozenset({"topk"})
+
+
+def _op_name(op: Any) -> str:
+    return str(getattr(op, "overloadpacket", op)).rsplit(".", 1)[-1]
+
+
+def recompute_policy(_ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective-checkpoint policy: save matmul, grouped GEMM, attention and ``topk`` outputs; recompute the rest.
+
+    Attention kernels are recognised by name (``*attention*``/``*attn*`` forward ops: SDPA's flash, efficient and
+    cuDNN kernels and ``torch.nn.attention.varlen``'s op), so new backends are covered without a list of each.
+
+    Example::
+
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+        ctx = functools.partial(create_selective_checkpoint_contexts, recompute_policy)
+        y = checkpoint(layer, x, use_reentrant=False, context_fn=ctx)
+    """
+    name = _op_name(op)
+    attention = ("attention" in name or "attn" in name) and "backward" not in name
+    if attention or name in _SAVED_OPS or name in _ROUTING_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@contextlib.contextmanager
+def _recompute_context(recompute: contextlib.AbstractContextManager[Any], cache: Any) -> Iterator[None]:
+    # CUDA backward runs on the autograd engine's thread, where the forward's thread-local metadata cache is not
+    # active: the recomputed attention must see the same cache (still open: its version ends after the step).
+    with recompute, activate_cache(cache):
+        yield
+
+
+def _contexts(cache: Any) -> tuple[Any, Any]:
+    forward, recompute = create_selective_checkpoint_contexts(recompute_policy)
+    return forward, _recompute_context(recompute, cache)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_autograd_node() is not None
+
+
+class RecomputeHandle:
+    """Undo :func:`recompute_layer`: ``remove()`` restores the layer's own ``forward``."""
+
+    def __init__(self, layer: nn.Module, previous: Callable[..., Any] | None) -> None:
+        self._layer: nn.Module | None = layer
+        self._previous = previous
+
+    def remove(self) -> None:
+        """Restore the layer (idempotent)."""
+        layer, self._layer = self._layer, None
+        if layer is None:
+            return
+        if self._previous is None:
+            del layer.forward
+        else:
+            layer.forward = self._previous  # type: ignore[method-assign]
+
+
+def recompute_layer(layer: nn.Module) -> RecomputeHandle:
+    """Run ``layer`` under selective recomputation (:func:`recompute_policy`) whenever it runs with grad enabled.
+
+    The layer keeps its class, parameters, state-dict keys and hooks: only its ``forward`` attribute is replaced
+    on the instance, and :meth:`RecomputeHandle.remove` puts it back.
+
+    Args:
+        layer: one transformer block (any ``nn.Module``).
+
+    Returns:
+        A handle whose ``remove()`` undoes the wrapping.
+
+    Example::
+
+        handles = [recompute_layer(block) for block in model.layers[:-1]]
+        ...
+        for h in handles:
+            h.remove()
+    """
+    previous = layer.__dict__.get("forward")
+    inner = layer.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled() or _in_backward():
+            return inner(*args, **kwargs)  # eval, or already inside a recomputation / create_graph backward
+        context_fn = functools.partial(_contexts, active_cache())
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    layer.forward = forward  # type: ignore[method-assign]
+    return RecomputeHandle(layer, previous)
