@@ -188,8 +188,6 @@ def _cuda(shape_name: str, repeats: int) -> dict[str, Any]:
         }
         if offloader is not None:
             stats = offloader.stats
-            # The device buffer sets persist between steps, so `base` already holds them: charge them to offload.
-            peaks[name] += int(stats["device_set_bytes"])
             row["offload_layers"] = stats["offload_layers"]
             row["recompute_layers"] = stats["recompute_layers"]
             if stats["offloaded_bytes"]:

@@ -21,6 +21,7 @@ from lightning_llmfast.models import MoEGPT, MoEGPTConfig
 from lightning_llmfast.offload import (
     ActivationOffloader,
     PinnedBufferPool,
+    plan_offload,
     plan_offload_layers,
     resolve_layers,
     size_class,
@@ -504,12 +505,13 @@ def test_reference_model_pool_does_not_grow_after_second_step() -> None:
 @pytest.mark.parametrize(
     ("compute_ms", "nbytes", "bandwidth", "margin", "prefetch", "expected"),
     [
-        # F = 1, 2, 3, 4 (forward ends 4); copies of 1 ms end 2, 3, 4, 5: the fourth ends after the forward
-        ([1.0] * 4, [1] * 4, 1.0, 0.0, 1, 3),
+        # F = 1, 2, 3, 4 (forward ends 4); copies of 1 ms end 2, 3, 4, 5: the fourth ends after the forward, and a
+        # third would be prefetched when the last layer starts its backward, before anything is freed (memory)
+        ([1.0] * 4, [1] * 4, 1.0, 0.0, 1, 2),
         # a 100% margin makes copies 2 ms: they end 3, then max(3, 2) + 2 = 5 > 4
         ([1.0] * 4, [1] * 4, 1.0, 1.0, 1, 1),
         # same numbers through the bandwidth: 2 bytes at 2 bytes/ms is 1 ms
-        ([1.0] * 4, [2] * 4, 2.0, 0.0, 1, 3),
+        ([1.0] * 4, [2] * 4, 2.0, 0.0, 1, 2),
         # zero layers fit: layer 0's copy (10 ms) ends at 11, after the 2 ms forward
         ([1.0, 1.0], [10, 10], 1.0, 0.0, 1, 0),
         # all fit: nothing to copy
@@ -521,9 +523,14 @@ def test_reference_model_pool_does_not_grow_after_second_step() -> None:
         # forward fits (layer 0's copy ends at 2 <= 6.25) but backward does not: B = (10.5, 10, 0), layer 0's
         # prefetch is issued at B_1 = 10 and ends at 11 > B_0 = 10.5
         ([1.0, 0.25, 5.0], [1, 1, 1], 1.0, 0.0, 1, 0),
-        # prefetching two layers ahead issues it at B_2 = 0: layers 0 and 1 fit; layer 2's copy would end at
-        # max(3, 6.25) + 1 = 7.25 > 6.25
-        ([1.0, 0.25, 5.0], [1, 1, 1], 1.0, 0.0, 2, 2),
+        # prefetching two ahead issues it at B_2 = 0, but then it is on the device while layer 2 still holds its
+        # activations: nothing was freed yet (memory)
+        ([1.0, 0.25, 5.0], [1, 1, 1], 1.0, 0.0, 2, 0),
+        # two more layers after it: B = (14.5, 14, 4, 2, 0); one ahead, layer 0's prefetch at B_1 = 14 ends at 15 >
+        # 14.5; two ahead, layers 1 and 0 are issued at B_3 = 2 and B_2 = 4 and end at 3 and 5, with layers 4 and
+        # 3 freed by then; a third layer would be prefetched at B_4 with nothing freed
+        ([1.0, 0.25, 5.0, 1.0, 1.0], [1] * 5, 1.0, 0.0, 1, 0),
+        ([1.0, 0.25, 5.0, 1.0, 1.0], [1] * 5, 1.0, 0.0, 2, 2),
         # empty stack
         ([], [], 1.0, 0.0, 1, 0),
     ],
@@ -546,6 +553,11 @@ def test_plan_offload_layers_h200_like_numbers() -> None:
     assert plan_offload_layers(*args, margin=0.0, prefetch_layers=3) == 3
     # a 20% margin (12 ms copies: forward 15, 27, 39 > 36) costs one layer
     assert plan_offload_layers(*args, margin=0.2, prefetch_layers=3) == 2
+    # plan_offload picks the depth: the shallowest that hides the most layers
+    assert plan_offload(*args, margin=0.0) == (3, 3)
+    assert plan_offload(*args, margin=0.2) == (2, 3)
+    # measured backward times replace the 2x estimate: a 1 ms backward per layer hides one 10 ms prefetch at most
+    assert plan_offload(*args, margin=0.0, backward_ms=[1.0] * 12) == (1, 10)
 
 
 @pytest.mark.parametrize(
@@ -630,7 +642,9 @@ def test_offload_layers_none_is_all_but_keep_last() -> None:
     off.close()
 
 
-@pytest.mark.parametrize(("bandwidth", "expected"), [(1e30, 3), (1e-30, 0)])
+# Infinite bandwidth: 3 of 4 layers are eligible (keep_last_layers=1), but layer 2's prefetch would be issued when
+# layer 3 starts its backward, before anything is freed, so the memory rule stops at 2.
+@pytest.mark.parametrize(("bandwidth", "expected"), [(1e30, 2), (1e-30, 0)])
 def test_auto_measures_first_step_then_offloads_the_planned_prefix(
     monkeypatch: pytest.MonkeyPatch, bandwidth: float, expected: int
 ) -> None:
@@ -647,6 +661,8 @@ def test_auto_measures_first_step_then_offloads_the_planned_prefix(
     plan = off.auto_plan
     assert plan is not None and plan["bytes_per_layer"] == per_layer and plan["offload_layers"] == expected
     assert len(plan["compute_ms"]) == 4 and all(ms > 0 for ms in plan["compute_ms"])
+    assert len(plan["backward_ms"]) == 4 and all(ms > 0 for ms in plan["backward_ms"])  # measured, not estimated
+    assert plan["prefetch_layers"] == off.prefetch_layers >= 1
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # sized after step 2: no growth after that
         pool_sizes = []
@@ -657,6 +673,8 @@ def test_auto_measures_first_step_then_offloads_the_planned_prefix(
             assert stats["lazy_reloads"] == 0 and stats["checked_out"] == 0
             pool_sizes.append(stats["pool_bytes"])
     assert len(set(pool_sizes)) == 1 and stats["pool_grow_events"] == 0
+    # the device buffer sets were used in backward and dropped with the step: no memory held between steps
+    assert (stats["device_set_bytes"] > 0) == (expected > 0) and all(t is None for t in off._sets)
     off.close()
 
 
@@ -702,7 +720,8 @@ def test_auto_measuring_step_that_fails_is_measured_again(monkeypatch: pytest.Mo
         raise RuntimeError("boom")
     assert off.auto_plan is None and off.stats["offload_layers"] == 0
     _step(model, torch.randn(2, 8), off)
-    assert off.auto_plan is not None and off.stats["offload_layers"] == 2
+    # 2 eligible; the memory rule keeps layer 1 (its prefetch would come before anything is freed)
+    assert off.auto_plan is not None and off.stats["offload_layers"] == 1
     off.close()
 
 

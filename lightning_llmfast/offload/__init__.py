@@ -12,7 +12,17 @@ Example::
 
 from __future__ import annotations
 
-from lightning_llmfast.offload.offloader import ActivationOffloader, plan_offload_layers, resolve_layers
+from lightning_llmfast.offload.offloader import ActivationOffloader, plan_offload, plan_offload_layers, resolve_layers
 from lightning_llmfast.offload.pool import PinnedBufferPool, size_class
+from lightning_llmfast.offload.recompute import recompute_layer, recompute_policy
 
-__all__ = ["ActivationOffloader", "PinnedBufferPool", "plan_offload_layers", "resolve_layers", "size_class"]
+__all__ = [
+    "ActivationOffloader",
+    "PinnedBufferPool",
+    "plan_offload",
+    "plan_offload_layers",
+    "recompute_layer",
+    "recompute_policy",
+    "resolve_layers",
+    "size_class",
+]

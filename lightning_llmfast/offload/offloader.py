@@ -13,8 +13,11 @@ they overlap layer ``i``'s compute. Each unpack makes the compute stream wait on
 unpacked before its prefetch was issued is reloaded lazily (counted in ``stats["lazy_reloads"]``).
 
 Schedule: ``offload_layers`` limits offloading to the first ``N`` layers (their activations live longest);
-``"auto"`` measures the first step and picks ``N`` with :func:`plan_offload_layers` so that the copies hide behind
-compute instead of stretching the step (offloading every layer costs throughput once copies outlast compute).
+``"auto"`` measures the first step (each layer's forward and backward time, bytes, copy bandwidth) and picks ``N`` and
+the prefetch depth with :func:`plan_offload` so that the copies hide behind compute and prefetched layers fit in
+memory that backward has already freed (offloading every layer costs throughput once copies outlast compute).
+Device buffer sets are allocated in backward and dropped at the end of the step, so they never add to the forward's
+memory peak.
 
 On CPU (``force=True``) there are no streams: the same bookkeeping runs with synchronous copies, which is how
 the tests prove bit-identical gradients, deduplication, pool reuse and prefetch ordering without a GPU.
@@ -43,15 +46,15 @@ from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload.pool import PinnedBufferPool
 from lightning_llmfast.offload.recompute import RECOMPUTE_MODES, RecomputeHandle, recompute_layer
 
-__all__ = ["ActivationOffloader", "plan_offload_layers", "resolve_layers", "validate_offload_config"]
+__all__ = ["ActivationOffloader", "plan_offload", "plan_offload_layers", "resolve_layers", "validate_offload_config"]
 
 # Device-side offsets are aligned so that every reloaded dtype view is aligned like a fresh allocation (vectorised
 # CPU kernels and MKL pick their code path by alignment; a different path could change rounding).
 _ALIGN = 256
 
 
-# Backward of a transformer block costs about twice its forward (two matmuls per forward matmul); the "auto" plan
-# only measures the forward, so it estimates each layer's backward with this factor.
+# Backward of a transformer block costs about twice its forward (two matmuls per forward matmul): the estimate when
+# no backward time is given (the "auto" plan measures both).
 _BACKWARD_PER_FORWARD = 2.0
 # Copy times are padded by this fraction in the "auto" plan: bandwidth and compute vary from step to step.
 AUTO_MARGIN = 0.2
@@ -71,28 +74,33 @@ def plan_offload_layers(
     *,
     margin: float,
     prefetch_layers: int = 1,
+    backward_ms: Sequence[float] | None = None,
 ) -> int:
-    """Choose how many leading layers to offload so that their copies hide behind compute.
+    """Choose how many leading layers to offload so that their copies hide behind compute and save memory.
 
-    The rule, for ``L`` layers with forward compute ``c_i`` (ms) and padded copy time
-    ``d_i = bytes_i / bandwidth * (1 + margin)`` (one copy stream per direction, copies run in issue order):
+    The rule, for ``L`` layers with forward compute ``c_i``, backward compute ``b_i`` (ms), bytes ``s_i`` and padded
+    copy time ``d_i = s_i / bandwidth * (1 + margin)`` (one copy stream per direction, copies run in issue order):
 
     - Forward: layer ``i``'s device-to-host copy may start when its forward ends, at ``F_i = c_0 + ... + c_i``,
       and must end by the end of the forward ``F_{L-1}``: a copy still running then keeps its source alive at the
       memory peak, so it saves nothing. With ``e_{-1} = 0``: ``e_i = max(e_{i-1}, F_i) + d_i <= F_{L-1}``.
-    - Backward: layer ``j``'s backward takes ``2 c_j`` and the backward runs ``L-1 .. 0``, so layer ``j`` starts it
-      at ``B_j = 2 (c_{j+1} + ... + c_{L-1})``. Layer ``i``'s prefetch is issued when layer
-      ``k = min(i + prefetch_layers, L - 1)`` starts its backward and must end before layer ``i``'s starts:
-      with the previous prefetch ending at ``h``, ``h_i = max(h, B_k) + d_i <= B_i``.
+    - Backward: the backward runs ``L-1 .. 0``, so layer ``j`` starts it at ``B_j = b_{j+1} + ... + b_{L-1}``.
+      Layer ``i``'s prefetch is issued when layer ``k = min(i + p, L - 1)`` starts its backward (``p`` =
+      ``prefetch_layers``) and must end before layer ``i``'s starts: ``h_i = max(h, B_k) + d_i <= B_i``.
+    - Memory: prefetched layers must fit in what backward has freed, or the peak moves into backward. When layer
+      ``k`` starts its backward, the offloaded layers ``max(k-p, 0) .. k`` are on the device again, and the layers
+      after ``max(k, N-1)`` have freed their activations: ``sum(s[k-p .. min(k, N-1)]) <= sum(s[max(k, N-1)+1 ..])``.
 
-    ``N`` grows from 0 while layers ``0 .. N-1`` satisfy both; the first ``N`` that does not stops the search.
+    ``N`` grows from 0 while layers ``0 .. N-1`` satisfy all three; the first ``N`` that does not stops the search.
 
     Args:
-        compute_ms: ``(L,)`` forward compute time of each layer in milliseconds.
+        compute_ms: ``(L,)`` forward time of each layer in milliseconds.
         bytes_per_layer: ``(L,)`` bytes each layer would offload.
         bandwidth_bytes_per_ms: copy bandwidth (the slower direction), bytes per millisecond, ``> 0``.
         margin: fraction added to every copy time (``>= 0``), e.g. ``0.2``.
         prefetch_layers: how many layers ahead backward prefetches (``>= 1`` for any hiding in backward).
+        backward_ms: ``(L,)`` measured backward time of each layer; ``None``: twice the forward (two matmuls per
+            forward matmul).
 
     Returns:
         ``N`` in ``[0, L]``: offload layers ``0 .. N-1``.
@@ -102,14 +110,51 @@ def plan_offload_layers(
 
     Example::
 
-        plan_offload_layers([1.0] * 4, [1] * 4, 1.0, margin=0.0)  # 3: the last copy would end after the forward
+        plan_offload_layers([1.0] * 4, [1] * 4, 1.0, margin=0.0)  # 2: a third prefetch would outgrow freed memory
     """
-    if len(compute_ms) != len(bytes_per_layer):
+    return _plan(compute_ms, bytes_per_layer, bandwidth_bytes_per_ms, margin, (prefetch_layers,), backward_ms)[0]
+
+
+def plan_offload(
+    compute_ms: Sequence[float],
+    bytes_per_layer: Sequence[int],
+    bandwidth_bytes_per_ms: float,
+    *,
+    margin: float,
+    backward_ms: Sequence[float] | None = None,
+) -> tuple[int, int]:
+    """Like :func:`plan_offload_layers`, choosing the prefetch depth too: the most layers, then the shallowest depth.
+
+    A narrow layer's backward is shorter than its host-to-device copy, so prefetching one layer ahead hides
+    nothing; issuing prefetches several layers ahead gives each copy several layers of backward, as long as the
+    memory rule still holds.
+
+    Returns:
+        ``(N, prefetch_layers)``; ``prefetch_layers`` is 1 when ``N`` is 0.
+
+    Example::
+
+        n, depth = plan_offload([3.0] * 12, [10_000] * 12, 1_000.0, margin=0.0)  # (3, 3)
+    """
+    depths = tuple(range(1, max(len(compute_ms), 2)))
+    return _plan(compute_ms, bytes_per_layer, bandwidth_bytes_per_ms, margin, depths, backward_ms)
+
+
+def _plan(
+    compute_ms: Sequence[float],
+    bytes_per_layer: Sequence[int],
+    bandwidth_bytes_per_ms: float,
+    margin: float,
+    depths: Sequence[int],
+    backward_ms: Sequence[float] | None,
+) -> tuple[int, int]:
+    backward = [_BACKWARD_PER_FORWARD * c for c in compute_ms] if backward_ms is None else list(backward_ms)
+    if len(compute_ms) != len(bytes_per_layer) or len(backward) != len(compute_ms):
         raise OffloadError(
             f"plan_offload_layers: compute_ms has {len(compute_ms)} layers but bytes_per_layer has "
-            f"{len(bytes_per_layer)}"
+            f"{len(bytes_per_layer)} and backward_ms {len(backward)}"
         )
-    for name, values in (("compute_ms", compute_ms), ("bytes_per_layer", bytes_per_layer)):
+    for name, values in (("compute_ms", compute_ms), ("bytes_per_layer", bytes_per_layer), ("backward_ms", backward)):
         bad = next((i for i, v in enumerate(values) if not v >= 0), None)
         if bad is not None:
             raise OffloadError(f"plan_offload_layers: {name}[{bad}] must be >= 0, got {values[bad]!r}")
@@ -118,11 +163,12 @@ def plan_offload_layers(
     if not margin >= 0:
         raise OffloadError(f"plan_offload_layers: margin must be >= 0, got {margin!r}")
     num = len(compute_ms)
-    copy_ms = [b / bandwidth_bytes_per_ms * (1.0 + margin) for b in bytes_per_layer]
+    sizes = list(bytes_per_layer)
+    copy_ms = [b / bandwidth_bytes_per_ms * (1.0 + margin) for b in sizes]
     forward_ends = [sum(compute_ms[: i + 1]) for i in range(num)]
-    backward_starts = [_BACKWARD_PER_FORWARD * sum(compute_ms[j + 1 :]) for j in range(num)]
+    backward_starts = [sum(backward[j + 1 :]) for j in range(num)]
 
-    def fits(n: int) -> bool:
+    def fits(n: int, depth: int) -> bool:
         end = 0.0
         for i in range(n):
             end = max(end, forward_ends[i]) + copy_ms[i]
@@ -130,15 +176,22 @@ def plan_offload_layers(
                 return False
         end = 0.0
         for i in range(n - 1, -1, -1):
-            end = max(end, backward_starts[min(i + prefetch_layers, num - 1)]) + copy_ms[i]
+            end = max(end, backward_starts[min(i + depth, num - 1)]) + copy_ms[i]
             if end > backward_starts[i]:
+                return False
+        for k in range(num):
+            resident = sum(sizes[max(k - depth, 0) : min(k, n - 1) + 1])
+            if resident > sum(sizes[max(k, n - 1) + 1 :]):
                 return False
         return True
 
-    chosen = 0
-    while chosen < num and fits(chosen + 1):
-        chosen += 1
-    return chosen
+    chosen, chosen_depth = 0, depths[0]
+    while chosen < num:
+        depth = next((d for d in depths if fits(chosen + 1, d)), None)
+        if depth is None:
+            break
+        chosen, chosen_depth = chosen + 1, depth
+    return chosen, chosen_depth
 
 
 def validate_offload_config(
@@ -342,6 +395,7 @@ class _Segment:
     candidate_bytes: int = 0
     started: Any = None
     ended: Any = None
+    backward_started: Any = None
 
 
 class ActivationOffloader:
@@ -362,9 +416,10 @@ class ActivationOffloader:
         force: run the whole mechanism on CPU too (synchronous copies, plain memory if pinning is unavailable).
         offload_layers: which layers offload. ``None``: all but the last ``keep_last_layers``. An int ``N``: only
             the first ``N`` of those (the earliest layers: their activations live longest). ``"auto"``: the first
-            step offloads nothing and measures each layer's forward time (CUDA events; ``perf_counter`` on CPU),
-            the bytes each layer would offload and the copy bandwidth (a probe copy through pinned memory); from then on
-            the first :func:`plan_offload_layers` layers offload (copy times padded by ``AUTO_MARGIN``).
+            step offloads nothing and measures each layer's forward and backward time (CUDA events;
+            ``perf_counter`` on CPU), the bytes each layer would offload and the copy bandwidth (a probe copy through
+            pinned memory); from then on the first ``N`` layers offload with the prefetch depth that
+            :func:`plan_offload` chose (copy times padded by ``AUTO_MARGIN``; it replaces ``prefetch_layers``).
             ``stats["offload_layers"]`` is the number in effect.
         recompute: ``None``, or ``"selective"``: every layer that does not offload (once the plan is known) runs
             under :func:`~lightning_llmfast.offload.recompute.recompute_layer`: it keeps matmul, grouped GEMM,
@@ -433,6 +488,7 @@ class ActivationOffloader:
         self.pool = PinnedBufferPool(headroom=float(pool_headroom))
         self._num_sets = self.prefetch_layers + 1
         self._sets: list[torch.Tensor | None] = [None] * self._num_sets
+        self._last_set_bytes = 0
         self._set_owner: list[int] = [-1] * self._num_sets
         self._copier: _Copier | None = None
         self._handles = [h for i, layer in enumerate(self.layers) for h in self._hook_layer(i, layer)]
@@ -554,41 +610,60 @@ class ActivationOffloader:
         self._retired.extend(b for seg in self._segments for b in seg.blocks)
         segments, self._segments = self._segments, []
         measured, self._measuring = self._measuring, False
+        # Device buffer sets live for one backward: between steps (and at the next forward's memory peak) they are
+        # free memory. Blocks still reading them keep them alive until their copies are released.
+        self._last_set_bytes = sum(t.numel() for t in self._sets if t is not None)
+        self._sets = [None] * self._num_sets
         if failed:
             self._release_all()
             return
         self._release_done()
         self._steps_done += 1
         if measured:
-            self._plan(segments)
+            assert self._copier is not None
+            self._plan(segments, backward_end=self._copier.timestamp())
         elif not self._sized and self._copier is not None:
             self.pool.reserve_measured()  # the first step that offloaded under the final plan sizes the pool
             self._sized = True
 
-    def _plan(self, segments: list[_Segment]) -> None:
-        """Make the ``"auto"`` plan from the measuring step (see :func:`plan_offload_layers`)."""
+    def _plan(self, segments: list[_Segment], backward_end: Any) -> None:
+        """Make the ``"auto"`` plan from the measuring step (see :func:`plan_offload`)."""
         copier = self._copier
         assert copier is not None
         compute_ms = [0.0] * len(self.layers)
+        backward: list[float] | None = [0.0] * len(self.layers)
         bytes_per_layer = [0] * len(self.layers)
         for seg in segments:  # a layer called several times adds up its calls
             if seg.ended is not None:
                 compute_ms[seg.layer_index] += copier.elapsed_ms(seg.started, seg.ended)
             bytes_per_layer[seg.layer_index] += seg.candidate_bytes
+            # A call's backward runs from its start until the previous call's backward starts (the step's end for
+            # the first call); a call whose output needed no grad leaves the estimate to the forward times.
+            after = segments[seg.index - 1].backward_started if seg.index > 0 else backward_end
+            if backward is not None and seg.backward_started is not None and after is not None:
+                backward[seg.layer_index] += copier.elapsed_ms(seg.backward_started, after)
+            else:
+                backward = None
         probe = min(max(max(bytes_per_layer), _PROBE_MIN_BYTES), _PROBE_MAX_BYTES)
         # A temporary buffer, pinned like the pool's: through the pool it would count towards the pool's sizing.
         bandwidth = copier.bandwidth(probe, torch.empty(probe, dtype=torch.uint8, pin_memory=self.pool.pinned))
         eligible = max(len(self.layers) - self.keep_last_layers, 0)
-        chosen = plan_offload_layers(
-            compute_ms, bytes_per_layer, bandwidth, margin=AUTO_MARGIN, prefetch_layers=self.prefetch_layers
+        chosen, depth = plan_offload(
+            compute_ms, bytes_per_layer, bandwidth, margin=AUTO_MARGIN, backward_ms=backward
         )
         self._planned = min(chosen, eligible)
+        self.prefetch_layers = depth
+        self._num_sets = depth + 1
+        self._sets = [None] * self._num_sets
+        self._set_owner = [-1] * self._num_sets
         self.auto_plan = {
             "compute_ms": compute_ms,
+            "backward_ms": backward,
             "bytes_per_layer": bytes_per_layer,
             "bandwidth_bytes_per_ms": bandwidth,
             "margin": AUTO_MARGIN,
             "offload_layers": self._planned,
+            "prefetch_layers": depth,
         }
 
     def synchronize(self) -> None:
@@ -632,7 +707,7 @@ class ActivationOffloader:
             **self.pool.stats(),
             "offload_layers": (self._planned or 0) if self.enabled else 0,
             "peak_inflight": self.pool.peak_out_bytes,
-            "device_set_bytes": sum(s.numel() for s in self._sets if s is not None),
+            "device_set_bytes": self._last_set_bytes,
         }
 
     # ------------------------------------------------------------------ forward
@@ -762,6 +837,9 @@ class ActivationOffloader:
     def _backward_begins(self, seg_index: int) -> None:
         if not self._segments:
             return  # the step already ended (graph retained past it)
+        if self._measuring and self._segments[seg_index].backward_started is None:
+            assert self._copier is not None
+            self._segments[seg_index].backward_started = self._copier.timestamp()
         self._release_sources()
         for j in range(seg_index, max(seg_index - self.prefetch_layers, 0) - 1, -1):
             seg = self._segments[j]
