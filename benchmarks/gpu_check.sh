@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/gpu_check.sh            # logs, JUnit XML, bench.json and bench.png under $OUT (else ./gpu_out)
 #   LLMFAST_COMMIT=abc1234 bash benchmarks/gpu_check.sh   # a copy without .git: name the commit for the report
+#   GPU_CHECK_STAGES="env offload" OFFLOAD_SHAPES=full bash benchmarks/gpu_check.sh   # a rerun of some stages only
 #
 # Stages (each under its own `timeout`, cut to fit a global budget so the whole script ends in < 8 minutes even if
 # one hangs; a failing stage does not stop the later ones; the exit status is non-zero if any stage failed):
@@ -281,7 +282,7 @@ EOF
 stage_offload() {
     set -o pipefail
     local shape
-    for shape in full wide; do
+    for shape in ${OFFLOAD_SHAPES:-full wide}; do
         "$PY" benchmarks/bench_offload.py --device cuda --shape "$shape" --json "$OUT/offload_$shape.json" >/dev/null \
             || return 1
         "$PY" - "$OUT/offload_$shape.json" <<'EOF'
@@ -323,6 +324,10 @@ declare -a RESULTS
 FAILED=0
 for i in "${!STAGES[@]}"; do
     IFS=: read -r name max _ <<<"${STAGES[$i]}"
+    if [ -n "${GPU_CHECK_STAGES:-}" ] && [[ " $GPU_CHECK_STAGES " != *" $name "* ]]; then
+        RESULTS+=("$name|not selected|0")
+        continue
+    fi
     reserve=0
     for later in "${STAGES[@]:$((i + 1))}"; do reserve=$((reserve + ${later##*:})); done
     left=$((BUDGET_S - ($(date +%s) - START_S) - reserve))
