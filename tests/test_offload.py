@@ -402,18 +402,19 @@ class _DeferredCopier(_Copier):
     def mark_compute(self) -> None:
         return None  # compute is synchronous here
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, to_host: bool, after: Any = ()) -> _Event:
+    def copy(self, pairs: Any, to_host: bool, after: Any = ()) -> _Event:
         event = _Event()
-        self.queues[to_host].append((event, dst, src, tuple(e for e in after if e is not None)))
+        self.queues[to_host].append((event, list(pairs), tuple(e for e in after if e is not None)))
         return event
 
     def _flush(self, event: _Event) -> None:
         for queue in self.queues.values():
             while not event.fired and any(e is event for e, *_ in queue):
-                first, dst, src, after = queue.pop(0)  # streams are FIFO
+                first, pairs, after = queue.pop(0)  # streams are FIFO
                 for dep in after:
                     self._flush(dep)
-                dst.copy_(src)
+                for dst, src in pairs:
+                    dst.copy_(src)
                 first.fired = True
 
     def compute_waits(self, event: Any) -> None:
@@ -445,6 +446,31 @@ def test_deferred_copies_prove_every_use_waits_for_its_event(ckpt: str, prefetch
     assert len(copiers) == 1 and copiers[0].waits > 0
     off.synchronize()
     assert off.stats["checked_out"] == 0 and not any(copiers[0].queues.values())
+
+
+class _CountingCopier(_Copier):
+    """Synchronous CPU copier that counts copy calls per direction (each is a stream switch and an event on CUDA)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.calls: dict[bool, int] = {True: 0, False: 0}
+
+    def copy(self, pairs: Any, to_host: bool, after: Any = ()) -> None:
+        self.calls[to_host] += 1
+        return super().copy(pairs, to_host, after)
+
+
+def test_one_copy_call_per_offloaded_layer_and_direction() -> None:
+    ref, model = _pair(12, n_layers=5)
+    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, offload_layers=3, force=True)
+    copiers: list[_CountingCopier] = []
+    off._make_copier = lambda device: copiers.append(_CountingCopier(device)) or copiers[-1]  # type: ignore[method-assign]
+    x = torch.randn(2, 7, 8)
+    assert all(torch.equal(a, b) for a, b in zip(_step(ref, x), _step(model, x, off)))
+    stats = off.stats
+    assert stats["offloaded_tensors"] > 3 * 2  # several tensors per layer ...
+    assert copiers[0].calls == {True: 3, False: 3}  # ... one batched copy per layer each way
+    off.close()
 
 
 # ---------------------------------------------------------------------------------------------- reference model

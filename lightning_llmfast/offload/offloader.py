@@ -295,17 +295,27 @@ class _Copier:
         return torch.cuda.current_stream(self.device).record_event() if self.is_cuda else None
 
     def copy(
-        self, dst: torch.Tensor, src: torch.Tensor, to_host: bool, after: Sequence[torch.cuda.Event | None] = ()
+        self,
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        to_host: bool,
+        after: Sequence[torch.cuda.Event | None] = (),
     ) -> torch.cuda.Event | None:
+        """Copy every ``(dst, src)`` in order on one stream after ``after``; one event marks them all done.
+
+        One layer's copies go in one call: a stream switch, one wait per event and one event per layer instead of
+        per tensor (each is a driver call on a forward that is often launch-bound).
+        """
         if not self.is_cuda:
-            dst.copy_(src)
+            for dst, src in pairs:
+                dst.copy_(src)
             return None
         stream = self.d2h if to_host else self.h2d
         with torch.cuda.stream(stream):
             for event in after:
                 if event is not None:
                     stream.wait_event(event)
-            dst.copy_(src, non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             return stream.record_event()
 
     def compute_waits(self, event: torch.cuda.Event | None) -> None:
@@ -389,6 +399,7 @@ class _Segment:
     offload: bool
     blocks: list[_Block] = field(default_factory=list)
     dedup: dict[tuple[int, int], _Block] = field(default_factory=dict)  # (storage ptr, version) -> block
+    unsent: list[_Block] = field(default_factory=list)  # offloaded in this call, device-to-host copy not issued yet
     prefetched: bool = False
     # "auto" measuring step only: what this call would offload and when its forward started and ended.
     seen: set[tuple[int, int]] = field(default_factory=set)
@@ -493,6 +504,8 @@ class ActivationOffloader:
         self._copier: _Copier | None = None
         self._handles = [h for i, layer in enumerate(self.layers) for h in self._hook_layer(i, layer)]
         self._packing = False
+        self._hot = False  # whether the pack hook looks at saved tensors at all (see _wants_pack)
+        self._offload_calls: set[int] = set()  # offloading layers called in this forward
         self._in_step = False
         self._steps_done = 0
         self._segments: list[_Segment] = []
@@ -587,11 +600,14 @@ class ActivationOffloader:
         if not self._in_step:
             self.begin_step()
         self._packing = True
+        self._offload_calls = set()
+        self._hot = self._wants_pack(None)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
             self._packing = False
+            self._hot = False
             self._current = None
             self._unassigned.clear()  # saved after the last layer: they stay on the device
 
@@ -603,6 +619,7 @@ class ActivationOffloader:
                 measuring step is then repeated).
         """
         self._packing = False
+        self._hot = False
         self._in_step = False
         self._current = None
         self._unassigned.clear()
@@ -730,6 +747,9 @@ class ActivationOffloader:
         self._segments.append(seg)
         self._counters["segments"] += 1
         self._current = seg
+        if seg.offload:
+            self._offload_calls.add(index)
+        self._hot = self._wants_pack(seg)
         for saved in self._unassigned:
             assert saved.tensor is not None
             if saved.tensor.untyped_storage().data_ptr() in self._shared_inputs:
@@ -752,6 +772,8 @@ class ActivationOffloader:
         if self._measuring:
             assert self._copier is not None
             seg.ended = self._copier.timestamp()
+        self._send(seg)
+        self._hot = self._wants_pack(None)
         # Dedup entries are only valid while this layer's sources are referenced; after it, an address could be
         # reused by a new tensor, so the map is dropped and the sources become releasable.
         seg.dedup.clear()
@@ -761,7 +783,37 @@ class ActivationOffloader:
         if grad_fn is not None:
             grad_fn.register_prehook(lambda _grads, i=seg.index: self._backward_begins(i))
 
+    def _send(self, seg: _Segment) -> None:
+        """Issue the device-to-host copies of what ``seg`` offloaded, once its forward has ended.
+
+        Autograd never lets a saved tensor change before backward, so copying at the layer's end reads what was
+        saved; the sources stay referenced until the copy's event has completed.
+        """
+        if not seg.unsent:
+            return
+        copier = self._copier
+        assert copier is not None
+        pairs = [(b.host[: b.nbytes], b.source) for b in seg.unsent if b.host is not None and b.source is not None]
+        event = copier.copy(pairs, to_host=True, after=(copier.mark_compute(),))
+        for block in seg.unsent:
+            block.d2h_event = event
+        seg.unsent.clear()
+
+    def _wants_pack(self, seg: _Segment | None) -> bool:
+        """Whether saved tensors need a look now: measuring, inside an offloading call, or before the last one.
+
+        Every other saved tensor (non-offloaded layers, the head and loss) returns from the pack hook at once: on a
+        launch-bound forward the hook's cost is step time.
+        """
+        if self._copier is None or not self._packing:
+            return False
+        if self._measuring or (seg is not None and seg.offload):
+            return True
+        return len(self._offload_calls) < (self._planned or 0)
+
     def _pack(self, t: torch.Tensor) -> Any:
+        if not self._hot:
+            return t
         if (
             self._copier is None
             or self._in_backward()
@@ -806,10 +858,8 @@ class ActivationOffloader:
             nbytes = storage.nbytes()
             source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
             block = _Block(nbytes=nbytes, segment=seg.index, host=self.pool.acquire(nbytes), source=source)
-            block.d2h_event = self._copier.copy(
-                block.host[:nbytes], source, to_host=True, after=(self._copier.mark_compute(),)
-            )
             seg.blocks.append(block)
+            seg.unsent.append(block)
             seg.dedup[key] = block
             self._counters["offloaded_bytes"] += nbytes
         else:
@@ -860,18 +910,18 @@ class ActivationOffloader:
                 flat.record_stream(copier.h2d)
         # The set was last used by a layer whose backward has finished; copies wait for that compute.
         compute_done = copier.mark_compute()
+        pairs = []
         offset = 0
         for block in seg.blocks:
             assert block.host is not None
             block.flat, block.offset, block.set_index = flat, offset, s
-            block.h2d_event = copier.copy(
-                flat[offset : offset + block.nbytes],
-                block.host[: block.nbytes],
-                to_host=False,
-                after=(compute_done, block.d2h_event),
-            )
-            block.reads.append(block.h2d_event)
+            pairs.append((flat[offset : offset + block.nbytes], block.host[: block.nbytes]))
             offset += _aligned(block.nbytes)
+        d2h = {id(b.d2h_event): b.d2h_event for b in seg.blocks}  # one per layer call
+        event = copier.copy(pairs, to_host=False, after=(compute_done, *d2h.values()))
+        for block in seg.blocks:
+            block.h2d_event = event
+            block.reads.append(event)
         seg.prefetched = True
         self._set_owner[s] = seg.index
 
