@@ -29,6 +29,7 @@ Usage::
 
     python benchmarks/bench_offload.py --device cuda                # 12 layers, hidden 1024, 4 x 2048 tokens
     python benchmarks/bench_offload.py --device cuda --shape wide   # 12 layers, hidden 2048
+    python benchmarks/bench_offload.py --device cuda --shape large  # 12 layers, hidden 4096, 4 experts
     python benchmarks/bench_offload.py --quick --device cpu         # forced CPU path, stats only
 """
 
@@ -61,6 +62,20 @@ SHAPES: dict[str, dict[str, Any]] = {
         "batch": 4,
         "seq_len": 2048,
     },
+    # Production-like width (4 experts keep AdamW state for 2.9B parameters near 47 GB): compute per saved byte is
+    # about 3x that of "full", which is what lets copies of 40% of the activations hide behind compute.
+    "large": {
+        "model": {
+            "hidden_size": 4096,
+            "n_layers": 12,
+            "n_heads": 32,
+            "n_kv_heads": 8,
+            "ffn_size": 4096,
+            "num_experts": 4,
+        },
+        "batch": 4,
+        "seq_len": 2048,
+    },
     "quick": {
         "model": {"hidden_size": 512, "n_layers": 12, "n_heads": 8, "n_kv_heads": 4, "ffn_size": 704},
         "batch": 2,
@@ -86,7 +101,7 @@ VOCAB = 4096
 
 def _setup(shape: dict[str, Any], device: str) -> tuple[MoEGPT, torch.optim.Optimizer, torch.Tensor]:
     torch.manual_seed(0)
-    config = MoEGPTConfig(vocab_size=VOCAB, num_experts=8, top_k=2, **shape["model"])
+    config = MoEGPTConfig(**{"vocab_size": VOCAB, "num_experts": 8, "top_k": 2, **shape["model"]})
     model = MoEGPT(config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     ids = torch.randint(0, VOCAB, (shape["batch"], shape["seq_len"]), device=device)
@@ -224,8 +239,8 @@ def run(
         quick: the ``"quick"`` shape (the harness's switch); otherwise ``shape``.
         device: ``"cuda"`` for timings and memory; ``"cpu"`` runs the forced path on a tiny model, stats only.
         repeats: interleaved timed steps per mode (default 5 quick, 8 otherwise).
-        shape: ``"full"`` (hidden 1024, the default), ``"wide"`` (hidden 2048) or ``"quick"`` (hidden 512); 12
-            layers each.
+        shape: ``"full"`` (hidden 1024, the default), ``"wide"`` (hidden 2048), ``"large"`` (hidden 4096, 4
+            experts) or ``"quick"`` (hidden 512); 12 layers each.
 
     Returns:
         On CUDA ``{"modes": {mode: {"step_ms", "tokens_per_sec", "tps_ratio", "peak_act_bytes", "mem_reduction",
@@ -238,7 +253,7 @@ def run(
     """
     shape = shape or ("quick" if quick else "full")
     if shape not in SHAPES or shape == "cpu":
-        raise ConfigError(f"shape must be one of full, wide, quick; got {shape!r}")
+        raise ConfigError(f"shape must be one of full, wide, large, quick; got {shape!r}")
     if device == "cuda" and torch.cuda.is_available():
         return _cuda(shape, repeats or (5 if shape == "quick" else 8))
     return _cpu(shape == "quick")
@@ -246,7 +261,7 @@ def run(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="full", choices=["full", "wide", "quick"])
+    parser.add_argument("--shape", default="full", choices=["full", "wide", "large", "quick"])
     parser.add_argument("--quick", action="store_true", help="same as --shape quick")
     parser.add_argument("--json", help="also write the result here")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

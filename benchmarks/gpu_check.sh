@@ -10,7 +10,7 @@
 #   env           nvidia-smi -L, versions, `pip install --no-deps -e .` (PYTHONPATH=. as the fallback)
 #   cuda_tests    pytest -m cuda (TRITON_INTERPRET unset: Triton compiles for the GPU)
 #   kernel_tests  the Triton/routing/permute/MoE test files on CUDA (LLMFAST_TEST_DEVICE=cuda for tests that read it)
-#   offload       benchmarks/bench_offload.py at hidden 1024 and 2048: off/all/auto/recompute/auto_recompute modes
+#   offload       benchmarks/bench_offload.py at hidden 1024 and 4096: off/all/auto/recompute/auto_recompute modes
 #   kernel_check  Triton kernels against their PyTorch references at T=65536, E=64, k=8, sync-free, with timings
 #   sync_step     llmfast training steps under torch.cuda.set_sync_debug_mode("error") (forward + backward)
 #   bench         python -m lightning_llmfast.bench --profile full --device cuda (bf16; micro: metadata, moe)
@@ -282,7 +282,7 @@ EOF
 stage_offload() {
     set -o pipefail
     local shape
-    for shape in ${OFFLOAD_SHAPES:-full wide}; do
+    for shape in ${OFFLOAD_SHAPES:-full large}; do
         "$PY" benchmarks/bench_offload.py --device cuda --shape "$shape" --json "$OUT/offload_$shape.json" >/dev/null \
             || return 1
         "$PY" - "$OUT/offload_$shape.json" <<'EOF'
@@ -319,7 +319,7 @@ stage_bench() {
 # ------------------------------------------------------------------------------------------------------- the runner
 export -f stage_env stage_cuda_tests stage_kernel_tests stage_offload stage_kernel_check stage_sync_step stage_bench
 # name:max seconds:min seconds (the min of every later stage is reserved when an earlier one's limit is set)
-STAGES=(env:60:20 cuda_tests:90:20 kernel_tests:60:20 offload:150:60 kernel_check:40:15 sync_step:40:15 bench:200:90)
+STAGES=(env:60:20 cuda_tests:90:20 kernel_tests:60:20 offload:240:60 kernel_check:40:15 sync_step:40:15 bench:200:90)
 declare -a RESULTS
 FAILED=0
 for i in "${!STAGES[@]}"; do

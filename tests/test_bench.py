@@ -287,3 +287,13 @@ def test_peak_memory_on_cpu_counts_live_tensor_bytes_once() -> None:
         c = torch.empty(1 << 17)  # 0.5 MiB, allocated after b was freed
     assert mem.peak_bytes == (1 << 20) + (2 << 20), mem.peak_bytes
     assert a.numel() + c.numel() + kept.numel() > 0
+
+
+def test_offload_micro_benchmark_on_cpu_runs_every_mode_bit_identical() -> None:
+    """The offload script's CPU path: every mode's forced offload/recompute keeps the reference parameters."""
+    out = run_micro(True, "cpu", ("offload",), Path(__file__).parents[1] / "benchmarks", log=lambda _: None)
+    modes = out["offload"]["modes"]
+    assert set(modes) == {"all", "auto", "recompute", "auto_recompute"}
+    assert all(m["bit_identical_params"] for m in modes.values())
+    assert modes["all"]["stats"]["offloaded_bytes"] > 0 and modes["recompute"]["stats"]["offloaded_bytes"] == 0
+    assert modes["recompute"]["stats"]["recompute_layers"] == 4

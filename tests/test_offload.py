@@ -781,3 +781,25 @@ def test_cuda_streams_gradients_match_and_pool_is_pinned() -> None:
     off.synchronize()
     assert off.stats["checked_out"] == 0
     off.close()
+
+
+def test_autocast_weight_copies_stay_on_the_device_and_gradients_match() -> None:
+    """Autocast caches its bf16 copies of the weights for the whole forward: copying them out would free nothing."""
+    ref, model = _pair(13, n_layers=3)
+    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True)
+    x = torch.randn(2, 5, 8)
+    grads = []
+    for m, o in ((ref, None), (model, off)):
+        m.zero_grad(set_to_none=True)
+        with o if o is not None else torch.enable_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            m(x).float().square().mean().backward()
+        grads.append(_grads(m))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    stats = off.stats
+    # two offloaded blocks, two Linear weights each: both casts are saved (by the matmul) and kept
+    assert stats["kept_casts"] == 4 and stats["offloaded_tensors"] > 0
+    # without the cache, the copies are ordinary activations (freed by offloading) and move like the rest
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        _step(model, x, off)
+    assert off.stats["kept_casts"] == 0
+    off.close()
