@@ -16,7 +16,7 @@ from lightning_llmfast import ConfigError
 from lightning_llmfast.bench import OpCounter, SyncCounter, e2e
 from lightning_llmfast.bench.__main__ import main
 from lightning_llmfast.bench.e2e import E2ESettings, build_variants, make_batches
-from lightning_llmfast.bench.harness import PROFILES, run_benchmark, run_micro
+from lightning_llmfast.bench.harness import PROFILES, git_commit, run_benchmark, run_micro
 from lightning_llmfast.bench.report import markdown_report
 from lightning_llmfast.data import VOCAB_SIZE
 
@@ -297,3 +297,11 @@ def test_offload_micro_benchmark_on_cpu_runs_every_mode_bit_identical() -> None:
     assert all(m["bit_identical_params"] for m in modes.values())
     assert modes["all"]["stats"]["offloaded_bytes"] > 0 and modes["recompute"]["stats"]["offloaded_bytes"] == 0
     assert modes["recompute"]["stats"]["recompute_layers"] == 4
+
+
+def test_git_commit_prefers_the_named_commit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("LLMFAST_COMMIT", raising=False)
+    assert git_commit(tmp_path) == "unknown"  # not a repository
+    monkeypatch.setenv("LLMFAST_COMMIT", "abc1234")
+    assert git_commit(tmp_path) == "abc1234"
+    assert git_commit() == "abc1234"  # also over this repository's own .git

@@ -124,12 +124,16 @@ PROFILES: dict[str, BenchProfile] = {
 def git_commit(path: Path = _REPO_ROOT) -> str:
     """Short commit hash of the repository at ``path`` (``+dirty`` with uncommitted changes), or ``"unknown"``.
 
-    A copy of the tree without ``.git`` (as on a lent GPU machine) reports ``$LLMFAST_COMMIT`` when it is set.
+    ``$LLMFAST_COMMIT``, when set, wins: a tree copied to a lent GPU machine has no ``.git`` or a stale one (the
+    2026-11-30 GPU run reported the previous session's commit), so the caller names what it copied.
 
     Example::
 
         git_commit()  # "b3f7d21+dirty"
     """
+    named = os.environ.get("LLMFAST_COMMIT")
+    if named:
+        return named
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=path, capture_output=True, text=True, check=True, timeout=10
@@ -143,7 +147,7 @@ def git_commit(path: Path = _REPO_ROOT) -> str:
             timeout=10,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("LLMFAST_COMMIT", "unknown")
+        return "unknown"
     return f"{head}+dirty" if dirty else head
 
 
