@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from lightning_llmfast.data import VOCAB_SIZE
 from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.models.rmsnorm import rms_norm
 from lightning_llmfast.moe import MoEBlock, NaiveMoEBlock
 from lightning_llmfast.seqmeta import SequenceMetadata, active_cache, varlen_attention
 
@@ -111,9 +112,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in fp32: bf16 squares lose too much precision.
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        # fp32 statistics; saves x and the (N, 1) inverse RMS only (rmsnorm.py: the normalised copy is recomputed).
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(position_ids: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
