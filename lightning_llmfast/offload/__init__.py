@@ -1,4 +1,5 @@
-"""Activation offload: pinned host buffer pool and the double-buffered :class:`ActivationOffloader`.
+"""Activation offload: pinned host buffer pool, the double-buffered :class:`ActivationOffloader`, its measured
+schedule (:func:`plan_offload`) and selective recomputation for the layers it does not offload (:mod:`.recompute`).
 
 Plain PyTorch (no Lightning); :class:`~lightning_llmfast.LLMFastStrategy` wires it around ``training_step``.
 
