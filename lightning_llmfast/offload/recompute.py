@@ -66,6 +66,12 @@ def recompute_policy(_ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
         ctx = functools.partial(create_selective_checkpoint_contexts, recompute_policy)
         y = checkpoint(layer, x, use_reentrant=False, context_fn=ctx)
     """
+    return _policy_for(op)
+
+
+@functools.lru_cache(maxsize=4096)
+def _policy_for(op: Any) -> CheckpointPolicy:
+    # Called for every op of a recomputed layer's forward: decided once per op overload.
     name = _op_name(op)
     attention = ("attention" in name or "attn" in name) and "backward" not in name
     if attention or name in _SAVED_OPS or name in _ROUTING_OPS:
