@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from lightning_llmfast._autograd import in_backward
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.moe.experts import GroupedExperts
 from lightning_llmfast.moe.kernels import BACKENDS
@@ -144,8 +145,8 @@ class MoEBlock(nn.Module):
         rows = permute(x, plan, backend=self.backend)
         y = self.experts(rows, plan.offsets, padded=plan.capacity is not None)
         out = unpermute(y, plan).to(x.dtype)
-        recomputing = torch._C._current_autograd_node() is not None  # activation recomputation inside backward
-        if self.expert_bias is not None and self.training and self.bias_update_rate > 0 and not recomputing:
+        # Not again when activation recomputation replays this forward inside backward.
+        if self.expert_bias is not None and self.training and self.bias_update_rate > 0 and not in_backward():
             # After routing, so this forward selected with the bias it started with (DeepSeek-V3 updates per step).
             update_expert_bias(self.expert_bias, plan.tokens_per_expert, self.bias_update_rate)
         record_plan(self, plan, logits)

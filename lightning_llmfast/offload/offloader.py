@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_llmfast._autograd import in_backward
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload.pool import PinnedBufferPool
 from lightning_llmfast.offload.recompute import RECOMPUTE_MODES, RecomputeHandle, recompute_layer
@@ -732,13 +733,8 @@ class ActivationOffloader:
         }
 
     # ------------------------------------------------------------------ forward
-    @staticmethod
-    def _in_backward() -> bool:
-        # Checkpoint recomputation and create_graph run module hooks and pack hooks inside the autograd engine.
-        return torch._C._current_autograd_node() is not None
-
     def _layer_begins(self, index: int, inputs: Any) -> None:
-        if not self._packing or self._in_backward():
+        if not self._packing or in_backward():
             return
         # Inputs that need no grad (RoPE tables, masks, ids) are shared by every layer and alive outside it:
         # offloading them would copy them once per layer and free nothing.
@@ -769,7 +765,7 @@ class ActivationOffloader:
 
     def _layer_ends(self, output: Any) -> None:
         seg = self._current
-        if seg is None or self._in_backward():
+        if seg is None or in_backward():
             return
         self._current = None
         self._shared_inputs = set()
@@ -820,7 +816,7 @@ class ActivationOffloader:
             return t
         if (
             self._copier is None
-            or self._in_backward()
+            or in_backward()
             or type(t) is not torch.Tensor  # parameters, tensor subclasses (fake/functional/distributed)
             or t.layout != torch.strided
             or t.device != self._copier.device

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lightning_llmfast._autograd import in_backward
 from lightning_llmfast.seqmeta.cache import activate_cache, active_cache
 
 __all__ = ["RECOMPUTE_MODES", "RecomputeHandle", "recompute_layer", "recompute_policy"]
@@ -92,10 +93,6 @@ def _contexts(cache: Any) -> tuple[Any, Any]:
     return forward, _recompute_context(recompute, cache)
 
 
-def _in_backward() -> bool:
-    return torch._C._current_autograd_node() is not None
-
-
 class RecomputeHandle:
     """Undo :func:`recompute_layer`: ``remove()`` restores the layer's own ``forward``."""
 
@@ -138,7 +135,7 @@ def recompute_layer(layer: nn.Module) -> RecomputeHandle:
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled() or _in_backward():
+        if not torch.is_grad_enabled() or in_backward():
             return inner(*args, **kwargs)  # eval, or already inside a recomputation / create_graph backward
         context_fn = functools.partial(_contexts, active_cache())
         return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
