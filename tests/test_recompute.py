@@ -19,7 +19,7 @@ from lightning_llmfast import LLMFastStrategy
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
 from lightning_llmfast.moe import MoEBlock
-from lightning_llmfast.offload import ActivationOffloader
+from lightning_llmfast.offload import ActivationOffloader, recompute
 from lightning_llmfast.offload.recompute import recompute_layer, recompute_policy
 from lightning_llmfast.seqmeta import SequenceMetadata, SequenceMetadataCache
 
@@ -173,16 +173,28 @@ def test_wrapper_lasts_one_step_and_restores_the_users_forward() -> None:
     off.close()
 
 
-def test_no_grad_and_eval_forward_are_not_checkpointed() -> None:
+def test_no_grad_forward_is_not_checkpointed(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model(n_layers=2)
     ids, pos = _batch(17, 0)
     expected = model(ids, pos)
+    calls: list[int] = []
+
+    def counting_checkpoint(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return torch.utils.checkpoint.checkpoint(fn, *args, **kwargs)
+
+    monkeypatch.setattr(recompute, "checkpoint", counting_checkpoint)
     handles = [recompute_layer(layer) for layer in model.layers]
     with torch.no_grad():
         assert torch.equal(model(ids, pos), expected)
+    assert calls == []  # nothing to recompute for: the plain forward ran
+    assert torch.equal(model(ids, pos), expected)
+    assert len(calls) == 2  # with grad: one checkpoint per wrapped layer
     for h in handles:
         h.remove()
         h.remove()  # idempotent
+    model(ids, pos)
+    assert len(calls) == 2  # removed: plain forwards again
 
 
 def test_bad_recompute_mode_is_rejected_at_construction() -> None:
