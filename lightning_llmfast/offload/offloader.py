@@ -793,7 +793,8 @@ class ActivationOffloader:
             return
         copier = self._copier
         assert copier is not None
-        pairs = [(b.host[: b.nbytes], b.source) for b in seg.unsent if b.host is not None and b.source is not None]
+        # Unsent blocks belong to the running step: their host buffer and source are set until the step's release.
+        pairs = [(b.host[: b.nbytes], b.source) for b in seg.unsent]
         event = copier.copy(pairs, to_host=True, after=(copier.mark_compute(),))
         for block in seg.unsent:
             block.d2h_event = event
