@@ -111,10 +111,13 @@ def _setup(shape: dict[str, Any], device: str) -> tuple[MoEGPT, torch.optim.Opti
 
 def _step(model: MoEGPT, opt: torch.optim.Optimizer, ids: torch.Tensor, off: ActivationOffloader | None) -> None:
     opt.zero_grad(set_to_none=True)
-    autocast = torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda")
-    with off if off is not None else torch.enable_grad(), autocast:
-        logits = model(ids)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), ids.roll(-1, 1).flatten()) + 0.01 * model.aux_loss()
+    # As Lightning's "bf16-mixed" runs a step: autocast without its weight cache around forward and loss only.
+    cuda = ids.device.type == "cuda"
+    autocast = torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=cuda, cache_enabled=False)
+    with off if off is not None else torch.enable_grad():
+        with autocast:
+            logits = model(ids)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), ids.roll(-1, 1).flatten()) + 0.01 * model.aux_loss()
         loss.backward()
     opt.step()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from lightning_llmfast.bench.counters import SyncCounter
@@ -484,7 +486,10 @@ def _reference(n_layers: int = 3, ckpt: bool = False) -> MoEGPT:
     return model
 
 
-def _train(model: MoEGPT, steps: int, offloader: ActivationOffloader | None, seq_lens: list[int]) -> list[Any]:
+def _train(
+    model: MoEGPT, steps: int, offloader: ActivationOffloader | None, seq_lens: list[int], bf16: bool = False
+) -> list[Any]:
+    """Train ``steps`` steps; ``bf16``: forward and loss under autocast as Lightning's "bf16-mixed" runs them."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     out = []
@@ -493,8 +498,9 @@ def _train(model: MoEGPT, steps: int, offloader: ActivationOffloader | None, seq
         ids = ids.to(model.embed.weight.device)
         opt.zero_grad(set_to_none=True)
         with offloader if offloader is not None else torch.enable_grad():
-            logits = model(ids)
-            loss = F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten()) + 0.01 * model.aux_loss()
+            with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
+                logits = model(ids).float()
+                loss = F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten()) + 0.01 * model.aux_loss()
             loss.backward()
         out.append(([p.grad.clone() for p in model.parameters()], offloader.stats if offloader else None))
         opt.step()
@@ -512,6 +518,20 @@ def test_reference_model_gradients_bit_identical_over_three_steps(ckpt: bool) ->
     for (g_ref, _), (g_off, stats) in zip(expected, got):
         assert all(torch.equal(a, b) for a, b in zip(g_ref, g_off))
         assert stats["offloaded_tensors"] > 0 and stats["checked_out"] == 0 and stats["lazy_reloads"] == 0
+    off.close()
+
+
+@pytest.mark.filterwarnings("ignore:PinnedBufferPool")
+def test_reference_model_bf16_mixed_gradients_bit_identical_with_rebuilt_weight_copies() -> None:
+    seq_lens = [17, 1, 31]
+    expected = _train(_reference(), 3, None, seq_lens, bf16=True)
+    model = _reference()
+    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True)
+    got = _train(model, 3, off, seq_lens, bf16=True)
+    for (g_ref, _), (g_off, stats) in zip(expected, got):
+        assert all(torch.equal(a, b) for a, b in zip(g_ref, g_off))
+        # per layer: qkv, output, router, gate/up and down weights, in all three layers (the kept last one too)
+        assert stats["recast_casts"] == 15 and stats["kept_casts"] == 0 and stats["offloaded_tensors"] > 0
     off.close()
 
 
@@ -761,8 +781,9 @@ def test_cuda_streams_gradients_match_and_pool_is_pinned() -> None:
     def grads(ids: torch.Tensor, offloader: ActivationOffloader | None) -> list[torch.Tensor]:
         model.zero_grad(set_to_none=True)
         with offloader if offloader is not None else torch.enable_grad():
-            logits = model(ids)
-            loss = F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten()) + 0.01 * model.aux_loss()
+            with torch.autocast(ids.device.type, dtype=torch.bfloat16, cache_enabled=False):  # as "bf16-mixed"
+                logits = model(ids).float()
+                loss = F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten()) + 0.01 * model.aux_loss()
             loss.backward()
         return [p.grad.clone() for p in model.parameters()]
 
@@ -778,28 +799,116 @@ def test_cuda_streams_gradients_match_and_pool_is_pinned() -> None:
                 torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
         stats = off.stats
         assert stats["offloaded_tensors"] > 0 and stats["lazy_reloads"] == 0 and stats["pinned"]
+        assert stats["recast_casts"] > 0 and stats["kept_casts"] == 0  # weight copies rebuilt, not kept
     off.synchronize()
     assert off.stats["checked_out"] == 0
     off.close()
 
 
-def test_autocast_weight_copies_stay_on_the_device_and_gradients_match() -> None:
-    """Autocast caches its bf16 copies of the weights for the whole forward: copying them out would free nothing."""
+def _autocast_grads(model: nn.Module, x: torch.Tensor, off: ActivationOffloader | None, cache: bool) -> list[Any]:
+    """One step under CPU bf16 autocast; backward outside the autocast region, as Lightning's precision plugin does."""
+    model.zero_grad(set_to_none=True)
+    with off if off is not None else torch.enable_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+            loss = model(x).float().square().mean()
+        loss.backward()
+    return _grads(model)
+
+
+def test_autocast_cached_weight_copies_stay_on_the_device_and_gradients_match() -> None:
+    """Autocast's cache holds its bf16 copies of the weights for the whole forward: moving them would free nothing."""
     ref, model = _pair(13, n_layers=3)
     off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True)
     x = torch.randn(2, 5, 8)
-    grads = []
-    for m, o in ((ref, None), (model, off)):
-        m.zero_grad(set_to_none=True)
-        with o if o is not None else torch.enable_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            m(x).float().square().mean().backward()
-        grads.append(_grads(m))
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    expected, got = _autocast_grads(ref, x, None, True), _autocast_grads(model, x, off, True)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
     stats = off.stats
-    # two offloaded blocks, two Linear weights each: both casts are saved (by the matmul) and kept
-    assert stats["kept_casts"] == 4 and stats["offloaded_tensors"] > 0
-    # without the cache, the copies are ordinary activations (freed by offloading) and move like the rest
-    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-        _step(model, x, off)
-    assert off.stats["kept_casts"] == 0
+    # three blocks, two Linear weights each: both casts are saved (by the matmul) and kept
+    assert stats["kept_casts"] == 6 and stats["recast_casts"] == 0 and stats["offloaded_tensors"] > 0
+    off.close()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_uncached_weight_copies_are_rebuilt_in_backward_bit_identically(seed: int) -> None:
+    """Lightning's autocast has no cache: the saved bf16 weight copy is the only reference and is rebuilt instead."""
+    ref, model = _pair(seed, n_layers=3)
+    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True)
+    for step in range(2):
+        x = torch.randn(3, 7, 8, generator=torch.Generator().manual_seed(seed + step))
+        expected, got = _autocast_grads(ref, x, None, False), _autocast_grads(model, x, off, False)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+        stats = off.stats
+        # every block (offloading or not) saves both of its weights' bf16 copies once: 2 bytes per element
+        weights = [w for blk in model.layers for w in (blk.up.weight, blk.down.weight)]
+        assert stats["recast_casts"] == 6 and stats["kept_casts"] == 0
+        assert stats["recast_bytes"] == sum(2 * w.numel() for w in weights)
+        assert stats["offloaded_tensors"] > 0 and stats["checked_out"] == 0
+    off.close()
+
+
+class _TrackWeightCasts(TorchDispatchMode):
+    """Weak references to every 2-D bf16 ``_to_copy`` output (the weights' casts: activations are 3-D here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[weakref.ref[torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and out.dtype == torch.bfloat16 and out.dim() == 2:
+            self.refs.append(weakref.ref(out))
+        return out
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_uncached_weight_copies_are_freed_after_forward(offload: bool) -> None:
+    """Without the cache only the saved copy keeps a bf16 weight alive: under the offloader, nothing does, even in
+    layers that do not offload."""
+    _, model = _pair(2, n_layers=2)
+    off = None
+    if offload:
+        off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=0, force=True, offload_layers=0)
+    track = _TrackWeightCasts()
+    with off if off is not None else torch.enable_grad():
+        with track, torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            loss = model(torch.randn(2, 5, 8)).float().square().mean()
+        alive = sum(ref() is not None for ref in track.refs)
+        loss.backward()
+    # embed and head (outside the layers), two weights per block; the embed's input needs no grad, so autograd does
+    # not save its weight's copy, and the head's is always kept
+    assert len(track.refs) == 2 + 4
+    assert alive == (1 if offload else 5)
+    if off is not None:
+        assert off.stats["recast_casts"] == 4 and off.stats["offloaded_tensors"] == 0
+        off.close()
+
+
+def test_parameter_modified_between_forward_and_backward_raises() -> None:
+    _, model = _pair(3, n_layers=2)
+    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=0, force=True)
+    x = torch.randn(2, 5, 8)
+    with pytest.raises(OffloadError, match="modified in place"):
+        with off:
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+                loss = model(x).float().square().mean()
+            with torch.no_grad():
+                model.layers[0].up.weight.mul_(2)  # an optimizer step before backward
+            loss.backward()
+    assert off.stats["checked_out"] == 0
+    off.close()
+
+
+def test_rebuilt_weight_copies_support_double_backward() -> None:
+    ref, model = _pair(5, n_layers=2)
+    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=0, force=True)
+    x = torch.randn(2, 5, 8)
+    results = []
+    for m, o in ((ref, None), (model, off)):
+        with o if o is not None else torch.enable_grad():
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+                loss = m(x).float().square().mean()
+            (g,) = torch.autograd.grad(loss, [m.layers[0].up.weight], create_graph=True)
+            (gg,) = torch.autograd.grad(g.float().square().sum(), [m.layers[1].down.weight])
+        results.append((g.detach(), gg))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     off.close()

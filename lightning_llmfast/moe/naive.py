@@ -17,6 +17,7 @@ from lightning_llmfast.moe.routing import SCORES
 
 __all__ = ["SwiGLUExperts", "NaiveMoEBlock", "check_moe_args", "router_scores", "router_losses"]
 
+
 def check_moe_args(hidden_size: int, ffn_size: int, num_experts: int, top_k: int, score: str) -> None:
     """Validate the constructor arguments shared by the MoE blocks.
 

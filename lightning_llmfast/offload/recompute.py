@@ -43,9 +43,7 @@ __all__ = ["RECOMPUTE_MODES", "RecomputeHandle", "recompute_layer", "recompute_p
 RECOMPUTE_MODES = (None, "selective")
 
 # Ops whose outputs are kept: recomputing them would cost real FLOPs (matmuls, grouped expert GEMMs).
-_SAVED_OPS = frozenset(
-    {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "grouped_mm", "_scaled_mm"}
-)
+_SAVED_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "grouped_mm", "_scaled_mm"})
 # Routing decisions are kept too (small: (T, k)), so recomputation can never pick other experts than the forward did
 # (an expert bias updated in forward, or ties broken differently).
 _ROUTING_OPS = frozenset({"topk"})
