@@ -1,15 +1,19 @@
 """Activation offload and selective recomputation: peak activation memory and tokens/sec, copy/compute overlap.
 
-On CUDA the reference ``MoEGPT`` (12 layers or more) trains with AdamW under bf16 autocast in these modes, interleaved
-in one process and timed with CUDA events (median of repeats):
+On CUDA the reference ``MoEGPT`` (12 layers or more) trains with AdamW under bf16 autocast as Lightning's
+``"bf16-mixed"`` runs it (no autocast weight cache; backward outside autocast) in these modes, interleaved in one
+process and timed with CUDA events (median of repeats):
 
 - ``off``: nothing (the baseline);
+- ``rebuild``: the offloader copies nothing (``offload_layers=0``) and only drops the layers' saved bf16 weight copies,
+  rebuilt in backward;
 - ``all``: every layer but the last offloads (``offload_layers=None``);
 - ``auto``: ``offload_layers="auto"``: as many leading layers as the copies can hide behind compute (with its plan:
   measured per-layer compute, bytes and bandwidth);
 - ``recompute``: no offload, every layer under selective recomputation (``offload_layers=0, recompute="selective"``);
-- ``auto_recompute``: ``"auto"`` offload plus selective recomputation of the layers that do not offload (what
-  ``strategy="llmfast_offload"`` does by default).
+- ``auto_recompute``: ``"auto"`` offload plus selective recomputation of the layers that do not offload.
+
+Every offloader mode rebuilds the weight copies as ``rebuild`` does.
 
 Reported per mode:
 
@@ -87,9 +91,11 @@ SHAPES: dict[str, dict[str, Any]] = {
         "seq_len": 33,
     },
 }
-# Offloader settings per mode (None: no offloader); "auto_recompute" is the llmfast_offload strategy's default.
+# Offloader settings per mode (None: no offloader).
 MODES: dict[str, dict[str, Any] | None] = {
     "off": None,
+    # Nothing is copied: only the layers' saved bf16 weight copies are dropped and rebuilt in backward.
+    "rebuild": {"offload_layers": 0},
     "all": {"offload_layers": None},
     "auto": {"offload_layers": "auto"},
     "recompute": {"offload_layers": 0, "recompute": "selective"},
@@ -112,8 +118,7 @@ def _setup(shape: dict[str, Any], device: str) -> tuple[MoEGPT, torch.optim.Opti
 def _step(model: MoEGPT, opt: torch.optim.Optimizer, ids: torch.Tensor, off: ActivationOffloader | None) -> None:
     opt.zero_grad(set_to_none=True)
     # As Lightning's "bf16-mixed" runs a step: autocast without its weight cache around forward and loss only.
-    cuda = ids.device.type == "cuda"
-    autocast = torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=cuda, cache_enabled=False)
+    autocast = torch.autocast(ids.device.type, dtype=torch.bfloat16, cache_enabled=False)
     with off if off is not None else torch.enable_grad():
         with autocast:
             logits = model(ids)

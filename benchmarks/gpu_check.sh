@@ -10,7 +10,7 @@
 #   env           nvidia-smi -L, versions, `pip install --no-deps -e .` (PYTHONPATH=. as the fallback)
 #   cuda_tests    pytest -m cuda (TRITON_INTERPRET unset: Triton compiles for the GPU)
 #   kernel_tests  the Triton/routing/permute/MoE test files on CUDA (LLMFAST_TEST_DEVICE=cuda for tests that read it)
-#   offload       benchmarks/bench_offload.py at hidden 1024 and 4096: off/all/auto/recompute/auto_recompute modes
+#   offload       benchmarks/bench_offload.py at hidden 1024 and 4096: off/rebuild/all/auto/recompute/auto_recompute modes
 #   kernel_check  Triton kernels against their PyTorch references at T=65536, E=64, k=8, sync-free, with timings
 #   sync_step     llmfast training steps under torch.cuda.set_sync_debug_mode("error") (forward + backward)
 #   bench         python -m lightning_llmfast.bench --profile full --device cuda (bf16; micro: metadata, moe)

@@ -15,6 +15,7 @@ from lightning_llmfast.moe.experts import (
     _grouped_mm,
     _silu_glu,
     _silu_glu_backward,
+    _swiglu_down,
     grouped_mm_supported,
     grouped_swiglu,
 )
@@ -216,9 +217,59 @@ def test_custom_ops_pass_opcheck() -> None:
         (_silu_glu, (torch.randn(9, 2 * FFN, requires_grad=True),)),
         (_silu_glu, (torch.randn(1, 2 * FFN, requires_grad=True),)),
         (_silu_glu_backward, (torch.randn(9, FFN), torch.randn(9, 2 * FFN))),
+        (_swiglu_down, (torch.randn(9, 2 * FFN, requires_grad=True), torch.randn(4, FFN, H, requires_grad=True), offs)),
+        (_swiglu_down, (torch.randn(9, 2 * FFN), torch.randn(4, H, FFN).transpose(1, 2).requires_grad_(), offs)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sizes", [[1], [0, 0, 7, 0], [3, 0, 5, 1], [2, 11, 0, 13, 1]])
+def test_fused_swiglu_down_equals_the_unfused_ops_bitwise(sizes: list[int], dtype: torch.dtype) -> None:
+    """Rebuilding the SwiGLU product in backward gives the same bits as saving it: output and both gradients."""
+    g = torch.Generator().manual_seed(sum(sizes) * 7 + len(sizes))
+    h, ffn = 16, 24  # bf16 grouped_mm needs 16-byte aligned rows
+    m, e = sum(sizes), len(sizes)
+    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    gate_up = torch.randn(m, 2 * ffn, generator=g).to(dtype)
+    down = torch.randn(e, ffn, h, generator=g).to(dtype)
+    grad = torch.randn(m, h, generator=g).to(dtype)
+    results = []
+    for fused in (False, True):
+        a, b = gate_up.clone().requires_grad_(), down.clone().requires_grad_()
+        out = _swiglu_down(a, b, offs) if fused else _grouped_mm(_silu_glu(a), b, offs)
+        out.backward(grad)
+        results.append((out.detach(), a.grad, b.grad))
+    for unfused, fused in zip(*results):
+        assert torch.equal(unfused, fused)
+    # and both agree with a float64 per-group loop
+    ref_out, start = torch.zeros(m, h, dtype=torch.float64), 0
+    for i, n in enumerate(sizes):
+        gate, up = gate_up[start : start + n].double().chunk(2, -1)
+        ref_out[start : start + n] = (F.silu(gate) * up) @ down[i].double()
+        start += n
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
+    torch.testing.assert_close(results[1][0].double(), ref_out, **tol)
+
+
+def test_grouped_swiglu_keeps_no_product_for_backward() -> None:
+    """The experts save rows, weights and ``gate_up`` for backward, never the ``(M, F)`` SwiGLU product."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, H, FFN)
+    offsets = torch.tensor([0, 5, 5, 12, 13], dtype=torch.int32)
+    x = torch.randn(13, H, requires_grad=True)
+    saved: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = experts(x, offsets)
+    assert (13, 2 * FFN) in saved and (13, FFN) not in saved
+    y.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
 
 
 def test_deterministic_bitwise() -> None:
