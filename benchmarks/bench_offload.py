@@ -115,7 +115,14 @@ def _setup(shape: dict[str, Any], device: str) -> tuple[MoEGPT, torch.optim.Opti
     return model, opt, ids
 
 
-def _step(model: MoEGPT, opt: torch.optim.Optimizer, ids: torch.Tensor, off: ActivationOffloader | None) -> None:
+def _step(
+    model: MoEGPT,
+    opt: torch.optim.Optimizer,
+    ids: torch.Tensor,
+    off: ActivationOffloader | None,
+    marks: tuple[Any, Any] | None = None,
+) -> None:
+    """One training step; ``marks``: two CUDA events recorded when the loss exists and when backward has ended."""
     opt.zero_grad(set_to_none=True)
     # As Lightning's "bf16-mixed" runs a step: autocast without its weight cache around forward and loss only.
     autocast = torch.autocast(ids.device.type, dtype=torch.bfloat16, cache_enabled=False)
@@ -123,12 +130,65 @@ def _step(model: MoEGPT, opt: torch.optim.Optimizer, ids: torch.Tensor, off: Act
         with autocast:
             logits = model(ids)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), ids.roll(-1, 1).flatten()) + 0.01 * model.aux_loss()
+        if marks is not None:
+            marks[0].record()
         loss.backward()
+        if marks is not None:
+            marks[1].record()
     opt.step()
+
+
+def saved_inventory(model: MoEGPT, ids: torch.Tensor, layer: int = 0, top: int = 12) -> dict[str, Any]:
+    """What one layer saves for backward, as the offloader would see it (one forward, no offloader).
+
+    Storages are counted once (views and shared storages deduplicated), parameters not at all; each entry is the
+    autograd node that made the saved tensor (``grad_fn`` of its base; ``leaf`` for none), its shape and dtype.
+
+    Returns:
+        ``{"total_bytes", "tensors", "top": [{"op", "shape", "dtype", "bytes", "count"}, ...]}``, largest first.
+    """
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    inside = [False]
+    seen: set[int] = set()
+    groups: dict[tuple[str, tuple[int, ...], str], list[int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if inside[0] and ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            base = t if t._base is None else t._base
+            key = (base.grad_fn.name() if base.grad_fn is not None else "leaf", tuple(t.shape), str(t.dtype))
+            entry = groups.setdefault(key, [0, 0])
+            entry[0] += t.untyped_storage().nbytes()
+            entry[1] += 1
+        return t
+
+    block = model.layers[layer]
+    handles = [
+        block.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
+        block.register_forward_hook(lambda *_: inside.__setitem__(0, False)),
+    ]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast(ids.device.type, dtype=torch.bfloat16, cache_enabled=False):
+                model(ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    return {
+        "total_bytes": sum(v[0] for v in groups.values()),
+        "tensors": sum(v[1] for v in groups.values()),
+        "top": [
+            {"op": op, "shape": list(shape), "dtype": dtype, "bytes": nbytes, "count": count}
+            for (op, shape, dtype), (nbytes, count) in rows[:top]
+        ],
+    }
 
 
 def _cpu(quick: bool) -> dict[str, Any]:
     ref, ref_opt, ids = _setup(SHAPES["cpu"], "cpu")
+    inventory = saved_inventory(ref, ids)
     runs = {}
     for name, settings in MODES.items():
         if settings is not None:
@@ -146,6 +206,7 @@ def _cpu(quick: bool) -> dict[str, Any]:
         "note": "timings, peak memory and overlap need CUDA (copy streams); CPU runs the forced path for stats only",
         "shape": SHAPES["cpu"],
         "modes": {},
+        "layer0_saved": inventory,
     }
     for name, (_, _, off) in runs.items():
         report["modes"][name] = {"bit_identical_params": identical[name], "stats": off.stats, "plan": off.auto_plan}
@@ -171,6 +232,7 @@ def _cuda(shape_name: str, repeats: int) -> dict[str, Any]:
     shape = SHAPES[shape_name]
     device = "cuda"
     model, opt, ids = _setup(shape, device)
+    inventory = saved_inventory(model, ids)  # before any offloader hooks the layers
     common: dict[str, Any] = {"min_offload_bytes": 1 << 20, "keep_last_layers": 1, "prefetch_layers": 1}
     modes = {
         name: None if settings is None else ActivationOffloader(model.layers, **common, **settings)
@@ -183,6 +245,7 @@ def _cuda(shape_name: str, repeats: int) -> dict[str, Any]:
             _step(model, opt, ids, mode)
     torch.cuda.synchronize()
     times: dict[str, list[float]] = {name: [] for name in modes}
+    phases: dict[str, list[tuple[float, float]]] = {name: [] for name in modes}
     peaks: dict[str, int] = dict.fromkeys(modes, 0)
     for _ in range(repeats):
         for name, mode in modes.items():  # interleaved: the machine's noise hits every mode alike
@@ -194,12 +257,13 @@ def _cuda(shape_name: str, repeats: int) -> dict[str, Any]:
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, fwd_end, bwd_end, end = (torch.cuda.Event(enable_timing=True) for _ in range(4))
             start.record()
-            _step(model, opt, ids, mode)
+            _step(model, opt, ids, mode, marks=(fwd_end, bwd_end))
             end.record()
-            end.synchronize()
+            end.synchronize()  # NOTE: host sync: benchmark timing only
             times[name].append(start.elapsed_time(end))
+            phases[name].append((start.elapsed_time(fwd_end), fwd_end.elapsed_time(bwd_end)))
             peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated() - base)
     tokens = ids.numel()
     ms = {name: statistics.median(t) for name, t in times.items()}
@@ -209,6 +273,9 @@ def _cuda(shape_name: str, repeats: int) -> dict[str, Any]:
             "step_ms": ms[name],
             "tokens_per_sec": tokens / (ms[name] / 1e3),
             "tps_ratio": ms["off"] / ms[name],
+            # Where the time goes: forward and loss, and backward (the rest of a step is the optimizer).
+            "forward_ms": statistics.median(f for f, _ in phases[name]),
+            "backward_ms": statistics.median(b for _, b in phases[name]),
         }
         if offloader is not None:
             stats = offloader.stats
@@ -236,6 +303,7 @@ def _cuda(shape_name: str, repeats: int) -> dict[str, Any]:
         "targets": {"mem_reduction": MEM_TARGET, "tps_ratio": TPS_TARGET},
         "modes": results,
         "meeting_target": [name for name, row in results.items() if row["meets_target"]],
+        "layer0_saved": inventory,
     }
 
 

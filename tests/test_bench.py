@@ -299,6 +299,11 @@ def test_offload_micro_benchmark_on_cpu_runs_every_mode_bit_identical() -> None:
     assert modes["rebuild"]["stats"]["recast_casts"] == 20 and modes["rebuild"]["stats"]["offloaded_bytes"] == 0
     assert modes["all"]["stats"]["offloaded_bytes"] > 0 and modes["recompute"]["stats"]["offloaded_bytes"] == 0
     assert modes["recompute"]["stats"]["recompute_layers"] == 4
+    # the saved-tensor inventory of layer 0: largest first, weight casts among them, every storage counted once
+    inv = out["offload"]["layer0_saved"]
+    sizes = [e["bytes"] for e in inv["top"]]
+    assert sizes == sorted(sizes, reverse=True) and 0 < sum(sizes) <= inv["total_bytes"]
+    assert any(e["op"] == "ToCopyBackward0" and e["dtype"] == "torch.bfloat16" for e in inv["top"])
 
 
 def test_git_commit_prefers_the_named_commit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
