@@ -883,6 +883,30 @@ def test_uncached_weight_copies_are_freed_after_forward(offload: bool) -> None:
         off.close()
 
 
+class _ChannelsLastBlock(nn.Module):
+    """Uses a bf16 copy of its weight in another memory format: a copy that ``param.to(dtype)`` would not rebuild."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, 3, 4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.to(torch.bfloat16, memory_format=torch.channels_last)
+        return x + (x.to(torch.bfloat16) * w).float()  # mul saves the copy itself
+
+
+def test_weight_copy_in_another_memory_format_is_offloaded_not_rebuilt() -> None:
+    torch.manual_seed(0)
+    ref = nn.Sequential(*(_ChannelsLastBlock() for _ in range(3)))
+    model = copy.deepcopy(ref)
+    off = ActivationOffloader(list(model), min_offload_bytes=0, keep_last_layers=1, force=True)
+    x = torch.randn(2, 3, 4, 4)
+    assert all(torch.equal(a, b) for a, b in zip(_step(ref, x), _step(model, x, off)))
+    stats = off.stats
+    assert stats["recast_casts"] == 0 and stats["offloaded_tensors"] >= 2  # both offloading blocks' copies move
+    off.close()
+
+
 def test_parameter_modified_between_forward_and_backward_raises() -> None:
     _, model = _pair(3, n_layers=2)
     off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=0, force=True)

@@ -405,6 +405,7 @@ class _Recast:
 
     param: torch.Tensor
     version: int
+    device: torch.device
     dtype: torch.dtype
     size: tuple[int, ...]
     stride: tuple[int, ...]
@@ -417,7 +418,8 @@ class _Recast:
                 "low-precision copy saved for backward can no longer be rebuilt (step the optimizer after backward)"
             )
         # Not detached: under create_graph the rebuilt copy keeps the cast's path to the parameter.
-        return self.param.to(self.dtype).as_strided(self.size, self.stride, self.storage_offset)
+        copy = self.param.to(device=self.device, dtype=self.dtype)
+        return copy.as_strided(self.size, self.stride, self.storage_offset)
 
 
 @dataclass(eq=False)
@@ -882,13 +884,19 @@ class ActivationOffloader:
         return saved
 
     def _cast_source(self, t: torch.Tensor) -> torch.Tensor | None:
-        """The parameter of the layers that ``t`` is (a view of) a dtype copy of, such as autocast's bf16 weight."""
+        """The parameter of the layers that ``t`` is (a view of) a copy of, such as autocast's bf16 weight.
+
+        Only a contiguous copy of a contiguous parameter counts (what ``param.to(dtype)`` gives), so that the rebuilt
+        copy is the same tensor; one with another memory format stays an ordinary activation.
+        """
         base = t if t._base is None else t._base
         fn = base.grad_fn
         if fn is None or fn.name() != "ToCopyBackward0" or not fn.next_functions:
             return None
         leaf = getattr(fn.next_functions[0][0], "variable", None)  # AccumulateGrad of the cast's source
         if leaf is None or leaf.untyped_storage().data_ptr() not in self._param_ptrs:
+            return None
+        if base.shape != leaf.shape or not (base.is_contiguous() and leaf.is_contiguous()) or base.storage_offset():
             return None
         return leaf
 
@@ -909,6 +917,7 @@ class ActivationOffloader:
         return _Recast(
             param=param,
             version=param._version,
+            device=t.device,
             dtype=t.dtype,
             size=tuple(t.shape),
             stride=t.stride(),
