@@ -606,6 +606,60 @@ def test_plan_offload_layers_h200_like_numbers() -> None:
     assert plan_offload(*args, margin=0.0, backward_ms=[1.0] * 12) == (1, 10)
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(min_value=1, max_value=8).flatmap(
+        lambda n: st.tuples(
+            st.lists(st.floats(min_value=0.1, max_value=10.0), min_size=n, max_size=n),
+            st.lists(st.integers(min_value=0, max_value=100), min_size=n, max_size=n),
+            st.lists(st.floats(min_value=0.1, max_value=20.0), min_size=n, max_size=n),
+        )
+    ),
+    st.floats(min_value=0.5, max_value=50.0),
+)
+def test_freed_bytes_of_the_later_layers_is_the_default_and_less_freed_never_offloads_more(
+    layers: tuple[list[float], list[int], list[float]], bandwidth: float
+) -> None:
+    compute, sizes, backward = layers
+    suffix = [sum(sizes[k + 1 :]) for k in range(len(sizes))]
+    default = plan_offload(compute, sizes, bandwidth, margin=0.0, backward_ms=backward)
+    assert plan_offload(compute, sizes, bandwidth, margin=0.0, backward_ms=backward, freed_bytes=suffix) == default
+    # backward that also allocates (weight gradients) frees less: the plan can only shrink
+    less = [f // 3 for f in suffix]
+    assert plan_offload(compute, sizes, bandwidth, margin=0.0, backward_ms=backward, freed_bytes=less)[0] <= default[0]
+
+
+def test_plan_offload_with_gradients_eating_the_freed_memory() -> None:
+    # The H200-like numbers above (3 layers, three ahead), but every layer's backward allocates weight gradients of
+    # 70% of what it frees (3_000 net of 10_000). Three layers no longer fit: three ahead, layers 0 .. 2 are all
+    # resident when layer 3 starts its backward, 30_000 against the 24_000 that 8 layers freed; deeper, layers 1 .. 2
+    # are resident at layer 5 (20_000 > 18_000). Without gradients the same rule saw 80_000 freed there.
+    args = ([3.0] * 12, [10_000] * 12, 1_000.0)
+    freed = [3_000 * (11 - k) for k in range(12)]
+    assert plan_offload(*args, margin=0.0) == (3, 3)
+    n, depth = plan_offload(*args, margin=0.0, freed_bytes=freed)
+    assert (n, depth) == (2, 3)
+    # with the measured numbers, no prefetch holds more than backward has freed by then
+    for k in range(12):
+        resident = sum(10_000 for i in range(max(k - depth, 0), min(k, n - 1) + 1))
+        assert resident <= freed[k] - 10_000 * max(n - k - 1, 0)
+
+
+def test_auto_plan_uses_the_memory_backward_freed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measuring step reads the allocator's count when each layer's backward starts (CUDA only; scripted here)."""
+    monkeypatch.setattr(_Copier, "bandwidth", lambda self, nbytes, host: 1e30)
+    counts = iter([1_000, 900, 850, 845])  # layers 3, 2, 1, 0 start their backward in this order
+    monkeypatch.setattr(_Copier, "allocated", lambda self: next(counts))
+    _, model = _pair(7, n_layers=4)
+    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    _step(model, torch.randn(2, 5, 8), off)
+    plan = off.auto_plan
+    assert plan is not None and plan["freed_bytes"] == [155, 150, 100, 0]
+    # a few hundred bytes freed cannot hold a prefetched layer of several KiB: nothing offloads
+    assert plan["offload_layers"] == 0 and min(plan["bytes_per_layer"]) > 1_000
+    off.close()
+
+
 @pytest.mark.parametrize(
     ("args", "match"),
     [
@@ -614,11 +668,14 @@ def test_plan_offload_layers_h200_like_numbers() -> None:
         (([1.0, 1.0], [1, -5], 1.0), r"bytes_per_layer\[1\]"),
         (([1.0], [1], 0.0), "bandwidth"),
         (([1.0], [1], float("nan")), "bandwidth"),
+        (([1.0, 1.0], [1, 1], 1.0, None, [5]), "freed_bytes 1"),
+        (([1.0, 1.0], [1, 1], 1.0, None, [5, -1]), r"freed_bytes\[1\]"),
     ],
 )
 def test_plan_offload_layers_rejects_bad_inputs(args: tuple[Any, ...], match: str) -> None:
+    compute, sizes, bandwidth, backward, freed = (*args, None, None)[:5]
     with pytest.raises(OffloadError, match=match):
-        plan_offload_layers(*args, margin=0.0)
+        plan_offload_layers(compute, sizes, bandwidth, margin=0.0, backward_ms=backward, freed_bytes=freed)
     with pytest.raises(OffloadError, match="margin"):
         plan_offload_layers([1.0], [1], 1.0, margin=-0.1)
 

@@ -80,6 +80,7 @@ def plan_offload_layers(
     margin: float,
     prefetch_layers: int = 1,
     backward_ms: Sequence[float] | None = None,
+    freed_bytes: Sequence[int] | None = None,
 ) -> int:
     """Choose how many leading layers to offload so that their copies hide behind compute and save memory.
 
@@ -93,8 +94,9 @@ def plan_offload_layers(
       Layer ``i``'s prefetch is issued when layer ``k = min(i + p, L - 1)`` starts its backward (``p`` =
       ``prefetch_layers``) and must end before layer ``i``'s starts: ``h_i = max(h, B_k) + d_i <= B_i``.
     - Memory: prefetched layers must fit in what backward has freed, or the peak moves into backward. When layer
-      ``k`` starts its backward, the offloaded layers ``max(k-p, 0) .. k`` are on the device again, and the layers
-      after ``max(k, N-1)`` have freed their activations: ``sum(s[k-p .. min(k, N-1)]) <= sum(s[max(k, N-1)+1 ..])``.
+      ``k`` starts its backward, the offloaded layers ``max(k-p, 0) .. k`` are on the device again, and backward has
+      freed ``f_k`` (``freed_bytes``; by default ``s_{k+1} + ... + s_{L-1}``), of which the offloaded layers after
+      ``k`` were never on the device at the peak: ``sum(s[k-p .. min(k, N-1)]) <= f_k - sum(s[k+1 .. N-1])``.
 
     ``N`` grows from 0 while layers ``0 .. N-1`` satisfy all three; the first ``N`` that does not stops the search.
 
@@ -106,6 +108,9 @@ def plan_offload_layers(
         prefetch_layers: how many layers ahead backward prefetches (``>= 1`` for any hiding in backward).
         backward_ms: ``(L,)`` measured backward time of each layer; ``None``: twice the forward (two matmuls per
             forward matmul).
+        freed_bytes: ``(L,)`` device memory freed from the start of the backward until layer ``k``'s backward
+            starts, measured without offload (it counts the weight gradients backward allocates meanwhile); ``None``:
+            the saved bytes of the later layers.
 
     Returns:
         ``N`` in ``[0, L]``: offload layers ``0 .. N-1``.
@@ -117,7 +122,8 @@ def plan_offload_layers(
 
         plan_offload_layers([1.0] * 4, [1] * 4, 1.0, margin=0.0)  # 2: a third prefetch would outgrow freed memory
     """
-    return _plan(compute_ms, bytes_per_layer, bandwidth_bytes_per_ms, margin, (prefetch_layers,), backward_ms)[0]
+    depths = (prefetch_layers,)
+    return _plan(compute_ms, bytes_per_layer, bandwidth_bytes_per_ms, margin, depths, backward_ms, freed_bytes)[0]
 
 
 def plan_offload(
@@ -127,6 +133,7 @@ def plan_offload(
     *,
     margin: float,
     backward_ms: Sequence[float] | None = None,
+    freed_bytes: Sequence[int] | None = None,
 ) -> tuple[int, int]:
     """Like :func:`plan_offload_layers`, choosing the prefetch depth too: the most layers, then the shallowest depth.
 
@@ -142,7 +149,7 @@ def plan_offload(
         n, depth = plan_offload([3.0] * 12, [10_000] * 12, 1_000.0, margin=0.0)  # (3, 3)
     """
     depths = tuple(range(1, max(len(compute_ms), 2)))
-    return _plan(compute_ms, bytes_per_layer, bandwidth_bytes_per_ms, margin, depths, backward_ms)
+    return _plan(compute_ms, bytes_per_layer, bandwidth_bytes_per_ms, margin, depths, backward_ms, freed_bytes)
 
 
 def _plan(
@@ -152,14 +159,19 @@ def _plan(
     margin: float,
     depths: Sequence[int],
     backward_ms: Sequence[float] | None,
+    freed_bytes: Sequence[int] | None,
 ) -> tuple[int, int]:
+    num = len(compute_ms)
+    sizes = list(bytes_per_layer)
     backward = [_BACKWARD_PER_FORWARD * c for c in compute_ms] if backward_ms is None else list(backward_ms)
-    if len(compute_ms) != len(bytes_per_layer) or len(backward) != len(compute_ms):
+    freed = [sum(sizes[k + 1 :]) for k in range(len(sizes))] if freed_bytes is None else list(freed_bytes)
+    if len(sizes) != num or len(backward) != num or len(freed) != num:
         raise OffloadError(
-            f"plan_offload_layers: compute_ms has {len(compute_ms)} layers but bytes_per_layer has "
-            f"{len(bytes_per_layer)} and backward_ms {len(backward)}"
+            f"plan_offload_layers: compute_ms has {num} layers but bytes_per_layer has {len(sizes)}, "
+            f"backward_ms {len(backward)} and freed_bytes {len(freed)}"
         )
-    for name, values in (("compute_ms", compute_ms), ("bytes_per_layer", bytes_per_layer), ("backward_ms", backward)):
+    checked = {"compute_ms": compute_ms, "bytes_per_layer": sizes, "backward_ms": backward, "freed_bytes": freed}
+    for name, values in checked.items():
         bad = next((i for i, v in enumerate(values) if not v >= 0), None)
         if bad is not None:
             raise OffloadError(f"plan_offload_layers: {name}[{bad}] must be >= 0, got {values[bad]!r}")
@@ -167,8 +179,6 @@ def _plan(
         raise OffloadError(f"plan_offload_layers: bandwidth_bytes_per_ms must be > 0, got {bandwidth_bytes_per_ms!r}")
     if not margin >= 0:
         raise OffloadError(f"plan_offload_layers: margin must be >= 0, got {margin!r}")
-    num = len(compute_ms)
-    sizes = list(bytes_per_layer)
     copy_ms = [b / bandwidth_bytes_per_ms * (1.0 + margin) for b in sizes]
     forward_ends = [sum(compute_ms[: i + 1]) for i in range(num)]
     backward_starts = [sum(backward[j + 1 :]) for j in range(num)]
@@ -186,7 +196,7 @@ def _plan(
                 return False
         for k in range(num):
             resident = sum(sizes[max(k - depth, 0) : min(k, n - 1) + 1])
-            if resident > sum(sizes[max(k, n - 1) + 1 :]):
+            if resident > freed[k] - sum(sizes[k + 1 : n]):
                 return False
         return True
 
@@ -343,6 +353,11 @@ class _Copier:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
+    def allocated(self) -> int | None:
+        """Bytes the caching allocator has handed out on the device now (a host-side counter, no sync); ``None`` on
+        CPU, which keeps no such count."""
+        return torch.cuda.memory_allocated(self.device) if self.is_cuda else None
+
     def elapsed_ms(self, start: Any, end: Any) -> float:
         if not self.is_cuda:
             return (end - start) * 1e3
@@ -439,6 +454,7 @@ class _Segment:
     started: Any = None
     ended: Any = None
     backward_started: Any = None
+    backward_allocated: int | None = None  # device bytes allocated when this call's backward started
 
 
 class ActivationOffloader:
@@ -701,11 +717,14 @@ class ActivationOffloader:
                 backward[seg.layer_index] += copier.elapsed_ms(seg.backward_started, after)
             else:
                 backward = None
+        freed = _measured_freed(segments, len(self.layers))
         probe = min(max(max(bytes_per_layer), _PROBE_MIN_BYTES), _PROBE_MAX_BYTES)
         # A temporary buffer, pinned like the pool's: through the pool it would count towards the pool's sizing.
         bandwidth = copier.bandwidth(probe, torch.empty(probe, dtype=torch.uint8, pin_memory=self.pool.pinned))
         eligible = max(len(self.layers) - self.keep_last_layers, 0)
-        chosen, depth = plan_offload(compute_ms, bytes_per_layer, bandwidth, margin=AUTO_MARGIN, backward_ms=backward)
+        chosen, depth = plan_offload(
+            compute_ms, bytes_per_layer, bandwidth, margin=AUTO_MARGIN, backward_ms=backward, freed_bytes=freed
+        )
         self._planned = min(chosen, eligible)
         self.prefetch_layers = depth
         self._num_sets = depth + 1
@@ -715,6 +734,7 @@ class ActivationOffloader:
             "compute_ms": compute_ms,
             "backward_ms": backward,
             "bytes_per_layer": bytes_per_layer,
+            "freed_bytes": freed,
             "bandwidth_bytes_per_ms": bandwidth,
             "margin": AUTO_MARGIN,
             "offload_layers": self._planned,
@@ -975,6 +995,7 @@ class ActivationOffloader:
         if self._measuring and self._segments[seg_index].backward_started is None:
             assert self._copier is not None
             self._segments[seg_index].backward_started = self._copier.timestamp()
+            self._segments[seg_index].backward_allocated = self._copier.allocated()
         self._release_sources()
         for j in range(seg_index, max(seg_index - self.prefetch_layers, 0) - 1, -1):
             seg = self._segments[j]
@@ -1072,6 +1093,24 @@ class ActivationOffloader:
             self.pool.release(block.host)
         block.host = block.source = block.flat = None
         block.reads.clear()
+
+
+def _measured_freed(segments: list[_Segment], num_layers: int) -> list[int] | None:
+    """``(L,)`` device bytes freed between the start of the backward and the start of each layer's backward, from
+    the allocator's counts in the "auto" measuring step; ``None`` unless every layer ran once and was counted.
+
+    Backward frees saved activations but also allocates the weight gradients meanwhile, so this can be much less
+    than what the later layers saved.
+    """
+    if len(segments) != num_layers or any(s.backward_allocated is None for s in segments):
+        return None
+    top = segments[-1].backward_allocated  # the last call's backward starts first
+    assert top is not None
+    freed = [0] * num_layers
+    for seg in segments:
+        assert seg.backward_allocated is not None
+        freed[seg.layer_index] = max(top - seg.backward_allocated, 0)
+    return freed
 
 
 def _tensors(output: Any) -> Iterator[torch.Tensor]:
