@@ -25,9 +25,11 @@ from lightning_llmfast.offload import (
     PinnedBufferPool,
     plan_offload,
     plan_offload_layers,
+    plan_partial_bytes,
     resolve_layers,
     size_class,
 )
+from lightning_llmfast.offload import offloader as offloader_module
 from lightning_llmfast.offload.offloader import _Copier
 
 VOCAB = 64
@@ -660,6 +662,51 @@ def test_auto_plan_uses_the_memory_backward_freed(monkeypatch: pytest.MonkeyPatc
     off.close()
 
 
+def test_plan_partial_bytes_hand_computed() -> None:
+    args = ([3.0] * 12, [10_000] * 12, 1_000.0)
+    # no margin: (3, 3); layer 3's copy starts when layer 2's ends (33 ms) and must end with the forward (36 ms)
+    assert plan_partial_bytes(*args, margin=0.0, offload_layers=3, prefetch_layers=3) == 3_000
+    # 20% margin: (2, 3) with 12 ms copies. The forward leaves 36 - 27 = 9 ms, but backward less: layer 2's prefetch
+    # (issued at B_5 = 36) delays layer 1's (42 + ...) and so layer 0's, which must end by B_0 = 66:
+    # 36 + t + 12 + 12 <= 66 gives t <= 6 ms, 5_000 bytes at 1.2 ms per 1_000
+    assert plan_partial_bytes(*args, margin=0.2, offload_layers=2, prefetch_layers=3) == 5_000
+    # past the last layer there is nothing left to offload
+    assert plan_partial_bytes(*args, margin=0.0, offload_layers=12, prefetch_layers=3) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(min_value=2, max_value=8).flatmap(
+        lambda n: st.tuples(
+            st.lists(st.floats(min_value=0.1, max_value=10.0), min_size=n, max_size=n),
+            st.lists(st.integers(min_value=1, max_value=5_000), min_size=n, max_size=n),
+            st.lists(st.floats(min_value=0.1, max_value=20.0), min_size=n, max_size=n),
+        )
+    ),
+    st.floats(min_value=10.0, max_value=2_000.0),
+)
+def test_plan_partial_bytes_is_the_largest_that_fits(
+    layers: tuple[list[float], list[int], list[float]], bandwidth: float
+) -> None:
+    compute, sizes, backward = layers
+    n, depth = plan_offload(compute, sizes, bandwidth, margin=0.1, backward_ms=backward)
+    part = plan_partial_bytes(
+        compute, sizes, bandwidth, margin=0.1, offload_layers=n, prefetch_layers=depth, backward_ms=backward
+    )
+    if n == len(sizes):
+        assert part == 0
+        return
+    assert 0 <= part < sizes[n]  # a whole layer N would have been planned whole
+    freed = [sum(sizes[k + 1 :]) for k in range(len(sizes))]  # backward frees all of layer N either way
+
+    def planned_with(nbytes: int) -> int:
+        trial = [*sizes[:n], nbytes, *sizes[n + 1 :]]
+        kwargs = {"prefetch_layers": depth, "backward_ms": backward, "freed_bytes": freed}
+        return plan_offload_layers(compute, trial, bandwidth, margin=0.1, **kwargs)
+
+    assert planned_with(part) >= n + 1 and planned_with(part + 1) <= n
+
+
 @pytest.mark.parametrize(
     ("args", "match"),
     [
@@ -778,6 +825,31 @@ def test_auto_measures_first_step_then_offloads_the_planned_prefix(
     assert len(set(pool_sizes)) == 1 and stats["pool_grow_events"] == 0
     # the device buffer sets were used in backward and dropped with the step: no memory held between steps
     assert (stats["device_set_bytes"] > 0) == (expected > 0) and all(t is None for t in off._sets)
+    off.close()
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_auto_partial_layer_offloads_up_to_its_budget(monkeypatch: pytest.MonkeyPatch, fraction: float) -> None:
+    """The plan's partial layer offloads its first saved storages up to the budget and keeps the rest."""
+    x = torch.randn(2, 5, 8)
+    ref, model = _pair(9, n_layers=4)
+    per_layer = _saved_bytes_per_layer(copy.deepcopy(ref), x)
+    budget = int(per_layer[1] * fraction)
+    monkeypatch.setattr(offloader_module, "plan_offload", lambda *a, **k: (1, 1))
+    monkeypatch.setattr(offloader_module, "plan_partial_bytes", lambda *a, **k: budget)
+    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    for step in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(_step(ref, x), _step(model, x, off)))
+        stats = off.stats
+        assert stats["checked_out"] == 0 and stats["lazy_reloads"] == 0
+        if step == 0:
+            assert stats["offloaded_bytes"] == 0  # measuring
+            continue
+        assert stats["offload_layers"] == 1 and stats["partial_offload_bytes"] == budget
+        extra = stats["offloaded_bytes"] - per_layer[0]
+        assert 0 < extra <= budget
+        assert (extra == per_layer[1]) == (fraction == 1.0)
+    assert off.auto_plan is not None and off.auto_plan["partial_bytes"] == budget
     off.close()
 
 

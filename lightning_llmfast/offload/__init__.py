@@ -13,7 +13,13 @@ Example::
 
 from __future__ import annotations
 
-from lightning_llmfast.offload.offloader import ActivationOffloader, plan_offload, plan_offload_layers, resolve_layers
+from lightning_llmfast.offload.offloader import (
+    ActivationOffloader,
+    plan_offload,
+    plan_offload_layers,
+    plan_partial_bytes,
+    resolve_layers,
+)
 from lightning_llmfast.offload.pool import PinnedBufferPool, size_class
 from lightning_llmfast.offload.recompute import recompute_layer, recompute_policy
 
@@ -22,6 +28,7 @@ __all__ = [
     "PinnedBufferPool",
     "plan_offload",
     "plan_offload_layers",
+    "plan_partial_bytes",
     "recompute_layer",
     "recompute_policy",
     "resolve_layers",

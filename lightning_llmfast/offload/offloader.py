@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +51,14 @@ from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload.pool import PinnedBufferPool
 from lightning_llmfast.offload.recompute import RECOMPUTE_MODES, RecomputeHandle, recompute_layer
 
-__all__ = ["ActivationOffloader", "plan_offload", "plan_offload_layers", "resolve_layers", "validate_offload_config"]
+__all__ = [
+    "ActivationOffloader",
+    "plan_offload",
+    "plan_offload_layers",
+    "plan_partial_bytes",
+    "resolve_layers",
+    "validate_offload_config",
+]
 
 # Device-side offsets are aligned so that every reloaded dtype view is aligned like a fresh allocation (vectorised
 # CPU kernels and MKL pick their code path by alignment; a different path could change rounding).
@@ -152,15 +159,60 @@ def plan_offload(
     return _plan(compute_ms, bytes_per_layer, bandwidth_bytes_per_ms, margin, depths, backward_ms, freed_bytes)
 
 
-def _plan(
+def plan_partial_bytes(
+    compute_ms: Sequence[float],
+    bytes_per_layer: Sequence[int],
+    bandwidth_bytes_per_ms: float,
+    *,
+    margin: float,
+    offload_layers: int,
+    prefetch_layers: int,
+    backward_ms: Sequence[float] | None = None,
+    freed_bytes: Sequence[int] | None = None,
+) -> int:
+    """How many bytes of layer ``offload_layers`` can offload as well, after the whole layers before it.
+
+    Whole layers leave the copy streams and the freed memory partly unused: the rules of
+    :func:`plan_offload_layers` still hold when layer ``N = offload_layers`` offloads its first ``b`` saved bytes
+    (``b < s_N``), and every rule tightens as ``b`` grows, so the largest such ``b`` is found by bisection.
+
+    Returns:
+        ``b`` in ``[0, s_N]`` (0 when ``N`` is the last layer or nothing more fits).
+
+    Example::
+
+        plan_partial_bytes([3.0] * 12, [10_000] * 12, 1_000.0, margin=0.0, offload_layers=3, prefetch_layers=3)
+    """
+    if offload_layers >= len(compute_ms):
+        return 0
+    sizes = list(bytes_per_layer)
+    # Backward still frees all of layer N's saved bytes; only the offloaded part of it changes.
+    freed = [sum(sizes[k + 1 :]) for k in range(len(sizes))] if freed_bytes is None else list(freed_bytes)
+
+    def fits(nbytes: int) -> bool:
+        trial = [*sizes[:offload_layers], nbytes, *sizes[offload_layers + 1 :]]
+        rules = _rules(compute_ms, trial, bandwidth_bytes_per_ms, margin, backward_ms, freed)
+        return rules(offload_layers + 1, prefetch_layers)
+
+    low, high = 0, sizes[offload_layers]
+    while low < high:  # the largest nbytes that fits; nothing extra (low = 0) always does
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def _rules(
     compute_ms: Sequence[float],
     bytes_per_layer: Sequence[int],
     bandwidth_bytes_per_ms: float,
     margin: float,
-    depths: Sequence[int],
     backward_ms: Sequence[float] | None,
     freed_bytes: Sequence[int] | None,
-) -> tuple[int, int]:
+) -> Callable[[int, int], bool]:
+    """Validate the inputs and return ``fits(n, depth)``: the three rules of :func:`plan_offload_layers`."""
     num = len(compute_ms)
     sizes = list(bytes_per_layer)
     backward = [_BACKWARD_PER_FORWARD * c for c in compute_ms] if backward_ms is None else list(backward_ms)
@@ -200,6 +252,20 @@ def _plan(
                 return False
         return True
 
+    return fits
+
+
+def _plan(
+    compute_ms: Sequence[float],
+    bytes_per_layer: Sequence[int],
+    bandwidth_bytes_per_ms: float,
+    margin: float,
+    depths: Sequence[int],
+    backward_ms: Sequence[float] | None,
+    freed_bytes: Sequence[int] | None,
+) -> tuple[int, int]:
+    fits = _rules(compute_ms, bytes_per_layer, bandwidth_bytes_per_ms, margin, backward_ms, freed_bytes)
+    num = len(compute_ms)
     chosen, chosen_depth = 0, depths[0]
     while chosen < num:
         depth = next((d for d in depths if fits(chosen + 1, d)), None)
@@ -444,6 +510,8 @@ class _Segment:
     index: int
     layer_index: int
     offload: bool
+    budget: int | None = None  # bytes this call may offload (the "auto" plan's partial layer); None: all
+    offloaded: int = 0
     blocks: list[_Block] = field(default_factory=list)
     dedup: dict[tuple[int, int], _Block] = field(default_factory=dict)  # (storage ptr, version) -> block
     unsent: list[_Block] = field(default_factory=list)  # offloaded in this call, device-to-host copy not issued yet
@@ -478,8 +546,10 @@ class ActivationOffloader:
             step offloads nothing and measures each layer's forward and backward time (CUDA events;
             ``perf_counter`` on CPU), the bytes each layer would offload and the copy bandwidth (a probe copy through
             pinned memory); from then on the first ``N`` layers offload with the prefetch depth that
-            :func:`plan_offload` chose (copy times padded by ``AUTO_MARGIN``; it replaces ``prefetch_layers``).
-            ``stats["offload_layers"]`` is the number in effect.
+            :func:`plan_offload` chose (copy times padded by ``AUTO_MARGIN``; it replaces ``prefetch_layers``),
+            and layer ``N`` offloads the first of its saved storages up to the bytes that
+            :func:`plan_partial_bytes` leaves. ``stats["offload_layers"]`` and ``stats["partial_offload_bytes"]``
+            are the numbers in effect.
         recompute: ``None``, or ``"selective"``: every layer that does not offload (once the plan is known) runs
             under :func:`~lightning_llmfast.offload.recompute.recompute_layer`: it keeps matmul, grouped GEMM,
             attention and routing outputs and recomputes the cheap rest in backward. Copies hide behind compute for
@@ -541,6 +611,7 @@ class ActivationOffloader:
         eligible = max(len(self.layers) - keep_last_layers, 0)
         # How many leading layers offload; None until the "auto" plan is made after its measuring step.
         self._planned: int | None = None
+        self._partial = 0  # bytes layer `_planned` offloads too ("auto": what whole layers left of the budget)
         if offload_layers != "auto":
             self._planned = eligible if offload_layers is None else min(int(offload_layers), eligible)
         self._measuring = False
@@ -642,7 +713,8 @@ class ActivationOffloader:
         """
         self._remove_recompute()
         if self.recompute is not None and self._copier is not None and self._planned is not None:
-            self._recomputed = [recompute_layer(layer) for layer in self.layers[self._planned :]]
+            first = self._planned + (1 if self._partial else 0)
+            self._recomputed = [recompute_layer(layer) for layer in self.layers[first:]]
         self._counters["recompute_layers"] = len(self._recomputed)
 
     def _remove_recompute(self) -> None:
@@ -726,6 +798,18 @@ class ActivationOffloader:
             compute_ms, bytes_per_layer, bandwidth, margin=AUTO_MARGIN, backward_ms=backward, freed_bytes=freed
         )
         self._planned = min(chosen, eligible)
+        self._partial = 0
+        if self._planned < eligible:
+            self._partial = plan_partial_bytes(
+                compute_ms,
+                bytes_per_layer,
+                bandwidth,
+                margin=AUTO_MARGIN,
+                offload_layers=self._planned,
+                prefetch_layers=depth,
+                backward_ms=backward,
+                freed_bytes=freed,
+            )
         self.prefetch_layers = depth
         self._num_sets = depth + 1
         self._sets = [None] * self._num_sets
@@ -738,6 +822,7 @@ class ActivationOffloader:
             "bandwidth_bytes_per_ms": bandwidth,
             "margin": AUTO_MARGIN,
             "offload_layers": self._planned,
+            "partial_bytes": self._partial,
             "prefetch_layers": depth,
         }
 
@@ -778,12 +863,14 @@ class ActivationOffloader:
         ``checked_out`` (host buffers in use now), ``peak_inflight`` (most host bytes in use at once during the
         last step), ``pool_buffers``, ``pool_grow_events``, ``pinned``, ``device_set_bytes``,
         ``offload_layers`` (leading layers that offload; 0 during an ``"auto"`` measuring step and when offload is off),
+        ``partial_offload_bytes`` (the ``"auto"`` plan's budget for the layer after them),
         ``recompute_layers`` (layers under selective recomputation in the last step).
         """
         return {
             **self._counters,
             **self.pool.stats(),
             "offload_layers": (self._planned or 0) if self.enabled else 0,
+            "partial_offload_bytes": self._partial if self.enabled else 0,
             "peak_inflight": self.pool.peak_out_bytes,
             "device_set_bytes": self._last_set_bytes,
         }
@@ -798,10 +885,13 @@ class ActivationOffloader:
         self._autocast_caches = self._copier is not None and (
             torch.is_autocast_cache_enabled() and torch.is_autocast_enabled(self._copier.device.type)
         )
+        planned = self._planned if self._copier is not None else None
+        partial = planned is not None and index == planned and self._partial > 0
         seg = _Segment(
             index=len(self._segments),
             layer_index=index,
-            offload=self._copier is not None and self._planned is not None and index < self._planned,
+            offload=planned is not None and (index < planned or partial),
+            budget=self._partial if partial else None,
         )
         self._segments.append(seg)
         self._counters["segments"] += 1
@@ -814,7 +904,7 @@ class ActivationOffloader:
             if saved.tensor.untyped_storage().data_ptr() in self._shared_inputs:
                 continue
             if seg.offload:
-                self._offload(saved, seg)
+                self._offload(saved, seg)  # over a partial layer's budget it stays on the device
             elif self._measuring:
                 self._measure(saved.tensor, seg)
         self._unassigned.clear()
@@ -870,7 +960,7 @@ class ActivationOffloader:
             return False
         if seg is not None:
             return True
-        return len(self._offload_calls) < (self._planned or 0)
+        return len(self._offload_calls) < (self._planned or 0) + (1 if self._partial else 0)
 
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._hot:
@@ -896,7 +986,8 @@ class ActivationOffloader:
         if self._current is None:
             self._unassigned.append(saved)  # between layers: decided when the next one starts (kept after the last)
         elif self._current.offload:
-            self._offload(saved, self._current)
+            if not self._offload(saved, self._current):
+                return t  # over the partial layer's budget: stays on the device
         else:
             if self._measuring:
                 self._measure(t, self._current)
@@ -953,7 +1044,8 @@ class ActivationOffloader:
             seg.seen.add(key)
             seg.candidate_bytes += storage.nbytes()
 
-    def _offload(self, saved: _Saved, seg: _Segment) -> None:
+    def _offload(self, saved: _Saved, seg: _Segment) -> bool:
+        """Offload ``saved`` into ``seg``; ``False`` (and nothing changes) when it would exceed ``seg``'s budget."""
         t = saved.tensor
         assert t is not None and self._copier is not None
         storage = t.untyped_storage()
@@ -961,6 +1053,9 @@ class ActivationOffloader:
         block = seg.dedup.get(key)
         if block is None:
             nbytes = storage.nbytes()
+            if seg.budget is not None and seg.offloaded + nbytes > seg.budget:
+                return False
+            seg.offloaded += nbytes
             source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
             block = _Block(nbytes=nbytes, segment=seg.index, host=self.pool.acquire(nbytes), source=source)
             seg.blocks.append(block)
@@ -976,6 +1071,7 @@ class ActivationOffloader:
         saved.stride = t.stride()
         saved.storage_offset = t.storage_offset()
         saved.tensor = None
+        return True
 
     def _release_sources(self) -> None:
         if self._copier is None:
