@@ -608,17 +608,19 @@ def test_plan_offload_layers_h200_like_numbers() -> None:
     assert plan_offload(*args, margin=0.0, backward_ms=[1.0] * 12) == (1, 10)
 
 
-@settings(max_examples=80, deadline=None)
-@given(
-    st.integers(min_value=1, max_value=8).flatmap(
+def _stacks(min_layers: int, min_bytes: int, max_bytes: int) -> st.SearchStrategy[Any]:
+    """Random layer stacks: ``(forward ms, saved bytes, backward ms)``, one entry per layer, up to 8 layers."""
+    return st.integers(min_value=min_layers, max_value=8).flatmap(
         lambda n: st.tuples(
             st.lists(st.floats(min_value=0.1, max_value=10.0), min_size=n, max_size=n),
-            st.lists(st.integers(min_value=0, max_value=100), min_size=n, max_size=n),
+            st.lists(st.integers(min_value=min_bytes, max_value=max_bytes), min_size=n, max_size=n),
             st.lists(st.floats(min_value=0.1, max_value=20.0), min_size=n, max_size=n),
         )
-    ),
-    st.floats(min_value=0.5, max_value=50.0),
-)
+    )
+
+
+@settings(max_examples=80, deadline=None)
+@given(_stacks(1, 0, 100), st.floats(min_value=0.5, max_value=50.0))
 def test_freed_bytes_of_the_later_layers_is_the_default_and_less_freed_never_offloads_more(
     layers: tuple[list[float], list[int], list[float]], bandwidth: float
 ) -> None:
@@ -675,16 +677,7 @@ def test_plan_partial_bytes_hand_computed() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    st.integers(min_value=2, max_value=8).flatmap(
-        lambda n: st.tuples(
-            st.lists(st.floats(min_value=0.1, max_value=10.0), min_size=n, max_size=n),
-            st.lists(st.integers(min_value=1, max_value=5_000), min_size=n, max_size=n),
-            st.lists(st.floats(min_value=0.1, max_value=20.0), min_size=n, max_size=n),
-        )
-    ),
-    st.floats(min_value=10.0, max_value=2_000.0),
-)
+@given(_stacks(2, 1, 5_000), st.floats(min_value=10.0, max_value=2_000.0))
 def test_plan_partial_bytes_is_the_largest_that_fits(
     layers: tuple[list[float], list[int], list[float]], bandwidth: float
 ) -> None:
