@@ -333,8 +333,12 @@ for i in "${!STAGES[@]}"; do
         RESULTS+=("$name|not selected|0")
         continue
     fi
-    reserve=0
-    for later in "${STAGES[@]:$((i + 1))}"; do reserve=$((reserve + ${later##*:})); done
+    reserve=0  # the minimum of every later stage that will run
+    for later in "${STAGES[@]:$((i + 1))}"; do
+        if [ -z "${GPU_CHECK_STAGES:-}" ] || [[ " $GPU_CHECK_STAGES " == *" ${later%%:*} "* ]]; then
+            reserve=$((reserve + ${later##*:}))
+        fi
+    done
     left=$((BUDGET_S - ($(date +%s) - START_S) - reserve))
     limit=$((max < left ? max : left))
     echo
