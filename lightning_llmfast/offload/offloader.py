@@ -17,9 +17,10 @@ nor copied but rebuilt from the parameter in backward, in every layer call, offl
 cache (Lightning's mixed precision disables it) that frees it right after its forward use. Under the cache it stays.
 
 Schedule: ``offload_layers`` limits offloading to the first ``N`` layers (their activations live longest);
-``"auto"`` measures the first step (each layer's forward and backward time, bytes, copy bandwidth) and picks ``N`` and
-the prefetch depth with :func:`plan_offload` so that the copies hide behind compute and prefetched layers fit in
-memory that backward has already freed (offloading every layer costs throughput once copies outlast compute).
+``"auto"`` measures the first step (each layer's forward and backward time, bytes, copy bandwidth, and on CUDA the
+memory backward frees) and picks ``N`` and the prefetch depth with :func:`plan_offload` so that the copies hide
+behind compute and prefetched layers fit in memory that backward has already freed (offloading every layer costs
+throughput once copies outlast compute); layer ``N`` then offloads what :func:`plan_partial_bytes` still allows.
 Device buffer sets are allocated in backward and dropped at the end of the step, so they never add to the forward's
 memory peak.
 
