@@ -846,6 +846,61 @@ def test_auto_partial_layer_offloads_up_to_its_budget(monkeypatch: pytest.Monkey
     off.close()
 
 
+def _device_sets_peak(layers: nn.ModuleList, x: torch.Tensor, budget: int, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Most device-set bytes the offloader references when a layer's backward starts (plan: 3 layers + budget)."""
+    monkeypatch.setattr(offloader_module, "plan_offload", lambda *a, **k: (3, 1))
+    monkeypatch.setattr(offloader_module, "plan_partial_bytes", lambda *a, **k: budget)
+    off = ActivationOffloader(layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    seen: list[int] = []
+    begins = off._backward_begins
+
+    def record(index: int) -> None:
+        begins(index)
+        # distinct device buffers: the sets and every block's view of one
+        bufs = {id(t): t.numel() for t in off._sets if t is not None}
+        bufs.update({id(b.flat): b.flat.numel() for seg in off._segments for b in seg.blocks if b.flat is not None})
+        seen.append(sum(bufs.values()))
+
+    monkeypatch.setattr(off, "_backward_begins", record)
+    for _ in range(2):  # measuring step, then the plan
+        seen.clear()
+        with off:
+            h = x.clone().requires_grad_()
+            for layer in layers:
+                h = layer(h)
+            h.sum().backward()
+    off.close()
+    return max(seen)
+
+
+def test_partial_layer_device_sets_hold_no_more_than_whole_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A partial layer is prefetched first, into a smaller set; when that set grows, the old buffer goes at once."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(Block(32) for _ in range(6))
+    x = torch.randn(64, 32)
+    whole = _device_sets_peak(layers, x, 0, monkeypatch)  # two sets (depth 1) of one layer each
+    assert whole > 0
+    for budget in (20_000, 1 << 40):  # part of layer 3, and all of it
+        assert _device_sets_peak(layers, x, budget, monkeypatch) == whole, budget
+
+
+@pytest.mark.parametrize("recompute", [None, "selective"])
+def test_partial_layer_only_without_recompute(monkeypatch: pytest.MonkeyPatch, recompute: str | None) -> None:
+    """With recomputation, layer N recomputes (keeping what a partial budget leaves would hold more)."""
+    monkeypatch.setattr(offloader_module, "plan_offload", lambda *a, **k: (1, 1))
+    monkeypatch.setattr(offloader_module, "plan_partial_bytes", lambda *a, **k: 1_000)
+    _, model = _pair(3, n_layers=4)
+    off = ActivationOffloader(
+        model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto", recompute=recompute
+    )
+    for _ in range(2):
+        _step(model, torch.randn(2, 5, 8), off)
+    stats = off.stats
+    assert stats["offload_layers"] == 1
+    assert (stats["partial_offload_bytes"], stats["recompute_layers"]) == ((1_000, 0) if recompute is None else (0, 3))
+    off.close()
+
+
 def test_auto_with_measured_cpu_bandwidth_keeps_reference_gradients_bit_identical() -> None:
     # The whole "auto" path unpatched: perf_counter layer times and a measured memcpy bandwidth.
     seq_lens = [17, 1, 31]
@@ -1026,6 +1081,33 @@ def test_weight_copy_in_another_memory_format_is_offloaded_not_rebuilt() -> None
     assert all(torch.equal(a, b) for a, b in zip(_step(ref, x), _step(model, x, off)))
     stats = off.stats
     assert stats["recast_casts"] == 0 and stats["offloaded_tensors"] >= 2  # both offloading blocks' copies move
+    off.close()
+
+
+class _ComplexViewBlock(nn.Module):
+    """Saves a reinterpreting view (``view_as_complex``) of its weight's copy, which ``as_strided`` cannot rebuild."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(64, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.view_as_complex(self.weight.to(torch.float64))  # mul saves the complex view
+
+
+def test_reinterpreting_view_of_a_weight_copy_is_not_rebuilt() -> None:
+    torch.manual_seed(1)
+    ref = nn.Sequential(_ComplexViewBlock(), _ComplexViewBlock())
+    model = copy.deepcopy(ref)
+    off = ActivationOffloader(list(model), min_offload_bytes=0, keep_last_layers=0, force=True, offload_layers=0)
+    x = torch.randn(64, dtype=torch.complex128)
+    grads = []
+    for m, o in ((ref, None), (model, off)):
+        with o if o is not None else torch.enable_grad():
+            torch.view_as_real(m(x)).square().sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert off.stats["recast_casts"] == 0
     off.close()
 
 

@@ -97,6 +97,7 @@ class _LiveBytes(TorchDispatchMode):
         (torch.ops.aten._flash_attention_forward.default, True),
         (torch.ops.aten.topk.default, True),
         (torch.ops.lightning_llmfast.grouped_mm.default, True),
+        (torch.ops.lightning_llmfast.swiglu_down.default, True),  # the experts' down GEMM, activation fused in
         (torch.ops.aten._flash_attention_backward.default, False),
         (torch.ops.aten.mul.Tensor, False),
         (torch.ops.aten._to_copy.default, False),  # autocast's bf16 weight copies: recomputed, not kept
@@ -112,6 +113,34 @@ def test_policy_keeps_matmul_attention_and_routing_only(op: Any, saved: bool) ->
 
 # ---------------------------------------------------------------------------------------------- gradients
 @pytest.mark.parametrize("offload_layers", [0, 1, None])
+class _GemmCount(TorchDispatchMode):
+    """Counts matrix products: plain matmuls, grouped expert GEMMs (also fused ones) and attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if recompute_policy(None, func) == CheckpointPolicy.MUST_SAVE and func is not torch.ops.aten.topk.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_recompute_replays_no_matmul() -> None:
+    """Forward plus backward runs the same number of matrix products with recomputation as without."""
+    counts = []
+    for wrap in (False, True):
+        model = _model(7)
+        handles = [recompute_layer(layer) for layer in model.layers] if wrap else []
+        ids, pos = _batch(23, 1)
+        with _GemmCount() as mode:
+            _loss(model, ids, pos).backward()
+        counts.append(mode.count)
+        for handle in handles:
+            handle.remove()
+    assert counts[0] > 0 and counts[0] == counts[1], counts
+
+
 def test_recompute_gradients_bit_identical_over_steps(offload_layers: int | None) -> None:
     ref = _model()
     model = copy.deepcopy(ref)

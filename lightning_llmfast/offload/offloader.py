@@ -714,8 +714,7 @@ class ActivationOffloader:
         """
         self._remove_recompute()
         if self.recompute is not None and self._copier is not None and self._planned is not None:
-            first = self._planned + (1 if self._partial else 0)
-            self._recomputed = [recompute_layer(layer) for layer in self.layers[first:]]
+            self._recomputed = [recompute_layer(layer) for layer in self.layers[self._planned :]]
         self._counters["recompute_layers"] = len(self._recomputed)
 
     def _remove_recompute(self) -> None:
@@ -800,7 +799,8 @@ class ActivationOffloader:
         )
         self._planned = min(chosen, eligible)
         self._partial = 0
-        if self._planned < eligible:
+        # With recomputation, layer N recomputes instead: keeping what a partial budget leaves would hold more.
+        if self._planned < eligible and self.recompute is None:
             self._partial = plan_partial_bytes(
                 compute_ms,
                 bytes_per_layer,
@@ -978,11 +978,11 @@ class ActivationOffloader:
         ptr = storage.data_ptr()
         if storage.nbytes() < self.min_offload_bytes or ptr in self._param_ptrs or ptr in self._shared_inputs:
             return t
+        if self._current is None and not self._segments:
+            return t  # before the first layer: outside the layers
         param = self._cast_source(t)
         if param is not None:
             return self._keep_or_recast(t, param)
-        if self._current is None and not self._segments:
-            return t  # before the first layer: outside the layers
         saved = _Saved(tensor=t)
         if self._current is None:
             self._unassigned.append(saved)  # between layers: decided when the next one starts (kept after the last)
@@ -1003,8 +1003,8 @@ class ActivationOffloader:
         """
         base = t if t._base is None else t._base
         fn = base.grad_fn
-        if fn is None or fn.name() != "ToCopyBackward0" or not fn.next_functions:
-            return None
+        if fn is None or fn.name() != "ToCopyBackward0" or not fn.next_functions or t.dtype != base.dtype:
+            return None  # not a copy, or a view that reinterprets one (view_as_complex): as_strided cannot rebuild it
         leaf = getattr(fn.next_functions[0][0], "variable", None)  # AccumulateGrad of the cast's source
         if leaf is None or leaf.untyped_storage().data_ptr() not in self._param_ptrs:
             return None
@@ -1103,10 +1103,16 @@ class ActivationOffloader:
         copier = self._copier
         assert copier is not None
         s = seg.index % self._num_sets
+        previous = self._set_owner[s]
+        if previous >= 0:
+            # That layer's backward is over: its views of the set are gone, and a set that grows below frees the
+            # old buffer instead of holding it to the step's end (a partial layer's smaller set would).
+            for block in self._segments[previous].blocks:
+                block.flat = None
         total = sum(_aligned(b.nbytes) for b in seg.blocks)
         flat = self._sets[s]
         if flat is None or flat.numel() < total:
-            # Grows to the largest layer (MoE layers differ per step); the old set lives on while views use it.
+            # Grows to the largest layer (MoE layers differ per step, a partial layer is smaller).
             flat = self._sets[s] = torch.empty(total, dtype=torch.uint8, device=copier.device)
             if copier.h2d is not None:
                 # Written on the copy stream: the allocator must not reuse it before those copies are done.

@@ -43,7 +43,8 @@ __all__ = ["RECOMPUTE_MODES", "RecomputeHandle", "recompute_layer", "recompute_p
 RECOMPUTE_MODES = (None, "selective")
 
 # Ops whose outputs are kept: recomputing them would cost real FLOPs (matmuls, grouped expert GEMMs).
-_SAVED_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "grouped_mm", "_scaled_mm"})
+# `swiglu_down` is the experts' down GEMM with its activation fused in (lightning_llmfast.moe.experts).
+_SAVED_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "grouped_mm", "_scaled_mm", "swiglu_down"})
 # Routing decisions are kept too (small: (T, k)), so recomputation can never pick other experts than the forward did
 # (an expert bias updated in forward, or ties broken differently).
 _ROUTING_OPS = frozenset({"topk"})
