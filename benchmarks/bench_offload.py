@@ -26,8 +26,8 @@ Reported per mode:
   host-to-device time of the offloaded bytes alone (CUDA events, pinned buffers) and ``exposed`` = step time of the
   mode minus ``off``.
 
-On CPU there are no copy streams: it runs the forced path on a tiny model for the offloader's stats and a
-bit-identity check of every mode only, and says that timings need CUDA.
+On CPU there are no copy streams: it runs the forced path on a tiny model (under the same bf16 autocast) for the
+offloader's stats and a bit-identity check of every mode only, and says that timings need CUDA.
 
 Usage::
 
@@ -154,7 +154,7 @@ def saved_inventory(model: MoEGPT, ids: torch.Tensor, layer: int = 0, top: int =
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
-        if inside[0] and ptr not in params and ptr not in seen:
+        if inside[0] and ptr and ptr not in params and ptr not in seen:  # ptr 0: an empty storage
             seen.add(ptr)
             base = t if t._base is None else t._base
             key = (base.grad_fn.name() if base.grad_fn is not None else "leaf", tuple(t.shape), str(t.dtype))

@@ -664,6 +664,12 @@ def test_auto_plan_uses_the_memory_backward_freed(monkeypatch: pytest.MonkeyPatc
     off.close()
 
 
+@pytest.mark.parametrize(("layers", "depth"), [(-1, 1), (0, 0)])
+def test_plan_partial_bytes_rejects_bad_counts(layers: int, depth: int) -> None:
+    with pytest.raises(OffloadError, match="offload_layers must be >= 0 and prefetch_layers >= 1"):
+        plan_partial_bytes([1.0], [1], 1.0, margin=0.0, offload_layers=layers, prefetch_layers=depth)
+
+
 def test_plan_partial_bytes_hand_computed() -> None:
     args = ([3.0] * 12, [10_000] * 12, 1_000.0)
     # no margin: (3, 3); layer 3's copy starts when layer 2's ends (33 ms) and must end with the forward (36 ms)

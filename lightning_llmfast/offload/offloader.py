@@ -178,12 +178,21 @@ def plan_partial_bytes(
     (``b < s_N``), and every rule tightens as ``b`` grows, so the largest such ``b`` is found by bisection.
 
     Returns:
-        ``b`` in ``[0, s_N]`` (0 when ``N`` is the last layer or nothing more fits).
+        ``b`` in ``[0, s_N]`` (0 when ``N`` is past the last layer or nothing more fits).
+
+    Raises:
+        OffloadError: on a negative ``offload_layers``, a ``prefetch_layers`` below 1, or the inputs that
+            :func:`plan_offload_layers` rejects.
 
     Example::
 
         plan_partial_bytes([3.0] * 12, [10_000] * 12, 1_000.0, margin=0.0, offload_layers=3, prefetch_layers=3)
     """
+    if offload_layers < 0 or prefetch_layers < 1:
+        raise OffloadError(
+            f"plan_partial_bytes: offload_layers must be >= 0 and prefetch_layers >= 1, got {offload_layers} and "
+            f"{prefetch_layers}"
+        )
     if offload_layers >= len(compute_ms):
         return 0
     sizes = list(bytes_per_layer)
@@ -482,12 +491,13 @@ class _Recast:
     """Handle returned by the pack hook for a saved low-precision copy of a parameter (autocast's cast).
 
     Backward casts the parameter again instead of keeping the copy: the same ``_to_copy`` of the same values gives the
-    same bits, costs one elementwise kernel, and neither device memory nor bus time.
+    same bits, costs one elementwise kernel, and neither device memory nor bus time. That needs the parameter unchanged
+    until backward: an in-place change raises (its version counter moved); a write through ``.data``, which moves no
+    counter, cannot be seen.
     """
 
     param: torch.Tensor
     version: int
-    device: torch.device
     dtype: torch.dtype
     size: tuple[int, ...]
     stride: tuple[int, ...]
@@ -500,8 +510,7 @@ class _Recast:
                 "low-precision copy saved for backward can no longer be rebuilt (step the optimizer after backward)"
             )
         # Not detached: under create_graph the rebuilt copy keeps the cast's path to the parameter.
-        copy = self.param.to(device=self.device, dtype=self.dtype)
-        return copy.as_strided(self.size, self.stride, self.storage_offset)
+        return self.param.to(self.dtype).as_strided(self.size, self.stride, self.storage_offset)
 
 
 @dataclass(eq=False)
@@ -548,8 +557,8 @@ class ActivationOffloader:
             ``perf_counter`` on CPU), the bytes each layer would offload and the copy bandwidth (a probe copy through
             pinned memory); from then on the first ``N`` layers offload with the prefetch depth that
             :func:`plan_offload` chose (copy times padded by ``AUTO_MARGIN``; it replaces ``prefetch_layers``),
-            and layer ``N`` offloads the first of its saved storages up to the bytes that
-            :func:`plan_partial_bytes` leaves. ``stats["offload_layers"]`` and ``stats["partial_offload_bytes"]``
+            and layer ``N`` offloads its saved storages, in the order they are saved, while each fits in the bytes
+            that :func:`plan_partial_bytes` leaves. ``stats["offload_layers"]`` and ``stats["partial_offload_bytes"]``
             are the numbers in effect.
         recompute: ``None``, or ``"selective"``: every layer that does not offload (once the plan is known) runs
             under :func:`~lightning_llmfast.offload.recompute.recompute_layer`: it keeps matmul, grouped GEMM,
@@ -557,7 +566,9 @@ class ActivationOffloader:
             only a few layers when layers are narrow; recomputation cuts the memory of the others, at the price of
             replaying their cheap ops, which in eager mode go through Python dispatch (2.6x step time on an H200 at
             hidden 1024: opt in when memory, not speed, is the limit). ``stats["recompute_layers"]`` is the number
-            in effect.
+            in effect. With ``"auto"`` the plan is measured without recomputation, so its memory rule counts the
+            recomputing layers' backward as freeing what they saved without it: prefetches can then hold up to those
+            layers' savings more than the forward's peak.
 
     Raises:
         OffloadError: on negative sizes or counts, headroom below 1, an ``offload_layers`` that is not ``None``,
@@ -1006,8 +1017,8 @@ class ActivationOffloader:
         if fn is None or fn.name() != "ToCopyBackward0" or not fn.next_functions or t.dtype != base.dtype:
             return None  # not a copy, or a view that reinterprets one (view_as_complex): as_strided cannot rebuild it
         leaf = getattr(fn.next_functions[0][0], "variable", None)  # AccumulateGrad of the cast's source
-        if leaf is None or leaf.untyped_storage().data_ptr() not in self._param_ptrs:
-            return None
+        if leaf is None or leaf.device != t.device or leaf.untyped_storage().data_ptr() not in self._param_ptrs:
+            return None  # a parameter kept elsewhere (host) would be copied over the bus again: not cheaper
         if base.shape != leaf.shape or not (base.is_contiguous() and leaf.is_contiguous()) or base.storage_offset():
             return None
         return leaf
@@ -1029,7 +1040,6 @@ class ActivationOffloader:
         return _Recast(
             param=param,
             version=param._version,
-            device=t.device,
             dtype=t.dtype,
             size=tuple(t.shape),
             stride=t.stride(),
