@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lightning_llmfast.bench.e2e import _PeakMemory
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
 from lightning_llmfast.offload import ActivationOffloader
@@ -124,6 +125,13 @@ def _step(
 ) -> None:
     """One training step; ``marks``: two CUDA events recorded when the loss exists and when backward has ended."""
     opt.zero_grad(set_to_none=True)
+    _forward_backward(model, ids, off, marks)
+    opt.step()
+
+
+def _forward_backward(
+    model: MoEGPT, ids: torch.Tensor, off: ActivationOffloader | None, marks: tuple[Any, Any] | None = None
+) -> None:
     # As Lightning's "bf16-mixed" runs a step: autocast without its weight cache around forward and loss only.
     autocast = torch.autocast(ids.device.type, dtype=torch.bfloat16, cache_enabled=False)
     with off if off is not None else torch.enable_grad():
@@ -135,7 +143,6 @@ def _step(
         loss.backward()
         if marks is not None:
             marks[1].record()
-    opt.step()
 
 
 def saved_inventory(model: MoEGPT, ids: torch.Tensor, layer: int = 0, top: int = 12) -> dict[str, Any]:
@@ -203,15 +210,32 @@ def _cpu(quick: bool) -> dict[str, Any]:
             identical[name] &= all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
     report: dict[str, Any] = {
         "device": "cpu",
-        "note": "timings, peak memory and overlap need CUDA (copy streams); CPU runs the forced path for stats only",
+        "note": "timings and overlap need CUDA (copy streams); CPU runs the forced path for stats, bit-identity and "
+        "the peak of live tensor bytes of forward + backward without and with rebuilt weight copies",
         "shape": SHAPES["cpu"],
         "modes": {},
         "layer0_saved": inventory,
+        "peak_live_bytes": _cpu_peaks(),
     }
     for name, (_, _, off) in runs.items():
         report["modes"][name] = {"bit_identical_params": identical[name], "stats": off.stats, "plan": off.auto_plan}
         off.close()
     return report
+
+
+def _cpu_peaks() -> dict[str, int]:
+    """Peak live tensor bytes of one forward + backward on CPU: no offloader, and one that copies nothing and only
+    rebuilds the weight copies (offloading to host memory frees nothing when the device is the host)."""
+    model, _, ids = _setup(SHAPES["cpu"], "cpu")
+    rebuild = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers=0)
+    peaks = {}
+    for name, off in (("off", None), ("rebuild", rebuild)):
+        model.zero_grad(set_to_none=True)
+        with _PeakMemory(torch.device("cpu")) as mem:
+            _forward_backward(model, ids, off)
+        peaks[name] = mem.peak_bytes
+    rebuild.close()
+    return peaks
 
 
 def _copy_ms(nbytes: int, device: str) -> float:
