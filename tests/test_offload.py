@@ -988,13 +988,17 @@ def test_cuda_streams_gradients_match_and_pool_is_pinned() -> None:
     off.close()
 
 
+def _bf16_loss(model: nn.Module, x: torch.Tensor, cache: bool = False) -> torch.Tensor:
+    """Forward and loss under CPU bf16 autocast (by default without its cache, as Lightning's "bf16-mixed")."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+        return model(x).float().square().mean()
+
+
 def _autocast_grads(model: nn.Module, x: torch.Tensor, off: ActivationOffloader | None, cache: bool) -> list[Any]:
     """One step under CPU bf16 autocast; backward outside the autocast region, as Lightning's precision plugin does."""
     model.zero_grad(set_to_none=True)
     with off if off is not None else torch.enable_grad():
-        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
-            loss = model(x).float().square().mean()
-        loss.backward()
+        _bf16_loss(model, x, cache).backward()
     return _grads(model)
 
 
@@ -1119,8 +1123,7 @@ def test_parameter_modified_between_forward_and_backward_raises() -> None:
     x = torch.randn(2, 5, 8)
     with pytest.raises(OffloadError, match="modified in place"):
         with off:
-            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-                loss = model(x).float().square().mean()
+            loss = _bf16_loss(model, x)
             with torch.no_grad():
                 model.layers[0].up.weight.mul_(2)  # an optimizer step before backward
             loss.backward()
@@ -1135,8 +1138,7 @@ def test_rebuilt_weight_copies_support_double_backward() -> None:
     results = []
     for m, o in ((ref, None), (model, off)):
         with o if o is not None else torch.enable_grad():
-            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-                loss = m(x).float().square().mean()
+            loss = _bf16_loss(m, x)
             (g,) = torch.autograd.grad(loss, [m.layers[0].up.weight], create_graph=True)
             (gg,) = torch.autograd.grad(g.float().square().sum(), [m.layers[1].down.weight])
         results.append((g.detach(), gg))
