@@ -197,7 +197,7 @@ def plan_partial_bytes(
         return 0
     sizes = list(bytes_per_layer)
     # Backward still frees all of layer N's saved bytes; only the offloaded part of it changes.
-    freed = [sum(sizes[k + 1 :]) for k in range(len(sizes))] if freed_bytes is None else list(freed_bytes)
+    freed = _freed_or_later_bytes(sizes, freed_bytes)
 
     def fits(nbytes: int) -> bool:
         trial = [*sizes[:offload_layers], nbytes, *sizes[offload_layers + 1 :]]
@@ -214,6 +214,11 @@ def plan_partial_bytes(
     return low
 
 
+def _freed_or_later_bytes(sizes: list[int], freed_bytes: Sequence[int] | None) -> list[int]:
+    """``freed_bytes``, or by default what every layer after ``k`` saved (backward frees it before layer ``k``)."""
+    return [sum(sizes[k + 1 :]) for k in range(len(sizes))] if freed_bytes is None else list(freed_bytes)
+
+
 def _rules(
     compute_ms: Sequence[float],
     bytes_per_layer: Sequence[int],
@@ -226,7 +231,7 @@ def _rules(
     num = len(compute_ms)
     sizes = list(bytes_per_layer)
     backward = [_BACKWARD_PER_FORWARD * c for c in compute_ms] if backward_ms is None else list(backward_ms)
-    freed = [sum(sizes[k + 1 :]) for k in range(len(sizes))] if freed_bytes is None else list(freed_bytes)
+    freed = _freed_or_later_bytes(sizes, freed_bytes)
     if len(sizes) != num or len(backward) != num or len(freed) != num:
         raise OffloadError(
             f"plan_offload_layers: compute_ms has {num} layers but bytes_per_layer has {len(sizes)}, "
