@@ -210,6 +210,7 @@ def test_custom_ops_pass_opcheck() -> None:
     x = torch.randn(9, H, requires_grad=True)
     gate_up = torch.randn(4, H, 2 * FFN, requires_grad=True)
     hf_layout = torch.randn(4, 2 * FFN, H).transpose(1, 2).requires_grad_()  # HF's (E, 2F, H) as a view
+    down = torch.randn(4, FFN, H, requires_grad=True)
     cases = [
         (_grouped_mm, (x, gate_up, offs)),
         (_grouped_mm, (x, hf_layout, offs)),
@@ -217,8 +218,15 @@ def test_custom_ops_pass_opcheck() -> None:
         (_silu_glu, (torch.randn(9, 2 * FFN, requires_grad=True),)),
         (_silu_glu, (torch.randn(1, 2 * FFN, requires_grad=True),)),
         (_silu_glu_backward, (torch.randn(9, FFN), torch.randn(9, 2 * FFN))),
-        (_swiglu_down, (torch.randn(9, 2 * FFN, requires_grad=True), torch.randn(4, FFN, H, requires_grad=True), offs)),
-        (_swiglu_down, (torch.randn(9, 2 * FFN), torch.randn(4, H, FFN).transpose(1, 2).requires_grad_(), offs)),
+        (_swiglu_down, (torch.randn(9, 2 * FFN, requires_grad=True), down, offs, None, "torch")),
+        (
+            _swiglu_down,
+            (torch.randn(9, 2 * FFN), torch.randn(4, H, FFN).transpose(1, 2).requires_grad_(), offs, None, "torch"),
+        ),
+        (
+            _swiglu_down,
+            (torch.randn(9, 2 * FFN, requires_grad=True), down, offs, torch.rand(9, requires_grad=True), "torch"),
+        ),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -238,7 +246,7 @@ def test_fused_swiglu_down_equals_the_unfused_ops_bitwise(sizes: list[int], dtyp
     results = []
     for fused in (False, True):
         a, b = gate_up.clone().requires_grad_(), down.clone().requires_grad_()
-        out = _swiglu_down(a, b, offs) if fused else _grouped_mm(_silu_glu(a), b, offs)
+        out = _swiglu_down(a, b, offs, None, "torch") if fused else _grouped_mm(_silu_glu(a), b, offs)
         out.backward(grad)
         results.append((out.detach(), a.grad, b.grad))
     for unfused, fused in zip(*results):

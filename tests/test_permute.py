@@ -11,8 +11,10 @@ from lightning_llmfast.moe.kernels import triton_available
 from lightning_llmfast.moe.permute import (
     _combine_rows,
     _combine_rows_backward,
+    _pair_values_to_rows,
     _permute_rows,
     _plan_indices,
+    _sum_rows,
     _unpermute_rows,
     permute,
     unpermute,
@@ -202,13 +204,17 @@ def test_custom_ops_pass_opcheck(backend, num_tokens, capacity_factor):
     x = torch.randn(num_tokens, 8, generator=gen, requires_grad=True)
     rows = torch.randn(plan.num_rows, 8, generator=gen, requires_grad=True)
     weights = plan.weights.detach().clone().requires_grad_()
-    pair_mask = plan.kept.float() if capacity_factor is not None else None
+    kept = plan.kept if capacity_factor is not None else None
+    pair_mask = kept.float() if kept is not None else None
     grad = torch.randn(num_tokens, 8, generator=gen)
     row_weights = weights.detach().reshape(-1)[idx.pairs]
     cases = [
         (_permute_rows, (x, idx.tokens, idx.num_valid, idx.positions, pair_mask, backend)),
         (_unpermute_rows, (rows, weights, idx.pairs, idx.tokens, idx.positions, backend)),
-        (_combine_rows, (rows.detach(), idx.positions, pair_mask, backend)),
+        (_combine_rows, (rows.detach(), idx.positions, pair_mask, torch.float32, backend)),
+        (_combine_rows, (rows.detach().bfloat16(), idx.positions, pair_mask, torch.float32, backend)),
+        (_sum_rows, (rows, idx.positions, pair_mask, idx.tokens, idx.num_valid, backend)),
+        (_pair_values_to_rows, (weights, idx.pairs, idx.positions, kept)),
         (_combine_rows_backward, (grad, rows.detach(), idx.tokens, row_weights, idx.positions, backend)),
     ]
     for op, args in cases:

@@ -31,9 +31,8 @@ from torch import Tensor, nn
 
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.moe.block import MoEBlock, check_block_routing_args, record_plan
-from lightning_llmfast.moe.experts import grouped_swiglu
+from lightning_llmfast.moe.dispatch import routed_swiglu
 from lightning_llmfast.moe.naive import NaiveMoEBlock
-from lightning_llmfast.moe.permute import permute, unpermute
 from lightning_llmfast.moe.routing import route
 
 __all__ = [
@@ -267,14 +266,14 @@ class HFGroupedMoeBlock(nn.Module):
         logits = self.gate(x)[0]  # (T, E)
         plan = route(logits, self.top_k, normalize=self.normalize, validate=False, backend=self.backend)
         experts = self.experts
-        rows = grouped_swiglu(
-            permute(x, plan, backend=self.backend),
-            plan.offsets,
+        out = routed_swiglu(
+            x,
+            plan,
             experts.gate_up_proj.transpose(1, 2),
             experts.down_proj.transpose(1, 2),
             self._act,
+            backend=self.backend,
         )
-        out = unpermute(rows, plan)
         if hasattr(self, "shared_expert"):
             out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         record_plan(self, plan, logits)

@@ -13,10 +13,10 @@ from torch import Tensor, nn
 
 from lightning_llmfast._autograd import in_backward
 from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.moe.dispatch import compute_copy, routed_swiglu
 from lightning_llmfast.moe.experts import GroupedExperts
 from lightning_llmfast.moe.kernels import BACKENDS
 from lightning_llmfast.moe.naive import check_moe_args
-from lightning_llmfast.moe.permute import permute, unpermute
 from lightning_llmfast.moe.routing import DROP_POLICIES, RoutingPlan, route, update_expert_bias
 
 __all__ = ["MoEBlock", "check_block_routing_args", "record_plan"]
@@ -130,7 +130,9 @@ class MoEBlock(nn.Module):
         """
         shape = x.shape
         x = x.reshape(-1, self.hidden_size)
-        logits = self.router(x)  # (T, E)
+        # Cast once for router and experts: both keep this one (T, H) copy for backward (dispatch.py).
+        x_compute = compute_copy(x)
+        logits = self.router(x_compute)  # (T, E)
         plan = route(
             logits,
             self.top_k,
@@ -142,9 +144,10 @@ class MoEBlock(nn.Module):
             validate=False,
             backend=self.backend,
         )
-        rows = permute(x, plan, backend=self.backend)
-        y = self.experts(rows, plan.offsets, padded=plan.capacity is not None)
-        out = unpermute(y, plan).to(x.dtype)
+        experts = self.experts
+        out = routed_swiglu(
+            x, plan, experts.gate_up_proj, experts.down_proj, x_compute=x_compute, backend=self.backend
+        ).to(x.dtype)
         # Not again when activation recomputation replays this forward inside backward.
         if self.expert_bias is not None and self.training and self.bias_update_rate > 0 and not in_backward():
             # After routing, so this forward selected with the bias it started with (DeepSeek-V3 updates per step).

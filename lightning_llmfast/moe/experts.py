@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_llmfast.moe.kernels import _scale_rows_, pair_dots
 from lightning_llmfast.moe.naive import SwiGLUExperts
 
 __all__ = ["GroupedExperts", "grouped_swiglu", "grouped_mm_supported"]
@@ -153,36 +154,60 @@ _silu_glu.register_autograd(_silu_glu_grad, setup_context=_silu_glu_setup)
 
 
 @torch.library.custom_op("lightning_llmfast::swiglu_down", mutates_args=())
-def _swiglu_down(gate_up: Tensor, down: Tensor, offs: Tensor) -> Tensor:
+def _swiglu_down(gate_up: Tensor, down: Tensor, offs: Tensor, scale: Tensor | None, backend: str) -> Tensor:
     """The down projection of the SwiGLU product, ``grouped_mm(silu(gate) * up, down)``: ``(M, 2F)`` -> ``(M, H)``.
 
     One op so that its backward can rebuild the ``(M, F)`` product from ``gate_up`` (saved anyway for the SwiGLU
     gradient) instead of keeping it as the GEMM's input: per reference layer at hidden 1024, ffn 1408, 8192 tokens,
     top-2 that is 46 MB less held until backward, for one elementwise pass in backward. The rebuilt product has the
-    same bits, so values and gradients equal the unfused ``_grouped_mm(_silu_glu(gate_up), down, offs)`` exactly.
-    ``down`` ``(E, F, H)``; ``offs`` ``(E,)`` int32 group ends.
+    same bits, so without ``scale`` values and gradients equal the unfused
+    ``_grouped_mm(_silu_glu(gate_up), down, offs)`` exactly.
+
+    ``scale`` ``(M,)`` (optional) multiplies each output row, in float32, by its routing weight, so that the combine
+    after it is a plain sum that keeps no rows for backward. Its gradient ``<grad[r], out_unscaled[r]>`` is taken as
+    ``<(grad @ down^T)[r], product[r]>`` (the same value), from tensors the backward has anyway: the ``(M, H)``
+    output never needs keeping. ``down`` ``(E, F, H)``; ``offs`` ``(E,)`` int32 group ends; ``backend``: of that
+    dot product (``"torch"`` or ``"triton"``).
     """
-    return F.grouped_mm(_silu_mul(gate_up), down, offs=offs)
+    out = F.grouped_mm(_silu_mul(gate_up), down, offs=offs)
+    if scale is not None:
+        _scale_rows_(out, scale)
+    return out
 
 
 @_swiglu_down.register_fake
-def _swiglu_down_fake(gate_up: Tensor, down: Tensor, offs: Tensor) -> Tensor:
+def _swiglu_down_fake(gate_up: Tensor, down: Tensor, offs: Tensor, scale: Tensor | None, backend: str) -> Tensor:
     return gate_up.new_empty(gate_up.shape[0], down.shape[-1])
 
 
-def _swiglu_down_setup(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
-    ctx.save_for_backward(*inputs)
+def _swiglu_down_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    *saved, ctx.backend = inputs
+    ctx.save_for_backward(*saved)
 
 
-def _swiglu_down_grad(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
-    gate_up, down, offs = ctx.saved_tensors
+def _swiglu_down_grad(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    gate_up, down, offs, scale = ctx.saved_tensors
+    need_gate_up, need_down, _, need_scale, _ = ctx.needs_input_grad
+    need_scale = need_scale and scale is not None
     grad = grad.contiguous()  # grouped_mm rejects stride-0 (expanded) gradients
-    grad_gate_up = grad_down = None
-    if ctx.needs_input_grad[0]:
-        grad_gate_up = _silu_glu_backward(_grouped_mm(grad, down.transpose(-1, -2), offs), gate_up)
-    if ctx.needs_input_grad[1]:
-        grad_down = _grouped_mm(_silu_glu(gate_up).transpose(0, 1), grad, offs)
-    return grad_gate_up, grad_down, None
+    product = _silu_glu(gate_up) if need_down or need_scale else None
+    grad_gate_up = grad_down = grad_scale = None
+    if need_gate_up or need_scale:
+        # Gradient of the product before scaling: (grad @ down^T) * scale is (grad * scale) @ down^T.
+        grad_product = _grouped_mm(grad, down.transpose(-1, -2), offs)
+        if need_scale:
+            rows = torch.arange(grad.shape[0], device=grad.device).unsqueeze(1)
+            grad_scale = pair_dots(product, grad_product, rows, backend=ctx.backend).view(-1).to(scale.dtype)
+        if need_gate_up:
+            if scale is not None:
+                _scale_rows_(grad_product, scale)
+            grad_gate_up = _silu_glu_backward(grad_product, gate_up)
+    if need_down:
+        if scale is not None:
+            grad = grad.clone()
+            _scale_rows_(grad, scale)
+        grad_down = _grouped_mm(product.transpose(0, 1), grad, offs)
+    return grad_gate_up, grad_down, None, grad_scale, None
 
 
 _swiglu_down.register_autograd(_swiglu_down_grad, setup_context=_swiglu_down_setup)
@@ -244,7 +269,7 @@ def grouped_swiglu(
             x = torch.where(valid, x, 0)
         hidden = _grouped_mm(x.contiguous(), gate_up, ends)
         if act is F.silu:
-            out = _swiglu_down(hidden, down, ends)
+            out = _swiglu_down(hidden, down, ends, None, "torch")
         else:
             out = _grouped_mm(_swiglu(hidden, act), down, ends)
         return out if valid is None else torch.where(valid, out, 0)

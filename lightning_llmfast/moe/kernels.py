@@ -67,6 +67,7 @@ __all__ = [
     "gather_rows",
     "gather_rows_reference",
     "gather_rows_triton",
+    "pair_dots",
     "pair_dots_reference",
     "pair_dots_triton",
     "resolve_backend",
@@ -420,7 +421,9 @@ def gather_rows(
     return gather_rows_reference(x, src, num_valid, scale)
 
 
-def combine_rows_reference(rows: Tensor, positions: Tensor, weights: Tensor | None = None) -> Tensor:
+def combine_rows_reference(
+    rows: Tensor, positions: Tensor, weights: Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> Tensor:
     """PyTorch reference of the weighted combine: ``out[t] = sum_s weights[t, s] * rows[positions[t, s]]``.
 
     Summed in float32 (float64 for float64 rows) without atomics: bitwise reproducible. Tokens are processed in
@@ -431,9 +434,10 @@ def combine_rows_reference(rows: Tensor, positions: Tensor, weights: Tensor | No
         rows: ``(num_rows, hidden)``.
         positions: ``(num_tokens, k)`` int64 row of each pair.
         weights: ``(num_tokens, k)`` factors, or ``None`` for a plain sum.
+        out_dtype: dtype of the result (default: that of ``rows``); a wider one keeps the float32 sums unrounded.
 
     Returns:
-        ``(num_tokens, hidden)`` in the dtype of ``rows``.
+        ``(num_tokens, hidden)`` in ``out_dtype``.
 
     Example::
 
@@ -450,7 +454,7 @@ def combine_rows_reference(rows: Tensor, positions: Tensor, weights: Tensor | No
     for pos, fac, dst in zip(positions.split(chunk), factors.split(chunk), out.unsqueeze(1).split(chunk)):
         tile = torch.index_select(rows, 0, pos.reshape(-1), out=gathered[: pos.numel()])
         torch.bmm(fac, tile.view(-1, top_k, hidden).to(acc), out=dst)
-    return out.to(rows.dtype)
+    return out.to(out_dtype or rows.dtype)
 
 
 @_jit
@@ -486,7 +490,9 @@ def _combine_rows_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def combine_rows_triton(rows: Tensor, positions: Tensor, weights: Tensor | None = None) -> Tensor:
+def combine_rows_triton(
+    rows: Tensor, positions: Tensor, weights: Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> Tensor:
     """Triton weighted combine; same contract as :func:`combine_rows_reference` (float32 accumulation in order).
 
     Reads each pair's row once in its own dtype and writes ``(num_tokens, hidden)`` once: no ``(T, k, H)``
@@ -499,7 +505,7 @@ def combine_rows_triton(rows: Tensor, positions: Tensor, weights: Tensor | None 
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     (num_tokens, top_k), hidden = positions.shape, rows.shape[1]
-    out = torch.empty(num_tokens, hidden, dtype=rows.dtype, device=rows.device)
+    out = torch.empty(num_tokens, hidden, dtype=out_dtype or rows.dtype, device=rows.device)
     if num_tokens == 0 or hidden == 0:
         return out
     acc = _acc_dtype(rows)
@@ -523,25 +529,33 @@ def combine_rows_triton(rows: Tensor, positions: Tensor, weights: Tensor | None 
     return out
 
 
-def combine_rows(rows: Tensor, positions: Tensor, weights: Tensor | None = None, *, backend: str = "torch") -> Tensor:
+def combine_rows(
+    rows: Tensor,
+    positions: Tensor,
+    weights: Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+    backend: str = "torch",
+) -> Tensor:
     """Weighted combine ``out[t] = sum_s weights[t, s] * rows[positions[t, s]]``; Triton or the PyTorch reference.
 
     Args:
         rows: ``(num_rows, hidden)``.
         positions: ``(num_tokens, k)`` int64 row of each pair.
         weights: ``(num_tokens, k)`` factors, or ``None`` for a plain sum.
+        out_dtype: dtype of the result (default: that of ``rows``).
         backend: ``"torch"`` or ``"triton"`` (already resolved).
 
     Returns:
-        ``(num_tokens, hidden)`` in the dtype of ``rows``.
+        ``(num_tokens, hidden)`` in ``out_dtype``.
 
     Example::
 
         out = combine_rows(rows, positions, weights)
     """
     if backend == "triton":
-        return combine_rows_triton(rows, positions, weights)
-    return combine_rows_reference(rows, positions, weights)
+        return combine_rows_triton(rows, positions, weights, out_dtype)
+    return combine_rows_reference(rows, positions, weights, out_dtype)
 
 
 def pair_dots_reference(rows: Tensor, grad: Tensor, positions: Tensor) -> Tensor:
@@ -627,6 +641,27 @@ def pair_dots_triton(rows: Tensor, grad: Tensor, positions: Tensor) -> Tensor:
         BLOCK_H=block_h,
     )
     return out
+
+
+def pair_dots(rows: Tensor, grad: Tensor, positions: Tensor, *, backend: str = "torch") -> Tensor:
+    """Per-pair dot products ``dots[t, s] = <rows[positions[t, s]], grad[t]>``; Triton or the PyTorch reference.
+
+    Args:
+        rows: ``(num_rows, hidden)``.
+        grad: ``(num_tokens, hidden)``.
+        positions: ``(num_tokens, k)`` int64 row of each pair.
+        backend: ``"torch"`` or ``"triton"`` (already resolved).
+
+    Returns:
+        ``(num_tokens, k)`` in float32 (float64 for float64 rows).
+
+    Example::
+
+        row_dots = pair_dots(a, b, torch.arange(a.shape[0])[:, None])  # (M, 1): <a[r], b[r]>
+    """
+    if backend == "triton":
+        return pair_dots_triton(rows, grad, positions)
+    return pair_dots_reference(rows, grad, positions)
 
 
 def combine_rows_backward_reference(

@@ -93,7 +93,8 @@ def _permute_rows_backward(ctx: Any, grad_rows: Tensor) -> tuple[Tensor | None, 
     """Sums each token's kept rows in slot order: a gather, no atomics."""
     positions, pair_mask = ctx.saved_tensors
     # pair_mask zeroes dropped pairs, whose clamped position points at an unrelated row.
-    grad_x = _combine_rows(grad_rows, positions, pair_mask, ctx.backend) if ctx.needs_input_grad[0] else None
+    needed = ctx.needs_input_grad[0]
+    grad_x = _combine_rows(grad_rows, positions, pair_mask, grad_rows.dtype, ctx.backend) if needed else None
     return grad_x, None, None, None, None, None
 
 
@@ -101,14 +102,84 @@ _permute_rows.register_autograd(_permute_rows_backward, setup_context=_permute_r
 
 
 @torch.library.custom_op("lightning_llmfast::combine_rows", mutates_args=())
-def _combine_rows(rows: Tensor, positions: Tensor, weights: Tensor | None, backend: str) -> Tensor:
+def _combine_rows(
+    rows: Tensor, positions: Tensor, weights: Tensor | None, out_dtype: torch.dtype, backend: str
+) -> Tensor:
     """``out[t] = sum_s weights[t, s] * rows[positions[t, s]]`` (plain sum without weights): ``(T, H)``."""
-    return combine_rows(rows, positions, weights, backend=backend)
+    return combine_rows(rows, positions, weights, out_dtype=out_dtype, backend=backend)
 
 
 @_combine_rows.register_fake
-def _combine_rows_fake(rows: Tensor, positions: Tensor, weights: Tensor | None, backend: str) -> Tensor:
+def _combine_rows_fake(
+    rows: Tensor, positions: Tensor, weights: Tensor | None, out_dtype: torch.dtype, backend: str
+) -> Tensor:
+    return rows.new_empty(positions.shape[0], rows.shape[1], dtype=out_dtype)
+
+
+@torch.library.custom_op("lightning_llmfast::sum_rows", mutates_args=())
+def _sum_rows(
+    rows: Tensor, positions: Tensor, pair_mask: Tensor | None, tokens: Tensor, num_valid: Tensor | None, backend: str
+) -> Tensor:
+    """``out[t] = sum_s rows[positions[t, s]]`` over kept pairs: ``(T, H)``, the adjoint of ``permute_rows``.
+
+    For rows that already carry their routing weight (:func:`row_weights`): unlike ``unpermute_rows`` it needs no
+    rows for its backward, which gathers ``grad[tokens[r]]`` (zero from row ``num_valid`` on).
+    """
+    return combine_rows(rows, positions, pair_mask, backend=backend)
+
+
+@_sum_rows.register_fake
+def _sum_rows_fake(
+    rows: Tensor, positions: Tensor, pair_mask: Tensor | None, tokens: Tensor, num_valid: Tensor | None, backend: str
+) -> Tensor:
     return rows.new_empty(positions.shape[0], rows.shape[1])
+
+
+def _sum_rows_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    _, positions, pair_mask, tokens, num_valid, backend = inputs
+    ctx.save_for_backward(positions, pair_mask, tokens, num_valid)
+    ctx.backend = backend
+
+
+def _sum_rows_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    positions, pair_mask, tokens, num_valid = ctx.saved_tensors
+    needed = ctx.needs_input_grad[0]
+    grad_rows = _permute_rows(grad, tokens, num_valid, positions, pair_mask, ctx.backend) if needed else None
+    return grad_rows, None, None, None, None, None
+
+
+_sum_rows.register_autograd(_sum_rows_backward, setup_context=_sum_rows_setup)
+
+
+@torch.library.custom_op("lightning_llmfast::pair_values_to_rows", mutates_args=())
+def _pair_values_to_rows(values: Tensor, pairs: Tensor, positions: Tensor, kept: Tensor | None) -> Tensor:
+    """``out[r] = values.flatten()[pairs[r]]``: ``(R,)``; backward is the gather ``grad[positions]`` (no atomics)."""
+    return values.reshape(-1).index_select(0, pairs)
+
+
+@_pair_values_to_rows.register_fake
+def _pair_values_to_rows_fake(values: Tensor, pairs: Tensor, positions: Tensor, kept: Tensor | None) -> Tensor:
+    return values.new_empty(pairs.shape[0])
+
+
+def _pair_values_to_rows_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    _, _, positions, kept = inputs
+    ctx.save_for_backward(positions, kept)
+
+
+def _pair_values_to_rows_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    positions, kept = ctx.saved_tensors
+    if not ctx.needs_input_grad[0]:
+        return None, None, None, None
+    grad_values = grad.index_select(0, positions.reshape(-1)).view(positions.shape)
+    if kept is not None:
+        # A dropped pair's clamped position points at another pair's row, or at a padding row whose gradient
+        # grouped_mm never wrote: a select, not a product, so that garbage cannot leak in as NaN * 0.
+        grad_values = torch.where(kept, grad_values, 0)
+    return grad_values, None, None, None
+
+
+_pair_values_to_rows.register_autograd(_pair_values_to_rows_backward, setup_context=_pair_values_to_rows_setup)
 
 
 @torch.library.custom_op("lightning_llmfast::unpermute_rows", mutates_args=())
