@@ -285,36 +285,10 @@ stage_offload() {
     # "large" first: the shape where the target is within reach; a failing shape does not stop the next one.
     for shape in ${OFFLOAD_SHAPES:-large full}; do
         if ! "$PY" benchmarks/bench_offload.py --device cuda --shape "$shape" --json "$OUT/offload_$shape.json" \
-            >/dev/null; then
+            --summary; then
             echo "offload $shape: FAILED"
             failed=1
-            continue
         fi
-        "$PY" - "$OUT/offload_$shape.json" <<'EOF'
-import json, sys
-r = json.load(open(sys.argv[1]))
-print(f"offload {r['shape_name']}: {r['shape']['model']}, {r['tokens_per_step']} tokens/step, {r['device']}")
-print("| mode | step ms | fwd ms | bwd ms | tokens/s | vs off | peak act GiB | mem reduction | offload layers "
-      "| recompute layers | overlap | target |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-for name, m in r["modes"].items():
-    overlap = m.get("overlap")
-    print(f"| {name} | {m['step_ms']:.1f} | {m['forward_ms']:.1f} | {m['backward_ms']:.1f} "
-          f"| {m['tokens_per_sec']:,.0f} | {m['tps_ratio']:.3f} "
-          f"| {m['peak_act_bytes'] / 2**30:.2f} | {m['mem_reduction']:.1%} | {m.get('offload_layers', 0)} "
-          f"| {m.get('recompute_layers', 0)} | {'-' if overlap is None else f'{overlap:.2f}'} "
-          f"| {'met' if m['meets_target'] else 'missed'} |")
-for name, m in r["modes"].items():
-    if m.get("plan"):
-        p = m["plan"]
-        print(f"{name} plan: bandwidth {p['bandwidth_bytes_per_ms'] / 1e6:.1f} GB/s, "
-              f"compute ms {[round(c, 2) for c in p['compute_ms']]}, MB {[b >> 20 for b in p['bytes_per_layer']]}")
-print("meeting target:", r["meeting_target"])
-inv = r["layer0_saved"]
-print(f"layer 0 saves {inv['total_bytes'] / 1e6:.1f} MB in {inv['tensors']} storages; largest:")
-for e in inv["top"]:
-    print(f"  {e['bytes'] / 1e6:8.1f} MB  x{e['count']}  {e['op']}  {e['shape']}  {e['dtype']}")
-EOF
     done
     return "$failed"
 }

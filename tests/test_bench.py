@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from lightning_llmfast.bench.e2e import E2ESettings, build_variants, make_batche
 from lightning_llmfast.bench.harness import PROFILES, git_commit, run_benchmark, run_micro
 from lightning_llmfast.bench.report import markdown_report
 from lightning_llmfast.data import VOCAB_SIZE
+from lightning_llmfast.offload import ActivationOffloader
 
 TINY = PROFILES["tiny"].e2e
 
@@ -310,6 +313,55 @@ def test_offload_micro_benchmark_on_cpu_runs_every_mode_bit_identical() -> None:
     sizes = [e["bytes"] for e in inv["top"]]
     assert sizes == sorted(sizes, reverse=True) and 0 < sum(sizes) <= inv["total_bytes"]
     assert any(e["op"] == "ToCopyBackward0" and e["dtype"] == "torch.bfloat16" for e in inv["top"])
+
+
+class _FakeEvent:
+    """A CUDA timing event that reads the host clock (the CUDA measurement loop, run on CPU)."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t = 0.0
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def test_offload_cuda_measurement_loop_runs_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU-only path of bench_offload.py (the loop, both peak kinds, the report and its summary) with CUDA's
+    events and memory counters faked on CPU, so that a GPU session never loses its run to a bug in the script."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        import bench_offload
+    finally:
+        sys.path.pop(0)
+    allocated = iter(range(1 << 20, 1 << 30, 1 << 10))  # growing: every step "adds" memory above its base
+    setup = bench_offload._setup
+    monkeypatch.setattr(bench_offload, "_setup", lambda shape, device: setup(bench_offload.SHAPES["cpu"], "cpu"))
+    monkeypatch.setattr(bench_offload, "_copy_ms", lambda nbytes, device: 1.0)
+    monkeypatch.setattr(bench_offload, "ActivationOffloader", functools.partial(ActivationOffloader, force=True))
+    for name, fake in {
+        "Event": _FakeEvent,
+        "synchronize": lambda: None,
+        "memory_allocated": lambda: 0,
+        "reset_peak_memory_stats": lambda: None,
+        "max_memory_allocated": lambda: next(allocated),
+        "get_device_name": lambda index=0: "fake",
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    report = bench_offload._cuda("full", repeats=2)
+    assert set(report["modes"]) == set(bench_offload.MODES)
+    for row in report["modes"].values():
+        assert row["peak_act_bytes"] > 0 and row["peak_step_bytes"] > 0 and row["forward_ms"] > 0
+        assert row["meets_target"] == (row["mem_reduction"] >= 0.4 and row["tps_ratio"] >= 0.95)
+    assert report["modes"]["all"]["offload_layers"] == 3  # every layer but the last (its tensors are under 1 MiB)
+    text = bench_offload.summary(report)
+    assert text.count("\n| ") == 1 + len(report["modes"])  # the separator and one row per mode
+    assert "auto plan:" in text and "layer 0 saves" in text
 
 
 def test_git_commit_prefers_the_named_commit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
