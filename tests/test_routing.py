@@ -64,7 +64,9 @@ def oracle(
     kept_of, dropped_of = pairs_of, [[] for _ in range(num_experts)]
     capacity = None
     if capacity_factor is not None:
-        capacity = math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+        # The pair count first, as route() computes it: (0.2 * 6) * 5 / 6 rounds to 1.0000000000000002 (ceil 2)
+        # where 0.2 * 30 / 6 is 1.0 (ceil 1). Hypothesis found that float-order disagreement, not a routing bug.
+        capacity = math.ceil(capacity_factor * (num_tokens * top_k) / num_experts)
         kept_of, dropped_of = [], []
         w = (drop_weights if drop_weights is not None else weights).reshape(-1).tolist()
         for plist in pairs_of:

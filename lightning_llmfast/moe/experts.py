@@ -204,8 +204,7 @@ def _swiglu_down_grad(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
             grad_gate_up = _silu_glu_backward(grad_product, gate_up)
     if need_down:
         if scale is not None:
-            grad = grad.clone()
-            _scale_rows_(grad, scale)
+            grad = _scale_rows_(grad, scale, out=torch.empty_like(grad))
         grad_down = _grouped_mm(product.transpose(0, 1), grad, offs)
     return grad_gate_up, grad_down, None, grad_scale, None
 

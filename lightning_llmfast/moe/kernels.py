@@ -300,16 +300,15 @@ def gather_rows_reference(
     return out
 
 
-def _scale_rows_(rows: Tensor, scale: Tensor) -> None:
-    """``rows[r] *= scale[r]`` in place, in the accumulation dtype; ``rows`` ``(n, hidden)``, ``scale`` ``(n,)``.
+def _scale_rows_(rows: Tensor, scale: Tensor, out: Tensor | None = None) -> Tensor:
+    """``out[r] = rows[r] * scale[r]``, in place unless ``out`` is given; ``rows`` ``(n, hidden)``, ``scale`` ``(n,)``.
 
-    In place because the callers own ``rows`` (a fresh gather): a new ``(n, hidden)`` buffer would cost a pass of
-    page faults on CPU, where large allocations come fresh from the OS.
+    One pass: the product is taken in the accumulation dtype (type promotion with the float32 scale) and rounded
+    once into ``out``, the same bits as casting ``rows`` up, multiplying and casting back, without the wide copy.
+    In place by default because the callers own ``rows`` (a fresh gather or GEMM output): a new ``(n, hidden)``
+    buffer would cost a pass of page faults on CPU, where large allocations come fresh from the OS.
     """
-    scaled = rows.to(_acc_dtype(rows))  # the same tensor when rows are float32/float64
-    scaled.mul_(scale.to(scaled.dtype).unsqueeze(1))
-    if scaled is not rows:
-        rows.copy_(scaled)
+    return torch.mul(rows, scale.to(_acc_dtype(rows)).unsqueeze(1), out=rows if out is None else out)
 
 
 def _chunk_size(row_elements: int, length: int) -> int:
