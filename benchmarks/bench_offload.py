@@ -278,7 +278,8 @@ def _cuda(shape_name: str, repeats: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {name: [] for name in modes}
     phases: dict[str, list[tuple[float, float]]] = {name: [] for name in modes}
     peaks: dict[bool, dict[str, int]] = {free: dict.fromkeys(modes, 0) for free in (False, True)}
-    for repeat in range(max(repeats, 2)):
+    repeats = max(repeats, 2)  # at least one repeat of each peak kind
+    for repeat in range(repeats):
         free_grads = repeat % 2 == 1  # alternate: activation-only peaks, then peaks with the gradients as they appear
         for name, mode in modes.items():  # interleaved: the machine's noise hits every mode alike
             if mode is not None:

@@ -303,9 +303,12 @@ def test_offload_micro_benchmark_on_cpu_runs_every_mode_bit_identical() -> None:
     assert all(m["bit_identical_params"] for m in modes.values())
     # bf16 autocast without its cache, as Lightning runs it: four layers' five weight copies are rebuilt, not copied
     assert modes["rebuild"]["stats"]["recast_casts"] == 20 and modes["rebuild"]["stats"]["offloaded_bytes"] == 0
+    # and the norms' bf16 outputs (attention input; MoE input shared by router and experts): 3 per layer, 2 storages
+    assert modes["rebuild"]["stats"]["rebuilt_tensors"] == 12
     # measured on CPU: rebuilding lowers the peak of live tensor bytes, by at most what it did not keep
     peaks = out["offload"]["peak_live_bytes"]
-    assert 0 < peaks["off"] - peaks["rebuild"] <= modes["rebuild"]["stats"]["recast_bytes"]
+    stats = modes["rebuild"]["stats"]
+    assert 0 < peaks["off"] - peaks["rebuild"] <= stats["recast_bytes"] + stats["rebuilt_bytes"]
     assert modes["all"]["stats"]["offloaded_bytes"] > 0 and modes["recompute"]["stats"]["offloaded_bytes"] == 0
     assert modes["recompute"]["stats"]["recompute_layers"] == 4
     # the saved-tensor inventory of layer 0: largest first, weight casts among them, every storage counted once

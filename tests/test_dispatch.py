@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe import MoEBlock, permute, route, unpermute
 from lightning_llmfast.moe.dispatch import _permute_grouped_mm, compute_copy, routed_swiglu
 from lightning_llmfast.moe.experts import _grouped_mm, _swiglu_down, grouped_swiglu
@@ -199,3 +200,43 @@ def test_row_weight_gradient_ignores_garbage_in_padding_rows() -> None:
     expected = torch.zeros_like(weights).reshape(-1)
     expected[idx.pairs[: int(plan.offsets[-1])]] = grad[: int(plan.offsets[-1])]
     assert torch.equal(weights.grad, expected.view_as(weights))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_tokens", [4, 6])
+def test_routed_swiglu_rejects_x_of_another_token_count(num_tokens: int, backend: str) -> None:
+    """Both paths (fused, and the float64 fallback) name the mismatch; unchecked, the fused gather would read past
+    the end of ``x`` (Triton) or return the plan's token count."""
+    plan = route(torch.randn(5, 4), 2, validate=False)
+    gate_up, down = torch.randn(4, H, 2 * FFN), torch.randn(4, FFN, H)
+    x = torch.randn(num_tokens, H)
+    with pytest.raises(RoutingError, match="num_tokens=5"):
+        routed_swiglu(x.double(), plan, gate_up.double(), down.double(), backend=backend)
+    with pytest.raises(RoutingError, match="num_tokens=5"):
+        routed_swiglu(x, plan, gate_up, down, backend=backend)
+    with pytest.raises(RoutingError, match="x_compute"):
+        routed_swiglu(torch.randn(5, H), plan, gate_up, down, x_compute=torch.randn(5, 2 * H), backend=backend)
+
+
+def test_create_graph_backward_through_moe_block() -> None:
+    """A first-order ``create_graph`` backward (as gradient penalties use) gives the plain backward's gradient: the
+    row scaling leaves its in-place ``out=`` path when its inputs require grad."""
+    torch.manual_seed(0)
+    block = MoEBlock(H, FFN, num_experts=4, top_k=2, backend="torch")
+    x = torch.randn(9, H, requires_grad=True)
+    g = torch.randn(9, H)
+    (expected,) = torch.autograd.grad((block(x) * g).sum(), x)
+    (got,) = torch.autograd.grad((block(x) * g).sum(), x, create_graph=True)
+    torch.testing.assert_close(got, expected)
+    assert got.requires_grad
+
+
+def test_permute_grouped_mm_passes_opcheck() -> None:
+    """Schema, fake implementation and autograd of the fused gather + GEMM (dropless: every output row written)."""
+    plan = route(torch.randn(11, 3), 2, validate=False)
+    idx = _plan_indices(plan)
+    x = torch.randn(11, H, requires_grad=True)
+    weight = torch.randn(3, H, 2 * FFN, requires_grad=True)
+    ends = plan.offsets[1:].to(torch.int32)
+    args = (x, x.detach(), idx.tokens, None, idx.positions, None, weight, ends, "torch")
+    torch.library.opcheck(_permute_grouped_mm, args)

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
+from lightning_llmfast.models.rmsnorm import rms_norm
 from lightning_llmfast.offload import (
     ActivationOffloader,
     PinnedBufferPool,
@@ -534,6 +535,8 @@ def test_reference_model_bf16_mixed_gradients_bit_identical_with_rebuilt_weight_
         assert all(torch.equal(a, b) for a, b in zip(g_ref, g_off))
         # per layer: qkv, output, router, gate/up and down weights, in all three layers (the kept last one too)
         assert stats["recast_casts"] == 15 and stats["kept_casts"] == 0 and stats["offloaded_tensors"] > 0
+        # and the norms' bf16 outputs: the attention input, and the MoE input that router and experts share
+        assert stats["rebuilt_tensors"] == 9
     off.close()
 
 
@@ -1114,6 +1117,75 @@ def test_reinterpreting_view_of_a_weight_copy_is_not_rebuilt() -> None:
     x = torch.randn(64, 2, dtype=torch.float64)
     assert all(torch.equal(a, b) for a, b in zip(_step(ref, x), _step(model, x, off)))
     assert off.stats["recast_casts"] == 0
+    off.close()
+
+
+class _NormCopyBlock(nn.Module):
+    """An RMSNorm whose output reaches a matmul as a bf16 copy (as is, reshaped, or transposed) or itself."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.norm = nn.Parameter(torch.rand(8) + 0.5)
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, 8, 8)
+        y = rms_norm(x, self.norm, 1e-5)
+        if self.how == "reshape":
+            h = y.reshape(-1, 8).to(torch.bfloat16)
+        elif self.how == "transpose":  # a contiguous copy of a transpose: a recipe would need the transpose back
+            h = y.transpose(1, 2).to(torch.bfloat16, memory_format=torch.contiguous_format)
+        elif self.how == "float32":  # no copy: the matmul saves the norm's output itself
+            return x + y @ self.weight
+        else:
+            h = y.to(torch.bfloat16)
+        out = (h @ self.weight.to(torch.bfloat16)).float()  # the matmul saves h
+        out = out.transpose(1, 2) if self.how == "transpose" else out
+        return x + out.reshape(x.shape)
+
+
+@pytest.mark.parametrize(("how", "rebuilt"), [("copy", 2), ("reshape", 2), ("transpose", 0), ("float32", 2)])
+def test_norm_outputs_and_their_copies_are_rebuilt_bit_identically(how: str, rebuilt: int) -> None:
+    """A matmul's saved RMSNorm output, or its bf16 copy (also of a reshape), is rebuilt from the norm's saved input;
+    a copy of a transpose is not (rebuilding it in row-major order would give other values)."""
+    torch.manual_seed(4)
+    ref = nn.Sequential(*(_NormCopyBlock(how) for _ in range(2)))
+    model = copy.deepcopy(ref)
+    off = ActivationOffloader(list(model), min_offload_bytes=0, keep_last_layers=0, force=True, offload_layers=0)
+    x = torch.randn(3, 8, 8)
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(_step(ref, x), _step(model, x, off)))
+        assert off.stats["rebuilt_tensors"] == rebuilt
+    off.close()
+
+
+class _SavesItsOutput(torch.autograd.Function):
+    """Breaks the ``llmfast_rebuild`` contract: it saves the very output it claims to rebuild."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        y = x.exp()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        return grad * y
+
+    @staticmethod
+    def llmfast_rebuild(ctx: Any, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+
+def test_rebuild_of_a_function_that_saves_its_output_raises_instead_of_recursing() -> None:
+    block = nn.Linear(4, 4)
+    block.forward = lambda x: _SavesItsOutput.apply(x * block.weight[0])
+    off = ActivationOffloader([block], min_offload_bytes=0, keep_last_layers=0, force=True, offload_layers=0)
+    with pytest.raises(OffloadError, match="saves its own output"):
+        with off:
+            block(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    assert off.stats["checked_out"] == 0
     off.close()
 
 

@@ -21,14 +21,22 @@ __all__ = ["RMSNormFunction", "rms_norm"]
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """``(x / rms(x)).to(x.dtype) * weight``, computed in at least fp32; saves ``x`` and ``rstd`` only."""
+    """``(x / rms(x)).to(x.dtype) * weight``, computed in at least fp32; saves ``x`` and ``rstd`` only.
+
+    The output can be rebuilt from what it saves (:meth:`llmfast_rebuild`): when a later op saves the output (or its
+    autocast copy) for backward, :class:`~lightning_llmfast.offload.ActivationOffloader` keeps a recipe instead.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        xf = _wide(x)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        rstd = torch.rsqrt(_wide(x).pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
         ctx.save_for_backward(x, weight, rstd)
-        return (xf * rstd).to(x.dtype) * weight
+        return _normalize(x, weight, rstd)
+
+    @staticmethod
+    def llmfast_rebuild(ctx: Any, x: Tensor, weight: Tensor, rstd: Tensor) -> Tensor:
+        """The forward's output from its saved tensors, with the same bits (the same ops on the same values)."""
+        return _normalize(x, weight, rstd)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
@@ -44,6 +52,10 @@ class RMSNormFunction(torch.autograd.Function):
             g = _wide(grad) * _wide(weight)
             grad_x = (rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))).to(x.dtype)
         return grad_x, grad_weight, None
+
+
+def _normalize(x: Tensor, weight: Tensor, rstd: Tensor) -> Tensor:
+    return (_wide(x) * rstd).to(x.dtype) * weight
 
 
 def _wide(t: Tensor) -> Tensor:

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.moe.block import MoEBlock, check_block_routing_args, record_plan
-from lightning_llmfast.moe.dispatch import routed_swiglu
+from lightning_llmfast.moe.dispatch import compute_copy, routed_swiglu
 from lightning_llmfast.moe.naive import NaiveMoEBlock
 from lightning_llmfast.moe.routing import route
 
@@ -263,7 +263,10 @@ class HFGroupedMoeBlock(nn.Module):
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
         x = hidden_states.reshape(-1, shape[-1])
-        logits = self.gate(x)[0]  # (T, E)
+        # One compute-dtype copy for router, experts and shared expert: their matmuls (transformers' routers are a
+        # plain F.linear) would each cast x to the same values under autocast and keep their own copy for backward.
+        x_compute = compute_copy(x)
+        logits = self.gate(x_compute)[0]  # (T, E)
         plan = route(logits, self.top_k, normalize=self.normalize, validate=False, backend=self.backend)
         experts = self.experts
         out = routed_swiglu(
@@ -272,10 +275,11 @@ class HFGroupedMoeBlock(nn.Module):
             experts.gate_up_proj.transpose(1, 2),
             experts.down_proj.transpose(1, 2),
             self._act,
+            x_compute=x_compute,
             backend=self.backend,
         )
         if hasattr(self, "shared_expert"):
-            out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + F.sigmoid(self.shared_expert_gate(x_compute)) * self.shared_expert(x_compute)
         record_plan(self, plan, logits)
         return out.reshape(shape)
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe.experts import _grouped_mm, _swiglu_down, grouped_mm_supported, grouped_swiglu
 from lightning_llmfast.moe.kernels import gather_rows, resolve_backend
 from lightning_llmfast.moe.permute import (
@@ -53,11 +54,13 @@ def _permute_grouped_mm(
     offs: Tensor,
     backend: str,
 ) -> Tensor:
-    """``grouped_mm(x_compute[tokens], weight, offs)`` with rows from ``num_valid`` on zero: ``(R, N)``.
+    """``grouped_mm(x_compute[tokens], weight, offs)``: ``(R, N)``; rows from ``num_valid`` on are left unwritten
+    (``grouped_mm`` skips rows past the last group: the caller masks them, as it does the down projection's).
 
     ``x`` ``(T, H)`` is the differentiable input; its gradient comes back in its dtype, each token's rows summed in
-    float32 (as ``permute`` after a cast would). ``x_compute`` is ``x`` in the compute dtype, passed detached (``x``
-    itself, or the autocast copy the router also reads): with indices and the weight, all that is saved.
+    float32 (as ``permute`` after a cast would). ``x_compute`` is ``x`` in the compute dtype (``x`` itself, or the
+    autocast copy the router also reads; it gets no gradient from here): with indices and the weight, all that is
+    saved.
     ``positions`` ``(T, k)`` and ``pair_mask`` ``(T, k)`` or ``None`` are for the backward, as in ``permute``.
     """
     return F.grouped_mm(gather_rows(x_compute, tokens, num_valid, backend=backend), weight, offs=offs)
@@ -133,12 +136,19 @@ def routed_swiglu(
     Returns:
         ``(T, H)`` in the compute dtype.
 
+    Raises:
+        RoutingError: ``x`` is not ``(plan.num_tokens, H)``, or ``x_compute`` has another shape.
+
     Example::
 
         x_compute = x.to(torch.bfloat16)  # under bf16 autocast
         plan = route(router(x_compute), top_k=2, validate=False)
         y = routed_swiglu(x, plan, experts.gate_up_proj, experts.down_proj, x_compute=x_compute)
     """
+    if x.dim() != 2 or x.shape[0] != plan.num_tokens:
+        raise RoutingError(f"x must have shape (num_tokens={plan.num_tokens}, hidden), got {tuple(x.shape)}")
+    if x_compute is not None and x_compute.shape != x.shape:
+        raise RoutingError(f"x_compute must have the shape of x {tuple(x.shape)}, got {tuple(x_compute.shape)}")
     backend = resolve_backend(backend, x.device)
     padded = plan.capacity is not None
     if x_compute is None:
@@ -156,8 +166,9 @@ def routed_swiglu(
     ends = plan.offsets[1:].to(torch.int32)  # grouped_mm's `offs`: the group ends
     weights = plan.weights if kept is None else plan.weights * kept.to(plan.weights.dtype)
     row_weights = _pair_values_to_rows(weights, idx.pairs, idx.positions, kept)
+    # x_compute is not detached: its grad_fn (a cast of the norm's output) lets the offloader rebuild it in backward.
     hidden = _permute_grouped_mm(
-        x, x_compute.detach(), idx.tokens, idx.num_valid, idx.positions, pair_mask, gate_up, ends, backend
+        x, x_compute, idx.tokens, idx.num_valid, idx.positions, pair_mask, gate_up, ends, backend
     )
     rows = _swiglu_down(hidden, down, ends, row_weights, backend)
     if idx.num_valid is not None:

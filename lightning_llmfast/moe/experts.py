@@ -170,9 +170,7 @@ def _swiglu_down(gate_up: Tensor, down: Tensor, offs: Tensor, scale: Tensor | No
     dot product (``"torch"`` or ``"triton"``).
     """
     out = F.grouped_mm(_silu_mul(gate_up), down, offs=offs)
-    if scale is not None:
-        _scale_rows_(out, scale)
-    return out
+    return out if scale is None else _scale_rows_(out, scale)
 
 
 @_swiglu_down.register_fake
@@ -200,7 +198,7 @@ def _swiglu_down_grad(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
             grad_scale = pair_dots(product, grad_product, rows, backend=ctx.backend).view(-1).to(scale.dtype)
         if need_gate_up:
             if scale is not None:
-                _scale_rows_(grad_product, scale)
+                grad_product = _scale_rows_(grad_product, scale)
             grad_gate_up = _silu_glu_backward(grad_product, gate_up)
     if need_down:
         if scale is not None:

@@ -306,9 +306,13 @@ def _scale_rows_(rows: Tensor, scale: Tensor, out: Tensor | None = None) -> Tens
     One pass: the product is taken in the accumulation dtype (type promotion with the float32 scale) and rounded
     once into ``out``, the same bits as casting ``rows`` up, multiplying and casting back, without the wide copy.
     In place by default because the callers own ``rows`` (a fresh gather or GEMM output): a new ``(n, hidden)``
-    buffer would cost a pass of page faults on CPU, where large allocations come fresh from the OS.
+    buffer would cost a pass of page faults on CPU, where large allocations come fresh from the OS. Under a
+    ``create_graph`` backward, where ``out=`` cannot be differentiated, a new tensor with the same bits instead.
     """
-    return torch.mul(rows, scale.to(_acc_dtype(rows)).unsqueeze(1), out=rows if out is None else out)
+    factor = scale.to(_acc_dtype(rows)).unsqueeze(1)
+    if torch.is_grad_enabled() and (rows.requires_grad or scale.requires_grad):
+        return (rows * factor).to(rows.dtype)
+    return torch.mul(rows, factor, out=rows if out is None else out)
 
 
 def _chunk_size(row_elements: int, length: int) -> int:

@@ -122,7 +122,7 @@ def _sum_rows(
 ) -> Tensor:
     """``out[t] = sum_s rows[positions[t, s]]`` over kept pairs: ``(T, H)``, the adjoint of ``permute_rows``.
 
-    For rows that already carry their routing weight (:func:`row_weights`): unlike ``unpermute_rows`` it needs no
+    For rows that already carry their routing weight (``pair_values_to_rows``): unlike ``unpermute_rows`` it needs no
     rows for its backward, which gathers ``grad[tokens[r]]`` (zero from row ``num_valid`` on).
     """
     return combine_rows(rows, positions, pair_mask, backend=backend)

@@ -16,6 +16,11 @@ Weight copies: a saved low-precision copy of one of the layers' parameters (auto
 nor copied but rebuilt from the parameter in backward, in every layer call, offloading or not; without autocast's
 cache (Lightning's mixed precision disables it) that frees it right after its forward use. Under the cache it stays.
 
+Rebuildable outputs: likewise a saved output of an ``autograd.Function`` that declares ``llmfast_rebuild(ctx,
+*saved_tensors)`` (the reference model's RMSNorm), or a dtype/device copy of one (autocast's bf16 input of the next
+matmul), is rebuilt in backward from the tensors that Function saved anyway: one elementwise pass instead of
+keeping or copying it.
+
 Schedule: ``offload_layers`` limits offloading to the first ``N`` layers (their activations live longest);
 ``"auto"`` measures the first step (each layer's forward and backward time, bytes, copy bandwidth, and on CUDA the
 memory backward frees) and picks ``N`` and the prefetch depth with :func:`plan_offload` so that the copies hide
@@ -518,6 +523,46 @@ class _Recast:
         return self.param.to(self.dtype).as_strided(self.size, self.stride, self.storage_offset)
 
 
+# Autograd nodes of reshapes (row-major order kept) allowed between a rebuildable output and its saved copy.
+_RESHAPES = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"})
+
+
+@dataclass(eq=False)
+class _Rebuilt:
+    """Handle returned by the pack hook for a saved output of a Function that can rebuild it (``llmfast_rebuild``),
+    or for a dtype/device copy of such an output (autocast's bf16 input of the next matmul).
+
+    Backward asks that Function's node for its saved tensors (through the offloader's own unpack, so an offloaded
+    input is reloaded first) and runs the rebuild: the same ops on the same values, so the same bits. Autograd's
+    version check on those saved tensors raises if one was changed in place since forward.
+    """
+
+    node: Any  # the Function's backward node (its ctx): saved tensors and attributes
+    rebuild: Callable[..., torch.Tensor]
+    copy_to: tuple[torch.device, torch.dtype] | None  # the copy's device and dtype; None: the output itself
+    shape: tuple[int, ...]  # of the saved tensor's base: the output's, or a reshape of it
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+
+    busy: bool = False
+
+    def rebuild_tensor(self) -> torch.Tensor:
+        if self.busy:  # the Function saved its own output: rebuilding it would need itself
+            raise OffloadError(
+                f"ActivationOffloader: {type(self.node).__name__} saves its own output, so it cannot declare "
+                "llmfast_rebuild (the rebuild would need the tensor it rebuilds)"
+            )
+        self.busy = True
+        try:
+            out = self.rebuild(self.node, *self.node.saved_tensors)
+        finally:
+            self.busy = False
+        if self.copy_to is not None:
+            out = out.to(*self.copy_to)
+        return out.reshape(self.shape).as_strided(self.size, self.stride, self.storage_offset)
+
+
 @dataclass(eq=False)
 class _Segment:
     """One call of one tracked layer in this step's forward."""
@@ -533,6 +578,7 @@ class _Segment:
     prefetched: bool = False
     # "auto" measuring step only: what this call would offload and when its forward started and ended.
     seen: set[tuple[int, int]] = field(default_factory=set)
+    rebuilt: set[int] = field(default_factory=set)  # storages of rebuildable outputs seen in this call
     candidate_bytes: int = 0
     started: Any = None
     ended: Any = None
@@ -668,6 +714,8 @@ class ActivationOffloader:
                 "kept_casts",
                 "recast_casts",
                 "recast_bytes",
+                "rebuilt_tensors",
+                "rebuilt_bytes",
             ),
             0,
         )
@@ -876,6 +924,8 @@ class ActivationOffloader:
         (unpacks served by a prefetch / by a fallback reload), ``segments`` (layer calls), ``kept_casts``
         (saved low-precision weight copies left on the device because autocast's cache holds them anyway),
         ``recast_casts``/``recast_bytes`` (saved weight copies dropped and rebuilt from the parameter in backward),
+        ``rebuilt_tensors``/``rebuilt_bytes`` (saved outputs of rebuildable Functions, such as the RMSNorm output or
+        its bf16 copy, dropped and rebuilt from that Function's saved tensors; bytes once per storage),
         ``pool_bytes``,
         ``checked_out`` (host buffers in use now), ``peak_inflight`` (most host bytes in use at once during the
         last step), ``pool_buffers``, ``pool_grow_events``, ``pinned``, ``device_set_bytes``,
@@ -999,6 +1049,10 @@ class ActivationOffloader:
         param = self._cast_source(t)
         if param is not None:
             return self._keep_or_recast(t, param)
+        if self._current is not None:
+            rebuilt = self._rebuildable(t, self._current)
+            if rebuilt is not None:
+                return rebuilt
         saved = _Saved(tensor=t)
         if self._current is None:
             self._unassigned.append(saved)  # between layers: decided when the next one starts (kept after the last)
@@ -1027,6 +1081,42 @@ class ActivationOffloader:
         if base.shape != leaf.shape or not (base.is_contiguous() and leaf.is_contiguous()) or base.storage_offset():
             return None
         return leaf
+
+    def _rebuildable(self, t: torch.Tensor, seg: _Segment) -> _Rebuilt | None:
+        """A recipe for ``t`` if it is (a view of) the output of a Function with ``llmfast_rebuild``, or a copy of one.
+
+        Only whole contiguous outputs count, so that ``as_strided`` on the rebuilt tensor gives back the very view.
+        """
+        base = t if t._base is None else t._base
+        fn = base.grad_fn
+        if fn is None or t.dtype != base.dtype or not base.is_contiguous() or base.storage_offset():
+            return None
+        cast = fn.name() == "ToCopyBackward0"
+        if cast:
+            node, output_nr = fn.next_functions[0] if fn.next_functions else (None, 0)
+            # A copy of a reshaped output (MoE blocks flatten tokens before the router): a reshape keeps the
+            # row-major order, so the rebuilt output reshaped to the copy's shape has the same values.
+            while node is not None and node.name() in _RESHAPES and node.next_functions:
+                node, output_nr = node.next_functions[0]
+        else:
+            node, output_nr = fn, base.output_nr
+        rebuild = getattr(getattr(node, "_forward_cls", None), "llmfast_rebuild", None)
+        if rebuild is None or output_nr != 0:
+            return None
+        self._counters["rebuilt_tensors"] += 1
+        ptr = base.untyped_storage().data_ptr()
+        if ptr not in seg.rebuilt:
+            seg.rebuilt.add(ptr)
+            self._counters["rebuilt_bytes"] += base.untyped_storage().nbytes()
+        return _Rebuilt(
+            node=node,
+            rebuild=rebuild,
+            copy_to=(base.device, base.dtype) if cast else None,
+            shape=tuple(base.shape),
+            size=tuple(t.shape),
+            stride=t.stride(),
+            storage_offset=t.storage_offset(),
+        )
 
     def _keep_or_recast(self, t: torch.Tensor, param: torch.Tensor) -> torch.Tensor | _Recast:
         """Keep a parameter's saved copy while autocast's cache holds it, else rebuild it in backward.
@@ -1152,6 +1242,8 @@ class ActivationOffloader:
     def _unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, _Recast):
             return saved.rebuild()
+        if isinstance(saved, _Rebuilt):
+            return saved.rebuild_tensor()
         if not isinstance(saved, _Saved):
             return saved
         if saved.tensor is not None:
