@@ -5,15 +5,15 @@ On CUDA the reference ``MoEGPT`` (12 layers or more) trains with AdamW under bf1
 process and timed with CUDA events (median of repeats):
 
 - ``off``: nothing (the baseline);
-- ``rebuild``: the offloader copies nothing (``offload_layers=0``) and only drops the layers' saved bf16 weight copies,
-  rebuilt in backward;
+- ``rebuild``: the offloader copies nothing (``offload_layers=0``) and only drops the layers' saved bf16 weight copies
+  and RMSNorm outputs (and their bf16 copies), rebuilt in backward;
 - ``all``: every layer but the last offloads (``offload_layers=None``);
 - ``auto``: ``offload_layers="auto"``: as many leading layers as the copies can hide behind compute (with its plan:
   measured per-layer compute, bytes and bandwidth);
 - ``recompute``: no offload, every layer under selective recomputation (``offload_layers=0, recompute="selective"``);
 - ``auto_recompute``: ``"auto"`` offload plus selective recomputation of the layers that do not offload.
 
-Every offloader mode rebuilds the weight copies as ``rebuild`` does.
+Every offloader mode rebuilds the weight copies and the norms' outputs as ``rebuild`` does.
 
 Reported per mode:
 
@@ -219,7 +219,7 @@ def _cpu(quick: bool) -> dict[str, Any]:
     report: dict[str, Any] = {
         "device": "cpu",
         "note": "timings and overlap need CUDA (copy streams); CPU runs the forced path for stats, bit-identity and "
-        "the peak of live tensor bytes of forward + backward without and with rebuilt weight copies",
+        "the peak of live tensor bytes of forward + backward without and with rebuilt weight copies and norm outputs",
         "shape": SHAPES["cpu"],
         "modes": {},
         "layer0_saved": inventory,
@@ -233,7 +233,8 @@ def _cpu(quick: bool) -> dict[str, Any]:
 
 def _cpu_peaks() -> dict[str, int]:
     """Peak live tensor bytes of one forward + backward on CPU: no offloader, and one that copies nothing and only
-    rebuilds the weight copies (offloading to host memory frees nothing when the device is the host)."""
+    rebuilds the weight copies and norm outputs (offloading to host memory frees nothing when the host is the
+    device)."""
     model, _, ids = _setup(SHAPES["cpu"], "cpu")
     rebuild = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers=0)
     peaks = {}
