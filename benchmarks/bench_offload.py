@@ -400,11 +400,12 @@ def summary(report: dict[str, Any]) -> str:
     for name, m in report["modes"].items():
         plan = m.get("plan")
         if plan:
-            compute = [round(c, 2) for c in plan.get("compute_ms", [])]
+            forward, backward = ([round(c, 2) for c in plan.get(key) or []] for key in ("compute_ms", "backward_ms"))
             per_layer = [b >> 20 for b in plan.get("bytes_per_layer", [])]
             lines.append(
-                f"{name} plan: {plan['offload_layers']} layers + {plan['partial_bytes'] >> 20} MiB, bandwidth "
-                f"{plan['bandwidth_bytes_per_ms'] / 1e6:.1f} GB/s, compute ms {compute}, MiB {per_layer}"
+                f"{name} plan: {plan['offload_layers']} layers + {plan['partial_bytes'] >> 20} MiB, prefetch depth "
+                f"{plan['prefetch_layers']}, bandwidth {plan['bandwidth_bytes_per_ms'] / 1e6:.1f} GB/s, forward ms "
+                f"{forward}, backward ms {backward}, MiB {per_layer}"
             )
     lines.append(f"meeting target: {report['meeting_target']}")
     inv = report["layer0_saved"]
