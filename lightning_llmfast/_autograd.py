@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
 
-__all__ = ["in_backward"]
+__all__ = ["in_backward", "mark_rebuildable"]
 
 
 def in_backward() -> bool:
@@ -19,3 +22,25 @@ def in_backward() -> bool:
             update_running_state()
     """
     return torch._C._current_autograd_node() is not None
+
+
+def mark_rebuildable(ctx: Any, output: torch.Tensor) -> None:
+    """Record, in a custom Function's ``forward``, what a rebuild of ``output`` from its saved tensors must check.
+
+    A Function that declares ``llmfast_rebuild(ctx, *saved_tensors)`` calls this after ``save_for_backward``:
+    :class:`~lightning_llmfast.offload.ActivationOffloader` rebuilds the output only if the offloader's own hooks
+    packed those saved tensors (not ``torch.utils.checkpoint``'s, whose tensors may be unpacked once only) and the
+    output has not been changed in place (a rebuild would give the values before the change).
+
+    Example::
+
+        ctx.save_for_backward(x, weight, rstd)
+        out = normalize(x, weight, rstd)
+        mark_rebuildable(ctx, out)
+        return out
+    """
+    # Private but stable since torch 2.0 (torch.utils.checkpoint uses it); without it nothing is ever rebuilt.
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    ctx.llmfast_pack_hook = hooks[0] if hooks else None
+    ctx.llmfast_output = weakref.ref(output)

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+from lightning_llmfast._autograd import mark_rebuildable
 from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
@@ -1166,6 +1167,7 @@ class _SavesItsOutput(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         y = x.exp()
         ctx.save_for_backward(y)
+        mark_rebuildable(ctx, y)
         return y
 
     @staticmethod

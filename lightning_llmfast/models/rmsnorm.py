@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_llmfast._autograd import mark_rebuildable
+
 __all__ = ["RMSNormFunction", "rms_norm"]
 
 
@@ -31,7 +33,9 @@ class RMSNormFunction(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         rstd = torch.rsqrt(_wide(x).pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
         ctx.save_for_backward(x, weight, rstd)
-        return _normalize(x, weight, rstd)
+        out = _normalize(x, weight, rstd)
+        mark_rebuildable(ctx, out)
+        return out
 
     @staticmethod
     def llmfast_rebuild(ctx: Any, x: Tensor, weight: Tensor, rstd: Tensor) -> Tensor:

@@ -17,9 +17,10 @@ nor copied but rebuilt from the parameter in backward, in every layer call, offl
 cache (Lightning's mixed precision disables it) that frees it right after its forward use. Under the cache it stays.
 
 Rebuildable outputs: likewise a saved output of an ``autograd.Function`` that declares ``llmfast_rebuild(ctx,
-*saved_tensors)`` (the reference model's RMSNorm), or a dtype/device copy of one (autocast's bf16 input of the next
-matmul), is rebuilt in backward from the tensors that Function saved anyway: one elementwise pass instead of
-keeping or copying it.
+*saved_tensors)`` and marks its forward with :func:`~lightning_llmfast._autograd.mark_rebuildable` (the reference
+model's RMSNorm), or a dtype/device copy of one (autocast's bf16 input of the next matmul), is rebuilt in backward
+from the tensors that Function saved anyway: one elementwise pass instead of keeping or copying it. Not when those
+tensors belong to ``torch.utils.checkpoint`` or the output was changed in place before it was saved.
 
 Schedule: ``offload_layers`` limits offloading to the first ``N`` layers (their activations live longest);
 ``"auto"`` measures the first step (each layer's forward and backward time, bytes, copy bandwidth, and on CUDA the
@@ -44,7 +45,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -523,6 +526,8 @@ class _Recast:
         return self.param.to(self.dtype).as_strided(self.size, self.stride, self.storage_offset)
 
 
+# Rebuilds in progress on this thread (ids of _Rebuilt handles): a rebuild that needs itself is a contract violation.
+_REBUILDING = threading.local()
 # Autograd nodes of reshapes (row-major order kept) allowed between a rebuildable output and its saved copy.
 _RESHAPES = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"})
 
@@ -533,8 +538,12 @@ class _Rebuilt:
     or for a dtype/device copy of such an output (autocast's bf16 input of the next matmul).
 
     Backward asks that Function's node for its saved tensors (through the offloader's own unpack, so an offloaded
-    input is reloaded first) and runs the rebuild: the same ops on the same values, so the same bits. Autograd's
-    version check on those saved tensors raises if one was changed in place since forward.
+    input is reloaded first) and runs the rebuild: the same ops on the same values, so the same bits. Only outputs
+    whose Function marked itself (:func:`~lightning_llmfast._autograd.mark_rebuildable`) with this offloader's hooks
+    active and that were not changed in place before being saved are rebuilt. Limits: as for every saved tensor
+    under these hooks, an in-place change of the Function's saved inputs between forward and backward is not
+    detected (autograd skips its version check for hooked tensors); and the rebuild needs the Function's saved
+    tensors, so a backward that runs only the consumer after the Function's own backward freed them raises.
     """
 
     node: Any  # the Function's backward node (its ctx): saved tensors and attributes
@@ -545,22 +554,22 @@ class _Rebuilt:
     stride: tuple[int, ...]
     storage_offset: int
 
-    busy: bool = False
-
     def rebuild_tensor(self) -> torch.Tensor:
-        if self.busy:  # the Function saved its own output: rebuilding it would need itself
+        busy = _REBUILDING.__dict__.setdefault("ids", set())  # per thread: backward may run on several at once
+        if id(self) in busy:  # the Function saved its own output: rebuilding it would need itself
             raise OffloadError(
                 f"ActivationOffloader: {type(self.node).__name__} saves its own output, so it cannot declare "
                 "llmfast_rebuild (the rebuild would need the tensor it rebuilds)"
             )
-        self.busy = True
+        busy.add(id(self))
         try:
             out = self.rebuild(self.node, *self.node.saved_tensors)
         finally:
-            self.busy = False
+            busy.discard(id(self))
         if self.copy_to is not None:
             out = out.to(*self.copy_to)
-        return out.reshape(self.shape).as_strided(self.size, self.stride, self.storage_offset)
+        # Row-major, as the saved copy was: a non-contiguous output (a norm of a transpose) keeps its strides in .to().
+        return out.contiguous().reshape(self.shape).as_strided(self.size, self.stride, self.storage_offset)
 
 
 @dataclass(eq=False)
@@ -578,7 +587,7 @@ class _Segment:
     prefetched: bool = False
     # "auto" measuring step only: what this call would offload and when its forward started and ended.
     seen: set[tuple[int, int]] = field(default_factory=set)
-    rebuilt: set[int] = field(default_factory=set)  # storages of rebuildable outputs seen in this call
+    rebuilt: dict[int, Any] = field(default_factory=dict)  # storage ptr -> weakref of a rebuilt tensor on it
     candidate_bytes: int = 0
     started: Any = None
     ended: Any = None
@@ -1101,13 +1110,17 @@ class ActivationOffloader:
         else:
             node, output_nr = fn, base.output_nr
         rebuild = getattr(getattr(node, "_forward_cls", None), "llmfast_rebuild", None)
-        if rebuild is None or output_nr != 0:
-            return None
+        if rebuild is None or output_nr != 0 or getattr(node, "llmfast_pack_hook", None) != self._pack:
+            return None  # not rebuildable, or its saved tensors belong to other hooks (checkpoint: one unpack only)
+        output = getattr(node, "llmfast_output", lambda: None)()
+        if output is None or output._version != 0:
+            return None  # changed in place (or gone, so unknown) since forward: a rebuild would give the old values
         self._counters["rebuilt_tensors"] += 1
-        ptr = base.untyped_storage().data_ptr()
-        if ptr not in seg.rebuilt:
-            seg.rebuilt.add(ptr)
-            self._counters["rebuilt_bytes"] += base.untyped_storage().nbytes()
+        storage = base.untyped_storage()
+        seen = seg.rebuilt.get(storage.data_ptr())
+        if seen is None or seen() is None:  # a dead entry: the address was freed and reused by another storage
+            seg.rebuilt[storage.data_ptr()] = weakref.ref(base)
+            self._counters["rebuilt_bytes"] += storage.nbytes()
         return _Rebuilt(
             node=node,
             rebuild=rebuild,

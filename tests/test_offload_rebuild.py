@@ -1,0 +1,249 @@
+"""Rebuilt outputs (``llmfast_rebuild``) in awkward places: layouts, in-place changes, checkpoint, threads, stats.
+
+Every test compares gradients against the same model without the offloader (``torch.equal`` on all parameter
+gradients). CPU only (``force=True``).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_llmfast.models.rmsnorm import rms_norm
+from lightning_llmfast.offload import ActivationOffloader
+
+
+def _grads(model: nn.Module, x: torch.Tensor, off: ActivationOffloader | None) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    with off if off is not None else torch.enable_grad():
+        model(x).square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _offloader(layers: Any, **kwargs: Any) -> ActivationOffloader:
+    kwargs = {"min_offload_bytes": 0, "keep_last_layers": 0, "force": True, "offload_layers": 0, **kwargs}
+    return ActivationOffloader(layers, **kwargs)
+
+
+def _assert_same_grads(ref: nn.Module, model: nn.Module, x: torch.Tensor, off: ActivationOffloader) -> None:
+    expected = _grads(ref, x, None)
+    got = _grads(model, x, off)
+    assert off.stats["rebuilt_tensors"] > 0  # the rebuild path is exercised
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 1. A contiguous-format copy of a norm output that is itself not contiguous (norm of a transposed input).
+class _SeqFirstBlock(nn.Module):
+    """Sequence-first block: the norm runs on ``x.transpose(0, 1)``, so its output keeps that (non-contiguous)
+    layout; the matmul's bf16 input is an explicit contiguous-format copy of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.rand(8) + 0.5)
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, H)
+        y = rms_norm(x.transpose(0, 1), self.norm, 1e-5)  # (T, B, H), strides of the transpose
+        h = y.to(torch.bfloat16, memory_format=torch.contiguous_format)  # contiguous: passes the pack checks
+        return x + (h @ self.weight.to(torch.bfloat16)).float().transpose(0, 1)
+
+
+def test_contiguous_copy_of_a_non_contiguous_norm_output_is_rebuilt_with_its_values() -> None:
+    torch.manual_seed(0)
+    ref = nn.Sequential(_SeqFirstBlock(), _SeqFirstBlock())
+    model = copy.deepcopy(ref)
+    off = _offloader(list(model))
+    _assert_same_grads(ref, model, torch.randn(3, 5, 8), off)
+    off.close()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 2. The norm output changed in place (without autograd recording it) before a later op saves it.
+class _ClampedNormBlock(nn.Module):
+    def __init__(self, how: str, copy_to_bf16: bool) -> None:
+        super().__init__()
+        self.how, self.copy_to_bf16 = how, copy_to_bf16
+        self.norm = nn.Parameter(torch.rand(8) + 0.5)
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = rms_norm(x, self.norm, 1e-5)
+        if self.how == "no_grad":
+            with torch.no_grad():
+                y.clamp_(-0.5, 0.5)  # grad_fn stays RMSNormFunctionBackward, the version counter moves
+        else:
+            y.detach().clamp_(-0.5, 0.5)  # shares y's version counter too
+        if self.copy_to_bf16:
+            return x + (y.to(torch.bfloat16) @ self.weight.to(torch.bfloat16)).float()
+        return x + y @ self.weight  # mm saves (a view of) the clamped y
+
+
+@pytest.mark.parametrize("copy_to_bf16", [False, True])
+@pytest.mark.parametrize("how", ["no_grad", "detach"])
+def test_norm_output_changed_in_place_before_it_is_saved_is_not_rebuilt_from_the_stale_recipe(
+    how: str, copy_to_bf16: bool
+) -> None:
+    torch.manual_seed(0)
+    ref = nn.Sequential(_ClampedNormBlock(how, copy_to_bf16), _ClampedNormBlock(how, copy_to_bf16))
+    model = copy.deepcopy(ref)
+    off = _offloader(list(model))
+    x = torch.randn(3, 8, 8)
+    expected = _grads(ref, x, None)  # the reference runs fine: nothing saved was modified after it was saved
+    got = _grads(model, x, off)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    off.close()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 3. The norm's saved tensors are held by torch.utils.checkpoint (which allows one unpack per graph task).
+class _PostNormBlock(nn.Module):
+    """Post-norm block ``norm(x + tanh(x @ W))``: its output, a norm output, is what the next block saves."""
+
+    def __init__(self, ckpt: bool) -> None:
+        super().__init__()
+        self.ckpt = ckpt
+        self.norm = nn.Parameter(torch.rand(8) + 0.5)
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def _inner(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x + torch.tanh(x @ self.weight), self.norm, 1e-5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self._inner, x, use_reentrant=False) if self.ckpt else self._inner(x)
+
+
+class _PostNormStack(nn.Module):
+    def __init__(self, ckpt: bool) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.layers = nn.ModuleList(_PostNormBlock(ckpt) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize(
+    ("ckpt", "kwargs"),
+    [
+        (True, {"keep_last_layers": 1, "offload_layers": None}),  # checkpoint inside each block, offloading
+        (False, {"keep_last_layers": 1, "offload_layers": 0, "recompute": "selective"}),
+        (False, {"keep_last_layers": 1, "offload_layers": 1, "recompute": "selective"}),
+    ],
+)
+def test_post_norm_blocks_under_checkpoint_or_selective_recompute(ckpt: bool, kwargs: dict[str, Any]) -> None:
+    """A norm whose saved tensors belong to torch.utils.checkpoint (one unpack only) is not rebuilt."""
+    torch.manual_seed(0)
+    ref = _PostNormStack(ckpt)
+    model = copy.deepcopy(ref)
+    off = _offloader(model.layers, **kwargs)
+    x = torch.randn(3, 8, 8)
+    assert all(torch.equal(a, b) for a, b in zip(_grads(ref, x, None), _grads(model, x, off)))
+    assert off.stats["checked_out"] == 0
+    off.close()
+
+
+class _CheckpointedNormBlock(nn.Module):
+    """Only the norm is checkpointed; the matmul that saves its output runs outside the checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.rand(8) + 0.5)
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = checkpoint(rms_norm, x, self.norm, 1e-5, use_reentrant=False)
+        return x + (y.to(torch.bfloat16) @ self.weight.to(torch.bfloat16)).float()
+
+
+def test_checkpointed_norm_with_its_consumer_outside_the_checkpoint() -> None:
+    torch.manual_seed(0)
+    ref = nn.Sequential(_CheckpointedNormBlock(), _CheckpointedNormBlock())
+    model = copy.deepcopy(ref)
+    off = _offloader(list(model))
+    x = torch.randn(3, 8, 8)
+    assert all(torch.equal(a, b) for a, b in zip(_grads(ref, x, None), _grads(model, x, off)))
+    assert off.stats["rebuilt_tensors"] == 0
+    off.close()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 4. Concurrent backward over one retained graph: the re-entrancy guard is per thread.
+class _NormOfNormBlock(nn.Module):
+    """A Python-Function consumer (as the MoE's permute_grouped_mm custom op is) saves a norm output."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.n1 = nn.Parameter(torch.rand(d) + 0.5)
+        self.n2 = nn.Parameter(torch.rand(d) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(rms_norm(x, self.n1, 1e-5), self.n2, 1e-5)  # the second norm saves the first's output
+
+
+def test_concurrent_backward_on_a_retained_graph_does_not_report_a_self_saving_function() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_NormOfNormBlock(1024))
+    off = _offloader(list(model))
+    x = torch.randn(2048, 1024)
+    errors: list[BaseException] = []
+    with off:
+        loss = model(x).square().sum()
+        (expected,) = torch.autograd.grad(loss, [model[0].n2], retain_graph=True)
+        barrier = threading.Barrier(4)
+
+        def work() -> None:
+            for _ in range(20):
+                try:
+                    barrier.wait()
+                    (got,) = torch.autograd.grad(loss, [model[0].n2], retain_graph=True)
+                    assert torch.equal(got, expected)
+                except BaseException as e:  # collected for the main thread
+                    errors.append(e)
+
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert off.stats["rebuilt_tensors"] == 1
+    off.close()
+    assert not errors, f"{len(errors)} of 80 concurrent backward calls failed: {errors[0]!r}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 5. rebuilt_bytes: bytes once per storage, while a freed storage's address may come back for the next one.
+class _FourNormsBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = nn.Parameter(torch.rand(64) + 0.5)
+        self.w = nn.Parameter(torch.randn(64, 64) / 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, norms = x, []
+        for i in range(4):  # four norm outputs, four distinct bf16 copies, each saved once by its matmul
+            norms.append(rms_norm(x * (i + 1), self.n, 1e-5))  # alive while saved: checked for in-place changes
+            h = norms[-1].to(torch.bfloat16)
+            out = out + (h @ self.w.to(torch.bfloat16)).float()
+            del h  # freed right after the matmul: the recipe does not keep it, so its address can come back
+        return out
+
+
+def test_rebuilt_bytes_count_every_rebuilt_storage() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_FourNormsBlock())
+    off = _offloader(list(model))
+    x = torch.randn(4, 64, 64)
+    _grads(model, x, off)
+    assert off.stats["rebuilt_tensors"] == 4
+    assert off.stats["rebuilt_bytes"] == 4 * x.numel() * 2  # four bf16 storages of x's size
+    off.close()
