@@ -45,9 +45,9 @@ class LLMFastStrategy(DDPStrategy):
     releases everything in :meth:`teardown`, also after an exception. The model needs no change.
 
     Args:
-        offload_activations: offload saved activations of ``layers`` to pinned host memory. Under
-            ``precision="bf16-mixed"`` the layers' saved bf16 weight copies are then rebuilt in backward instead of
-            kept, in every layer (``offload_layers=0`` does only that: no copies at all).
+        offload_activations: offload saved activations of ``layers`` to pinned host memory. The layers' saved
+            RMSNorm outputs (and, under ``precision="bf16-mixed"``, their saved bf16 weight copies) are then rebuilt
+            in backward instead of kept, in every layer (``offload_layers=0`` does only that: no copies at all).
         layers: the layer stack: ``None`` (the largest ``nn.ModuleList`` of identical blocks in the
             LightningModule), an attribute path such as ``"model.layers"``, or the modules.
         min_offload_bytes: storages smaller than this stay on the device.
