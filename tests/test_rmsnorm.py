@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
-from lightning_llmfast.models.rmsnorm import rms_norm
+from lightning_llmfast.models.rmsnorm import RMSNorm, rms_norm, swap_rms_norms
+from lightning_llmfast.offload import ActivationOffloader
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,3 +56,59 @@ def test_saves_the_input_and_inverse_rms_only() -> None:
         rms_norm(x, w, 1e-5)
     # x itself (a parameter-like leaf here), the weight and the (64, 1) inverse RMS: no (64, 128) normalised copy
     assert sorted(saved.values()) == sorted([64 * 128 * 4, 128 * 4, 64 * 4])
+
+
+# ---------------------------------------------------------------------------------------------- swap_rms_norms
+class _GemmaStyleRMSNorm(nn.Module):
+    """``(1 + weight)`` scaling: not the function ``rms_norm`` computes, so it must stay."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight.float())).to(x.dtype)
+
+
+def test_swap_rms_norms_replaces_transformers_norms_with_the_same_function_and_parameters() -> None:
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    torch.manual_seed(0)
+    model = nn.Sequential(llama.LlamaRMSNorm(24, eps=1e-5), nn.Sequential(mixtral.MixtralRMSNorm(24)))
+    for norm in (model[0], model[1][0]):
+        nn.init.normal_(norm.weight)
+    before = {k: v for k, v in model.state_dict(keep_vars=True).items()}
+    x = torch.randn(3, 7, 24)
+    expected = [model(x.to(dtype)) for dtype in (torch.float32, torch.bfloat16)]
+    assert swap_rms_norms(model) == 2
+    assert isinstance(model[0], RMSNorm) and isinstance(model[1][0], RMSNorm) and model[0].eps == 1e-5
+    after = model.state_dict(keep_vars=True)
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)  # same Parameter objects
+    for dtype, ref in zip((torch.float32, torch.bfloat16), expected):
+        assert torch.equal(model(x.to(dtype)), ref)
+    assert swap_rms_norms(model) == 0  # idempotent
+
+
+def test_swap_rms_norms_leaves_other_norms_with_a_warning() -> None:
+    model = nn.Sequential(_GemmaStyleRMSNorm(8), nn.LayerNorm(8))
+    with pytest.warns(UserWarning, match="_GemmaStyleRMSNorm.*left as is"):
+        assert swap_rms_norms(model) == 0
+    assert isinstance(model[0], _GemmaStyleRMSNorm)
+
+
+def test_swapped_norm_outputs_are_rebuilt_by_the_offloader() -> None:
+    """The point of the swap: under the offloader a matmul's saved copy of the norm's output is rebuilt."""
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    torch.manual_seed(1)
+    layers = nn.ModuleList(nn.Sequential(llama.LlamaRMSNorm(16), nn.Linear(16, 16)) for _ in range(2))
+    swap_rms_norms(layers)
+    off = ActivationOffloader(layers, min_offload_bytes=0, keep_last_layers=0, force=True, offload_layers=0)
+    x = torch.randn(4, 16, requires_grad=True)
+    with off:
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            y = layers[1](layers[0](x))
+        y.float().sum().backward()
+    assert off.stats["rebuilt_tensors"] == 2 and x.grad is not None
+    off.close()

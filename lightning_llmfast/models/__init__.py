@@ -2,5 +2,6 @@
 
 from lightning_llmfast.models.model import MoEGPT, MoEGPTConfig
 from lightning_llmfast.models.module import MoEGPTLightningModule
+from lightning_llmfast.models.rmsnorm import RMSNorm, swap_rms_norms
 
-__all__ = ["MoEGPT", "MoEGPTConfig", "MoEGPTLightningModule"]
+__all__ = ["MoEGPT", "MoEGPTConfig", "MoEGPTLightningModule", "RMSNorm", "swap_rms_norms"]

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from lightning_llmfast.data import VOCAB_SIZE
 from lightning_llmfast.errors import ConfigError
-from lightning_llmfast.models.rmsnorm import rms_norm
+from lightning_llmfast.models.rmsnorm import RMSNorm
 from lightning_llmfast.moe import MoEBlock, NaiveMoEBlock
 from lightning_llmfast.seqmeta import SequenceMetadata, active_cache, varlen_attention
 
@@ -103,17 +103,6 @@ class MoEGPTConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.n_heads
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        # fp32 statistics; saves x and the (N, 1) inverse RMS only (rmsnorm.py: the normalised copy is recomputed).
-        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(position_ids: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
