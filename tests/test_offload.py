@@ -17,7 +17,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from lightning_llmfast._autograd import mark_rebuildable
 from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
@@ -25,6 +24,7 @@ from lightning_llmfast.models.rmsnorm import rms_norm
 from lightning_llmfast.offload import (
     ActivationOffloader,
     PinnedBufferPool,
+    mark_rebuildable,
     plan_offload,
     plan_offload_layers,
     plan_partial_bytes,

@@ -1,7 +1,9 @@
 """Activation offload: pinned host buffer pool, the double-buffered :class:`ActivationOffloader`, its measured
 schedule (:func:`plan_offload`) and selective recomputation for the layers it does not offload (:mod:`.recompute`).
 
-Plain PyTorch (no Lightning); :class:`~lightning_llmfast.LLMFastStrategy` wires it around ``training_step``.
+Plain PyTorch (no Lightning); :class:`~lightning_llmfast.LLMFastStrategy` wires it around ``training_step``. A custom
+``autograd.Function`` whose output can be recomputed from what it saves declares ``llmfast_rebuild(ctx, *saved)`` and
+calls :func:`mark_rebuildable` in its forward; the offloader then rebuilds saved copies of that output in backward.
 
 Example::
 
@@ -13,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+from lightning_llmfast._autograd import mark_rebuildable
 from lightning_llmfast.offload.offloader import (
     ActivationOffloader,
     plan_offload,
@@ -26,6 +29,7 @@ from lightning_llmfast.offload.recompute import recompute_layer, recompute_polic
 __all__ = [
     "ActivationOffloader",
     "PinnedBufferPool",
+    "mark_rebuildable",
     "plan_offload",
     "plan_offload_layers",
     "plan_partial_bytes",

@@ -17,7 +17,7 @@ nor copied but rebuilt from the parameter in backward, in every layer call, offl
 cache (Lightning's mixed precision disables it) that frees it right after its forward use. Under the cache it stays.
 
 Rebuildable outputs: likewise a saved output of an ``autograd.Function`` that declares ``llmfast_rebuild(ctx,
-*saved_tensors)`` and marks its forward with :func:`~lightning_llmfast._autograd.mark_rebuildable` (the reference
+*saved_tensors)`` and marks its forward with :func:`~lightning_llmfast.offload.mark_rebuildable` (the reference
 model's RMSNorm), or a dtype/device copy of one (autocast's bf16 input of the next matmul), is rebuilt in backward
 from the tensors that Function saved anyway: one elementwise pass instead of keeping or copying it. Not when those
 tensors belong to ``torch.utils.checkpoint`` or the output was changed in place before it was saved.
@@ -539,7 +539,7 @@ class _Rebuilt:
 
     Backward asks that Function's node for its saved tensors (through the offloader's own unpack, so an offloaded
     input is reloaded first) and runs the rebuild: the same ops on the same values, so the same bits. Only outputs
-    whose Function marked itself (:func:`~lightning_llmfast._autograd.mark_rebuildable`) with this offloader's hooks
+    whose Function marked itself (:func:`~lightning_llmfast.offload.mark_rebuildable`) with this offloader's hooks
     active and that were not changed in place before being saved are rebuilt. Limits: as for every saved tensor
     under these hooks, an in-place change of the Function's saved inputs between forward and backward is not
     detected (autograd skips its version check for hooked tensors); and the rebuild needs the Function's saved
