@@ -247,3 +247,35 @@ def test_rebuilt_bytes_count_every_rebuilt_storage() -> None:
     assert off.stats["rebuilt_tensors"] == 4
     assert off.stats["rebuilt_bytes"] == 4 * x.numel() * 2  # four bf16 storages of x's size
     off.close()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 6. A cast copy changed in place before it is saved.
+class _CastThenMaskBlock(nn.Module):
+    """The matmul input is a cast copy of the norm output, changed in place (under no_grad) before it is used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.rand(8) + 0.5)
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = rms_norm(x, self.norm, 1e-5)
+        h = y.to(torch.float64)
+        with torch.no_grad():
+            h.mul_(2)  # bumps h's version; h.grad_fn stays ToCopyBackward0 -> the norm node; y is untouched
+        return x + (h @ self.weight.double()).float()
+
+
+def test_cast_copy_changed_in_place_before_it_is_saved_is_not_rebuilt_from_the_norm() -> None:
+    torch.manual_seed(0)
+    ref = nn.Sequential(_CastThenMaskBlock(), _CastThenMaskBlock())
+    model = copy.deepcopy(ref)
+    x = torch.randn(2, 4, 8)
+    expected = _grads(ref, x, None)
+    off = _offloader(list(model))
+    got = _grads(model, x, off)
+    # The matmul saw 2 * y; a rebuild would give y.to(float64), and halve the weight gradients.
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert off.stats["rebuilt_tensors"] == 0
+    off.close()

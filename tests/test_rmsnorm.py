@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -112,3 +114,75 @@ def test_swapped_norm_outputs_are_rebuilt_by_the_offloader() -> None:
         y.float().sum().backward()
     assert off.stats["rebuilt_tensors"] == 2 and x.grad is not None
     off.close()
+
+
+def test_swap_leaves_a_weight_then_cast_norm_alone_output_dtype() -> None:
+    """Olmo2RMSNorm computes ``(weight * x_hat).to(input_dtype)``: a bf16 input gives a bf16 output, ours float32
+    (``torch.equal`` alone would promote the dtypes and pass)."""
+    olmo2 = pytest.importorskip("transformers.models.olmo2.modeling_olmo2")
+    model = nn.Sequential(olmo2.Olmo2RMSNorm(16))
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    before = model(x)
+    with pytest.warns(UserWarning, match="Olmo2RMSNorm"):
+        assert swap_rms_norms(model) == 0
+    after = model(x)
+    assert after.dtype == before.dtype == torch.bfloat16
+
+
+def test_swap_leaves_a_weight_then_cast_norm_alone_values_after_the_weight_changes() -> None:
+    """With the ones weight of a fresh model (bf16 here, so no dtype difference) ``(w * x_hat).to(bf16)`` and
+    ``x_hat.to(bf16) * w`` agree bit for bit; once the weight trains (or a checkpoint is loaded) they do not."""
+    olmo2 = pytest.importorskip("transformers.models.olmo2.modeling_olmo2")
+    torch.manual_seed(0)
+    model = nn.Sequential(olmo2.Olmo2RMSNorm(64)).to(torch.bfloat16)
+    original = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="Olmo2RMSNorm"):
+        swap_rms_norms(model)
+    with torch.no_grad():
+        original[0].weight.normal_()
+        model[0].weight.copy_(original[0].weight)  # e.g. load_state_dict after the swap
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    assert torch.equal(model(x), original(x))
+
+
+def test_swap_keeps_float64_outputs() -> None:
+    """LlamaRMSNorm takes its statistics in float32 even for float64 inputs (rms_norm would keep float64): the
+    replacement does too."""
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    torch.manual_seed(0)
+    model = nn.Sequential(llama.LlamaRMSNorm(16)).double()
+    original = copy.deepcopy(model)
+    assert swap_rms_norms(model) == 1
+    x = torch.randn(4, 16, dtype=torch.float64)
+    assert torch.equal(model(x), original(x))
+
+
+def test_swap_leaves_a_norm_with_hooks_alone() -> None:
+    """Its hooks (activation capture, accelerate's) would be lost with the module: it stays, and is not even probed."""
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    model = nn.Sequential(llama.LlamaRMSNorm(16), nn.Linear(16, 16))
+    seen: list[torch.Tensor] = []
+    model[0].register_forward_hook(lambda _m, _args, out: seen.append(out))
+    with pytest.warns(UserWarning, match="has hooks"):
+        assert swap_rms_norms(model) == 0
+    model(torch.randn(2, 16))
+    assert len(seen) == 1
+
+
+def test_swap_keeps_a_norm_registered_under_two_names_one_module() -> None:
+    """The same norm object under two attribute names: ``named_children`` yields it once, so one alias keeps the
+    old module, and the documented "0 on a second call" does not hold."""
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    parent = nn.Module()
+    parent.a = parent.b = llama.LlamaRMSNorm(16)
+    assert swap_rms_norms(parent) == 1
+    assert parent.a is parent.b and isinstance(parent.b, RMSNorm)
+    assert swap_rms_norms(parent) == 0
+
+
+def test_swap_keeps_a_norm_shared_by_two_parents_one_module() -> None:
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    shared = llama.LlamaRMSNorm(16)
+    model = nn.Sequential(nn.Sequential(shared), nn.Sequential(shared))
+    assert swap_rms_norms(model) == 1  # one norm
+    assert model[0][0] is model[1][0]

@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -121,62 +122,92 @@ _LLAMA_STYLE = frozenset(
 
 
 def swap_rms_norms(model: nn.Module) -> int:
-    """Replace, in place, every Llama-style RMSNorm inside ``model`` with :class:`RMSNorm` sharing its ``weight``.
+    """Replace, in place, every Llama-style RMSNorm inside ``model`` with an :class:`RMSNorm` sharing its ``weight``.
 
-    A module qualifies when its class name ends in ``RMSNorm``, it has a 1-D ``weight`` Parameter and a float
-    ``variance_epsilon`` (or ``eps``), and it computes exactly what :func:`rms_norm` does: checked bit for bit on a
-    random input in float32 and bfloat16 (on the meta device, where nothing can run, only the transformers classes
-    known to compute it are swapped). Others, such as Gemma's ``(1 + weight)`` norm, stay, with a warning.
-    The state-dict keys, the ``Parameter`` objects (so optimizers and tied weights) and the outputs do not change;
-    the gain is in backward: the norm saves its input and inverse RMS only, and under
+    A module qualifies when its class name ends in ``RMSNorm``, it has a 1-D ``weight`` Parameter, a float
+    ``variance_epsilon`` (or ``eps``) and no hooks (they would be lost), and it computes what the replacement does:
+    checked on a copy with a random weight, bit for bit and dtype for dtype, on float32, bfloat16 and float64
+    inputs. (On the meta device, where nothing can run, only the transformers classes known to compute it are
+    swapped.) Others stay, with a warning: Gemma's ``(1 + weight)`` norm, or Olmo2's weight applied before the cast.
+    A norm reachable under several names or parents gets one replacement everywhere.
+
+    The state-dict keys, the ``Parameter`` objects (so optimizers and tied weights) and the outputs do not change.
+    Gradients are the same function but come from the norm's own backward, so they can differ in the last bit.
+    The gain is in backward: the norm saves its input and inverse RMS only, and under
     :class:`~lightning_llmfast.offload.ActivationOffloader` the matmuls' saved copies of its output are rebuilt.
 
     Args:
         model: any module tree (``model`` itself is never replaced).
 
     Returns:
-        The number of norms swapped (0 on a second call).
+        The number of norms replaced (0 on a second call).
 
     Example::
 
         model = MixtralForCausalLM(config)
         swap_rms_norms(model)  # 2 per decoder layer + the final norm
     """
-    swapped = 0
+    replaced: dict[nn.Module, nn.Module | None] = {}  # original -> replacement (None: left as is)
     for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, RMSNorm) or not type(child).__name__.endswith("RMSNorm"):
+        for name, child in list(parent._modules.items()):  # every name, also a second name for the same module
+            if child is None or isinstance(child, RMSNorm) or not type(child).__name__.endswith("RMSNorm"):
                 continue
-            eps = _llama_style_eps(child)
-            if eps is None:
-                warnings.warn(
-                    f"swap_rms_norms: {type(child).__qualname__} at {name!r} does not compute a Llama-style RMSNorm; "
-                    "left as is",
-                    UserWarning,
-                    stacklevel=2,
-                )
-                continue
-            with torch.device("meta"):  # its own weight is replaced at once: allocate nothing
-                replacement = RMSNorm(child.weight.shape[0], eps)
-            replacement.weight = child.weight
-            replacement.train(child.training)
-            setattr(parent, name, replacement)
-            swapped += 1
-    return swapped
+            if child not in replaced:
+                replaced[child] = _replacement(child, name)
+            if replaced[child] is not None:
+                setattr(parent, name, replaced[child])
+    return sum(r is not None for r in replaced.values())
+
+
+class _LlamaRMSNorm(RMSNorm):
+    """:class:`RMSNorm` with transformers' Llama semantics for float64 inputs: statistics in float32."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype != torch.float64:
+            return rms_norm(x, self.weight, self.eps)  # the same bits as transformers' formula (checked at the swap)
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _replacement(module: nn.Module, name: str) -> nn.Module | None:
+    eps = _llama_style_eps(module)
+    if eps is None:
+        warnings.warn(
+            f"swap_rms_norms: {type(module).__qualname__} at {name!r} has hooks or does not compute a Llama-style "
+            "RMSNorm; left as is",
+            UserWarning,
+            stacklevel=3,
+        )
+        return None
+    with torch.device("meta"):  # its own weight is replaced at once: allocate nothing
+        replacement = _LlamaRMSNorm(module.weight.shape[0], eps)
+    replacement.weight = module.weight
+    replacement.train(module.training)
+    return replacement
 
 
 def _llama_style_eps(module: nn.Module) -> float | None:
-    """``module``'s epsilon if it computes :func:`rms_norm` with its ``weight``, else ``None``."""
+    """``module``'s epsilon if it computes what :class:`_LlamaRMSNorm` does with its ``weight``, else ``None``."""
     weight = getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or not isinstance(eps, float):
         return None
+    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    if any(hooks):
+        return None
     if weight.is_meta:
         return eps if type(module).__name__ in _LLAMA_STYLE else None
+    # A copy with a random weight: with the usual all-ones init, "weight, then cast" and "cast, then weight" agree.
+    probe = copy.deepcopy(module)
     generator = torch.Generator(device=weight.device).manual_seed(0)
-    x = torch.randn(3, 5, weight.shape[0], generator=generator, device=weight.device)
     with torch.no_grad():
-        for dtype in (torch.float32, torch.bfloat16):
-            if not torch.equal(module(x.to(dtype)), rms_norm(x.to(dtype), weight, eps)):
+        probe.weight.copy_(torch.randn(weight.shape, generator=generator, device=weight.device) + 1)
+        ours = _LlamaRMSNorm(weight.shape[0], eps).to(weight.device)
+        ours.weight = probe.weight
+        x = torch.randn(3, 5, weight.shape[0], generator=generator, device=weight.device)
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            theirs, mine = probe(x.to(dtype)), ours(x.to(dtype))
+            if theirs.dtype != mine.dtype or not torch.equal(theirs, mine):
                 return None
     return eps

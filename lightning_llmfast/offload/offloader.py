@@ -1098,8 +1098,8 @@ class ActivationOffloader:
         """
         base = t if t._base is None else t._base
         fn = base.grad_fn
-        if fn is None or t.dtype != base.dtype or not base.is_contiguous() or base.storage_offset():
-            return None
+        if fn is None or t.dtype != base.dtype or not base.is_contiguous() or base.storage_offset() or base._version:
+            return None  # (changed in place since it was made: the recipe would give the values before the change)
         cast = fn.name() == "ToCopyBackward0"
         if cast:
             node, output_nr = fn.next_functions[0] if fn.next_functions else (None, 0)
