@@ -39,8 +39,12 @@ def mark_rebuildable(ctx: Any, output: torch.Tensor) -> None:
         mark_rebuildable(ctx, out)
         return out
     """
+    if torch.compiler.is_compiling():
+        return  # traced: the compiled graph saves for backward its own way (and Dynamo cannot trace the query below)
     # Private but stable since torch 2.0 (torch.utils.checkpoint uses it); without it nothing is ever rebuilt.
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    hooks = top(False) if top is not None else None
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, RuntimeError, TypeError):
+        hooks = None
     ctx.llmfast_pack_hook = hooks[0] if hooks else None
     ctx.llmfast_output = weakref.ref(output)

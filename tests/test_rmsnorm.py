@@ -186,3 +186,21 @@ def test_swap_keeps_a_norm_shared_by_two_parents_one_module() -> None:
     model = nn.Sequential(nn.Sequential(shared), nn.Sequential(shared))
     assert swap_rms_norms(model) == 1  # one norm
     assert model[0][0] is model[1][0]
+
+
+def test_torch_compile_fullgraph_forward_and_gradients() -> None:
+    """Marking the output rebuildable stays out of traced graphs: the norm compiles whole and matches eager."""
+    torch.manual_seed(0)
+    norm = RMSNorm(16, 1e-5)
+    nn.init.normal_(norm.weight)
+    x = torch.randn(4, 16, requires_grad=True)
+    compiled = torch.compile(norm, fullgraph=True, backend="aot_eager")
+    results = []
+    for module in (norm, compiled):
+        norm.zero_grad()
+        x.grad = None
+        y = module(x)
+        y.square().sum().backward()
+        results.append((y.detach(), x.grad, norm.weight.grad.clone()))
+    for eager, traced in zip(*results):
+        torch.testing.assert_close(traced, eager)
