@@ -13,8 +13,10 @@ kept:
 
 At hidden 1024, 8192 tokens, top-2 under bf16 autocast a reference layer holds 67 MB less (16% of what it saved;
 ``benchmarks/bench_offload.py``'s ``saved_inventory``), for one more gather and two elementwise passes in
-backward. The token gradients are the same bits as the unfused path's (rows summed in float32, straight into the
-input's dtype); the outputs differ by the rounding of each weighted row to the compute dtype before the sum.
+backward. The gather's backward gives the same bits as ``permute``'s (rows summed in float32, straight into the
+input's dtype). The weighting moves, so outputs and gradients differ from the unfused path by rounding order: each
+weighted row is rounded to the compute dtype before the sum, and the down projection's input gradient is scaled
+after its GEMM instead of before (tests check both paths against float64 loops).
 """
 
 from __future__ import annotations
