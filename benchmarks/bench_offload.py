@@ -407,6 +407,13 @@ def summary(report: dict[str, Any]) -> str:
                 f"{plan['prefetch_layers']}, bandwidth {plan['bandwidth_bytes_per_ms'] / 1e6:.1f} GB/s, forward ms "
                 f"{forward}, backward ms {backward}, MiB {per_layer}"
             )
+    rebuild = report["modes"].get("rebuild", {}).get("stats")
+    if rebuild:
+        lines.append(
+            f"rebuilt in backward per step (rebuild mode): weight copies {rebuild['recast_bytes'] / 1e6:.1f} MB "
+            f"({rebuild['recast_casts']}), norm outputs and copies {rebuild['rebuilt_bytes'] / 1e6:.1f} MB "
+            f"({rebuild['rebuilt_tensors']})"
+        )
     lines.append(f"meeting target: {report['meeting_target']}")
     inv = report["layer0_saved"]
     lines.append(f"layer 0 saves {inv['total_bytes'] / 1e6:.1f} MB in {inv['tensors']} storages; largest:")

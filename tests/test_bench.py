@@ -364,7 +364,7 @@ def test_offload_cuda_measurement_loop_runs_on_cpu(monkeypatch: pytest.MonkeyPat
     assert report["modes"]["all"]["offload_layers"] == 3  # every layer but the last (its tensors are under 1 MiB)
     text = bench_offload.summary(report)
     assert text.count("\n| ") == 1 + len(report["modes"])  # the separator and one row per mode
-    assert "auto plan:" in text and "layer 0 saves" in text
+    assert "auto plan:" in text and "layer 0 saves" in text and "rebuilt in backward per step" in text
 
 
 def test_git_commit_prefers_the_named_commit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
