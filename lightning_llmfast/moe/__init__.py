@@ -27,6 +27,7 @@ _LAZY: dict[str, str] = {
     "SwiGLUExperts": "lightning_llmfast.moe.naive",
     "NaiveMoEBlock": "lightning_llmfast.moe.naive",
     "GroupedExperts": "lightning_llmfast.moe.experts",
+    "routed_swiglu": "lightning_llmfast.moe.dispatch",
     "MoEBlock": "lightning_llmfast.moe.block",
     "register_moe_adapter": "lightning_llmfast.moe.adapters",
     "get_moe_adapter": "lightning_llmfast.moe.adapters",
@@ -44,6 +45,7 @@ __all__ = [
     "permute",
     "register_moe_adapter",
     "route",
+    "routed_swiglu",
     "unpermute",
     "update_expert_bias",
 ]
@@ -54,6 +56,7 @@ __getattr__ = lazy_getattr(__name__, _LAZY)
 if TYPE_CHECKING:
     from lightning_llmfast.moe.adapters import get_moe_adapter, register_moe_adapter
     from lightning_llmfast.moe.block import MoEBlock
+    from lightning_llmfast.moe.dispatch import routed_swiglu
     from lightning_llmfast.moe.experts import GroupedExperts
     from lightning_llmfast.moe.metrics import ExpertLoadMetric
     from lightning_llmfast.moe.naive import NaiveMoEBlock, SwiGLUExperts
