@@ -29,7 +29,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_llmfast.errors import RoutingError
-from lightning_llmfast.moe.experts import _grouped_mm, _swiglu_down, grouped_mm_supported, grouped_swiglu
+from lightning_llmfast.moe.experts import (
+    _grouped_mm,
+    _swiglu_down,
+    autocast_inputs,
+    grouped_mm_supported,
+    grouped_swiglu,
+)
 from lightning_llmfast.moe.kernels import gather_rows, resolve_backend
 from lightning_llmfast.moe.permute import (
     _combine_rows,
@@ -155,10 +161,7 @@ def routed_swiglu(
     padded = plan.capacity is not None
     if x_compute is None:
         x_compute = compute_copy(x)
-    if torch.is_autocast_enabled(x.device.type):
-        # A custom op and a 3-D weight escape autocast's casting lists: cast as autocast would for a linear.
-        dtype = torch.get_autocast_dtype(x.device.type)
-        gate_up, down = gate_up.to(dtype), down.to(dtype)
+    gate_up, down = autocast_inputs(x.device, gate_up, down)
     if act is not F.silu or not grouped_mm_supported(x_compute, gate_up, down):
         rows = permute(x, plan, backend=backend)
         return unpermute(grouped_swiglu(rows, plan.offsets, gate_up, down, act, padded=padded), plan, backend=backend)

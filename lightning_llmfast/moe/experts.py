@@ -33,7 +33,7 @@ from torch import Tensor
 from lightning_llmfast.moe.kernels import _scale_rows_, pair_dots
 from lightning_llmfast.moe.naive import SwiGLUExperts
 
-__all__ = ["GroupedExperts", "grouped_swiglu", "grouped_mm_supported"]
+__all__ = ["GroupedExperts", "autocast_inputs", "grouped_swiglu", "grouped_mm_supported"]
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -218,6 +218,17 @@ def _swiglu(gate_up: Tensor, act: Callable[[Tensor], Tensor]) -> Tensor:
     return act(gate) * up
 
 
+def autocast_inputs(device: torch.device, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """``tensors`` in autocast's dtype when autocast is on for ``device``, else unchanged.
+
+    A custom op and a 3-D weight escape autocast's casting lists: the experts cast as autocast would for a linear.
+    """
+    if not torch.is_autocast_enabled(device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device.type)
+    return tuple(t.to(dtype) for t in tensors)
+
+
 def grouped_swiglu(
     x: Tensor,
     offsets: Tensor,
@@ -251,10 +262,7 @@ def grouped_swiglu(
         offsets = torch.tensor([0, 2, 2, 5, 6], dtype=torch.int32)
         y = grouped_swiglu(torch.randn(6, 8), offsets, experts.gate_up_proj, experts.down_proj)  # (6, 8)
     """
-    if torch.is_autocast_enabled(x.device.type):
-        # A custom op and a 3-D weight escape autocast's casting lists: cast as autocast would for a linear.
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
+    x, gate_up, down = autocast_inputs(x.device, x, gate_up, down)
     if grouped_mm_supported(x, gate_up, down):
         # grouped_mm takes the group ends (offsets[1:]) as its int32 `offs`.
         ends = offsets[1:].to(torch.int32)
