@@ -210,27 +210,10 @@ def test_gradients_bit_identical_on_fresh_inputs(
 
 
 def test_offloaded_bytes_match_an_independent_count_of_saved_storages() -> None:
-    # Count, with a plain saved_tensors_hooks pass, the distinct non-parameter storages saved inside layers 0..L-2.
+    # The distinct non-parameter storages saved inside layers 0..L-2, counted by a plain saved_tensors_hooks pass.
     ref, model = _pair(3, n_layers=3)
     x = torch.randn(4, 6, 8)
-    params = {p.untyped_storage().data_ptr() for p in ref.parameters()}
-    seen: dict[tuple[int, int], int] = {}
-    current: list[int | None] = [None]
-    hooks = [
-        layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i))
-        for i, layer in enumerate(ref.layers)
-    ] + [layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)) for layer in ref.layers]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if current[0] is not None and current[0] < 2 and s.data_ptr() not in params and type(t) is torch.Tensor:
-            seen[(current[0], s.data_ptr())] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        ref(x).square().mean().backward()
-    for h in hooks:
-        h.remove()
+    seen = {key: n for key, n in _saved_storages(ref, x).items() if key[0] < 2}
     off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True)
     _step(model, x, off)
     stats = off.stats
@@ -738,8 +721,9 @@ def test_bad_offload_layers_raise_at_construction(value: Any) -> None:
     assert isinstance(info.value, ValueError)
 
 
-def _saved_bytes_per_layer(model: Stack, x: torch.Tensor) -> list[int]:
-    """Independent count: distinct non-parameter storages saved inside each layer (a plain hooks pass)."""
+def _saved_storages(model: Stack, x: torch.Tensor) -> dict[tuple[int, int], int]:
+    """Independent count: ``(layer, storage ptr) -> bytes`` of the non-parameter storages each layer saves (a plain
+    saved_tensors_hooks pass over one forward and backward)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[tuple[int, int], int] = {}
     current: list[int | None] = [None]
@@ -759,6 +743,11 @@ def _saved_bytes_per_layer(model: Stack, x: torch.Tensor) -> list[int]:
     for h in hooks:
         h.remove()
     model.zero_grad(set_to_none=True)
+    return seen
+
+
+def _saved_bytes_per_layer(model: Stack, x: torch.Tensor) -> list[int]:
+    seen = _saved_storages(model, x)
     return [sum(n for (i, _), n in seen.items() if i == layer) for layer in range(len(model.layers))]
 
 
