@@ -547,14 +547,14 @@ class _Rebuilt:
     """
 
     node: Any  # the Function's backward node (its ctx): saved tensors and attributes
-    rebuild: Callable[..., torch.Tensor]
+    function: Callable[..., torch.Tensor]  # the Function's llmfast_rebuild
     copy_to: tuple[torch.device, torch.dtype] | None  # the copy's device and dtype; None: the output itself
     shape: tuple[int, ...]  # of the saved tensor's base: the output's, or a reshape of it
     size: tuple[int, ...]
     stride: tuple[int, ...]
     storage_offset: int
 
-    def rebuild_tensor(self) -> torch.Tensor:
+    def rebuild(self) -> torch.Tensor:
         busy = _REBUILDING.__dict__.setdefault("ids", set())  # per thread: backward may run on several at once
         if id(self) in busy:  # the Function saved its own output: rebuilding it would need itself
             raise OffloadError(
@@ -563,7 +563,7 @@ class _Rebuilt:
             )
         busy.add(id(self))
         try:
-            out = self.rebuild(self.node, *self.node.saved_tensors)
+            out = self.function(self.node, *self.node.saved_tensors)
         finally:
             busy.discard(id(self))
         if self.copy_to is not None:
@@ -1123,7 +1123,7 @@ class ActivationOffloader:
             self._counters["rebuilt_bytes"] += storage.nbytes()
         return _Rebuilt(
             node=node,
-            rebuild=rebuild,
+            function=rebuild,
             copy_to=(base.device, base.dtype) if cast else None,
             shape=tuple(base.shape),
             size=tuple(t.shape),
@@ -1253,10 +1253,8 @@ class ActivationOffloader:
         self._set_owner[s] = seg.index
 
     def _unpack(self, saved: Any) -> torch.Tensor:
-        if isinstance(saved, _Recast):
+        if isinstance(saved, (_Recast, _Rebuilt)):
             return saved.rebuild()
-        if isinstance(saved, _Rebuilt):
-            return saved.rebuild_tensor()
         if not isinstance(saved, _Saved):
             return saved
         if saved.tensor is not None:
