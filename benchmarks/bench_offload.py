@@ -7,13 +7,17 @@ process and timed with CUDA events (median of repeats):
 - ``off``: nothing (the baseline);
 - ``rebuild``: the offloader copies nothing (``offload_layers=0``) and only drops the layers' saved bf16 weight copies
   and RMSNorm outputs (and their bf16 copies), rebuilt in backward;
+- ``rebuild_gemms``: as ``rebuild``, and the experts' gate/up GEMM output is rebuilt too (``rebuild_gemms=True``: one
+  more gather and grouped GEMM per layer in backward);
 - ``all``: every layer but the last offloads (``offload_layers=None``);
 - ``auto``: ``offload_layers="auto"``: as many leading layers as the copies can hide behind compute (with its plan:
   measured per-layer compute, bytes and bandwidth);
+- ``auto_gemms``: ``"auto"`` with ``rebuild_gemms=True`` (fewer bytes per offloaded layer);
 - ``recompute``: no offload, every layer under selective recomputation (``offload_layers=0, recompute="selective"``);
 - ``auto_recompute``: ``"auto"`` offload plus selective recomputation of the layers that do not offload.
 
-Every offloader mode rebuilds the weight copies and the norms' outputs as ``rebuild`` does.
+Every offloader mode rebuilds the weight copies and the norms' outputs as ``rebuild`` does. ``--modes`` runs a subset
+(``off`` always runs: it is the baseline).
 
 Reported per mode:
 
@@ -39,6 +43,7 @@ Usage::
     python benchmarks/bench_offload.py --device cuda                # 12 layers, hidden 1024, 4 x 2048 tokens
     python benchmarks/bench_offload.py --device cuda --shape wide   # 12 layers, hidden 2048
     python benchmarks/bench_offload.py --device cuda --shape large  # 12 layers, hidden 4096, 4 experts
+    python benchmarks/bench_offload.py --device cuda --modes rebuild,rebuild_gemms,auto_gemms
     python benchmarks/bench_offload.py --quick --device cpu         # forced CPU path, stats only
 """
 
@@ -47,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -103,8 +109,10 @@ MODES: dict[str, dict[str, Any] | None] = {
     "off": None,
     # Nothing is copied: only the layers' saved bf16 weight copies are dropped and rebuilt in backward.
     "rebuild": {"offload_layers": 0},
+    "rebuild_gemms": {"offload_layers": 0, "rebuild_gemms": True},
     "all": {"offload_layers": None},
     "auto": {"offload_layers": "auto"},
+    "auto_gemms": {"offload_layers": "auto", "rebuild_gemms": True},
     "recompute": {"offload_layers": 0, "recompute": "selective"},
     "auto_recompute": {"offload_layers": "auto", "recompute": "selective"},
 }
@@ -201,11 +209,11 @@ def saved_inventory(model: MoEGPT, ids: torch.Tensor, layer: int = 0, top: int =
     }
 
 
-def _cpu(quick: bool) -> dict[str, Any]:
+def _cpu(quick: bool, names: Sequence[str] | None = None) -> dict[str, Any]:
     ref, ref_opt, ids = _setup(SHAPES["cpu"], "cpu")
     inventory = saved_inventory(ref, ids)
     runs = {}
-    for name, settings in MODES.items():
+    for name, settings in _selected(names).items():
         if settings is not None:
             model, opt, _ = _setup(SHAPES["cpu"], "cpu")
             off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, **settings)
@@ -232,18 +240,24 @@ def _cpu(quick: bool) -> dict[str, Any]:
 
 
 def _cpu_peaks() -> dict[str, int]:
-    """Peak live tensor bytes of one forward + backward on CPU: no offloader, and one that copies nothing and only
-    rebuilds the weight copies and norm outputs (offloading to host memory frees nothing when the host is the
-    device)."""
+    """Peak live tensor bytes of one forward + backward on CPU: no offloader, and the two that copy nothing and only
+    rebuild (weight copies and norm outputs; and the experts' gate/up output): offloading to host memory frees
+    nothing when the host is the device."""
     model, _, ids = _setup(SHAPES["cpu"], "cpu")
-    rebuild = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers=0)
     peaks = {}
-    for name, off in (("off", None), ("rebuild", rebuild)):
+    for name in ("off", "rebuild", "rebuild_gemms"):
+        settings = MODES[name]
+        off = (
+            None
+            if settings is None
+            else ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, **settings)
+        )
         model.zero_grad(set_to_none=True)
         with _PeakMemory(torch.device("cpu")) as mem:
             _forward_backward(model, ids, off)
         peaks[name] = mem.peak_bytes
-    rebuild.close()
+        if off is not None:
+            off.close()
     return peaks
 
 
@@ -261,7 +275,15 @@ def _copy_ms(nbytes: int, device: str) -> float:
     return start.elapsed_time(end)
 
 
-def _cuda(shape_name: str, repeats: int) -> dict[str, Any]:
+def _selected(names: Sequence[str] | None) -> dict[str, dict[str, Any] | None]:
+    """The modes to run, in ``MODES`` order, ``off`` (the baseline) always among them."""
+    unknown = sorted(set(names or ()) - set(MODES))
+    if unknown:
+        raise ConfigError(f"modes: unknown {unknown}; choose from {sorted(MODES)}")
+    return {name: settings for name, settings in MODES.items() if names is None or name == "off" or name in names}
+
+
+def _cuda(shape_name: str, repeats: int, names: Sequence[str] | None = None) -> dict[str, Any]:
     shape = SHAPES[shape_name]
     device = "cuda"
     model, opt, ids = _setup(shape, device)
@@ -269,7 +291,7 @@ def _cuda(shape_name: str, repeats: int) -> dict[str, Any]:
     common: dict[str, Any] = {"min_offload_bytes": 1 << 20, "keep_last_layers": 1, "prefetch_layers": 1}
     modes = {
         name: None if settings is None else ActivationOffloader(model.layers, **common, **settings)
-        for name, settings in MODES.items()
+        for name, settings in _selected(names).items()
     }
     # Warm-up: Triton compilation (in "off", first, so that "auto" measures warm kernels), allocator, pool sizing
     # (first offload step; for "auto" the second, after its measuring step).
@@ -345,7 +367,11 @@ def _cuda(shape_name: str, repeats: int) -> dict[str, Any]:
 
 
 def run(
-    quick: bool = False, device: str = "cpu", repeats: int | None = None, shape: str | None = None
+    quick: bool = False,
+    device: str = "cpu",
+    repeats: int | None = None,
+    shape: str | None = None,
+    modes: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Run the offload benchmark.
 
@@ -355,6 +381,7 @@ def run(
         repeats: interleaved timed steps per mode (default 5 quick, 8 otherwise).
         shape: ``"full"`` (hidden 1024, the default), ``"wide"`` (hidden 2048), ``"large"`` (hidden 4096, 4
             experts) or ``"quick"`` (hidden 512); 12 layers each.
+        modes: names from ``MODES`` to run (``off`` runs always); ``None``: all.
 
     Returns:
         On CUDA ``{"modes": {mode: {"step_ms", "tokens_per_sec", "tps_ratio", "peak_act_bytes", "mem_reduction",
@@ -369,9 +396,10 @@ def run(
     shape = shape or ("quick" if quick else "full")
     if shape not in SHAPES or shape == "cpu":
         raise ConfigError(f"shape must be one of full, wide, large, quick; got {shape!r}")
+    _selected(modes)  # unknown names fail before any model is built
     if device == "cuda" and torch.cuda.is_available():
-        return _cuda(shape, repeats or (5 if shape == "quick" else 8))
-    return _cpu(shape == "quick")
+        return _cuda(shape, repeats or (5 if shape == "quick" else 8), modes)
+    return _cpu(shape == "quick", modes)
 
 
 def summary(report: dict[str, Any]) -> str:
@@ -407,13 +435,14 @@ def summary(report: dict[str, Any]) -> str:
                 f"{plan['prefetch_layers']}, bandwidth {plan['bandwidth_bytes_per_ms'] / 1e6:.1f} GB/s, forward ms "
                 f"{forward}, backward ms {backward}, MiB {per_layer}"
             )
-    rebuild = report["modes"].get("rebuild", {}).get("stats")
-    if rebuild:
-        lines.append(
-            f"rebuilt in backward per step (rebuild mode): weight copies {rebuild['recast_bytes'] / 1e6:.1f} MB "
-            f"({rebuild['recast_casts']}), norm outputs and copies {rebuild['rebuilt_bytes'] / 1e6:.1f} MB "
-            f"({rebuild['rebuilt_tensors']})"
-        )
+    for name in ("rebuild", "rebuild_gemms"):
+        stats = report["modes"].get(name, {}).get("stats")
+        if stats:
+            lines.append(
+                f"rebuilt in backward per step ({name} mode): weight copies {stats['recast_bytes'] / 1e6:.1f} MB "
+                f"({stats['recast_casts']}), outputs (norms and copies; gate/up with rebuild_gemms) "
+                f"{stats['rebuilt_bytes'] / 1e6:.1f} MB ({stats['rebuilt_tensors']})"
+            )
     lines.append(f"meeting target: {report['meeting_target']}")
     inv = report["layer0_saved"]
     lines.append(f"layer 0 saves {inv['total_bytes'] / 1e6:.1f} MB in {inv['tensors']} storages; largest:")
@@ -429,8 +458,16 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--summary", action="store_true", help="print a markdown summary (CUDA) instead of the JSON")
+    parser.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)} (off always runs)")
     args = parser.parse_args()
-    result = run(quick=args.quick, device=args.device, repeats=args.repeats, shape=None if args.quick else args.shape)
+    modes = args.modes.split(",") if args.modes else None
+    result = run(
+        quick=args.quick,
+        device=args.device,
+        repeats=args.repeats,
+        shape=None if args.quick else args.shape,
+        modes=modes,
+    )
     text = json.dumps(result, indent=1, default=str)
     print(summary(result) if args.summary and "shape_name" in result else text)
     if args.json:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from lightning_llmfast.errors import OffloadError
 
 __all__ = ["in_backward", "mark_rebuildable"]
 
@@ -24,23 +27,43 @@ def in_backward() -> bool:
     return torch._C._current_autograd_node() is not None
 
 
-def mark_rebuildable(ctx: Any, output: torch.Tensor) -> None:
-    """Record, in a custom Function's ``forward``, what a rebuild of ``output`` from its saved tensors must check.
+def mark_rebuildable(
+    ctx: Any, output: torch.Tensor, rebuild: Callable[..., torch.Tensor] | None = None, *, gemm: bool = False
+) -> None:
+    """Record, in a custom Function's ``forward`` (or a custom op's ``setup_context``), that ``output`` can be rebuilt
+    from the tensors it saved, and what such a rebuild must check.
 
-    A Function that declares ``llmfast_rebuild(ctx, *saved_tensors)`` calls this after ``save_for_backward``:
-    :class:`~lightning_llmfast.offload.ActivationOffloader` rebuilds the output only if the offloader's own hooks
-    packed those saved tensors (not ``torch.utils.checkpoint``'s, whose tensors may be unpacked once only) and the
-    output has not been changed in place (a rebuild would give the values before the change).
+    :class:`~lightning_llmfast.offload.ActivationOffloader` then drops saved copies of ``output`` and calls
+    ``rebuild(ctx, *saved_tensors)`` in backward instead; only if the offloader's own hooks packed those saved tensors
+    (not ``torch.utils.checkpoint``'s, whose tensors may be unpacked once only) and the output has not been changed
+    in place (a rebuild would give the values before the change). The rebuild must give the same bits as the forward.
+
+    Args:
+        ctx: the Function's context, after ``save_for_backward``.
+        output: the Function's (first) output.
+        rebuild: ``(ctx, *saved_tensors) -> output``; ``None``: the Function's ``llmfast_rebuild`` static method.
+        gemm: the rebuild runs a matrix multiplication (not an elementwise pass): the offloader only runs it when
+            asked to (``rebuild_gemms=True``), as it costs compute time in backward.
+
+    Raises:
+        OffloadError: ``rebuild`` is ``None`` and the Function declares no ``llmfast_rebuild``.
 
     Example::
 
         ctx.save_for_backward(x, weight, rstd)
         out = normalize(x, weight, rstd)
-        mark_rebuildable(ctx, out)
+        mark_rebuildable(ctx, out)  # RMSNormFunction.llmfast_rebuild(ctx, x, weight, rstd) gives `out` again
         return out
     """
     if torch.compiler.is_compiling():
         return  # traced: the compiled graph saves for backward its own way (and Dynamo cannot trace the query below)
+    if rebuild is None:
+        rebuild = getattr(getattr(type(ctx), "_forward_cls", None), "llmfast_rebuild", None)
+        if rebuild is None:
+            raise OffloadError(
+                "mark_rebuildable: pass rebuild=(ctx, *saved_tensors) -> output, or declare llmfast_rebuild on the "
+                f"Function ({type(ctx).__name__} has none)"
+            )
     # Private but stable since torch 2.0 (torch.utils.checkpoint uses it); without it nothing is ever rebuilt.
     try:
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -48,3 +71,7 @@ def mark_rebuildable(ctx: Any, output: torch.Tensor) -> None:
         hooks = None
     ctx.llmfast_pack_hook = hooks[0] if hooks else None
     ctx.llmfast_output = weakref.ref(output)
+    # Not always 0: kernels that write their output in parts (CPU grouped_mm, one write per group) bump it.
+    ctx.llmfast_output_version = output._version
+    ctx.llmfast_rebuild = rebuild
+    ctx.llmfast_gemm = gemm

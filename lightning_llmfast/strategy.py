@@ -61,14 +61,17 @@ class LLMFastStrategy(DDPStrategy):
         recompute: ``None`` or ``"selective"``: the layers that do not offload keep only matmul, attention and
             routing outputs and recompute the cheap rest in backward
             (:mod:`~lightning_llmfast.offload.recompute`).
+        rebuild_gemms: with ``offload_activations=True``, also rebuild the routed experts' gate/up GEMM output in
+            backward instead of keeping it (one more grouped GEMM per layer; see
+            :class:`~lightning_llmfast.offload.ActivationOffloader`).
         *args: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and on to DDP).
 
     Raises:
         OffloadError: at construction for negative sizes or counts, headroom below 1 or an ``offload_layers``
             other than ``None``, an int ``>= 0`` or ``"auto"``, or a ``recompute`` other than ``None`` or
-            ``"selective"``; at :meth:`setup`, before any step, when ``layers``
-            matches nothing.
+            ``"selective"``, or a ``rebuild_gemms`` that is not a bool; at :meth:`setup`, before any step, when
+            ``layers`` matches nothing.
 
     Example::
 
@@ -92,6 +95,7 @@ class LLMFastStrategy(DDPStrategy):
         force_offload: bool = False,
         offload_layers: int | str | None = None,
         recompute: str | None = None,
+        rebuild_gemms: bool = False,
         **kwargs: Any,
     ) -> None:
         validate_offload_config(
@@ -102,6 +106,7 @@ class LLMFastStrategy(DDPStrategy):
             owner=type(self).__name__,
             offload_layers=offload_layers,
             recompute=recompute,
+            rebuild_gemms=rebuild_gemms,
         )
         super().__init__(*args, **kwargs)
         self.offload_activations = bool(offload_activations)
@@ -114,6 +119,7 @@ class LLMFastStrategy(DDPStrategy):
             "pool_headroom": pool_headroom,
             "offload_layers": offload_layers,
             "recompute": recompute,
+            "rebuild_gemms": rebuild_gemms,
         }
         self._offloader: ActivationOffloader | None = None
 

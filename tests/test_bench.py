@@ -299,7 +299,7 @@ def test_offload_micro_benchmark_on_cpu_runs_every_mode_bit_identical() -> None:
     """The offload script's CPU path: every mode's forced offload/recompute keeps the reference parameters."""
     out = run_micro(True, "cpu", ("offload",), Path(__file__).parents[1] / "benchmarks", log=lambda _: None)
     modes = out["offload"]["modes"]
-    assert set(modes) == {"rebuild", "all", "auto", "recompute", "auto_recompute"}
+    assert set(modes) == {"rebuild", "rebuild_gemms", "all", "auto", "auto_gemms", "recompute", "auto_recompute"}
     assert all(m["bit_identical_params"] for m in modes.values())
     # bf16 autocast without its cache, as Lightning runs it: four layers' five weight copies are rebuilt, not copied
     assert modes["rebuild"]["stats"]["recast_casts"] == 20 and modes["rebuild"]["stats"]["offloaded_bytes"] == 0
@@ -309,6 +309,10 @@ def test_offload_micro_benchmark_on_cpu_runs_every_mode_bit_identical() -> None:
     peaks = out["offload"]["peak_live_bytes"]
     stats = modes["rebuild"]["stats"]
     assert 0 < peaks["off"] - peaks["rebuild"] <= stats["recast_bytes"] + stats["rebuilt_bytes"]
+    # rebuilding the experts' gate/up outputs too (one per layer) lowers it further, by at most those bytes
+    gemms = modes["rebuild_gemms"]["stats"]
+    assert gemms["rebuilt_tensors"] == stats["rebuilt_tensors"] + 4
+    assert 0 < peaks["rebuild"] - peaks["rebuild_gemms"] <= gemms["rebuilt_bytes"] - stats["rebuilt_bytes"]
     assert modes["all"]["stats"]["offloaded_bytes"] > 0 and modes["recompute"]["stats"]["offloaded_bytes"] == 0
     assert modes["recompute"]["stats"]["recompute_layers"] == 4
     # the saved-tensor inventory of layer 0: largest first, weight casts among them, every storage counted once
@@ -364,7 +368,11 @@ def test_offload_cuda_measurement_loop_runs_on_cpu(monkeypatch: pytest.MonkeyPat
     assert report["modes"]["all"]["offload_layers"] == 3  # every layer but the last (its tensors are under 1 MiB)
     text = bench_offload.summary(report)
     assert text.count("\n| ") == 1 + len(report["modes"])  # the separator and one row per mode
-    assert "auto plan:" in text and "layer 0 saves" in text and "rebuilt in backward per step" in text
+    assert "auto plan:" in text and "layer 0 saves" in text and "(rebuild_gemms mode)" in text
+    # --modes: a subset, with the baseline; an unknown name fails before any model is built
+    assert list(bench_offload._cuda("full", repeats=2, names=["rebuild_gemms"])["modes"]) == ["off", "rebuild_gemms"]
+    with pytest.raises(ConfigError, match="unknown"):
+        bench_offload.run(device="cuda", modes=["rebuild", "gemms"])
 
 
 def test_git_commit_prefers_the_named_commit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

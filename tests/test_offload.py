@@ -154,6 +154,7 @@ def test_pool_release_of_unknown_buffer_and_bad_headroom_raise() -> None:
         ({"keep_last_layers": True}, "keep_last_layers"),
         ({"pool_headroom": 0.99}, "pool_headroom"),
         ({"pool_headroom": float("nan")}, "pool_headroom"),
+        ({"rebuild_gemms": 1}, "rebuild_gemms"),
     ],
 )
 def test_bad_configuration_raises_at_construction(kwargs: dict[str, Any], field: str) -> None:
@@ -509,18 +510,22 @@ def test_reference_model_gradients_bit_identical_over_three_steps(ckpt: bool) ->
 
 
 @pytest.mark.filterwarnings("ignore:PinnedBufferPool")
-def test_reference_model_bf16_mixed_gradients_bit_identical_with_rebuilt_weight_copies() -> None:
+@pytest.mark.parametrize("rebuild_gemms", [False, True])
+def test_reference_model_bf16_mixed_gradients_bit_identical_with_rebuilt_weight_copies(rebuild_gemms: bool) -> None:
     seq_lens = [17, 1, 31]
     expected = _train(_reference(), 3, None, seq_lens, bf16=True)
     model = _reference()
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True)
+    off = ActivationOffloader(
+        model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, rebuild_gemms=rebuild_gemms
+    )
     got = _train(model, 3, off, seq_lens, bf16=True)
     for (g_ref, _), (g_off, stats) in zip(expected, got):
         assert all(torch.equal(a, b) for a, b in zip(g_ref, g_off))
         # per layer: qkv, output, router, gate/up and down weights, in all three layers (the kept last one too)
         assert stats["recast_casts"] == 15 and stats["kept_casts"] == 0 and stats["offloaded_tensors"] > 0
-        # and the norms' bf16 outputs: the attention input, and the MoE input that router and experts share
-        assert stats["rebuilt_tensors"] == 9
+        # and the norms' bf16 outputs: the attention input, and the MoE input that router and experts share; with
+        # rebuild_gemms the experts' gate/up output too
+        assert stats["rebuilt_tensors"] == 3 * (3 + rebuild_gemms)
     off.close()
 
 

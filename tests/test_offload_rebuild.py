@@ -15,8 +15,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.models.rmsnorm import rms_norm
-from lightning_llmfast.offload import ActivationOffloader
+from lightning_llmfast.moe import route, routed_swiglu
+from lightning_llmfast.moe.dispatch import compute_copy
+from lightning_llmfast.offload import ActivationOffloader, mark_rebuildable
 
 
 def _grads(model: nn.Module, x: torch.Tensor, off: ActivationOffloader | None) -> list[torch.Tensor]:
@@ -279,3 +282,84 @@ def test_cast_copy_changed_in_place_before_it_is_saved_is_not_rebuilt_from_the_n
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert off.stats["rebuilt_tensors"] == 0
     off.close()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 7. The routed experts' gate/up GEMM output (``rebuild_gemms=True``), under awkward routings.
+class _RoutedBlock(nn.Module):
+    """Residual routed SwiGLU experts; ``skew`` sends every token's first choice to expert 0."""
+
+    def __init__(self, num_experts: int, top_k: int, capacity_factor: float | None, skew: bool, backend: str) -> None:
+        super().__init__()
+        self.top_k, self.capacity_factor, self.skew, self.backend = top_k, capacity_factor, skew, backend
+        self.router = nn.Parameter(torch.randn(16, num_experts) / 4)
+        self.gate_up = nn.Parameter(torch.randn(num_experts, 16, 48) / 4)
+        self.down = nn.Parameter(torch.randn(num_experts, 24, 16) / 5)
+        self.rows = 0  # rows of the last gate/up output: (plan.num_rows, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, 16)
+        x_compute = compute_copy(x)
+        logits = (x_compute @ self.router.to(x_compute.dtype)).float()
+        if self.skew:
+            logits = logits + (torch.arange(logits.shape[1]) == 0) * 30.0
+        plan = route(logits, self.top_k, capacity_factor=self.capacity_factor, validate=False)
+        self.rows = plan.num_rows
+        y = routed_swiglu(x, plan, self.gate_up, self.down, x_compute=x_compute, backend=self.backend)
+        return x + y.float()
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "capacity_factor", "skew"),
+    [(1, 1, 1, None, False), (13, 4, 2, None, False), (31, 5, 1, None, True), (29, 4, 2, 0.3, True)],
+)
+@pytest.mark.parametrize("bf16", [False, True])
+def test_gate_up_output_rebuilt_only_with_rebuild_gemms_and_bit_identically(
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    capacity_factor: float | None,
+    skew: bool,
+    bf16: bool,
+    kernel_backend: str,
+) -> None:
+    """Token, router and both expert weights' gradients to the bit, and the rebuilt bytes are exactly the gate/up
+    outputs (padding rows of a capacity plan included)."""
+    torch.manual_seed(num_tokens)
+    ref = nn.Sequential(*(_RoutedBlock(num_experts, top_k, capacity_factor, skew, kernel_backend) for _ in range(2)))
+    x = torch.randn(num_tokens, 16)
+    expected, rebuilt = None, {}
+    for gemms in (None, False, True):
+        model = copy.deepcopy(ref)
+        off = None if gemms is None else _offloader(list(model), rebuild_gemms=gemms)
+        model.zero_grad(set_to_none=True)
+        with off if off is not None else torch.enable_grad():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
+                loss = model(x.clone().requires_grad_()).square().mean()
+            loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        if off is None:
+            expected = grads
+            continue
+        assert all(torch.equal(a, b) for a, b in zip(expected, grads))
+        rebuilt[gemms] = off.stats["rebuilt_bytes"]
+        off.close()
+    element = 2 if bf16 else 4
+    assert rebuilt[True] - rebuilt[False] == sum(block.rows * 48 * element for block in model)
+
+
+class _NoRebuild(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        y = x.exp()
+        mark_rebuildable(ctx, y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def test_mark_rebuildable_without_a_rebuild_names_the_problem() -> None:
+    with pytest.raises(OffloadError, match="llmfast_rebuild") as info:
+        _NoRebuild.apply(torch.randn(3, requires_grad=True))
+    assert isinstance(info.value, ValueError)

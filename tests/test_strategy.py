@@ -144,15 +144,20 @@ def test_offload_layers_under_trainer_is_bit_identical_and_offloads_only_the_fir
     assert [s["offloaded_bytes"] for s in runs["auto"][1:]] == [s["offloaded_bytes"] for s in runs[1][1:]]
 
 
-def test_bf16_mixed_under_trainer_rebuilds_weight_copies_and_is_bit_identical() -> None:
+@pytest.mark.parametrize("rebuild_gemms", [False, True])
+def test_bf16_mixed_under_trainer_rebuilds_weight_copies_and_is_bit_identical(rebuild_gemms: bool) -> None:
     # Lightning's "bf16-mixed" autocast has no weight cache: the saved bf16 weight copies are rebuilt in backward.
     reference, _, _ = _fit("llmfast", precision="bf16-mixed")
-    strategy = LLMFastStrategy(offload_activations=True, force_offload=True, min_offload_bytes=0)
+    strategy = LLMFastStrategy(
+        offload_activations=True, force_offload=True, min_offload_bytes=0, rebuild_gemms=rebuild_gemms
+    )
     module, spy, _ = _fit(strategy, precision="bf16-mixed")
     assert _same(reference, module)
     # three layers, five weights each (qkv, output, router, gate/up, down), in the kept last layer as well
     assert [(s["recast_casts"], s["kept_casts"]) for s in spy.stats] == [(15, 0)] * 3
     assert all(s["offloaded_bytes"] > 0 and s["checked_out"] == 0 for s in spy.stats)
+    # the two norms' bf16 outputs per layer, and with rebuild_gemms the experts' gate/up output
+    assert [s["rebuilt_tensors"] for s in spy.stats] == [3 * (3 + rebuild_gemms)] * 3
 
 
 def test_recompute_under_trainer_is_bit_identical_and_leaves_the_model_as_it_was() -> None:
@@ -181,6 +186,7 @@ def test_offload_on_cpu_without_force_warns_and_stays_off() -> None:
         ({"pool_headroom": 0.5}, "pool_headroom"),
         ({"offload_layers": -1}, "offload_layers"),
         ({"offload_layers": "fastest"}, "offload_layers"),
+        ({"rebuild_gemms": "yes"}, "rebuild_gemms"),
     ],
 )
 def test_bad_configuration_raises_at_construction(kwargs: dict[str, Any], field: str) -> None:

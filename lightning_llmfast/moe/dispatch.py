@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_llmfast._autograd import mark_rebuildable
 from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe.experts import (
     _grouped_mm,
@@ -93,6 +94,24 @@ def _permute_grouped_mm_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor)
     x, *saved, ctx.backend = inputs
     ctx.x_dtype = x.dtype
     ctx.save_for_backward(*saved)
+    # The output (T * k, 2F) is the largest tensor an MoE layer saves (swiglu_down keeps it); an offloader asked to
+    # rebuild GEMM outputs recomputes it from the tokens and the weight saved here instead.
+    mark_rebuildable(ctx, output, _permute_grouped_mm_rebuild, gemm=True)
+
+
+def _permute_grouped_mm_rebuild(
+    ctx: Any,
+    x_compute: Tensor,
+    tokens: Tensor,
+    num_valid: Tensor | None,
+    positions: Tensor,
+    pair_mask: Tensor | None,
+    weight: Tensor,
+    offs: Tensor,
+) -> Tensor:
+    # The forward's ops on the forward's inputs: the same bits (rows past num_valid are unwritten in both, and masked
+    # by every consumer).
+    return F.grouped_mm(gather_rows(x_compute, tokens, num_valid, backend=ctx.backend), weight, offs=offs)
 
 
 def _permute_grouped_mm_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:

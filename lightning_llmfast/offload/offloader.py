@@ -20,7 +20,9 @@ Rebuildable outputs: likewise a saved output of an ``autograd.Function`` that de
 *saved_tensors)`` and marks its forward with :func:`~lightning_llmfast.offload.mark_rebuildable` (the reference
 model's RMSNorm), or a dtype/device copy of one (autocast's bf16 input of the next matmul), is rebuilt in backward
 from the tensors that Function saved anyway: one elementwise pass instead of keeping or copying it. Not when those
-tensors belong to ``torch.utils.checkpoint`` or the output was changed in place before it was saved.
+tensors belong to ``torch.utils.checkpoint`` or the output was changed in place before it was saved. Outputs marked
+as a GEMM's (the routed experts' gate/up projection, the largest tensor an MoE layer saves) are rebuilt only with
+``rebuild_gemms=True``: one more GEMM per layer in backward, no bus traffic.
 
 Schedule: ``offload_layers`` limits offloading to the first ``N`` layers (their activations live longest);
 ``"auto"`` measures the first step (each layer's forward and backward time, bytes, copy bandwidth, and on CUDA the
@@ -307,14 +309,17 @@ def validate_offload_config(
     owner: str,
     offload_layers: Any = None,
     recompute: Any = None,
+    rebuild_gemms: Any = False,
 ) -> None:
     """Check offload settings; shared by :class:`ActivationOffloader` and the strategy so both fail at construction.
 
     Raises:
         OffloadError: naming the field, the rule and the value (negative sizes or counts, headroom below 1,
             ``offload_layers`` other than ``None``, an int ``>= 0`` or ``"auto"``, ``recompute`` other than
-            ``None`` or ``"selective"``).
+            ``None`` or ``"selective"``, ``rebuild_gemms`` not a bool).
     """
+    if not isinstance(rebuild_gemms, bool):
+        raise OffloadError(f"{owner}: rebuild_gemms must be a bool, got {rebuild_gemms!r}")
     if recompute not in RECOMPUTE_MODES:
         raise OffloadError(f"{owner}: recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     if offload_layers is not None and offload_layers != "auto":
@@ -629,11 +634,16 @@ class ActivationOffloader:
             in effect. With ``"auto"`` the plan is measured without recomputation, so its memory rule counts the
             recomputing layers' backward as freeing what they saved without it: prefetches can then hold up to those
             layers' savings more than the forward's peak.
+        rebuild_gemms: also rebuild saved outputs that their Function marked as a GEMM's
+            (:func:`~lightning_llmfast.offload.mark_rebuildable` with ``gemm=True``): the routed experts' gate/up
+            projection (:func:`~lightning_llmfast.moe.routed_swiglu`), ``(T * top_k, 2 * ffn)`` per MoE layer, 27%
+            of what a reference layer saves at hidden 1024 under bf16, recomputed by one gather and grouped GEMM in
+            its backward. In every layer call, offloading or not; the ``"auto"`` plan measures with it.
 
     Raises:
         OffloadError: on negative sizes or counts, headroom below 1, an ``offload_layers`` that is not ``None``,
             an int ``>= 0`` or ``"auto"``, a ``recompute`` that is not ``None`` or ``"selective"``, or an empty layer
-            list.
+            list, or a ``rebuild_gemms`` that is not a bool.
 
     Example::
 
@@ -657,6 +667,7 @@ class ActivationOffloader:
         force: bool = False,
         offload_layers: int | str | None = None,
         recompute: str | None = None,
+        rebuild_gemms: bool = False,
     ) -> None:
         validate_offload_config(
             min_offload_bytes=min_offload_bytes,
@@ -666,6 +677,7 @@ class ActivationOffloader:
             owner="ActivationOffloader",
             offload_layers=offload_layers,
             recompute=recompute,
+            rebuild_gemms=rebuild_gemms,
         )
         self.min_offload_bytes = min_offload_bytes
         self.keep_last_layers = keep_last_layers
@@ -679,6 +691,7 @@ class ActivationOffloader:
         self.force = bool(force)
         self.offload_layers = offload_layers
         self.recompute = recompute
+        self.rebuild_gemms = rebuild_gemms
         self._recomputed: list[RecomputeHandle] = []
         eligible = max(len(self.layers) - keep_last_layers, 0)
         # How many leading layers offload; None until the "auto" plan is made after its measuring step.
@@ -1098,10 +1111,12 @@ class ActivationOffloader:
         """
         base = t if t._base is None else t._base
         fn = base.grad_fn
-        if fn is None or t.dtype != base.dtype or not base.is_contiguous() or base.storage_offset() or base._version:
-            return None  # (changed in place since it was made: the recipe would give the values before the change)
+        if fn is None or t.dtype != base.dtype or not base.is_contiguous() or base.storage_offset():
+            return None
         cast = fn.name() == "ToCopyBackward0"
         if cast:
+            if base._version:
+                return None  # the copy changed in place since it was made: a rebuild would give the values before
             node, output_nr = fn.next_functions[0] if fn.next_functions else (None, 0)
             # A copy of a reshaped output (MoE blocks flatten tokens before the router): a reshape keeps the
             # row-major order, so the rebuilt output reshaped to the copy's shape has the same values.
@@ -1109,11 +1124,13 @@ class ActivationOffloader:
                 node, output_nr = node.next_functions[0]
         else:
             node, output_nr = fn, base.output_nr
-        rebuild = getattr(getattr(node, "_forward_cls", None), "llmfast_rebuild", None)
+        rebuild = getattr(node, "llmfast_rebuild", None)
         if rebuild is None or output_nr != 0 or getattr(node, "llmfast_pack_hook", None) != self._pack:
             return None  # not rebuildable, or its saved tensors belong to other hooks (checkpoint: one unpack only)
-        output = getattr(node, "llmfast_output", lambda: None)()
-        if output is None or output._version != 0:
+        if node.llmfast_gemm and not self.rebuild_gemms:
+            return None  # a GEMM's output: kept unless rebuilding GEMMs was asked for (it costs backward time)
+        output = node.llmfast_output()
+        if output is None or output._version != node.llmfast_output_version:
             return None  # changed in place (or gone, so unknown) since forward: a rebuild would give the old values
         self._counters["rebuilt_tensors"] += 1
         storage = base.untyped_storage()
