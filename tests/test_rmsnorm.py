@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_llmfast.models.rmsnorm import RMSNorm, rms_norm, swap_rms_norms
+from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.models.rmsnorm import RMSNorm, add_rms_norm, rms_norm, swap_rms_norms
 from lightning_llmfast.offload import ActivationOffloader
 
 
@@ -58,6 +59,67 @@ def test_saves_the_input_and_inverse_rms_only() -> None:
         rms_norm(x, w, 1e-5)
     # x itself (a parameter-like leaf here), the weight and the (64, 1) inverse RMS: no (64, 128) normalised copy
     assert sorted(saved.values()) == sorted([64 * 128 * 4, 128 * 4, 64 * 4])
+
+
+# ---------------------------------------------------------------------------------------------- add_rms_norm
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (3, 5, 13), (2, 31, 64)])
+@pytest.mark.parametrize("branch_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("uses", ["both", "normed", "sum"])
+def test_add_rms_norm_is_bitwise_the_unfused_ops(shape: tuple[int, ...], branch_dtype: torch.dtype, uses: str) -> None:
+    """Outputs and the residual, branch and weight gradients, to the bit, whichever outputs backward reaches (the
+    sum's gradient alone, the norm's alone, or both added); and the norm's values against float64."""
+    g = torch.Generator().manual_seed(sum(shape) + len(uses))
+    base = [torch.randn(*shape, generator=g) * 3, torch.randn(*shape, generator=g), torch.rand(shape[-1], generator=g)]
+    grads = [torch.randn(*shape, generator=g) for _ in range(2)]
+    results = []
+    for fused in (False, True):
+        residual, branch, w = (t.clone() for t in base)
+        branch = branch.to(branch_dtype)
+        for t in (residual, branch, w):
+            t.requires_grad_()
+        if fused:
+            normed, h = add_rms_norm(residual, branch, w, 1e-5)
+        else:
+            h = residual + branch
+            normed = rms_norm(h, w, 1e-5)
+        outputs = [(normed, grads[0])] * (uses != "sum") + [(h, grads[1])] * (uses != "normed")
+        torch.autograd.backward([t for t, _ in outputs], [g.to(t.dtype) for t, g in outputs])
+        results.append([normed.detach(), h.detach(), residual.grad, branch.grad, w.grad])
+    for unfused, fused in zip(*results):
+        if unfused is None:  # the weight, when backward reaches the sum only
+            assert fused is None and uses == "sum"
+        else:
+            assert fused.dtype == unfused.dtype and torch.equal(fused, unfused)
+    h64 = base[0].double() + base[1].to(branch_dtype).double()
+    torch.testing.assert_close(results[1][0].double(), _reference(h64, base[2], 1e-5), rtol=1e-5, atol=1e-5)
+
+
+def test_add_rms_norm_saves_the_branch_not_the_sum() -> None:
+    residual = torch.randn(64, 128, requires_grad=True)
+    branch = torch.randn(64, 128).bfloat16().requires_grad_()
+    w = torch.randn(128, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, h = add_rms_norm(residual, branch, w, 1e-5)
+    assert h.untyped_storage().data_ptr() not in saved
+    assert sorted(saved.values()) == sorted([64 * 128 * 4, 64 * 128 * 2, 128 * 4, 64 * 4])
+
+
+def test_add_rms_norm_rejects_a_broadcast() -> None:
+    with pytest.raises(ConfigError, match="one shape"):
+        add_rms_norm(torch.randn(4, 8), torch.randn(1, 8), torch.ones(8), 1e-5)
+
+
+def test_rms_norm_module_with_residual_returns_the_norm_and_the_sum() -> None:
+    norm = RMSNorm(8, 1e-5)
+    x, residual = torch.randn(3, 8), torch.randn(3, 8)
+    normed, h = norm(x, residual=residual)
+    assert torch.equal(h, residual + x) and torch.equal(normed, norm(residual + x))
 
 
 # ---------------------------------------------------------------------------------------------- swap_rms_norms

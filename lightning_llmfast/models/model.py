@@ -224,8 +224,10 @@ class Block(nn.Module):
         position_ids: Tensor,
         metadata: SequenceMetadata | Tensor | None = None,
     ) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, position_ids, metadata)
-        return x + self.ffn(self.ffn_norm(x))
+        # x + attn(...) fused into the second norm: it keeps the bf16 attention output for backward, not the fp32 sum
+        # (x itself is kept by the first norm anyway).
+        normed, x = self.ffn_norm(self.attn(self.attn_norm(x), rope, position_ids, metadata), residual=x)
+        return x + self.ffn(normed)
 
 
 class MoEGPT(nn.Module):
