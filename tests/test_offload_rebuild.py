@@ -363,3 +363,43 @@ def test_mark_rebuildable_without_a_rebuild_names_the_problem() -> None:
     with pytest.raises(OffloadError, match="llmfast_rebuild") as info:
         _NoRebuild.apply(torch.randn(3, requires_grad=True))
     assert isinstance(info.value, ValueError)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 8. A Function with two outputs that marks its second: only that one is rebuilt, never the first with its recipe.
+class _SinCos(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(x)
+        sin, cos = x.sin(), x.cos()
+        mark_rebuildable(ctx, cos, lambda ctx, x: x.cos())
+        return sin, cos
+
+    @staticmethod
+    def backward(ctx: Any, grad_sin: torch.Tensor, grad_cos: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad_sin * x.cos() - grad_cos * x.sin()
+
+
+class _SinCosBlock(nn.Module):
+    def __init__(self, saved: int) -> None:
+        super().__init__()
+        self.saved = saved
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outputs = _SinCos.apply(x * 1.0)
+        return x + outputs[self.saved] @ self.weight + outputs[1 - self.saved].sum()  # the matmul saves one output
+
+
+@pytest.mark.parametrize(("saved", "rebuilt"), [(0, 0), (1, 1)])
+def test_only_the_marked_output_of_a_two_output_function_is_rebuilt(saved: int, rebuilt: int) -> None:
+    torch.manual_seed(saved)
+    ref = nn.Sequential(_SinCosBlock(saved), _SinCosBlock(saved))
+    model = copy.deepcopy(ref)
+    x = torch.randn(4, 8, requires_grad=True)  # so that the first block's outputs have a grad_fn too
+    expected = _grads(ref, x, None)
+    off = _offloader(list(model))
+    assert all(torch.equal(a, b) for a, b in zip(expected, _grads(model, x, off)))
+    assert off.stats["rebuilt_tensors"] == 2 * rebuilt
+    off.close()

@@ -82,9 +82,10 @@ def test_add_rms_norm_is_bitwise_the_unfused_ops(shape: tuple[int, ...], branch_
         else:
             h = residual + branch
             normed = rms_norm(h, w, 1e-5)
+        h.retain_grad()  # the sum's own gradient: both consumers' parts, as hooks on it see them
         outputs = [(normed, grads[0])] * (uses != "sum") + [(h, grads[1])] * (uses != "normed")
         torch.autograd.backward([t for t, _ in outputs], [g.to(t.dtype) for t, g in outputs])
-        results.append([normed.detach(), h.detach(), residual.grad, branch.grad, w.grad])
+        results.append([normed.detach(), h.detach(), residual.grad, branch.grad, w.grad, h.grad])
     for unfused, fused in zip(*results):
         if unfused is None:  # the weight, when backward reaches the sum only
             assert fused is None and uses == "sum"
@@ -108,6 +109,28 @@ def test_add_rms_norm_saves_the_branch_not_the_sum() -> None:
         _, h = add_rms_norm(residual, branch, w, 1e-5)
     assert h.untyped_storage().data_ptr() not in saved
     assert sorted(saved.values()) == sorted([64 * 128 * 4, 64 * 128 * 2, 128 * 4, 64 * 4])
+
+
+def test_add_rms_norm_detects_an_in_place_change_of_what_it_saves() -> None:
+    residual = torch.randn(4, 8, requires_grad=True)
+    branch = torch.randn(4, 8, requires_grad=True) * 1.0  # a non-leaf, changeable in place
+    normed, _ = add_rms_norm(residual, branch, torch.ones(8), 1e-5)
+    branch.mul_(2)  # the norm's backward would add the changed branch to the residual
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        normed.sum().backward()
+
+
+def test_add_rms_norm_compiles_and_leaves_the_weight_gradient_none_when_only_the_sum_is_used() -> None:
+    norm = RMSNorm(8, 1e-5)
+    residual, branch = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+
+    def only_sum(r: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return norm(b, residual=r)[1].square().sum()
+
+    for fn in (only_sum, torch.compile(only_sum, fullgraph=True, backend="aot_eager")):
+        residual.grad = None
+        fn(residual, branch).backward()
+        assert norm.weight.grad is None and torch.equal(residual.grad, 2 * (residual + branch).detach())
 
 
 def test_add_rms_norm_rejects_a_broadcast() -> None:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from lightning_llmfast._autograd import mark_rebuildable
 from lightning_llmfast.errors import ConfigError
 
-__all__ = ["AddRMSNormFunction", "RMSNorm", "RMSNormFunction", "add_rms_norm", "rms_norm", "swap_rms_norms"]
+__all__ = ["RMSNorm", "RMSNormFunction", "add_rms_norm", "rms_norm", "swap_rms_norms"]
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -52,69 +52,71 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         x, weight, rstd = ctx.saved_tensors
-        grad_x, grad_weight = _norm_backward(x, weight, rstd, grad, *ctx.needs_input_grad[:2])
+        x_hat = _wide(x) * rstd  # recomputed: (..., H)
+        grad_x, grad_weight = _norm_backward(x_hat, x.dtype, weight, rstd, grad, *ctx.needs_input_grad[:2])
         return grad_x, grad_weight, None
 
 
-class AddRMSNormFunction(torch.autograd.Function):
-    """``h = residual + branch`` and ``rms_norm(h)``, returned as ``(normed, h)``; saves ``residual``, ``branch`` and
-    ``rstd``, not ``h``: backward adds them again.
+class _AddRMSNormFunction(torch.autograd.Function):
+    """``rms_norm(h)`` for ``h = residual + branch``, saving ``residual`` and ``branch`` (aliases, no grad) instead of
+    ``h``: backward adds them again. ``h`` itself comes from a plain add, so its gradient (and any hook on it) is
+    what the unfused ops give; this Function only gives the norm's part.
 
     In a pre-norm block (``h = x + attn(norm(x))``, then ``norm(h)``) ``residual`` is the block's input, which the
     first norm saves anyway, and ``branch`` the attention output in the compute dtype: the second norm keeps a bf16
-    tensor instead of the fp32 ``h`` (16.8 MB less per layer at hidden 1024, 8192 tokens). ``normed`` can be rebuilt
-    from what it saves, as :class:`RMSNormFunction`'s output. Same bits as the unfused ops, forward and backward (the
-    gradient of ``h`` is a sum of two terms, whose order does not change a float sum).
+    tensor instead of the fp32 ``h`` (16.8 MB less per layer at hidden 1024, 8192 tokens). The output can be rebuilt
+    from what it saves, as :class:`RMSNormFunction`'s.
     """
 
     @staticmethod
-    def forward(ctx: Any, residual: Tensor, branch: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        h = residual + branch
+    def forward(ctx: Any, h: Tensor, residual: Tensor, branch: Tensor, weight: Tensor, eps: float) -> Tensor:
         rstd = torch.rsqrt(_wide(h).pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
         ctx.save_for_backward(residual, branch, weight, rstd)
-        ctx.set_materialize_grads(False)
         out = _normalize(h, weight, rstd)
         mark_rebuildable(ctx, out)
-        return out, h
+        return out
 
     @staticmethod
     def llmfast_rebuild(ctx: Any, residual: Tensor, branch: Tensor, weight: Tensor, rstd: Tensor) -> Tensor:
-        """The forward's ``normed`` from its saved tensors, with the same bits."""
-        return _normalize(residual + branch, weight, rstd)
+        """The forward's output from its saved tensors, with the same bits."""
+        # The sum is a temporary, freed once normalised: the rebuild holds no extra (..., H) fp32 tensor.
+        return _scale(_wide(residual + branch) * rstd, _sum_dtype(residual, branch), weight)
 
     @staticmethod
-    def backward(
-        ctx: Any, grad_out: Tensor | None, grad_h: Tensor | None
-    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, Tensor | None, None]:
         residual, branch, weight, rstd = ctx.saved_tensors
-        grad_weight = None
-        if grad_out is not None:
-            x_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-            h = residual + branch  # the forward's sum, recomputed: the same bits
-            grad_x, grad_weight = _norm_backward(h, weight, rstd, grad_out, x_grad, ctx.needs_input_grad[2])
-            if grad_x is not None:
-                grad_h = grad_x if grad_h is None else grad_h + grad_x
-        # The engine casts each gradient to its input's dtype (bf16 for the branch), as for a plain add.
-        return grad_h, grad_h, grad_weight, None
+        # The forward's sum, recomputed (the same bits) and normalised at once: it is not held through backward.
+        x_hat = _wide(residual + branch) * rstd
+        dtype, needs = _sum_dtype(residual, branch), ctx.needs_input_grad
+        grad_h, grad_weight = _norm_backward(x_hat, dtype, weight, rstd, grad, needs[0], needs[3])
+        return grad_h, None, None, grad_weight, None
 
 
 def _norm_backward(
-    x: Tensor, weight: Tensor, rstd: Tensor, grad: Tensor, x_grad: bool, weight_grad: bool
+    x_hat: Tensor, dtype: torch.dtype, weight: Tensor, rstd: Tensor, grad: Tensor, x_grad: bool, weight_grad: bool
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Gradients of ``_normalize(x, weight, rstd)`` for ``x`` and ``weight`` (each ``None`` unless asked for)."""
-    x_hat = _wide(x) * rstd  # recomputed: (..., H)
+    """Gradients of ``_normalize(x, weight, rstd)`` for ``x`` and ``weight`` (each ``None`` unless asked for), from
+    ``x_hat = _wide(x) * rstd`` and ``x``'s dtype."""
     grad_x = grad_weight = None
     if weight_grad:
-        grad_weight = (_wide(grad) * _wide(x_hat.to(x.dtype))).reshape(-1, grad.shape[-1]).sum(0).to(weight.dtype)
+        grad_weight = (_wide(grad) * _wide(x_hat.to(dtype))).reshape(-1, grad.shape[-1]).sum(0).to(weight.dtype)
     if x_grad:
         # d/dx of x * rstd: rstd * (g - x_hat * mean(g * x_hat)), with g the gradient reaching the normalised input
         g = _wide(grad) * _wide(weight)
-        grad_x = (rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))).to(x.dtype)
+        grad_x = (rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))).to(dtype)
     return grad_x, grad_weight
 
 
 def _normalize(x: Tensor, weight: Tensor, rstd: Tensor) -> Tensor:
-    return (_wide(x) * rstd).to(x.dtype) * weight
+    return _scale(_wide(x) * rstd, x.dtype, weight)
+
+
+def _scale(x_hat: Tensor, dtype: torch.dtype, weight: Tensor) -> Tensor:
+    return x_hat.to(dtype) * weight
+
+
+def _sum_dtype(residual: Tensor, branch: Tensor) -> torch.dtype:
+    return torch.promote_types(residual.dtype, branch.dtype)  # of residual + branch (same shapes, no 0-dim rule)
 
 
 def _wide(t: Tensor) -> Tensor:
@@ -150,7 +152,9 @@ def add_rms_norm(residual: Tensor, branch: Tensor, weight: Tensor, eps: float) -
         raise ConfigError(
             f"add_rms_norm: residual {tuple(residual.shape)} and branch {tuple(branch.shape)} must have one shape"
         )
-    return AddRMSNormFunction.apply(residual, branch, weight, eps)
+    h = residual + branch
+    # Detached aliases: the same storages and version counters (an in-place change before backward still raises).
+    return _AddRMSNormFunction.apply(h, residual.detach(), branch.detach(), weight, eps), h
 
 
 class RMSNorm(nn.Module):
@@ -243,7 +247,8 @@ class _LlamaRMSNorm(RMSNorm):
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # type: ignore[override]
         if residual is not None or x.dtype != torch.float64:
-            # The same bits as transformers' formula (checked at the swap); transformers never passes a residual.
+            # The same bits as transformers' formula (checked at the swap); a residual (which transformers never
+            # passes) takes this package's add_rms_norm.
             return super().forward(x, residual)  # type: ignore[call-overload]
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -636,9 +636,11 @@ class ActivationOffloader:
             layers' savings more than the forward's peak.
         rebuild_gemms: also rebuild saved outputs that their Function marked as a GEMM's
             (:func:`~lightning_llmfast.offload.mark_rebuildable` with ``gemm=True``): the routed experts' gate/up
-            projection (:func:`~lightning_llmfast.moe.routed_swiglu`), ``(T * top_k, 2 * ffn)`` per MoE layer, 27%
-            of what a reference layer saves at hidden 1024 under bf16, recomputed by one gather and grouped GEMM in
-            its backward. In every layer call, offloading or not; the ``"auto"`` plan measures with it.
+            projection (:func:`~lightning_llmfast.moe.routed_swiglu`), ``(T * top_k, 2 * ffn)`` per MoE layer, 29%
+            of what a reference layer saves at hidden 1024 under bf16, recomputed in its backward by one gather and
+            grouped GEMM (the rebuild reads the op's saved tensors, so the gate/up weight's bf16 copy and the
+            experts' input are rebuilt once more too: elementwise, and transient). In every layer call, offloading
+            or not; the ``"auto"`` plan measures with it.
 
     Raises:
         OffloadError: on negative sizes or counts, headroom below 1, an ``offload_layers`` that is not ``None``,
@@ -1125,13 +1127,15 @@ class ActivationOffloader:
         else:
             node, output_nr = fn, base.output_nr
         rebuild = getattr(node, "llmfast_rebuild", None)
-        if rebuild is None or output_nr != 0 or getattr(node, "llmfast_pack_hook", None) != self._pack:
+        if rebuild is None or getattr(node, "llmfast_pack_hook", None) != self._pack:
             return None  # not rebuildable, or its saved tensors belong to other hooks (checkpoint: one unpack only)
         if node.llmfast_gemm and not self.rebuild_gemms:
             return None  # a GEMM's output: kept unless rebuilding GEMMs was asked for (it costs backward time)
         output = node.llmfast_output()
-        if output is None or output._version != node.llmfast_output_version:
-            return None  # changed in place (or gone, so unknown) since forward: a rebuild would give the old values
+        if output is None or output.output_nr != output_nr:
+            return None  # gone (so unknown), or another output of the Function than the one its rebuild gives
+        if output._version != node.llmfast_output_version:
+            return None  # changed in place since forward: a rebuild would give the values before the change
         self._counters["rebuilt_tensors"] += 1
         storage = base.untyped_storage()
         seen = seg.rebuilt.get(storage.data_ptr())
