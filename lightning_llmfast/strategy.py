@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +123,9 @@ class LLMFastStrategy(DDPStrategy):
             "rebuild_gemms": rebuild_gemms,
         }
         self._offloader: ActivationOffloader | None = None
+        if not self.offload_activations:
+            ignored = {**self._offload_kwargs, "layers": layers, "force_offload": force_offload}
+            self._warn_unused_offload_settings(ignored)
 
     @property
     def offloader(self) -> ActivationOffloader | None:
@@ -170,6 +174,16 @@ class LLMFastStrategy(DDPStrategy):
         return model if self.single_process else super()._setup_model(model)
 
     # ------------------------------------------------------------------ offload wiring
+    @staticmethod
+    def _warn_unused_offload_settings(settings: dict[str, Any]) -> None:
+        defaults = inspect.signature(LLMFastStrategy.__init__).parameters
+        changed = sorted(name for name, value in settings.items() if value != defaults[name].default)
+        if changed:
+            rank_zero_warn(
+                f"LLMFastStrategy: {', '.join(changed)} have no effect without offload_activations=True "
+                "(or strategy='llmfast_offload')"
+            )
+
     def _setup_offloader(self) -> None:
         assert self.lightning_module is not None
         layers = resolve_layers(self.lightning_module, self._layers_spec)  # raises before any step runs

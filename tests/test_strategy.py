@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +194,15 @@ def test_bad_configuration_raises_at_construction(kwargs: dict[str, Any], field:
     with pytest.raises(OffloadError, match=field) as info:
         LLMFastStrategy(offload_activations=True, **kwargs)
     assert isinstance(info.value, ValueError)
+
+
+def test_offload_settings_without_offload_warn_and_defaults_do_not() -> None:
+    with pytest.warns(UserWarning, match="offload_layers, rebuild_gemms have no effect"):
+        LLMFastStrategy(rebuild_gemms=True, offload_layers=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LLMFastStrategy()
+        LLMFastStrategy(offload_activations=True, rebuild_gemms=True)
 
 
 def test_layers_matching_nothing_raise_at_setup_before_any_step() -> None:
