@@ -95,9 +95,10 @@ def test_add_rms_norm_is_bitwise_the_unfused_ops(shape: tuple[int, ...], branch_
     torch.testing.assert_close(results[1][0].double(), _reference(h64, base[2], 1e-5), rtol=1e-5, atol=1e-5)
 
 
-def test_add_rms_norm_saves_the_branch_not_the_sum() -> None:
+@pytest.mark.parametrize("branch_dtype", [torch.bfloat16, torch.float32])
+def test_add_rms_norm_saves_a_narrower_branch_not_the_sum(branch_dtype: torch.dtype) -> None:
     residual = torch.randn(64, 128, requires_grad=True)
-    branch = torch.randn(64, 128).bfloat16().requires_grad_()
+    branch = torch.randn(64, 128).to(branch_dtype).requires_grad_()
     w = torch.randn(128, requires_grad=True)
     saved: dict[int, int] = {}
 
@@ -107,13 +108,17 @@ def test_add_rms_norm_saves_the_branch_not_the_sum() -> None:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         _, h = add_rms_norm(residual, branch, w, 1e-5)
-    assert h.untyped_storage().data_ptr() not in saved
-    assert sorted(saved.values()) == sorted([64 * 128 * 4, 64 * 128 * 2, 128 * 4, 64 * 4])
+    if branch_dtype == torch.bfloat16:
+        assert h.untyped_storage().data_ptr() not in saved
+        assert sorted(saved.values()) == sorted([64 * 128 * 4, 64 * 128 * 2, 128 * 4, 64 * 4])
+    else:  # an fp32 branch is as wide as the sum: the norm keeps the sum, as rms_norm does
+        assert branch.untyped_storage().data_ptr() not in saved
+        assert sorted(saved.values()) == sorted([64 * 128 * 4, 128 * 4, 64 * 4])
 
 
 def test_add_rms_norm_detects_an_in_place_change_of_what_it_saves() -> None:
     residual = torch.randn(4, 8, requires_grad=True)
-    branch = torch.randn(4, 8, requires_grad=True) * 1.0  # a non-leaf, changeable in place
+    branch = torch.randn(4, 8, requires_grad=True).bfloat16()  # narrower than the sum; a non-leaf, changeable
     normed, _ = add_rms_norm(residual, branch, torch.ones(8), 1e-5)
     branch.mul_(2)  # the norm's backward would add the changed branch to the residual
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -122,7 +127,7 @@ def test_add_rms_norm_detects_an_in_place_change_of_what_it_saves() -> None:
 
 def test_add_rms_norm_compiles_and_leaves_the_weight_gradient_none_when_only_the_sum_is_used() -> None:
     norm = RMSNorm(8, 1e-5)
-    residual, branch = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+    residual, branch = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8).bfloat16()
 
     def only_sum(r: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return norm(b, residual=r)[1].square().sum()

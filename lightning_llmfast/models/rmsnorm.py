@@ -137,9 +137,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def add_rms_norm(residual: Tensor, branch: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``(rms_norm(residual + branch), residual + branch)``, keeping ``branch`` instead of the sum for backward.
 
-    Saves less only where ``residual`` is saved anyway (a pre-norm block's input, which its first norm keeps) and
-    ``branch`` is narrower than the sum (the bf16 output of an attention block added to an fp32 residual stream).
-    The same bits as ``h = residual + branch; rms_norm(h, weight, eps)``, forward and backward.
+    Saves less where ``residual`` is saved anyway (a pre-norm block's input, which its first norm keeps) and
+    ``branch`` is narrower than the sum (the bf16 output of an attention block added to an fp32 residual stream);
+    a ``branch`` as wide as the sum gains nothing, so then the norm keeps the sum as :func:`rms_norm` does. The same
+    bits as ``h = residual + branch; rms_norm(h, weight, eps)``, forward and backward.
 
     Raises:
         ConfigError: ``residual`` and ``branch`` have different shapes (a broadcast would save the wider one).
@@ -153,6 +154,8 @@ def add_rms_norm(residual: Tensor, branch: Tensor, weight: Tensor, eps: float) -
             f"add_rms_norm: residual {tuple(residual.shape)} and branch {tuple(branch.shape)} must have one shape"
         )
     h = residual + branch
+    if branch.element_size() >= h.element_size():
+        return rms_norm(h, weight, eps), h  # as wide as the sum (fp32 training): keeping it would save nothing
     # Detached aliases: the same storages and version counters (an in-place change before backward still raises).
     return _AddRMSNormFunction.apply(h, residual.detach(), branch.detach(), weight, eps), h
 
