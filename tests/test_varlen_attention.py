@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -187,3 +188,80 @@ def test_cuda_flash_varlen_matches_reference(dtype: torch.dtype, kv_heads: int) 
     torch.testing.assert_close(out.double().cpu(), ref.double(), atol=tol, rtol=tol)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g.double().cpu(), r.double(), atol=5 * tol, rtol=5 * tol)
+
+
+# ---------------------------------------------------------------------------------------------- the flash wrapper
+class _FakeVarlen:
+    """A CPU stand-in for ``torch.nn.attention.varlen.varlen_attn`` of a given torch generation, recording calls.
+
+    ``old``: torch <= 2.11 (``is_causal``, no ``scale``: always ``1 / sqrt(head_dim)``, no ``enable_gqa``); its
+    kernel either does grouped-query attention natively (``native_gqa``) or checks the head counts. ``new``: ``scale``,
+    ``window_size`` and ``enable_gqa``.
+    """
+
+    def __init__(self, kind: str, native_gqa: bool = True, error: str | None = None) -> None:
+        self.kind, self.native_gqa, self.error = kind, native_gqa, error
+        self.calls: list[tuple[torch.Tensor, int]] = []  # (query, key heads) per call
+
+    def __call__(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        self.calls.append((query, key.shape[1]))
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        grouped = key.shape[1] != query.shape[1]
+        if grouped and self.kind == "new" and not kwargs.get("enable_gqa"):
+            raise ValueError("Expect query and key/value to have the same number of heads")
+        if grouped and self.kind == "old" and not self.native_gqa:
+            raise RuntimeError("Number of heads in key/value must match number of heads in query")
+        causal = kwargs["is_causal"] if self.kind == "old" else kwargs.get("window_size") == (-1, 0)
+        lengths = cu_q.diff().tolist()
+        return reference_attention(query, key, value, lengths, causal, kwargs.get("scale")).to(query.dtype)
+
+    def params(self) -> frozenset[str]:
+        common = {"query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "return_aux"}
+        return frozenset(common | ({"is_causal"} if self.kind == "old" else {"scale", "window_size", "enable_gqa"}))
+
+
+@pytest.mark.parametrize(
+    ("kind", "native_gqa", "key_heads"),
+    [("old", True, [2, 2]), ("old", False, [2, 4, 4]), ("new", True, [2, 2])],
+)
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_flash_wrapper_passes_kv_heads_natively_where_the_kernel_takes_them(
+    monkeypatch: pytest.MonkeyPatch, kind: str, native_gqa: bool, key_heads: list[int], scale: float | None
+) -> None:
+    """Grouped-query attention without repeating k and v (which the kernel would then save at the query heads) on
+    every torch generation whose kernel takes it; a kernel that checks the head counts gets repeated k and v, once
+    asked. Values and gradients against the float64 reference either way; q is scaled only when the build has no
+    ``scale`` argument and the scale is not its default."""
+    from lightning_llmfast.seqmeta import attention
+
+    fake = _FakeVarlen(kind, native_gqa)
+    monkeypatch.setattr(attention, "_flash_varlen", lambda: (fake, fake.params()))
+    monkeypatch.setattr(attention, "_native_gqa", None)
+    lengths = [1, 7, 3]
+    meta = SequenceMetadata.from_lengths(lengths)
+    for step in range(2):
+        q, k, v = _inputs(meta.num_tokens, 4, 2, 8, seed=step)
+        out = varlen_attention(q, k, v, meta, scale=scale, impl="flash")
+        ref = reference_attention(q, k, v, lengths, True, scale)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+        assert (fake.calls[-1][0] is q) == (kind == "new" or scale is None)  # no multiply by 1.0
+    assert [heads for _, heads in fake.calls] == key_heads  # the refusal is asked once, not per call
+
+
+def test_flash_wrapper_does_not_take_other_errors_for_a_head_count_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_llmfast.seqmeta import attention
+
+    fake = _FakeVarlen("old", error="CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(attention, "_flash_varlen", lambda: (fake, fake.params()))
+    monkeypatch.setattr(attention, "_native_gqa", None)
+    meta = SequenceMetadata.from_lengths([3, 5])
+    with pytest.raises(RuntimeError, match="out of memory"):
+        varlen_attention(*_inputs(8, 4, 2, 8, seed=0), meta, impl="flash")
+    assert attention._native_gqa is None and len(fake.calls) == 1

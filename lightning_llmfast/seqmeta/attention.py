@@ -197,31 +197,53 @@ def _flash_varlen() -> tuple[Any, frozenset[str]] | None:
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
+# Whether a varlen_attn without an `enable_gqa` argument (torch <= 2.11) takes fewer key/value heads than query heads:
+# its FlashAttention kernels do grouped-query attention natively, and only newer wrappers ask for the flag. None until
+# the first grouped call answers it; False: the kernel refused, so k and v are repeated to the query heads (and then
+# saved for backward at that size: 2x the bytes at 16/8 heads, 4x at 32/8).
+_native_gqa: bool | None = None
+
+
 def _flash(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SequenceMetadata, causal: bool, scale: Any
 ) -> torch.Tensor:
+    global _native_gqa
     found = _flash_varlen()
     assert found is not None
     varlen_attn, params = found
     kwargs: dict[str, Any] = {}
     if "scale" in params:
         kwargs["scale"] = scale
-    else:
+    elif scale * math.sqrt(q.shape[-1]) != 1.0:
         # Older builds have no scale argument and use 1/sqrt(head_dim): fold the requested scale into q.
         q = q * (scale * math.sqrt(q.shape[-1]))
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:
-            # An int repeat count keeps the output shape static (no sync), unlike a tensor of repeats.
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     if "is_causal" in params:  # torch <= 2.11 spelling
         kwargs["is_causal"] = causal
     elif causal:
         kwargs["window_size"] = (-1, 0)
     cu = meta.cu_seqlens
-    return varlen_attn(q, k, v, cu, cu, meta.max_seqlen, meta.max_seqlen, **kwargs)
+
+    def attend(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return varlen_attn(q, k, v, cu, cu, meta.max_seqlen, meta.max_seqlen, **kwargs)
+
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        elif _native_gqa is not False:
+            try:
+                out = attend(k, v)
+            except (RuntimeError, ValueError) as err:
+                if "head" not in str(err):  # out of memory, bad lengths: not the head-count check
+                    raise
+                _native_gqa = False
+            else:
+                _native_gqa = True
+                return out
+        if not kwargs.get("enable_gqa"):
+            # An int repeat count keeps the output shape static (no sync), unlike a tensor of repeats.
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return attend(k, v)
 
 
 _IMPLS = {"masked": _masked, "per_document": _per_document, "bucketed": _bucketed, "flash": _flash}
