@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from lightning_llmfast.bench.counters import SyncCounter
+from lightning_llmfast.models import swap_rms_norms
 from lightning_llmfast.moe.adapters import HFGroupedMoeBlock, get_moe_adapter, swap_moe_blocks
+from lightning_llmfast.offload import ActivationOffloader
 
 pytest.importorskip("transformers")
 
@@ -191,3 +193,37 @@ def test_mixtral_router_jitter_draws_the_same_noise() -> None:
     after = container(x.clone())
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(container.eval()(x), after)  # the jitter did change the routing input
+
+
+def test_swapped_causal_lm_under_the_offloader_is_bit_identical_and_rebuilds() -> None:
+    """A transformers model with swapped MoE blocks and RMSNorms, under bf16 autocast as Lightning runs it: the
+    offloader (layer 0 offloaded, norms' outputs and, with ``rebuild_gemms``, the experts' gate/up outputs rebuilt)
+    gives the same gradients to the bit as the same model without it."""
+    if not hasattr(importlib.import_module("transformers"), "Qwen2MoeForCausalLM"):
+        pytest.skip("transformers has no Qwen2MoeForCausalLM")
+    model = _tiny_causal_lm(
+        "Qwen2Moe", intermediate_size=FFN, moe_intermediate_size=FFN, shared_expert_intermediate_size=24, num_experts=E
+    )
+    assert swap_moe_blocks(model, backend="torch") == 2 and swap_rms_norms(model) == 5  # 2 per layer and the final
+    ids = torch.randint(0, 64, (2, 9))
+
+    def grads(off: ActivationOffloader | None) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with off if off is not None else torch.enable_grad():
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    expected = grads(None)
+    rebuilt = {}
+    for rebuild_gemms in (False, True):
+        off = ActivationOffloader(
+            model.model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, rebuild_gemms=rebuild_gemms
+        )
+        got = grads(off)
+        assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in expected)
+        assert off.stats["offloaded_bytes"] > 0 and off.stats["checked_out"] == 0
+        rebuilt[rebuild_gemms] = off.stats["rebuilt_tensors"]
+        off.close()
+    assert rebuilt[False] > 0 and rebuilt[True] == rebuilt[False] + 2  # one gate/up output per layer
