@@ -176,12 +176,17 @@ class LLMFastStrategy(DDPStrategy):
     # ------------------------------------------------------------------ offload wiring
     @staticmethod
     def _warn_unused_offload_settings(settings: dict[str, Any]) -> None:
-        defaults = inspect.signature(LLMFastStrategy.__init__).parameters
-        changed = sorted(name for name, value in settings.items() if value != defaults[name].default)
+        defaults = {name: p.default for name, p in inspect.signature(LLMFastStrategy.__init__).parameters.items()}
+        # `is not None` for the None defaults: `layers` may be modules (or anything), whose `!=` is not a bool.
+        changed = sorted(
+            name
+            for name, value in settings.items()
+            if (value is not None if defaults[name] is None else value != defaults[name])
+        )
         if changed:
             rank_zero_warn(
-                f"LLMFastStrategy: {', '.join(changed)} have no effect without offload_activations=True "
-                "(or strategy='llmfast_offload')"
+                f"LLMFastStrategy: offload settings do nothing without offload_activations=True "
+                f"(or strategy='llmfast_offload'): {', '.join(changed)}"
             )
 
     def _setup_offloader(self) -> None:

@@ -197,8 +197,10 @@ def test_bad_configuration_raises_at_construction(kwargs: dict[str, Any], field:
 
 
 def test_offload_settings_without_offload_warn_and_defaults_do_not() -> None:
-    with pytest.warns(UserWarning, match="offload_layers, rebuild_gemms have no effect"):
+    with pytest.warns(UserWarning, match=r"do nothing without .*: offload_layers, rebuild_gemms"):
         LLMFastStrategy(rebuild_gemms=True, offload_layers=0)
+    with pytest.warns(UserWarning, match=r"do nothing without .*: layers$"):
+        LLMFastStrategy(layers=torch.nn.ModuleList([torch.nn.Linear(2, 2)]))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         LLMFastStrategy()

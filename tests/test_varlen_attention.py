@@ -101,12 +101,12 @@ def test_auto_paths_on_larger_packings(lengths: list[int]) -> None:
 
 def test_auto_rule() -> None:
     q = torch.zeros(1, 1, 1)
-    assert _auto_impl(q, SequenceMetadata.from_lengths([64, 64])) == "masked"
-    assert _auto_impl(q, SequenceMetadata.from_lengths([2] * 200)) == "masked"
-    assert _auto_impl(q, SequenceMetadata.from_lengths([1000, 24])) == "per_document"
-    assert _auto_impl(q, SequenceMetadata.from_lengths([300] * 10)) == "per_document"
-    assert _auto_impl(q, SequenceMetadata.from_lengths([100] * 10)) == "bucketed"
-    assert _auto_impl(q, SequenceMetadata.from_lengths([300] * 20)) == "bucketed"
+    assert _auto_impl(q, q, SequenceMetadata.from_lengths([64, 64])) == "masked"
+    assert _auto_impl(q, q, SequenceMetadata.from_lengths([2] * 200)) == "masked"
+    assert _auto_impl(q, q, SequenceMetadata.from_lengths([1000, 24])) == "per_document"
+    assert _auto_impl(q, q, SequenceMetadata.from_lengths([300] * 10)) == "per_document"
+    assert _auto_impl(q, q, SequenceMetadata.from_lengths([100] * 10)) == "bucketed"
+    assert _auto_impl(q, q, SequenceMetadata.from_lengths([300] * 20)) == "bucketed"
 
 
 def test_empty_and_errors() -> None:
@@ -244,7 +244,7 @@ def test_flash_wrapper_passes_kv_heads_natively_where_the_kernel_takes_them(
     meta = SequenceMetadata.from_lengths(lengths)
     for step in range(2):
         q, k, v = _inputs(meta.num_tokens, 4, 2, 8, seed=step)
-        out = varlen_attention(q, k, v, meta, scale=scale, impl="flash")
+        out = attention._flash(q, k, v, meta, True, scale if scale is not None else 1 / math.sqrt(8))
         ref = reference_attention(q, k, v, lengths, True, scale)
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
         grads = torch.autograd.grad(out.square().sum(), (q, k, v))
@@ -255,13 +255,46 @@ def test_flash_wrapper_passes_kv_heads_natively_where_the_kernel_takes_them(
     assert [heads for _, heads in fake.calls] == key_heads  # the refusal is asked once, not per call
 
 
-def test_flash_wrapper_does_not_take_other_errors_for_a_head_count_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "error", ["CUDA out of memory. Tried to allocate 2.00 GiB", "FlashAttention supports head dimension at most 256"]
+)
+def test_flash_wrapper_does_not_take_other_errors_for_a_head_count_refusal(
+    monkeypatch: pytest.MonkeyPatch, error: str
+) -> None:
     from lightning_llmfast.seqmeta import attention
 
-    fake = _FakeVarlen("old", error="CUDA out of memory. Tried to allocate 2.00 GiB")
+    fake = _FakeVarlen("old", error=error)
     monkeypatch.setattr(attention, "_flash_varlen", lambda: (fake, fake.params()))
     monkeypatch.setattr(attention, "_native_gqa", None)
     meta = SequenceMetadata.from_lengths([3, 5])
-    with pytest.raises(RuntimeError, match="out of memory"):
-        varlen_attention(*_inputs(8, 4, 2, 8, seed=0), meta, impl="flash")
+    with pytest.raises(RuntimeError, match=error.split(".")[0]):
+        attention._flash(*_inputs(8, 4, 2, 8, seed=0), meta, True, 1 / math.sqrt(8))
     assert attention._native_gqa is None and len(fake.calls) == 1
+
+
+@pytest.mark.parametrize(("known", "key_heads"), [(None, [4]), (True, [2]), (False, [4])])
+def test_flash_wrapper_under_tracing_follows_the_eager_answer(
+    monkeypatch: pytest.MonkeyPatch, known: bool | None, key_heads: list[int]
+) -> None:
+    """Traced code cannot catch a kernel's refusal (its fake kernel never refuses): it passes grouped k/v natively
+    only once an eager call has shown that the kernel takes them, and repeats them otherwise."""
+    from lightning_llmfast.seqmeta import attention
+
+    fake = _FakeVarlen("old", native_gqa=known is not False)
+    monkeypatch.setattr(attention, "_flash_varlen", lambda: (fake, fake.params()))
+    monkeypatch.setattr(attention, "_native_gqa", known)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    meta = SequenceMetadata.from_lengths([3, 5])
+    q, k, v = _inputs(8, 4, 2, 8, seed=0)
+    out = attention._flash(q, k, v, meta, True, 1 / math.sqrt(8))
+    torch.testing.assert_close(out.double(), reference_attention(q, k, v, [3, 5], True, None), atol=1e-5, rtol=1e-5)
+    assert [heads for _, heads in fake.calls] == key_heads and attention._native_gqa is known
+
+
+def test_flash_impl_names_what_it_needs() -> None:
+    meta = SequenceMetadata.from_lengths([3, 5])
+    q, k, v = _inputs(8, 4, 2, 8, seed=0)
+    with pytest.raises(ConfigError, match=r"CUDA fp16/bf16|missing in this torch build"):
+        varlen_attention(q, k, v, meta, impl="flash")
+    with pytest.raises(ConfigError, match=r"head_dim|missing in this torch build"):
+        varlen_attention(q, k, torch.randn(8, 2, 16), meta, impl="flash")

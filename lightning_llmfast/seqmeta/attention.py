@@ -226,31 +226,49 @@ def _flash(
     def attend(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return varlen_attn(q, k, v, cu, cu, meta.max_seqlen, meta.max_seqlen, **kwargs)
 
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        elif _native_gqa is not False:
-            try:
-                out = attend(k, v)
-            except (RuntimeError, ValueError) as err:
-                if "head" not in str(err):  # out of memory, bad lengths: not the head-count check
-                    raise
-                _native_gqa = False
-            else:
-                _native_gqa = True
-                return out
-        if not kwargs.get("enable_gqa"):
-            # An int repeat count keeps the output shape static (no sync), unlike a tensor of repeats.
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return attend(k, v)
+    if k.shape[1] == q.shape[1]:
+        return attend(k, v)
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+        return attend(k, v)
+    refused = False
+    # Traced code cannot catch the kernel's refusal (the fake kernel never refuses): it follows the eager answer,
+    # and repeats while there is none.
+    if _native_gqa or (_native_gqa is None and not torch.compiler.is_compiling()):
+        try:
+            out = attend(k, v)
+        except (RuntimeError, ValueError) as err:
+            if "number of heads" not in str(err).lower():  # out of memory, head_dim, lengths: not the head counts
+                raise
+            refused = True
+        else:
+            _native_gqa = True
+            return out
+    # An int repeat count keeps the output shape static (no sync), unlike a tensor of repeats.
+    rep = q.shape[1] // k.shape[1]
+    out = attend(k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1))
+    if refused:
+        _native_gqa = False  # only now: the refusal was about the head counts, as the repeated call proves
+    return out
 
 
 _IMPLS = {"masked": _masked, "per_document": _per_document, "bucketed": _bucketed, "flash": _flash}
 
 
-def _auto_impl(q: torch.Tensor, meta: SequenceMetadata) -> str:
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _flash_varlen() is not None:
+def _flash_unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why FlashAttention varlen cannot take these inputs (``None``: it can)."""
+    if _flash_varlen() is None:
+        return "needs torch.nn.attention.varlen.varlen_attn, missing in this torch build"
+    dim = q.shape[2]
+    if v.shape[2] != dim or dim % 8 or dim > 256:
+        return f"needs one head_dim for q, k and v, a multiple of 8 and at most 256, got {dim} and v_dim {v.shape[2]}"
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return f"needs CUDA fp16/bf16 inputs, got {q.device.type} {q.dtype}"
+    return None
+
+
+def _auto_impl(q: torch.Tensor, v: torch.Tensor, meta: SequenceMetadata) -> str:
+    if _flash_unsupported(q, v) is None:
         return "flash"
     n, docs = meta.num_tokens, meta.num_sequences
     if n <= _MASKED_MAX_TOKENS or (n <= _MASKED_SHORT_DOCS_MAX_TOKENS and n < _MASKED_SHORT_DOCS_MEAN_LEN * docs):
@@ -312,9 +330,9 @@ def varlen_attention(
         raise ConfigError(f"impl: must be one of 'auto', {', '.join(map(repr, _IMPLS))}; got {impl!r}")
     if metadata.device != q.device:
         metadata = metadata.to(q.device)
-    chosen = _auto_impl(q, metadata) if impl == "auto" else impl
-    if chosen == "flash" and _flash_varlen() is None:
-        raise ConfigError("impl: 'flash' needs torch.nn.attention.varlen.varlen_attn, missing in this torch build")
+    chosen = _auto_impl(q, v, metadata) if impl == "auto" else impl
+    if chosen == "flash" and (reason := _flash_unsupported(q, v)) is not None:
+        raise ConfigError(f"impl: 'flash' {reason}")
     if q.shape[0] == 0:
         return q.new_empty(0, q.shape[1], v.shape[2])
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[2])
