@@ -1070,13 +1070,18 @@ class ActivationOffloader:
             return t
         if self._current is None and not self._segments:
             return t  # before the first layer: outside the layers
-        param = self._cast_source(t)
-        if param is not None:
-            return self._keep_or_recast(t, param)
-        if self._current is not None:
-            rebuilt = self._rebuildable(t, self._current)
-            if rebuilt is not None:
-                return rebuilt
+        base = t if t._base is None else t._base
+        fn = base.grad_fn
+        # A view that reinterprets its base (view_as_complex) cannot be rebuilt with as_strided: kept or offloaded.
+        if fn is not None and t.dtype == base.dtype:
+            cast = fn.name() == "ToCopyBackward0"
+            param = self._cast_source(base, fn) if cast else None
+            if param is not None:
+                return self._keep_or_recast(t, param)
+            if self._current is not None:
+                rebuilt = self._rebuildable(t, base, fn, cast, self._current)
+                if rebuilt is not None:
+                    return rebuilt
         saved = _Saved(tensor=t)
         if self._current is None:
             self._unassigned.append(saved)  # between layers: decided when the next one starts (kept after the last)
@@ -1089,33 +1094,30 @@ class ActivationOffloader:
             return t
         return saved
 
-    def _cast_source(self, t: torch.Tensor) -> torch.Tensor | None:
-        """The parameter of the layers that ``t`` is (a view of) a copy of, such as autocast's bf16 weight.
+    def _cast_source(self, base: torch.Tensor, fn: Any) -> torch.Tensor | None:
+        """The parameter of the layers that ``base`` (made by ``fn``, a ``ToCopyBackward0``) is a copy of, such as
+        autocast's bf16 weight.
 
         Only a contiguous copy of a contiguous parameter counts (what ``param.to(dtype)`` gives), so that the rebuilt
         copy is the same tensor; one with another memory format stays an ordinary activation.
         """
-        base = t if t._base is None else t._base
-        fn = base.grad_fn
-        if fn is None or fn.name() != "ToCopyBackward0" or not fn.next_functions or t.dtype != base.dtype:
-            return None  # not a copy, or a view that reinterprets one (view_as_complex): as_strided cannot rebuild it
+        if not fn.next_functions:
+            return None
         leaf = getattr(fn.next_functions[0][0], "variable", None)  # AccumulateGrad of the cast's source
-        if leaf is None or leaf.device != t.device or leaf.untyped_storage().data_ptr() not in self._param_ptrs:
+        if leaf is None or leaf.device != base.device or leaf.untyped_storage().data_ptr() not in self._param_ptrs:
             return None  # a parameter kept elsewhere (host) would be copied over the bus again: not cheaper
         if base.shape != leaf.shape or not (base.is_contiguous() and leaf.is_contiguous()) or base.storage_offset():
             return None
         return leaf
 
-    def _rebuildable(self, t: torch.Tensor, seg: _Segment) -> _Rebuilt | None:
-        """A recipe for ``t`` if it is (a view of) the output of a Function with ``llmfast_rebuild``, or a copy of one.
+    def _rebuildable(self, t: torch.Tensor, base: torch.Tensor, fn: Any, cast: bool, seg: _Segment) -> _Rebuilt | None:
+        """A recipe for ``t`` (a view of ``base``, made by ``fn``; ``cast``: a ``ToCopyBackward0``) if it is the
+        output of a Function with ``llmfast_rebuild``, or a copy of one.
 
         Only whole contiguous outputs count, so that ``as_strided`` on the rebuilt tensor gives back the very view.
         """
-        base = t if t._base is None else t._base
-        fn = base.grad_fn
-        if fn is None or t.dtype != base.dtype or not base.is_contiguous() or base.storage_offset():
+        if not base.is_contiguous() or base.storage_offset():
             return None
-        cast = fn.name() == "ToCopyBackward0"
         if cast:
             if base._version:
                 return None  # the copy changed in place since it was made: a rebuild would give the values before
