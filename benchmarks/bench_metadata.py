@@ -103,7 +103,8 @@ def _step(stack: Stack, x: torch.Tensor, batch: PackedBatch, cache: SequenceMeta
 def _build_metadata(batch: PackedBatch, x: torch.Tensor) -> None:
     # What the cached path does once per step: the metadata, and the attention mask or gather plan it needs.
     meta = SequenceMetadata.from_batch(batch)
-    impl = _auto_impl(x.new_empty(0), meta)
+    q = x.new_empty(0, HEADS, HEAD_DIM)  # what the layers' attention decides from: device, dtype, head sizes
+    impl = _auto_impl(q, q, meta)
     if impl == "masked":
         dense_block_causal_mask(meta)
     elif impl == "bucketed":

@@ -236,6 +236,13 @@ def test_run_micro_loads_scripts_by_path_and_isolates_failures(tmp_path: Path) -
     assert "not found" in micro["absent"]["skipped"]
 
 
+def test_metadata_and_moe_micro_benchmarks_run_on_cpu_without_error() -> None:
+    """``run_micro`` reports a failing script instead of raising: here the real scripts must not fail."""
+    micro = run_micro(True, "cpu", ("metadata", "moe"), Path(__file__).parents[1] / "benchmarks", log=lambda _: None)
+    assert all("error" not in result and "skipped" not in result for result in micro.values()), micro
+    assert micro["metadata"]["rows"] and micro["moe"]["results"]
+
+
 def test_markdown_report_shows_skipped_variants_and_ratios() -> None:
     row = dict.fromkeys(E2E_KEYS, 1.0)
     result = {
