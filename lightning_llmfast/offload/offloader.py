@@ -1082,16 +1082,15 @@ class ActivationOffloader:
                 rebuilt = self._rebuildable(t, base, fn, cast, self._current)
                 if rebuilt is not None:
                     return rebuilt
+        if self._current is not None and not self._current.offload:
+            if self._measuring:
+                self._measure(t, self._current)
+            return t  # a layer that keeps what it saves
         saved = _Saved(tensor=t)
         if self._current is None:
             self._unassigned.append(saved)  # between layers: decided when the next one starts (kept after the last)
-        elif self._current.offload:
-            if not self._offload(saved, self._current):
-                return t  # over the partial layer's budget: stays on the device
-        else:
-            if self._measuring:
-                self._measure(t, self._current)
-            return t
+        elif not self._offload(saved, self._current):
+            return t  # over the partial layer's budget: stays on the device
         return saved
 
     def _cast_source(self, base: torch.Tensor, fn: Any) -> torch.Tensor | None:
