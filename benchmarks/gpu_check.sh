@@ -11,7 +11,7 @@
 #   cuda_tests    pytest -m cuda (TRITON_INTERPRET unset: Triton compiles for the GPU)
 #   kernel_tests  the Triton/routing/permute/MoE test files on CUDA (LLMFAST_TEST_DEVICE=cuda for tests that read it)
 #   offload       benchmarks/bench_offload.py at hidden 4096 and 1024 (OFFLOAD_SHAPES), modes OFFLOAD_MODES (default
-#                 off/rebuild/rebuild_gemms/all/auto/auto_gemms; recompute/auto_recompute measured 2.6x slower before)
+#                 off/rebuild/rebuild_gemms/rebuild_gemms_6/all/auto/auto_gemms; recompute/auto_recompute: 2.6x slower)
 #   kernel_check  Triton kernels against their PyTorch references at T=65536, E=64, k=8, sync-free, with timings
 #   sync_step     llmfast training steps under torch.cuda.set_sync_debug_mode("error") (forward + backward)
 #   bench         python -m lightning_llmfast.bench --profile full --device cuda (bf16; micro: metadata, moe)
@@ -286,7 +286,7 @@ stage_offload() {
     # "large" first: the shape where the target is within reach; a failing shape does not stop the next one.
     for shape in ${OFFLOAD_SHAPES:-large full}; do
         if ! "$PY" benchmarks/bench_offload.py --device cuda --shape "$shape" --json "$OUT/offload_$shape.json" \
-            --modes "${OFFLOAD_MODES:-rebuild,rebuild_gemms,all,auto,auto_gemms}" --summary; then
+            --modes "${OFFLOAD_MODES:-rebuild,rebuild_gemms,rebuild_gemms_6,all,auto,auto_gemms}" --summary; then
             echo "offload $shape: FAILED"
             failed=1
         fi

@@ -63,16 +63,16 @@ class LLMFastStrategy(DDPStrategy):
             routing outputs and recompute the cheap rest in backward
             (:mod:`~lightning_llmfast.offload.recompute`).
         rebuild_gemms: with ``offload_activations=True``, also rebuild the routed experts' gate/up GEMM output in
-            backward instead of keeping it (one more grouped GEMM per layer; see
-            :class:`~lightning_llmfast.offload.ActivationOffloader`).
+            backward instead of keeping it (one more grouped GEMM per layer): ``True`` in every layer, an int ``N``
+            in the first ``N`` (see :class:`~lightning_llmfast.offload.ActivationOffloader`).
         *args: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and on to DDP).
 
     Raises:
         OffloadError: at construction for negative sizes or counts, headroom below 1 or an ``offload_layers``
             other than ``None``, an int ``>= 0`` or ``"auto"``, or a ``recompute`` other than ``None`` or
-            ``"selective"``, or a ``rebuild_gemms`` that is not a bool; at :meth:`setup`, before any step, when
-            ``layers`` matches nothing.
+            ``"selective"``, or a ``rebuild_gemms`` that is neither a bool nor an int ``>= 0``; at :meth:`setup`,
+            before any step, when ``layers`` matches nothing.
 
     Example::
 
@@ -96,7 +96,7 @@ class LLMFastStrategy(DDPStrategy):
         force_offload: bool = False,
         offload_layers: int | str | None = None,
         recompute: str | None = None,
-        rebuild_gemms: bool = False,
+        rebuild_gemms: bool | int = False,
         **kwargs: Any,
     ) -> None:
         validate_offload_config(

@@ -22,7 +22,7 @@ model's RMSNorm), or a dtype/device copy of one (autocast's bf16 input of the ne
 from the tensors that Function saved anyway: one elementwise pass instead of keeping or copying it. Not when those
 tensors belong to ``torch.utils.checkpoint`` or the output was changed in place before it was saved. Outputs marked
 as a GEMM's (the routed experts' gate/up projection, the largest tensor an MoE layer saves) are rebuilt only with
-``rebuild_gemms=True``: one more GEMM per layer in backward, no bus traffic.
+``rebuild_gemms`` (``True``, or the first ``N`` layers): one more GEMM per layer in backward, no bus traffic.
 
 Schedule: ``offload_layers`` limits offloading to the first ``N`` layers (their activations live longest);
 ``"auto"`` measures the first step (each layer's forward and backward time, bytes, copy bandwidth, and on CUDA the
@@ -316,10 +316,10 @@ def validate_offload_config(
     Raises:
         OffloadError: naming the field, the rule and the value (negative sizes or counts, headroom below 1,
             ``offload_layers`` other than ``None``, an int ``>= 0`` or ``"auto"``, ``recompute`` other than
-            ``None`` or ``"selective"``, ``rebuild_gemms`` not a bool).
+            ``None`` or ``"selective"``, ``rebuild_gemms`` neither a bool nor an int ``>= 0``).
     """
-    if not isinstance(rebuild_gemms, bool):
-        raise OffloadError(f"{owner}: rebuild_gemms must be a bool, got {rebuild_gemms!r}")
+    if not isinstance(rebuild_gemms, int) or rebuild_gemms < 0:  # (a bool is an int)
+        raise OffloadError(f"{owner}: rebuild_gemms must be a bool or an int >= 0, got {rebuild_gemms!r}")
     if recompute not in RECOMPUTE_MODES:
         raise OffloadError(f"{owner}: recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     if offload_layers is not None and offload_layers != "auto":
@@ -639,13 +639,14 @@ class ActivationOffloader:
             projection (:func:`~lightning_llmfast.moe.routed_swiglu`), ``(T * top_k, 2 * ffn)`` per MoE layer, 29%
             of what a reference layer saves at hidden 1024 under bf16, recomputed in its backward by one gather and
             grouped GEMM (the rebuild reads the op's saved tensors, so the gate/up weight's bf16 copy and the
-            experts' input are rebuilt once more too: elementwise, and transient). In every layer call, offloading
-            or not; the ``"auto"`` plan measures with it.
+            experts' input are rebuilt once more too: elementwise, and transient). ``True``: in every layer call,
+            offloading or not; an int ``N``: in the first ``N`` layers only (each takes the same share off the
+            forward's peak, so ``N`` trades memory for backward time linearly). The ``"auto"`` plan measures with it.
 
     Raises:
         OffloadError: on negative sizes or counts, headroom below 1, an ``offload_layers`` that is not ``None``,
             an int ``>= 0`` or ``"auto"``, a ``recompute`` that is not ``None`` or ``"selective"``, or an empty layer
-            list, or a ``rebuild_gemms`` that is not a bool.
+            list, or a ``rebuild_gemms`` that is neither a bool nor an int ``>= 0``.
 
     Example::
 
@@ -669,7 +670,7 @@ class ActivationOffloader:
         force: bool = False,
         offload_layers: int | str | None = None,
         recompute: str | None = None,
-        rebuild_gemms: bool = False,
+        rebuild_gemms: bool | int = False,
     ) -> None:
         validate_offload_config(
             min_offload_bytes=min_offload_bytes,
@@ -1130,7 +1131,7 @@ class ActivationOffloader:
         rebuild = getattr(node, "llmfast_rebuild", None)
         if rebuild is None or getattr(node, "llmfast_pack_hook", None) != self._pack:
             return None  # not rebuildable, or its saved tensors belong to other hooks (checkpoint: one unpack only)
-        if node.llmfast_gemm and not self.rebuild_gemms:
+        if node.llmfast_gemm and not self._rebuilds_gemms(seg.layer_index):
             return None  # a GEMM's output: kept unless rebuilding GEMMs was asked for (it costs backward time)
         output = node.llmfast_output()
         if output is None or output.output_nr != output_nr:
@@ -1152,6 +1153,11 @@ class ActivationOffloader:
             stride=t.stride(),
             storage_offset=t.storage_offset(),
         )
+
+    def _rebuilds_gemms(self, layer_index: int) -> bool:
+        if isinstance(self.rebuild_gemms, bool):
+            return self.rebuild_gemms
+        return layer_index < self.rebuild_gemms
 
     def _keep_or_recast(self, t: torch.Tensor, param: torch.Tensor) -> torch.Tensor | _Recast:
         """Keep a parameter's saved copy while autocast's cache holds it, else rebuild it in backward.
