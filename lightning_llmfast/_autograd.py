@@ -43,7 +43,7 @@ def mark_rebuildable(
         output: the output that ``rebuild`` gives (of a Function with several, the others are never rebuilt).
         rebuild: ``(ctx, *saved_tensors) -> output``; ``None``: the Function's ``llmfast_rebuild`` static method.
         gemm: the rebuild runs a matrix multiplication (not an elementwise pass): the offloader only runs it when
-            asked to (``rebuild_gemms=True``), as it costs compute time in backward.
+            asked to (``rebuild_gemms``), as it costs compute time in backward.
 
     Raises:
         OffloadError: ``rebuild`` is ``None`` and the Function declares no ``llmfast_rebuild``.
