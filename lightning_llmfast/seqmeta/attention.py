@@ -238,7 +238,9 @@ def _flash(
         try:
             out = attend(k, v)
         except (RuntimeError, ValueError) as err:
-            if "number of heads" not in str(err).lower():  # out of memory, head_dim, lengths: not the head counts
+            # Any check about heads (whatever a build's wording) gets one repeated call: only if that works was it the
+            # head counts. Out of memory or bad lengths would fail the same way with more memory: raised at once.
+            if "head" not in str(err).lower():
                 raise
             refused = True
         else:
@@ -248,7 +250,7 @@ def _flash(
     rep = q.shape[1] // k.shape[1]
     out = attend(k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1))
     if refused:
-        _native_gqa = False  # only now: the refusal was about the head counts, as the repeated call proves
+        _native_gqa = False  # only now: the refusal was about the head counts, as the repeated call shows
     return out
 
 
