@@ -262,8 +262,8 @@ def test_flash_wrapper_passes_kv_heads_natively_where_the_kernel_takes_them(
 def test_flash_wrapper_does_not_take_other_errors_for_a_head_count_refusal(
     monkeypatch: pytest.MonkeyPatch, error: str, calls: int
 ) -> None:
-    """Out of memory is raised at once; another check about heads gets one repeated call, which fails the same way:
-    raised, and the process does not switch to repeating k and v."""
+    """Out of memory is raised at once; another error gets one repeated call, which fails the same way: raised, and
+    the process does not switch to repeating k and v."""
     from lightning_llmfast.seqmeta import attention
 
     fake = _FakeVarlen("old", error=error)

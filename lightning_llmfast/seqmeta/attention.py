@@ -238,9 +238,9 @@ def _flash(
         try:
             out = attend(k, v)
         except (RuntimeError, ValueError) as err:
-            # Any check about heads (whatever a build's wording) gets one repeated call: only if that works was it the
-            # head counts. Out of memory or bad lengths would fail the same way with more memory: raised at once.
-            if "head" not in str(err).lower():
+            # Whatever a build's wording, one repeated call tells: if it works, the head counts were refused (anything
+            # else fails it the same way, and is raised). Out of memory is raised at once: repeating needs more.
+            if isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err):
                 raise
             refused = True
         else:
