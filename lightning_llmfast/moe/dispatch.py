@@ -72,6 +72,13 @@ def _permute_grouped_mm(
     saved.
     ``positions`` ``(T, k)`` and ``pair_mask`` ``(T, k)`` or ``None`` are for the backward, as in ``permute``.
     """
+    return _gather_grouped_mm(x_compute, tokens, num_valid, weight, offs, backend)
+
+
+def _gather_grouped_mm(
+    x_compute: Tensor, tokens: Tensor, num_valid: Tensor | None, weight: Tensor, offs: Tensor, backend: str
+) -> Tensor:
+    # The forward and its rebuild: one function, so a rebuilt output has the forward's bits by construction.
     return F.grouped_mm(gather_rows(x_compute, tokens, num_valid, backend=backend), weight, offs=offs)
 
 
@@ -109,9 +116,8 @@ def _permute_grouped_mm_rebuild(
     weight: Tensor,
     offs: Tensor,
 ) -> Tensor:
-    # The forward's ops on the forward's inputs: the same bits (rows past num_valid are unwritten in both, and masked
-    # by every consumer).
-    return F.grouped_mm(gather_rows(x_compute, tokens, num_valid, backend=ctx.backend), weight, offs=offs)
+    # Rows past num_valid are unwritten in both the forward's output and this one, and masked by every consumer.
+    return _gather_grouped_mm(x_compute, tokens, num_valid, weight, offs, ctx.backend)
 
 
 def _permute_grouped_mm_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
