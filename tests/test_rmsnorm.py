@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -46,9 +47,8 @@ def test_bf16_input_keeps_fp32_statistics_and_dtype() -> None:
     assert gx.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16 and torch.isfinite(gx.float()).all()
 
 
-def test_saves_the_input_and_inverse_rms_only() -> None:
-    x = torch.randn(64, 128, requires_grad=True)
-    w = torch.randn(128, requires_grad=True)
+def _saved_storages(fn: Callable[[], object]) -> dict[int, int]:
+    """Bytes of each storage that ``fn``'s forward saves for backward, by address."""
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -56,7 +56,14 @@ def test_saves_the_input_and_inverse_rms_only() -> None:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        rms_norm(x, w, 1e-5)
+        fn()
+    return saved
+
+
+def test_saves_the_input_and_inverse_rms_only() -> None:
+    x = torch.randn(64, 128, requires_grad=True)
+    w = torch.randn(128, requires_grad=True)
+    saved = _saved_storages(lambda: rms_norm(x, w, 1e-5))
     # x itself (a parameter-like leaf here), the weight and the (64, 1) inverse RMS: no (64, 128) normalised copy
     assert sorted(saved.values()) == sorted([64 * 128 * 4, 128 * 4, 64 * 4])
 
@@ -100,14 +107,9 @@ def test_add_rms_norm_saves_a_narrower_branch_not_the_sum(branch_dtype: torch.dt
     residual = torch.randn(64, 128, requires_grad=True)
     branch = torch.randn(64, 128).to(branch_dtype).requires_grad_()
     w = torch.randn(128, requires_grad=True)
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        _, h = add_rms_norm(residual, branch, w, 1e-5)
+    outputs: list[torch.Tensor] = []
+    saved = _saved_storages(lambda: outputs.extend(add_rms_norm(residual, branch, w, 1e-5)))
+    h = outputs[1]
     if branch_dtype == torch.bfloat16:
         assert h.untyped_storage().data_ptr() not in saved
         assert sorted(saved.values()) == sorted([64 * 128 * 4, 64 * 128 * 2, 128 * 4, 64 * 4])
