@@ -333,7 +333,7 @@ def varlen_attention(
     if metadata.device != q.device:
         metadata = metadata.to(q.device)
     chosen = _auto_impl(q, v, metadata) if impl == "auto" else impl
-    if chosen == "flash" and (reason := _flash_unsupported(q, v)) is not None:
+    if impl == "flash" and (reason := _flash_unsupported(q, v)) is not None:  # "auto" picks it only where it fits
         raise ConfigError(f"impl: 'flash' {reason}")
     if q.shape[0] == 0:
         return q.new_empty(0, q.shape[1], v.shape[2])
