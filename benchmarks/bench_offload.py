@@ -139,17 +139,23 @@ def _step(
     off: ActivationOffloader | None,
     marks: tuple[Any, Any] | None = None,
     free_grads: bool = True,
+    held: list[int] | None = None,
 ) -> None:
     """One training step; ``marks``: two CUDA events recorded when the loss exists and when backward has ended;
-    ``free_grads``: ``zero_grad(set_to_none=...)``."""
+    ``free_grads``: ``zero_grad(set_to_none=...)``; ``held``: see :func:`_forward_backward`."""
     opt.zero_grad(set_to_none=free_grads)
-    _forward_backward(model, ids, off, marks)
+    _forward_backward(model, ids, off, marks, held)
     opt.step()
 
 
 def _forward_backward(
-    model: MoEGPT, ids: torch.Tensor, off: ActivationOffloader | None, marks: tuple[Any, Any] | None = None
+    model: MoEGPT,
+    ids: torch.Tensor,
+    off: ActivationOffloader | None,
+    marks: tuple[Any, Any] | None = None,
+    held: list[int] | None = None,
 ) -> None:
+    """``held``: gets ``torch.cuda.memory_allocated()`` once the loss exists (the allocator's count: no sync)."""
     # As Lightning's "bf16-mixed" runs a step: autocast without its weight cache around forward and loss only.
     autocast = torch.autocast(ids.device.type, dtype=torch.bfloat16, cache_enabled=False)
     with off if off is not None else torch.enable_grad():
@@ -158,13 +164,16 @@ def _forward_backward(
             loss = F.cross_entropy(logits.flatten(0, 1).float(), ids.roll(-1, 1).flatten()) + 0.01 * model.aux_loss()
         if marks is not None:
             marks[0].record()
+        if held is not None:
+            held.append(torch.cuda.memory_allocated())
         loss.backward()
         if marks is not None:
             marks[1].record()
 
 
-def saved_inventory(model: MoEGPT, ids: torch.Tensor, layer: int = 0, top: int = 12) -> dict[str, Any]:
-    """What one layer saves for backward, as the offloader would see it (one forward, no offloader).
+def saved_inventory(model: MoEGPT, ids: torch.Tensor, layer: int | None = 0, top: int = 12) -> dict[str, Any]:
+    """What one layer (``layer=None``: every layer) saves for backward, as the offloader would see it (one forward, no
+    offloader).
 
     Storages are counted once (views and shared storages deduplicated), parameters not at all; each entry is the
     autograd node that made the saved tensor (``grad_fn`` of its base; ``leaf`` for none), its shape and dtype.
@@ -188,10 +197,14 @@ def saved_inventory(model: MoEGPT, ids: torch.Tensor, layer: int = 0, top: int =
             entry[1] += 1
         return t
 
-    block = model.layers[layer]
+    blocks = list(model.layers) if layer is None else [model.layers[layer]]
     handles = [
-        block.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
-        block.register_forward_hook(lambda *_: inside.__setitem__(0, False)),
+        hook
+        for block in blocks
+        for hook in (
+            block.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
+            block.register_forward_hook(lambda *_: inside.__setitem__(0, False)),
+        )
     ]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -291,6 +304,8 @@ def _cuda(shape_name: str, repeats: int, names: Sequence[str] | None = None) -> 
     device = "cuda"
     model, opt, ids = _setup(shape, device)
     inventory = saved_inventory(model, ids)  # before any offloader hooks the layers
+    # With the head and loss, what forward holds at its end; the rest of a peak is backward's transients.
+    layers_saved = saved_inventory(model, ids, layer=None, top=0)["total_bytes"]
     common: dict[str, Any] = {"min_offload_bytes": 1 << 20, "keep_last_layers": 1, "prefetch_layers": 1}
     modes = {
         name: None if settings is None else ActivationOffloader(model.layers, **common, **settings)
@@ -305,6 +320,7 @@ def _cuda(shape_name: str, repeats: int, names: Sequence[str] | None = None) -> 
     times: dict[str, list[float]] = {name: [] for name in modes}
     phases: dict[str, list[tuple[float, float]]] = {name: [] for name in modes}
     peaks: dict[bool, dict[str, int]] = {free: dict.fromkeys(modes, 0) for free in (False, True)}
+    held_after_forward = dict.fromkeys(modes, 0)
     repeats = max(repeats, 2)  # at least one repeat of each peak kind
     for repeat in range(repeats):
         free_grads = repeat % 2 == 1  # alternate: activation-only peaks, then peaks with the gradients as they appear
@@ -318,13 +334,16 @@ def _cuda(shape_name: str, repeats: int, names: Sequence[str] | None = None) -> 
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             start, fwd_end, bwd_end, end = (torch.cuda.Event(enable_timing=True) for _ in range(4))
+            held: list[int] = []
             start.record()
-            _step(model, opt, ids, mode, marks=(fwd_end, bwd_end), free_grads=free_grads)
+            _step(model, opt, ids, mode, marks=(fwd_end, bwd_end), free_grads=free_grads, held=held)
             end.record()
             end.synchronize()  # NOTE: host sync: benchmark timing only
             times[name].append(start.elapsed_time(end))
             phases[name].append((start.elapsed_time(fwd_end), fwd_end.elapsed_time(bwd_end)))
             peaks[free_grads][name] = max(peaks[free_grads][name], torch.cuda.max_memory_allocated() - base)
+            if not free_grads:
+                held_after_forward[name] = max(held_after_forward[name], held[0] - base)
     tokens = ids.numel()
     ms = {name: statistics.median(t) for name, t in times.items()}
     results: dict[str, Any] = {}
@@ -351,6 +370,7 @@ def _cuda(shape_name: str, repeats: int, names: Sequence[str] | None = None) -> 
             row["plan"] = offloader.auto_plan
             offloader.close()
         row["peak_act_bytes"] = peaks[False][name]
+        row["held_after_forward_bytes"] = held_after_forward[name]
         row["mem_reduction"] = 1 - peaks[False][name] / peaks[False]["off"]
         row["peak_step_bytes"] = peaks[True][name]
         row["step_mem_reduction"] = 1 - peaks[True][name] / peaks[True]["off"]
@@ -366,6 +386,7 @@ def _cuda(shape_name: str, repeats: int, names: Sequence[str] | None = None) -> 
         "modes": results,
         "meeting_target": [name for name, row in results.items() if row["meets_target"]],
         "layer0_saved": inventory,
+        "layers_saved_bytes": layers_saved,
     }
 
 
@@ -387,9 +408,10 @@ def run(
         modes: names from ``MODES`` to run (``off`` runs always); ``None``: all.
 
     Returns:
-        On CUDA ``{"modes": {mode: {"step_ms", "tokens_per_sec", "tps_ratio", "peak_act_bytes", "mem_reduction",
-        "peak_step_bytes", "step_mem_reduction", "meets_target", "offload_layers", "recompute_layers", "overlap",
-        "stats", "plan", ...}}, "meeting_target", ...}``; on CPU ``{"note", "modes": {mode: {"bit_identical_params",
+        On CUDA ``{"modes": {mode: {"step_ms", "tokens_per_sec", "tps_ratio", "peak_act_bytes",
+        "held_after_forward_bytes", "mem_reduction", "peak_step_bytes", "step_mem_reduction", "meets_target",
+        "offload_layers", "recompute_layers", "overlap", "stats", "plan", ...}}, "meeting_target", "layer0_saved",
+        "layers_saved_bytes", ...}``; on CPU ``{"note", "modes": {mode: {"bit_identical_params",
         "stats", "plan"}}}``.
 
     Example::
@@ -415,16 +437,17 @@ def summary(report: dict[str, Any]) -> str:
     lines = [
         f"offload {report['shape_name']}: {report['shape']['model']}, {report['tokens_per_step']} tokens/step, "
         f"{report['device']}",
-        "| mode | step ms | fwd ms | bwd ms | tokens/s | vs off | peak act GiB | act reduction | peak step GiB "
-        "| step reduction | offload layers | recompute layers | overlap | target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | step ms | fwd ms | bwd ms | tokens/s | vs off | peak act GiB | act reduction | held after fwd GiB "
+        "| peak step GiB | step reduction | offload layers | recompute layers | overlap | target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in report["modes"].items():
         overlap = m.get("overlap")
         lines.append(
             f"| {name} | {m['step_ms']:.1f} | {m['forward_ms']:.1f} | {m['backward_ms']:.1f} "
             f"| {m['tokens_per_sec']:,.0f} | {m['tps_ratio']:.3f} | {m['peak_act_bytes'] / 2**30:.2f} "
-            f"| {m['mem_reduction']:.1%} | {m['peak_step_bytes'] / 2**30:.2f} | {m['step_mem_reduction']:.1%} "
+            f"| {m['mem_reduction']:.1%} | {m['held_after_forward_bytes'] / 2**30:.2f} "
+            f"| {m['peak_step_bytes'] / 2**30:.2f} | {m['step_mem_reduction']:.1%} "
             f"| {m.get('offload_layers', 0)} | {m.get('recompute_layers', 0)} "
             f"| {'-' if overlap is None else f'{overlap:.2f}'} | {'met' if m['meets_target'] else 'missed'} |"
         )
@@ -447,6 +470,10 @@ def summary(report: dict[str, Any]) -> str:
                 f"{stats['rebuilt_bytes'] / 1e6:.1f} MB ({stats['rebuilt_tensors']})"
             )
     lines.append(f"meeting target: {report['meeting_target']}")
+    lines.append(
+        f"the layers save {report['layers_saved_bytes'] / 2**30:.2f} GiB for backward (no offloader); 'held after "
+        "fwd' minus that is the head, the loss and the allocator's rounding; 'peak act' minus it, backward's transients"
+    )
     inv = report["layer0_saved"]
     lines.append(f"layer 0 saves {inv['total_bytes'] / 1e6:.1f} MB in {inv['tensors']} storages; largest:")
     lines += [f"  {e['bytes'] / 1e6:8.1f} MB  x{e['count']}  {e['op']}  {e['shape']}  {e['dtype']}" for e in inv["top"]]

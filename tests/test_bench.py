@@ -370,7 +370,7 @@ def test_offload_cuda_measurement_loop_runs_on_cpu(monkeypatch: pytest.MonkeyPat
     for name, fake in {
         "Event": _FakeEvent,
         "synchronize": lambda: None,
-        "memory_allocated": lambda: 0,
+        "memory_allocated": lambda: next(allocated),
         "reset_peak_memory_stats": lambda: None,
         "max_memory_allocated": lambda: next(allocated),
         "get_device_name": lambda index=0: "fake",
@@ -380,11 +380,14 @@ def test_offload_cuda_measurement_loop_runs_on_cpu(monkeypatch: pytest.MonkeyPat
     assert set(report["modes"]) == set(bench_offload.MODES)
     for row in report["modes"].values():
         assert row["peak_act_bytes"] > 0 and row["peak_step_bytes"] > 0 and row["forward_ms"] > 0
+        assert row["held_after_forward_bytes"] > 0  # read between `base` and backward
         assert row["meets_target"] == (row["mem_reduction"] >= 0.4 and row["tps_ratio"] >= 0.95)
     assert report["modes"]["all"]["offload_layers"] == 3  # every layer but the last (its tensors are under 1 MiB)
     text = bench_offload.summary(report)
     assert text.count("\n| ") == 1 + len(report["modes"])  # the separator and one row per mode
     assert "auto plan:" in text and "layer 0 saves" in text and "(rebuild_gemms mode)" in text
+    # every layer of the 4 counted, each saving about what layer 0 does
+    assert 3.5 < report["layers_saved_bytes"] / report["layer0_saved"]["total_bytes"] < 4.5
     # --modes: a subset, with the baseline; an unknown name fails before any model is built
     assert list(bench_offload._cuda("full", repeats=2, names=["rebuild_gemms"])["modes"]) == ["off", "rebuild_gemms"]
     with pytest.raises(ConfigError, match="unknown"):
