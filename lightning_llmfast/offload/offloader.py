@@ -586,6 +586,7 @@ class _Segment:
     layer_index: int
     offload: bool
     budget: int | None = None  # bytes this call may offload (the "auto" plan's partial layer); None: all
+    keeps: bool = False  # neither offloads nor measures: only parameter copies and rebuildable outputs are dropped
     offloaded: int = 0
     blocks: list[_Block] = field(default_factory=list)
     dedup: dict[tuple[int, int], _Block] = field(default_factory=dict)  # (storage ptr, version) -> block
@@ -726,6 +727,7 @@ class ActivationOffloader:
         self._pending_sources: list[_Block] = []
         self._retired: list[_Block] = []
         self._param_ptrs: set[int] = set()
+        self._param_shapes: set[torch.Size] = set()
         self._shared_inputs: set[int] = set()
         # Whether autocast caches its weight copies in the running layer call (read at the call: the pack hook runs
         # below the autocast dispatch key, where autocast always reads as disabled).
@@ -791,6 +793,8 @@ class ActivationOffloader:
         self._param_ptrs = {
             t.untyped_storage().data_ptr() for layer in self.layers for t in (*layer.parameters(), *layer.buffers())
         }
+        # A cheap first test for "a copy of a parameter" (reading a cast's source node costs a wrapper object).
+        self._param_shapes = {p.shape for layer in self.layers for p in layer.parameters()}
         self._counters = dict.fromkeys(self._counters, 0)
         self._measuring = self._copier is not None and self._planned is None
         self._set_owner = [-1] * self._num_sets
@@ -988,6 +992,7 @@ class ActivationOffloader:
             offload=planned is not None and (index < planned or partial),
             budget=self._partial if partial else None,
         )
+        seg.keeps = not seg.offload and not self._measuring
         self._segments.append(seg)
         self._counters["segments"] += 1
         self._current = seg
@@ -1060,6 +1065,13 @@ class ActivationOffloader:
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._hot:
             return t
+        seg = self._current
+        if seg is not None and seg.keeps:
+            # Most of what a keeping layer saves is neither a copy (autocast's casts) nor a marked Function's output:
+            # those return here, before the checks below (about 1 us each of a launch-bound forward's host time).
+            fn = (t if t._base is None else t._base).grad_fn
+            if fn is None or (fn.name() != "ToCopyBackward0" and getattr(fn, "llmfast_rebuild", None) is None):
+                return t
         if (
             self._copier is None
             or in_backward()
@@ -1078,12 +1090,13 @@ class ActivationOffloader:
         fn = base.grad_fn
         # A view that reinterprets its base (view_as_complex) cannot be rebuilt with as_strided: kept or offloaded.
         if fn is not None and t.dtype == base.dtype:
-            cast = fn.name() == "ToCopyBackward0"
-            param = self._cast_source(base, fn) if cast else None
+            # A cast's source (node, output_nr), read once for both checks below.
+            source = (fn.next_functions[0] if fn.next_functions else None) if fn.name() == "ToCopyBackward0" else None
+            param = self._cast_source(base, source) if source is not None else None
             if param is not None:
                 return self._keep_or_recast(t, param)
             if self._current is not None:
-                rebuilt = self._rebuildable(t, base, fn, cast, self._current)
+                rebuilt = self._rebuildable(t, base, fn, source, self._current)
                 if rebuilt is not None:
                     return rebuilt
         if self._current is not None and not self._current.offload:
@@ -1097,34 +1110,38 @@ class ActivationOffloader:
             return t  # over the partial layer's budget: stays on the device
         return saved
 
-    def _cast_source(self, base: torch.Tensor, fn: Any) -> torch.Tensor | None:
-        """The parameter of the layers that ``base`` (made by ``fn``, a ``ToCopyBackward0``) is a copy of, such as
-        autocast's bf16 weight.
+    def _cast_source(self, base: torch.Tensor, source: tuple[Any, int]) -> torch.Tensor | None:
+        """The parameter of the layers that ``base`` (made by a ``ToCopyBackward0`` whose input comes from
+        ``source``, a ``(node, output_nr)`` pair) is a copy of, such as autocast's bf16 weight.
 
         Only a contiguous copy of a contiguous parameter counts (what ``param.to(dtype)`` gives), so that the rebuilt
         copy is the same tensor; one with another memory format stays an ordinary activation.
         """
-        if not fn.next_functions:
+        if base.shape not in self._param_shapes:
             return None
-        leaf = getattr(fn.next_functions[0][0], "variable", None)  # AccumulateGrad of the cast's source
+        leaf = getattr(source[0], "variable", None)  # AccumulateGrad of the cast's source
         if leaf is None or leaf.device != base.device or leaf.untyped_storage().data_ptr() not in self._param_ptrs:
             return None  # a parameter kept elsewhere (host) would be copied over the bus again: not cheaper
         if base.shape != leaf.shape or not (base.is_contiguous() and leaf.is_contiguous()) or base.storage_offset():
             return None
         return leaf
 
-    def _rebuildable(self, t: torch.Tensor, base: torch.Tensor, fn: Any, cast: bool, seg: _Segment) -> _Rebuilt | None:
-        """A recipe for ``t`` (a view of ``base``, made by ``fn``; ``cast``: a ``ToCopyBackward0``) if it is the
-        output of a Function with ``llmfast_rebuild``, or a copy of one.
+    def _rebuildable(
+        self, t: torch.Tensor, base: torch.Tensor, fn: Any, source: tuple[Any, int] | None, seg: _Segment
+    ) -> _Rebuilt | None:
+        """A recipe for ``t`` (a view of ``base``, made by ``fn``; ``source``: the ``(node, output_nr)`` input of
+        ``fn`` if it is a ``ToCopyBackward0``) if it is the output of a Function with ``llmfast_rebuild``, or a copy
+        of one.
 
         Only whole contiguous outputs count, so that ``as_strided`` on the rebuilt tensor gives back the very view.
         """
         if not base.is_contiguous() or base.storage_offset():
             return None
+        cast = source is not None
         if cast:
             if base._version:
                 return None  # the copy changed in place since it was made: a rebuild would give the values before
-            node, output_nr = fn.next_functions[0] if fn.next_functions else (None, 0)
+            node, output_nr = source
             # A copy of a reshaped output (MoE blocks flatten tokens before the router): a reshape keeps the
             # row-major order, so the rebuilt output reshaped to the copy's shape has the same values.
             while node is not None and node.name() in _RESHAPES and node.next_functions:
