@@ -403,3 +403,80 @@ def test_only_the_marked_output_of_a_two_output_function_is_rebuilt(saved: int, 
     assert all(torch.equal(a, b) for a, b in zip(expected, _grads(model, x, off)))
     assert off.stats["rebuilt_tensors"] == 2 * rebuilt
     off.close()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 9. One output saved by two consumers (the router's and the experts' shared bf16 input): rebuilt once, and a consumer
+# that changes its copy in place does not hand the change to the other.
+class _TwoConsumers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.rand(8) + 0.5)
+        self.a = nn.Parameter(torch.randn(8, 5) / 3)
+        self.b = nn.Parameter(torch.randn(8, 3) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = rms_norm(x, self.norm, 1e-5)
+        return x + (y @ self.a).sum(-1, keepdim=True) * (y @ self.b).mean(-1, keepdim=True)  # both matmuls save y
+
+
+class _ScaleInPlaceInBackward(torch.autograd.Function):
+    """``y @ w`` whose backward scales its saved ``y`` in place after use (allowed for a tensor it owns alone)."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(y, w)
+        return y @ w
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, w = ctx.saved_tensors
+        grads = grad @ w.T, y.T @ grad
+        y.mul_(2)
+        return grads
+
+
+class _InPlaceConsumer(_TwoConsumers):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = rms_norm(x, self.norm, 1e-5)
+        other = (y @ self.a).sum(-1, keepdim=True)
+        first = _ScaleInPlaceInBackward.apply(y, self.b)  # created last of the two: its backward runs first
+        return x + other + first.mean(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("n_layers", [1, 3])
+def test_an_output_two_consumers_save_is_rebuilt_once(n_layers: int) -> None:
+    torch.manual_seed(n_layers)
+    ref = nn.Sequential(*(_TwoConsumers() for _ in range(n_layers)))
+    model = copy.deepcopy(ref)
+    off = _offloader(list(model))
+    _assert_same_grads(ref, model, torch.randn(2, 7, 8), off)
+    assert off.stats["rebuilt_tensors"] == 2 * n_layers and off.stats["rebuilds"] == n_layers
+    off.close()
+
+
+def test_a_consumer_changing_its_rebuilt_copy_in_place_leaves_the_other_consumer_the_rebuilt_values() -> None:
+    ref = _InPlaceConsumer()
+    model = copy.deepcopy(ref)
+    x = torch.randn(7, 8)  # (tokens, hidden): the Function's backward transposes y
+    off = _offloader([model])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _grads(ref, x, None)  # without the offloader autograd's version check catches the change
+    got = _grads(model, x, off)
+    assert off.stats["rebuilds"] == 2  # the change was seen: rebuilt for the second consumer instead of shared
+    # The values each consumer needed: gradients as if nobody changed anything.
+    expected = _grads(_TwoConsumersNoChange(ref), x, None)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    off.close()
+
+
+class _TwoConsumersNoChange(nn.Module):
+    """``_InPlaceConsumer``'s function without the in-place change (its parameters)."""
+
+    def __init__(self, source: _InPlaceConsumer) -> None:
+        super().__init__()
+        self.norm, self.a, self.b = (nn.Parameter(p.detach().clone()) for p in (source.norm, source.a, source.b))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = rms_norm(x, self.norm, 1e-5)
+        return x + (y @ self.a).sum(-1, keepdim=True) + (y @ self.b).mean(-1, keepdim=True)

@@ -20,7 +20,8 @@ disables it) that frees it right after its forward use. Under the cache it stays
 Rebuildable outputs: likewise a saved output of an ``autograd.Function`` that declares ``llmfast_rebuild(ctx,
 *saved_tensors)`` and marks its forward with :func:`~lightning_llmfast.offload.mark_rebuildable` (the reference
 model's RMSNorm), or a dtype/device copy of one (autocast's bf16 input of the next matmul), is rebuilt in backward
-from the tensors that Function saved anyway: one elementwise pass instead of keeping or copying it. Not when those
+from the tensors that Function saved anyway: one elementwise pass instead of keeping or copying it (once per
+storage: a copy that two ops saved is rebuilt once and held until both have read it). Not when those
 tensors belong to ``torch.utils.checkpoint`` or the output was changed in place before it was saved. Outputs marked
 as a GEMM's (the routed experts' gate/up projection, the largest tensor an MoE layer saves) are rebuilt only with
 ``rebuild_gemms`` (``True``, or the first ``N`` layers): one more GEMM per layer in backward, no bus traffic.
@@ -506,7 +507,53 @@ class _Saved:
 
 
 @dataclass(eq=False)
-class _Recast:
+class _Shared:
+    """One dropped storage that several saved handles view: rebuilt once in backward and held from the first
+    consumer's unpack until each handle's consumer has unpacked it.
+
+    Two ops can save the same copy: the router's matmul and the experts' grouped GEMM both keep the normalised
+    tokens' bf16 copy, which was rebuilt (a norm) once for each.
+    """
+
+    pending: int = 0  # handles on this storage whose consumer has not unpacked them yet
+    tensor: torch.Tensor | None = None  # the rebuilt storage's tensor while `pending`
+    version: int = 0  # its version when rebuilt: a consumer that changed it in place makes the next unpack rebuild
+
+
+class _Recipe:
+    """A saved tensor dropped in forward and rebuilt in backward: a view (``size``, ``stride``, ``storage_offset``)
+    of a base tensor that :meth:`base` rebuilds, shared with every handle on the same storage."""
+
+    shared: _Shared
+    consumed: bool
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+
+    def base(self) -> torch.Tensor:
+        """The whole saved tensor that the handle views, rebuilt."""
+        raise NotImplementedError
+
+    def unpack(self, counters: dict[str, int]) -> torch.Tensor:
+        shared = self.shared
+        base = shared.tensor
+        if base is None or base._version != shared.version:
+            base = self.base()
+            shared.version = base._version
+            counters["rebuilds"] += 1
+        # A rebuild reading its Function's saved tensors is not their consumer (the Function's backward is), and
+        # does not hold them: held from a gate/up output's rebuild to its GEMM's backward, the experts' weight copy
+        # and input raised a 4-layer model's backward peak by 63 MB (hidden 1024, 8192 tokens, CPU) to save two
+        # elementwise passes. Held from one consumer to the next (the MoE input's copy) they left it unchanged.
+        if not self.consumed and not getattr(_REBUILDING, "ids", None):
+            self.consumed = True
+            shared.pending -= 1
+            shared.tensor = base if shared.pending > 0 else None
+        return base.as_strided(self.size, self.stride, self.storage_offset)
+
+
+@dataclass(eq=False)
+class _Recast(_Recipe):
     """Handle returned by the pack hook for a saved low-precision copy of a parameter (autocast's cast).
 
     Backward casts the parameter again instead of keeping the copy: the same ``_to_copy`` of the same values gives the
@@ -521,15 +568,17 @@ class _Recast:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     storage_offset: int
+    shared: _Shared
+    consumed: bool = False
 
-    def rebuild(self) -> torch.Tensor:
+    def base(self) -> torch.Tensor:
         if self.param._version != self.version:
             raise OffloadError(
                 "ActivationOffloader: a parameter was modified in place between forward and backward; its "
                 "low-precision copy saved for backward can no longer be rebuilt (step the optimizer after backward)"
             )
         # Not detached: under create_graph the rebuilt copy keeps the cast's path to the parameter.
-        return self.param.to(self.dtype).as_strided(self.size, self.stride, self.storage_offset)
+        return self.param.to(self.dtype)
 
 
 # Rebuilds in progress on this thread (ids of _Rebuilt handles): a rebuild that needs itself is a contract violation.
@@ -539,7 +588,7 @@ _RESHAPES = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBack
 
 
 @dataclass(eq=False)
-class _Rebuilt:
+class _Rebuilt(_Recipe):
     """Handle returned by the pack hook for a saved output of a Function that can rebuild it (``llmfast_rebuild``),
     or for a dtype/device copy of such an output (autocast's bf16 input of the next matmul).
 
@@ -559,8 +608,10 @@ class _Rebuilt:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     storage_offset: int
+    shared: _Shared
+    consumed: bool = False
 
-    def rebuild(self) -> torch.Tensor:
+    def base(self) -> torch.Tensor:
         busy = _REBUILDING.__dict__.setdefault("ids", set())  # per thread: backward may run on several at once
         if id(self) in busy:  # the Function saved its own output: rebuilding it would need itself
             raise OffloadError(
@@ -575,7 +626,7 @@ class _Rebuilt:
         if self.copy_to is not None:
             out = out.to(*self.copy_to)
         # Row-major, as the saved copy was: a non-contiguous output (a norm of a transpose) keeps its strides in .to().
-        return out.contiguous().reshape(self.shape).as_strided(self.size, self.stride, self.storage_offset)
+        return out.contiguous().reshape(self.shape)
 
 
 @dataclass(eq=False)
@@ -594,7 +645,8 @@ class _Segment:
     prefetched: bool = False
     # "auto" measuring step only: what this call would offload and when its forward started and ended.
     seen: set[tuple[int, int]] = field(default_factory=set)
-    rebuilt: dict[int, Any] = field(default_factory=dict)  # storage ptr -> weakref of a rebuilt tensor on it
+    # (storage ptr, version) of a dropped storage -> (weakref of the tensor its handles rebuild, their _Shared)
+    rebuilt: dict[tuple[int, int], tuple[Any, _Shared]] = field(default_factory=dict)
     candidate_bytes: int = 0
     started: Any = None
     ended: Any = None
@@ -746,6 +798,7 @@ class ActivationOffloader:
                 "recast_bytes",
                 "rebuilt_tensors",
                 "rebuilt_bytes",
+                "rebuilds",
             ),
             0,
         )
@@ -958,6 +1011,7 @@ class ActivationOffloader:
         ``recast_casts``/``recast_bytes`` (saved weight copies dropped and rebuilt from the parameter in backward),
         ``rebuilt_tensors``/``rebuilt_bytes`` (saved outputs of rebuildable Functions, such as the RMSNorm output or
         its bf16 copy, dropped and rebuilt from that Function's saved tensors; bytes once per storage),
+        ``rebuilds`` (rebuilds run in backward: a storage that several handles view is rebuilt once),
         ``pool_bytes``,
         ``checked_out`` (host buffers in use now), ``peak_inflight`` (most host bytes in use at once during the
         last step), ``pool_buffers``, ``pool_grow_events``, ``pinned``, ``device_set_bytes``,
@@ -1159,11 +1213,9 @@ class ActivationOffloader:
         if output._version != node.llmfast_output_version:
             return None  # changed in place since forward: a rebuild would give the values before the change
         self._counters["rebuilt_tensors"] += 1
-        storage = base.untyped_storage()
-        seen = seg.rebuilt.get(storage.data_ptr())
-        if seen is None or seen() is None:  # a dead entry: the address was freed and reused by another storage
-            seg.rebuilt[storage.data_ptr()] = weakref.ref(base)
-            self._counters["rebuilt_bytes"] += storage.nbytes()
+        shared, new_storage = self._share(base, seg)
+        if new_storage:
+            self._counters["rebuilt_bytes"] += base.untyped_storage().nbytes()
         return _Rebuilt(
             node=node,
             function=rebuild,
@@ -1172,7 +1224,26 @@ class ActivationOffloader:
             size=tuple(t.shape),
             stride=t.stride(),
             storage_offset=t.storage_offset(),
+            shared=shared,
         )
+
+    @staticmethod
+    def _share(base: torch.Tensor, seg: _Segment | None) -> tuple[_Shared, bool]:
+        """The rebuild that handles on ``base`` share in ``seg``, counting one more handle; and whether no live
+        tensor of this call had ``base``'s storage before (its bytes are new)."""
+        storage = base.untyped_storage()
+        key = (storage.data_ptr(), base._version)
+        entry = seg.rebuilt.get(key) if seg is not None else None
+        known = entry[0]() if entry is not None else None  # None: a dead entry, the address freed and reused since
+        if known is base:
+            shared = entry[1]
+        else:
+            # Only the very tensor is shared: another one on the storage (an alias) may want another recipe.
+            shared = _Shared()
+            if seg is not None and known is None:
+                seg.rebuilt[key] = (weakref.ref(base), shared)
+        shared.pending += 1
+        return shared, known is None
 
     def _rebuilds_gemms(self, layer_index: int) -> bool:
         """Whether layer ``layer_index`` rebuilds GEMM outputs: ``rebuild_gemms`` is a bool (all layers) or a count."""
@@ -1201,6 +1272,7 @@ class ActivationOffloader:
             size=tuple(t.shape),
             stride=t.stride(),
             storage_offset=t.storage_offset(),
+            shared=self._share(t if t._base is None else t._base, self._current)[0],
         )
 
     @staticmethod
@@ -1302,8 +1374,8 @@ class ActivationOffloader:
         self._set_owner[s] = seg.index
 
     def _unpack(self, saved: Any) -> torch.Tensor:
-        if isinstance(saved, (_Recast, _Rebuilt)):
-            return saved.rebuild()
+        if isinstance(saved, _Recipe):
+            return saved.unpack(self._counters)
         if not isinstance(saved, _Saved):
             return saved
         if saved.tensor is not None:
