@@ -37,7 +37,9 @@ Reported per mode:
   mode minus ``off``.
 
 On CPU there are no copy streams: it runs the forced path on a tiny model (under the same bf16 autocast) for the
-offloader's stats and a bit-identity check of every mode only, and says that timings need CUDA.
+offloader's stats and a bit-identity check of every mode, the peak of live tensor bytes of the modes that copy
+nothing, and ``host_ms``: forward and backward time of those modes on a 12-layer model whose step is host time, as a
+launch-bound GPU forward is (what the hooks and rebuild bookkeeping cost; copy timings need CUDA).
 
 Usage::
 
@@ -53,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,6 +106,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         "model": {"hidden_size": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_size": 64},
         "batch": 2,
         "seq_len": 33,
+    },
+    # Kernels so small that a step is host time (as a launch-bound GPU forward is): the offloader's hooks and
+    # rebuild bookkeeping show as step time.
+    "host": {
+        "model": {"hidden_size": 32, "n_layers": 12, "n_heads": 4, "n_kv_heads": 2, "ffn_size": 64},
+        "batch": 2,
+        "seq_len": 32,
     },
 }
 # Offloader settings per mode (None: no offloader).
@@ -247,6 +257,7 @@ def _cpu(quick: bool, names: Sequence[str] | None = None) -> dict[str, Any]:
         "modes": {},
         "layer0_saved": inventory,
         "peak_live_bytes": _cpu_peaks(),
+        "host_ms": _cpu_host_ms(5 if quick else 20),
     }
     for name, (_, _, off) in runs.items():
         report["modes"][name] = {"bit_identical_params": identical[name], "stats": off.stats, "plan": off.auto_plan}
@@ -275,6 +286,52 @@ def _cpu_peaks() -> dict[str, int]:
         if off is not None:
             off.close()
     return peaks
+
+
+def _cpu_host_ms(repeats: int) -> dict[str, Any]:
+    """Forward and backward milliseconds of a step that is host time (``SHAPES["host"]``), without the offloader and
+    in the two modes that copy nothing, interleaved, medians; and each mode's forward and backward over ``off``'s.
+
+    What the offloader's pack and unpack hooks and rebuilds cost the host per step: on a GPU whose forward is
+    launch-bound that is step time.
+    """
+    model, _, ids = _setup(SHAPES["host"], "cpu")
+    offloaders = {
+        name: None if MODES[name] is None else _cpu_offloader(model, MODES[name])
+        for name in ("off", "rebuild", "rebuild_gemms")
+    }
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in offloaders}
+    for repeat in range(repeats + 1):  # the first round warms up
+        for name, off in offloaders.items():
+            model.zero_grad(set_to_none=True)
+            marks: list[float] = []
+            start = time.perf_counter()
+            _forward_backward(model, ids, off, marks=(_HostMark(marks), _HostMark(marks)))
+            if repeat:
+                times[name].append((marks[0] - start, marks[1] - marks[0]))
+    for off in offloaders.values():
+        if off is not None:
+            off.close()
+    forward = {name: statistics.median(f for f, _ in t) * 1e3 for name, t in times.items()}
+    backward = {name: statistics.median(b for _, b in t) * 1e3 for name, t in times.items()}
+    return {
+        "shape": SHAPES["host"],
+        "repeats": repeats,
+        "forward_ms": forward,
+        "backward_ms": backward,
+        "forward_ratio": {name: ms / forward["off"] for name, ms in forward.items()},
+        "backward_ratio": {name: ms / backward["off"] for name, ms in backward.items()},
+    }
+
+
+class _HostMark:
+    """A stand-in for a CUDA event in ``_forward_backward``'s ``marks``: ``record`` appends the host clock."""
+
+    def __init__(self, marks: list[float]) -> None:
+        self.marks = marks
+
+    def record(self) -> None:
+        self.marks.append(time.perf_counter())
 
 
 def _copy_ms(nbytes: int, device: str) -> float:
@@ -419,7 +476,7 @@ def run(
         report = run(quick=True, device="cpu")
     """
     shape = shape or ("quick" if quick else "full")
-    if shape not in SHAPES or shape == "cpu":
+    if shape not in SHAPES or shape in ("cpu", "host"):
         raise ConfigError(f"shape must be one of full, wide, large, quick; got {shape!r}")
     _selected(modes)  # unknown names fail before any model is built
     if device == "cuda" and torch.cuda.is_available():

@@ -331,6 +331,12 @@ def test_offload_micro_benchmark_on_cpu_runs_every_mode_bit_identical() -> None:
     assert 0 < peaks["rebuild"] - peaks["rebuild_gemms"] <= gemms["rebuilt_bytes"] - stats["rebuilt_bytes"]
     assert modes["all"]["stats"]["offloaded_bytes"] > 0 and modes["recompute"]["stats"]["offloaded_bytes"] == 0
     assert modes["recompute"]["stats"]["recompute_layers"] == 4
+    # host time of the modes that copy nothing, on a model whose step is host time (reported, not asserted on)
+    host = out["offload"]["host_ms"]
+    assert host["shape"]["model"]["n_layers"] == 12
+    for kind in ("forward", "backward"):
+        assert set(host[f"{kind}_ms"]) == {"off", "rebuild", "rebuild_gemms"}
+        assert all(ms > 0 for ms in host[f"{kind}_ms"].values()) and host[f"{kind}_ratio"]["off"] == 1.0
     # the saved-tensor inventory of layer 0: largest first, weight casts among them, every storage counted once
     inv = out["offload"]["layer0_saved"]
     sizes = [e["bytes"] for e in inv["top"]]
