@@ -528,8 +528,9 @@ def summary(report: dict[str, Any]) -> str:
             )
     lines.append(f"meeting target: {report['meeting_target']}")
     lines.append(
-        f"the layers save {report['layers_saved_bytes'] / 2**30:.2f} GiB for backward (no offloader); 'held after "
-        "fwd' minus that is the head, the loss and the allocator's rounding; 'peak act' minus it, backward's transients"
+        f"the layers save {report['layers_saved_bytes'] / 2**30:.2f} GiB for backward without an offloader; in the off "
+        "row 'held after fwd' minus that is the head and loss, and in every row 'peak act' minus 'held after fwd' is "
+        "what backward adds at its peak"
     )
     inv = report["layer0_saved"]
     lines.append(f"layer 0 saves {inv['total_bytes'] / 1e6:.1f} MB in {inv['tensors']} storages; largest:")

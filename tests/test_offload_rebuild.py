@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_llmfast.bench.e2e import _PeakMemory
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.models.rmsnorm import rms_norm
 from lightning_llmfast.moe import route, routed_swiglu
@@ -480,3 +481,80 @@ class _TwoConsumersNoChange(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = rms_norm(x, self.norm, 1e-5)
         return x + (y @ self.a).sum(-1, keepdim=True) + (y @ self.b).mean(-1, keepdim=True)
+
+
+class _DeadSecondConsumer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.rand(64) + 0.5)
+        self.w = nn.Parameter(torch.randn(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = rms_norm(x, self.norm, 1e-5)
+        _ = y @ self.w  # saves y too, but its result is dropped: that node dies in forward, never unpacking
+        return x + y * self.w
+
+
+def test_a_rebuilt_tensor_one_saver_never_reads_is_not_held_past_its_reader() -> None:
+    model = _DeadSecondConsumer()
+    off = _offloader([model])
+    x = torch.randn(64, 64)
+    with off, _PeakMemory(torch.device("cpu")) as mem:
+        model(x).sum().backward()
+        assert off.stats["rebuilt_tensors"] == 2 and off.stats["rebuilds"] == 1
+        # What backward left: the two small gradients and aliases of parameters, not the (64, 64) rebuilt y, which
+        # its reader's node released (nothing else, such as a map of this step, keeps it).
+        assert mem._live_bytes < x.nbytes
+    off.close()
+
+
+def test_reading_a_saved_tensor_in_forward_neither_counts_as_its_consumer_nor_holds_it() -> None:
+    torch.manual_seed(0)
+    ref = _TwoConsumers()
+    model = copy.deepcopy(ref)
+    x = torch.randn(5, 8)
+    expected = _grads(ref, x, None)
+    off = _offloader([model])
+    model.zero_grad(set_to_none=True)
+    with off, _PeakMemory(torch.device("cpu")) as mem:
+        out = model(x)
+        node = next(n for n, _ in out.grad_fn.next_functions if n is not None and n.name() == "MulBackward0")
+        first = next(n for n, _ in node.next_functions if n is not None and n.name() == "SumBackward1")
+        live = mem._live_bytes
+        read = first.next_functions[0][0]._saved_self  # the matmul's saved y, rebuilt on the spot
+        assert read.shape == (5, 8) and mem._live_bytes > live
+        nbytes = read.untyped_storage().nbytes()
+        del read
+        # Not held for the rest of forward. (The probe counts a detached alias of the norm's weight, made by the
+        # rebuild's read of the norm's saved tensors, as new: 32 bytes of a parameter, not an activation.)
+        assert mem._live_bytes - live < nbytes
+        out.square().mean().backward()
+        assert off.stats["rebuilds"] == 2  # the read in forward, then once for both consumers in backward
+    assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected))
+    off.close()
+
+
+class _ScaledCopyBlock(nn.Module):
+    """A weight copy changed in place (no grad) before a matmul saves it: not the parameter's cast any more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w16 = self.w.to(torch.bfloat16)
+        with torch.no_grad():
+            w16.mul_(2)
+        return x + (x.to(torch.bfloat16) @ w16).float()
+
+
+def test_a_weight_copy_changed_in_place_before_it_is_saved_is_kept_not_recast() -> None:
+    torch.manual_seed(0)
+    ref = _ScaledCopyBlock()
+    model = copy.deepcopy(ref)
+    x = torch.randn(4, 8, requires_grad=True)
+    expected = _grads(ref, x, None)
+    off = _offloader([model])
+    assert all(torch.equal(a, b) for a, b in zip(expected, _grads(model, x, off)))
+    assert off.stats["recast_casts"] == 0
+    off.close()

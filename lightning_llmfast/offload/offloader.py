@@ -20,8 +20,8 @@ disables it) that frees it right after its forward use. Under the cache it stays
 Rebuildable outputs: likewise a saved output of an ``autograd.Function`` that declares ``llmfast_rebuild(ctx,
 *saved_tensors)`` and marks its forward with :func:`~lightning_llmfast.offload.mark_rebuildable` (the reference
 model's RMSNorm), or a dtype/device copy of one (autocast's bf16 input of the next matmul), is rebuilt in backward
-from the tensors that Function saved anyway: one elementwise pass instead of keeping or copying it (once per
-storage: a copy that two ops saved is rebuilt once and held until both have read it). Not when those
+from the tensors that Function saved anyway: one elementwise pass instead of keeping or copying it (a copy that two
+ops of one layer call saved is rebuilt once in backward, held from the first op's read to the second's). Not when those
 tensors belong to ``torch.utils.checkpoint`` or the output was changed in place before it was saved. Outputs marked
 as a GEMM's (the routed experts' gate/up projection, the largest tensor an MoE layer saves) are rebuilt only with
 ``rebuild_gemms`` (``True``, or the first ``N`` layers): one more GEMM per layer in backward, no bus traffic.
@@ -522,7 +522,8 @@ class _Shared:
 
 class _Recipe:
     """A saved tensor dropped in forward and rebuilt in backward: a view (``size``, ``stride``, ``storage_offset``)
-    of a base tensor that :meth:`base` rebuilds, shared with every handle on the same storage."""
+    of a base tensor that :meth:`base` rebuilds, shared with the other handles on that very tensor in its layer call
+    (:class:`_Shared`)."""
 
     shared: _Shared
     consumed: bool
@@ -545,7 +546,8 @@ class _Recipe:
         # does not hold them: held from a gate/up output's rebuild to its GEMM's backward, the experts' weight copy
         # and input raised a 4-layer model's backward peak by 63 MB (hidden 1024, 8192 tokens, CPU) to save two
         # elementwise passes. Held from one consumer to the next (the MoE input's copy) they left it unchanged.
-        if not self.consumed and not getattr(_REBUILDING, "ids", None):
+        # Nor is a read outside backward (inspecting grad_fn._saved_*): holding from there would add to forward.
+        if not self.consumed and not getattr(_REBUILDING, "ids", None) and in_backward():
             self.consumed = True
             shared.pending -= 1
             shared.tensor = base if shared.pending > 0 else None
@@ -847,7 +849,7 @@ class ActivationOffloader:
             t.untyped_storage().data_ptr() for layer in self.layers for t in (*layer.parameters(), *layer.buffers())
         }
         # A cheap first test for "a copy of a parameter" (reading a cast's source node costs a wrapper object).
-        self._param_shapes = {p.shape for layer in self.layers for p in layer.parameters()}
+        self._param_shapes = {t.shape for layer in self.layers for t in (*layer.parameters(), *layer.buffers())}
         self._counters = dict.fromkeys(self._counters, 0)
         self._measuring = self._copier is not None and self._planned is None
         self._set_owner = [-1] * self._num_sets
@@ -1011,7 +1013,8 @@ class ActivationOffloader:
         ``recast_casts``/``recast_bytes`` (saved weight copies dropped and rebuilt from the parameter in backward),
         ``rebuilt_tensors``/``rebuilt_bytes`` (saved outputs of rebuildable Functions, such as the RMSNorm output or
         its bf16 copy, dropped and rebuilt from that Function's saved tensors; bytes once per storage),
-        ``rebuilds`` (rebuilds run in backward: a storage that several handles view is rebuilt once),
+        ``rebuilds`` (rebuilds run: a tensor that two ops of one layer call saved is rebuilt once for both in
+        backward; a read inside another rebuild, or outside backward, rebuilds again),
         ``pool_bytes``,
         ``checked_out`` (host buffers in use now), ``peak_inflight`` (most host bytes in use at once during the
         last step), ``pool_buffers``, ``pool_grow_events``, ``pinned``, ``device_set_bytes``,
@@ -1080,6 +1083,9 @@ class ActivationOffloader:
         # Dedup entries are only valid while this layer's sources are referenced; after it, an address could be
         # reused by a new tensor, so the map is dropped and the sources become releasable.
         seg.dedup.clear()
+        # Likewise the rebuild map (read while packing only): the handles own their _Shared from here, so a rebuilt
+        # tensor that one op never reads back dies with that op's node, not at the end of the step.
+        seg.rebuilt.clear()
         self._pending_sources.extend(b for b in seg.blocks if b.source is not None)
         self._release_sources()
         grad_fn = next((t.grad_fn for t in _tensors(output) if t.grad_fn is not None), None)
@@ -1122,7 +1128,8 @@ class ActivationOffloader:
         seg = self._current
         if seg is not None and seg.keeps:
             # Most of what a keeping layer saves is neither a copy (autocast's casts) nor a marked Function's output:
-            # those return here, before the checks below (about 1 us each of a launch-bound forward's host time).
+            # those return here, before the checks below (half the host time per tensor, measured in a CPU forward;
+            # a launch-bound GPU forward pays host time as step time).
             fn = (t if t._base is None else t._base).grad_fn
             if fn is None or (fn.name() != "ToCopyBackward0" and getattr(fn, "llmfast_rebuild", None) is None):
                 return t
@@ -1171,8 +1178,8 @@ class ActivationOffloader:
         Only a contiguous copy of a contiguous parameter counts (what ``param.to(dtype)`` gives), so that the rebuilt
         copy is the same tensor; one with another memory format stays an ordinary activation.
         """
-        if base.shape not in self._param_shapes:
-            return None
+        if base.shape not in self._param_shapes or base._version:
+            return None  # not a parameter's shape; or changed in place since the cast: a recast would give other bits
         leaf = getattr(source[0], "variable", None)  # AccumulateGrad of the cast's source
         if leaf is None or leaf.device != base.device or leaf.untyped_storage().data_ptr() not in self._param_ptrs:
             return None  # a parameter kept elsewhere (host) would be copied over the bus again: not cheaper
@@ -1229,8 +1236,9 @@ class ActivationOffloader:
 
     @staticmethod
     def _share(base: torch.Tensor, seg: _Segment | None) -> tuple[_Shared, bool]:
-        """The rebuild that handles on ``base`` share in ``seg``, counting one more handle; and whether no live
-        tensor of this call had ``base``'s storage before (its bytes are new)."""
+        """The :class:`_Shared` of the handles on the very tensor ``base`` in ``seg`` (the layer call, while it runs),
+        counting one more handle; and whether ``base``'s (storage address, version) was unknown in ``seg`` or its
+        entry dead (then its bytes count as new)."""
         storage = base.untyped_storage()
         key = (storage.data_ptr(), base._version)
         entry = seg.rebuilt.get(key) if seg is not None else None
