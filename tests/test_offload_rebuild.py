@@ -558,3 +558,32 @@ def test_a_weight_copy_changed_in_place_before_it_is_saved_is_kept_not_recast() 
     assert all(torch.equal(a, b) for a, b in zip(expected, _grads(model, x, off)))
     assert off.stats["recast_casts"] == 0
     off.close()
+
+
+class _CastBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + (x.to(torch.bfloat16) @ self.w.to(torch.bfloat16)).float()
+
+
+def test_a_parameter_replaced_between_steps_is_recognised_in_the_next() -> None:
+    """The layers' parameters are read again after a module registers one (not walked every step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_CastBlock(), _CastBlock())
+    off = _offloader(list(model))
+    x = torch.randn(4, 8, requires_grad=True)  # so that the first matmul saves its weight copy too
+    _grads(model, x, off)
+    assert off.stats["recast_casts"] == 2
+    model[0].w = nn.Parameter(torch.randn(8, 8))  # a new parameter: its copy is a parameter's copy too
+    model[1].register_buffer("extra", torch.zeros(3))  # registering a buffer also counts
+    ref = copy.deepcopy(model)
+    assert all(torch.equal(a, b) for a, b in zip(_grads(ref, x, None), _grads(model, x, off)))
+    assert off.stats["recast_casts"] == 2 and off.stats["offloaded_tensors"] == 0
+    with torch.no_grad():
+        model[1].w.data = model[1].w.data.clone()  # a new storage without any registration: read every step
+    assert all(torch.equal(a, b) for a, b in zip(_grads(ref, x, None), _grads(model, x, off)))
+    assert off.stats["recast_casts"] == 2
+    off.close()

@@ -525,7 +525,7 @@ class _Recipe:
     of a base tensor that :meth:`base` rebuilds, shared with the other handles on that very tensor in its layer call
     (:class:`_Shared`)."""
 
-    shared: _Shared
+    shared: _Shared | None  # None: no other handle views this tensor
     consumed: bool
     size: tuple[int, ...]
     stride: tuple[int, ...]
@@ -537,6 +537,9 @@ class _Recipe:
 
     def unpack(self, counters: dict[str, int]) -> torch.Tensor:
         shared = self.shared
+        if shared is None:  # a handle of its own
+            counters["rebuilds"] += 1
+            return self.base().as_strided(self.size, self.stride, self.storage_offset)
         base = shared.tensor
         if base is None or base._version != shared.version:
             base = self.base()
@@ -570,7 +573,7 @@ class _Recast(_Recipe):
     size: tuple[int, ...]
     stride: tuple[int, ...]
     storage_offset: int
-    shared: _Shared
+    shared: _Shared | None
     consumed: bool = False
 
     def base(self) -> torch.Tensor:
@@ -701,6 +704,10 @@ class ActivationOffloader:
             ``recompute="selective"``, whose saved tensors belong to the checkpoint. The ``"auto"`` plan measures
             with it.
 
+    The layers' parameters and buffers are walked once and again only after some module registers a parameter,
+    buffer or submodule (the first offloader installs ``torch.nn`` global registration hooks that count them); their
+    storages are read every step, so ``.to()`` and ``param.data = ...`` are seen too.
+
     Raises:
         OffloadError: on negative sizes or counts, headroom below 1, an ``offload_layers`` that is not ``None``,
             an int ``>= 0`` or ``"auto"``, a ``recompute`` that is not ``None`` or ``"selective"``, a
@@ -782,6 +789,9 @@ class ActivationOffloader:
         self._retired: list[_Block] = []
         self._param_ptrs: set[int] = set()
         self._param_shapes: set[torch.Size] = set()
+        _watch_module_registrations()
+        self._resident: list[torch.Tensor] | None = None
+        self._resident_epoch = -1
         self._shared_inputs: set[int] = set()
         # Whether autocast caches its weight copies in the running layer call (read at the call: the pack hook runs
         # below the autocast dispatch key, where autocast always reads as disabled).
@@ -844,18 +854,26 @@ class ActivationOffloader:
                 self._sets = [None] * self._num_sets
         else:
             self._copier = None
+        resident = self._resident_tensors()
         # Parameters, buffers and views of them (W.t() saved by mm) are never offloaded: they stay resident anyway.
-        self._param_ptrs = {
-            t.untyped_storage().data_ptr() for layer in self.layers for t in (*layer.parameters(), *layer.buffers())
-        }
+        # Read every step: `.to()` and `param.data = ...` move storages without registering anything.
+        self._param_ptrs = {t.untyped_storage().data_ptr() for t in resident}
         # A cheap first test for "a copy of a parameter" (reading a cast's source node costs a wrapper object).
-        self._param_shapes = {t.shape for layer in self.layers for t in (*layer.parameters(), *layer.buffers())}
+        self._param_shapes = {t.shape for t in resident}
         self._counters = dict.fromkeys(self._counters, 0)
         self._measuring = self._copier is not None and self._planned is None
         self._set_owner = [-1] * self._num_sets
         self._apply_recompute()
         self.pool.reset_peak()
         self._in_step = True
+
+    def _resident_tensors(self) -> list[torch.Tensor]:
+        """The layers' parameters and buffers, walked again only after some module registered a parameter, buffer or
+        submodule since the last walk (12 reference layers' walk: 0.2 ms of host time per step on CPU)."""
+        if self._resident is None or self._resident_epoch != _MODULE_EPOCH[0]:
+            self._resident_epoch = _MODULE_EPOCH[0]
+            self._resident = [t for layer in self.layers for t in (*layer.parameters(), *layer.buffers())]
+        return self._resident
 
     def _apply_recompute(self) -> None:
         """Wrap the layers that recompute this step: with ``recompute`` set and a plan, those not offloaded.
@@ -1125,14 +1143,19 @@ class ActivationOffloader:
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._hot:
             return t
+        base = t if t._base is None else t._base
+        fn = base.grad_fn
+        cast = fn is not None and fn.name() == "ToCopyBackward0"
+        # The cast's input, read once: (node, output_nr).
+        source = (fn.next_functions[0] if fn.next_functions else None) if cast else None
+        copies_param = source is not None and base.shape in self._param_shapes  # may be: _cast_source decides
+        origin = _rebuild_origin(fn, source) if fn is not None and not copies_param else None
         seg = self._current
-        if seg is not None and seg.keeps:
-            # Most of what a keeping layer saves is neither a copy (autocast's casts) nor a marked Function's output:
-            # those return here, before the checks below (half the host time per tensor, measured in a CPU forward;
-            # a launch-bound GPU forward pays host time as step time).
-            fn = (t if t._base is None else t._base).grad_fn
-            if fn is None or (fn.name() != "ToCopyBackward0" and getattr(fn, "llmfast_rebuild", None) is None):
-                return t
+        if seg is not None and seg.keeps and origin is None and not copies_param:
+            # A layer that keeps what it saves drops only parameters' copies and marked Functions' outputs (and
+            # copies of them); everything else returns here, before the checks below: half the host time per tensor
+            # in a CPU forward, and a launch-bound GPU forward pays host time as step time.
+            return t
         if (
             self._copier is None
             or in_backward()
@@ -1145,41 +1168,39 @@ class ActivationOffloader:
         ptr = storage.data_ptr()
         if storage.nbytes() < self.min_offload_bytes or ptr in self._param_ptrs or ptr in self._shared_inputs:
             return t
-        if self._current is None and not self._segments:
+        if seg is None and not self._segments:
             return t  # before the first layer: outside the layers
-        base = t if t._base is None else t._base
-        fn = base.grad_fn
         # A view that reinterprets its base (view_as_complex) cannot be rebuilt with as_strided: kept or offloaded.
         if fn is not None and t.dtype == base.dtype:
-            # A cast's source (node, output_nr), read once for both checks below.
-            source = (fn.next_functions[0] if fn.next_functions else None) if fn.name() == "ToCopyBackward0" else None
-            param = self._cast_source(base, source) if source is not None else None
+            param = self._cast_source(base, source) if copies_param else None
             if param is not None:
                 return self._keep_or_recast(t, param)
-            if self._current is not None:
-                rebuilt = self._rebuildable(t, base, fn, source, self._current)
+            if copies_param:
+                origin = _rebuild_origin(fn, source)  # a copy of something else of a parameter's shape
+            if seg is not None and origin is not None:
+                rebuilt = self._rebuildable(t, base, origin, cast, seg)
                 if rebuilt is not None:
                     return rebuilt
-        if self._current is not None and not self._current.offload:
+        if seg is not None and not seg.offload:
             if self._measuring:
-                self._measure(t, self._current)
+                self._measure(t, seg)
             return t  # a layer that keeps what it saves
         saved = _Saved(tensor=t)
-        if self._current is None:
+        if seg is None:
             self._unassigned.append(saved)  # between layers: decided when the next one starts (kept after the last)
-        elif not self._offload(saved, self._current):
+        elif not self._offload(saved, seg):
             return t  # over the partial layer's budget: stays on the device
         return saved
 
     def _cast_source(self, base: torch.Tensor, source: tuple[Any, int]) -> torch.Tensor | None:
         """The parameter of the layers that ``base`` (made by a ``ToCopyBackward0`` whose input comes from
-        ``source``, a ``(node, output_nr)`` pair) is a copy of, such as autocast's bf16 weight.
+        ``source``, a ``(node, output_nr)`` pair; of a parameter's shape) is a copy of, such as autocast's bf16 weight.
 
         Only a contiguous copy of a contiguous parameter counts (what ``param.to(dtype)`` gives), so that the rebuilt
         copy is the same tensor; one with another memory format stays an ordinary activation.
         """
-        if base.shape not in self._param_shapes or base._version:
-            return None  # not a parameter's shape; or changed in place since the cast: a recast would give other bits
+        if base._version:
+            return None  # changed in place since the cast: a recast would give other bits
         leaf = getattr(source[0], "variable", None)  # AccumulateGrad of the cast's source
         if leaf is None or leaf.device != base.device or leaf.untyped_storage().data_ptr() not in self._param_ptrs:
             return None  # a parameter kept elsewhere (host) would be copied over the bus again: not cheaper
@@ -1188,30 +1209,22 @@ class ActivationOffloader:
         return leaf
 
     def _rebuildable(
-        self, t: torch.Tensor, base: torch.Tensor, fn: Any, source: tuple[Any, int] | None, seg: _Segment
+        self, t: torch.Tensor, base: torch.Tensor, origin: tuple[Any, int], cast: bool, seg: _Segment
     ) -> _Rebuilt | None:
-        """A recipe for ``t`` (a view of ``base``, made by ``fn``; ``source``: the ``(node, output_nr)`` input of
-        ``fn`` if it is a ``ToCopyBackward0``) if it is the output of a Function with ``llmfast_rebuild``, or a copy
-        of one.
+        """A recipe for ``t`` (a view of ``base``; ``cast``: ``base`` is a ``ToCopyBackward0``'s copy) if ``origin``
+        (:func:`_rebuild_origin`: the node that made ``base``, or the output it copied) can rebuild it.
 
         Only whole contiguous outputs count, so that ``as_strided`` on the rebuilt tensor gives back the very view.
         """
         if not base.is_contiguous() or base.storage_offset():
             return None
-        cast = source is not None
-        if cast:
-            if base._version:
-                return None  # the copy changed in place since it was made: a rebuild would give the values before
-            node, output_nr = source
-            # A copy of a reshaped output (MoE blocks flatten tokens before the router): a reshape keeps the
-            # row-major order, so the rebuilt output reshaped to the copy's shape has the same values.
-            while node is not None and node.name() in _RESHAPES and node.next_functions:
-                node, output_nr = node.next_functions[0]
-        else:
-            node, output_nr = fn, base.output_nr
-        rebuild = getattr(node, "llmfast_rebuild", None)
-        if rebuild is None or getattr(node, "llmfast_pack_hook", None) != self._pack:
-            return None  # not rebuildable, or its saved tensors belong to other hooks (checkpoint: one unpack only)
+        if cast and base._version:
+            return None  # the copy changed in place since it was made: a rebuild would give the values before
+        node, output_nr = origin
+        if not cast:
+            output_nr = base.output_nr
+        if getattr(node, "llmfast_pack_hook", None) != self._pack:
+            return None  # its saved tensors belong to other hooks (checkpoint: one unpack only)
         if node.llmfast_gemm and not self._rebuilds_gemms(seg.layer_index):
             return None  # a GEMM's output: kept unless rebuilding GEMMs was asked for (it costs backward time)
         output = node.llmfast_output()
@@ -1225,7 +1238,7 @@ class ActivationOffloader:
             self._counters["rebuilt_bytes"] += base.untyped_storage().nbytes()
         return _Rebuilt(
             node=node,
-            function=rebuild,
+            function=node.llmfast_rebuild,
             copy_to=(base.device, base.dtype) if cast else None,
             shape=tuple(base.shape),
             size=tuple(t.shape),
@@ -1280,7 +1293,7 @@ class ActivationOffloader:
             size=tuple(t.shape),
             stride=t.stride(),
             storage_offset=t.storage_offset(),
-            shared=self._share(t if t._base is None else t._base, self._current)[0],
+            shared=None,  # each matmul saves the copy it made (autocast without its cache casts per call)
         )
 
     @staticmethod
@@ -1461,6 +1474,43 @@ def _measured_freed(segments: list[_Segment], num_layers: int) -> list[int] | No
         assert seg.backward_allocated is not None
         freed[seg.layer_index] = max(top - seg.backward_allocated, 0)
     return freed
+
+
+# Bumped whenever any module registers a parameter, buffer or submodule (global registration hooks, installed once,
+# by the first offloader): the layers' resident tensors are walked again only then.
+_MODULE_EPOCH = [0]
+_WATCHING: list[bool] = []  # one entry once the hooks are installed
+_WATCH_LOCK = threading.Lock()
+
+
+def _bump_module_epoch(*_args: Any) -> None:
+    _MODULE_EPOCH[0] += 1
+
+
+def _watch_module_registrations() -> None:
+    with _WATCH_LOCK:
+        if not _WATCHING:
+            nn.modules.module.register_module_parameter_registration_hook(_bump_module_epoch)
+            nn.modules.module.register_module_buffer_registration_hook(_bump_module_epoch)
+            nn.modules.module.register_module_module_registration_hook(_bump_module_epoch)
+            _WATCHING.append(True)
+
+
+def _rebuild_origin(fn: Any, source: tuple[Any, int] | None) -> tuple[Any, int] | None:
+    """The ``(node, output_nr)`` whose ``llmfast_rebuild`` could give a saved tensor back, or ``None``.
+
+    ``fn`` made the tensor's base; ``source``: the input of ``fn`` if it is a cast (``ToCopyBackward0``). A cast's
+    origin is the output it copied, through reshapes (MoE blocks flatten tokens before the router: a reshape keeps the
+    row-major order, so the rebuilt output reshaped to the copy's shape has the same values). For a non-cast the
+    output number is the base's (``-1`` here).
+    """
+    if source is None:
+        node, output_nr = fn, -1
+    else:
+        node, output_nr = source
+        while node is not None and node.name() in _RESHAPES and node.next_functions:
+            node, output_nr = node.next_functions[0]
+    return (node, output_nr) if getattr(node, "llmfast_rebuild", None) is not None else None
 
 
 def _tensors(output: Any) -> Iterator[torch.Tensor]:
