@@ -545,14 +545,14 @@ class _Recipe:
             base = self.base()
             shared.version = base._version
             counters["rebuilds"] += 1
-        # A rebuild reading its Function's saved tensors is not their consumer (the Function's backward is), and
-        # does not hold them: held from a gate/up output's rebuild to its GEMM's backward, the experts' weight copy
-        # and input raised a 4-layer model's backward peak by 63 MB (hidden 1024, 8192 tokens, CPU) to save two
-        # elementwise passes. Held from one consumer to the next (the MoE input's copy) they left it unchanged.
-        # Nor is a read outside backward (inspecting grad_fn._saved_*): holding from there would add to forward.
-        if not self.consumed and not getattr(_REBUILDING, "ids", None) and in_backward():
-            self.consumed = True
-            shared.pending -= 1
+        # Held for the consumers still to read it: from a consumer's read, or from a read by another handle's
+        # rebuild, which is not its consumer (the gate/up output's rebuild reads the experts' input, which their
+        # GEMM's backward reads next; rebuilding it again is a norm, several launches of a backward that is host time
+        # at hidden 1024). Never from a read outside backward (grad_fn._saved_*): that would add to forward's memory.
+        if in_backward():
+            if not self.consumed and not getattr(_REBUILDING, "ids", None):
+                self.consumed = True
+                shared.pending -= 1
             shared.tensor = base if shared.pending > 0 else None
         return base.as_strided(self.size, self.stride, self.storage_offset)
 
@@ -1293,7 +1293,11 @@ class ActivationOffloader:
             size=tuple(t.shape),
             stride=t.stride(),
             storage_offset=t.storage_offset(),
-            shared=None,  # each matmul saves the copy it made (autocast without its cache casts per call)
+            # Each matmul saves the copy it made (autocast without its cache casts per call), and a copy is one
+            # cast kernel: rebuilt for each read rather than held. (Held from a gate/up output's rebuild to the
+            # experts' backward, their weight copy raised a 4-layer model's backward peak by 46 MB at hidden 1024,
+            # 8192 tokens, CPU.)
+            shared=None,
         )
 
     @staticmethod
