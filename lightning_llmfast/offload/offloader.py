@@ -20,8 +20,8 @@ disables it) that frees it right after its forward use. Under the cache it stays
 Rebuildable outputs: likewise a saved output of an ``autograd.Function`` that declares ``llmfast_rebuild(ctx,
 *saved_tensors)`` and marks its forward with :func:`~lightning_llmfast.offload.mark_rebuildable` (the reference
 model's RMSNorm), or a dtype/device copy of one (autocast's bf16 input of the next matmul), is rebuilt in backward
-from the tensors that Function saved anyway: one elementwise pass instead of keeping or copying it (a copy that two
-ops of one layer call saved is rebuilt once in backward, held from the first op's read to the second's). Not when those
+from the tensors that Function saved anyway: one elementwise pass instead of keeping or copying it (rebuilt once for
+all of a layer call's reads in backward, held from the first read to the last). Not when those
 tensors belong to ``torch.utils.checkpoint`` or the output was changed in place before it was saved. Outputs marked
 as a GEMM's (the routed experts' gate/up projection, the largest tensor an MoE layer saves) are rebuilt only with
 ``rebuild_gemms`` (``True``, or the first ``N`` layers): one more GEMM per layer in backward, no bus traffic.
@@ -1031,8 +1031,9 @@ class ActivationOffloader:
         ``recast_casts``/``recast_bytes`` (saved weight copies dropped and rebuilt from the parameter in backward),
         ``rebuilt_tensors``/``rebuilt_bytes`` (saved outputs of rebuildable Functions, such as the RMSNorm output or
         its bf16 copy, dropped and rebuilt from that Function's saved tensors; bytes once per storage),
-        ``rebuilds`` (rebuilds run: a tensor that two ops of one layer call saved is rebuilt once for both in
-        backward; a read inside another rebuild, or outside backward, rebuilds again),
+        ``rebuilds`` (rebuilds run: a rebuilt output that several reads of one layer call's backward need, its
+        savers' and another rebuild's, is rebuilt once; a weight copy is cast again for each read; a read outside
+        backward rebuilds again),
         ``pool_bytes``,
         ``checked_out`` (host buffers in use now), ``peak_inflight`` (most host bytes in use at once during the
         last step), ``pool_buffers``, ``pool_grow_events``, ``pinned``, ``device_set_bytes``,
