@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from typing import Any
 
 import pytest
@@ -587,3 +588,42 @@ def test_a_parameter_replaced_between_steps_is_recognised_in_the_next() -> None:
     assert all(torch.equal(a, b) for a, b in zip(_grads(ref, x, None), _grads(model, x, off)))
     assert off.stats["recast_casts"] == 2
     off.close()
+
+
+class _BufferBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+        self.register_buffer("mix", torch.randn(8, 8) / 3)
+        self.extra = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "extra"):
+            x = self.extra(x)
+        return x + torch.tanh(x @ self.w) @ self.mix  # the second matmul saves the buffer: never offloaded
+
+
+@pytest.mark.parametrize("change", ["double", "delete"])
+def test_buffers_replaced_in_place_and_deleted_submodules_are_seen_without_a_registration(change: str) -> None:
+    """`.double()` swaps buffers inside the modules' dicts and `del` removes a submodule; neither registers anything,
+    yet the offloader treats the layers' tensors exactly as a new offloader would, and keeps nothing deleted alive."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_BufferBlock(), _BufferBlock())
+    off = _offloader(list(model), offload_layers=None)
+    x = torch.randn(4, 8)
+    _grads(model, x, off)
+    if change == "double":
+        model.double()
+        x = x.double()
+    else:
+        gone = weakref.ref(model[0].extra)
+        del model[0].extra
+    got = _grads(model, x, off)
+    fresh = _offloader(list(model), offload_layers=None)
+    expected = _grads(model, x, fresh)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert off.stats["offloaded_bytes"] == fresh.stats["offloaded_bytes"] > 0
+    if change == "delete":
+        assert gone() is None
+    off.close()
+    fresh.close()

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy
@@ -313,4 +314,21 @@ def test_cuda_recompute_with_offload_matches_and_uses_the_cache() -> None:
         for a, b in zip(*grads):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
         assert off.stats["recompute_layers"] == 3 and off.stats["offload_layers"] == 1
+    off.close()
+
+
+def test_a_second_backward_over_a_retained_graph_gets_torchs_own_error() -> None:
+    """Selective checkpointing allows one backward per region (torch's rule); the recomputation context may be entered
+    again, so the second backward meets that rule's message instead of a broken context manager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2)))
+    off = ActivationOffloader(
+        list(model), min_offload_bytes=0, keep_last_layers=0, force=True, offload_layers=0, recompute="selective"
+    )
+    x = torch.randn(4, 8, requires_grad=True)
+    with off:
+        loss = model(x).square().sum()
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="backward once"):
+            loss.backward()
     off.close()

@@ -508,11 +508,12 @@ class _Saved:
 
 @dataclass(eq=False)
 class _Shared:
-    """One dropped storage that several saved handles view: rebuilt once in backward and held from the first
-    consumer's unpack until each handle's consumer has unpacked it.
+    """One dropped tensor (a rebuildable output or a copy of one) that several saved handles of a layer call view:
+    rebuilt once in backward and held from the first read in backward (a saver's, or another handle's rebuild's)
+    until each handle's saver has read it, or the handles are freed.
 
     Two ops can save the same copy: the router's matmul and the experts' grouped GEMM both keep the normalised
-    tokens' bf16 copy, which was rebuilt (a norm) once for each.
+    tokens' bf16 copy, which was rebuilt (a norm) once for each, and once more for the gate/up output's rebuild.
     """
 
     pending: int = 0  # handles on this storage whose consumer has not unpacked them yet
@@ -522,10 +523,10 @@ class _Shared:
 
 class _Recipe:
     """A saved tensor dropped in forward and rebuilt in backward: a view (``size``, ``stride``, ``storage_offset``)
-    of a base tensor that :meth:`base` rebuilds, shared with the other handles on that very tensor in its layer call
-    (:class:`_Shared`)."""
+    of a base tensor that :meth:`base` rebuilds; rebuilt outputs are shared with the other handles on that very
+    tensor in its layer call (:class:`_Shared`)."""
 
-    shared: _Shared | None  # None: no other handle views this tensor
+    shared: _Shared | None  # None: rebuilt on every read (weight copies: one cast each)
     consumed: bool
     size: tuple[int, ...]
     stride: tuple[int, ...]
@@ -697,16 +698,17 @@ class ActivationOffloader:
             (:func:`~lightning_llmfast.offload.mark_rebuildable` with ``gemm=True``): the routed experts' gate/up
             projection (:func:`~lightning_llmfast.moe.routed_swiglu`), ``(T * top_k, 2 * ffn)`` per MoE layer, 29%
             of what a reference layer saves at hidden 1024 under bf16, recomputed in its backward by one gather and
-            grouped GEMM (the rebuild reads the op's saved tensors, so the gate/up weight's bf16 copy and the
-            experts' input are rebuilt once more too: elementwise, and transient). ``True``: in every layer call,
+            grouped GEMM (the rebuild reads the op's saved tensors: the gate/up weight's bf16 copy is cast once
+            more, and the experts' rebuilt input is held until their GEMM's backward reads it). ``True``: in every
+            layer call,
             offloading or not; an int ``N``: in the first ``N`` layers only (each takes the same share off the
             forward's peak, so ``N`` trades memory for backward time linearly). Not in layers under
             ``recompute="selective"``, whose saved tensors belong to the checkpoint. The ``"auto"`` plan measures
             with it.
 
-    The layers' parameters and buffers are walked once and again only after some module registers a parameter,
-    buffer or submodule (the first offloader installs ``torch.nn`` global registration hooks that count them); their
-    storages are read every step, so ``.to()`` and ``param.data = ...`` are seen too.
+    The layers' modules are walked once, and again only after some module registers a parameter, buffer or submodule
+    (the first offloader installs ``torch.nn`` global registration hooks that count them); their parameter and buffer
+    dicts are read every step, so ``.to()``, ``.double()``, ``to_empty()``, ``del`` and ``param.data = ...`` are seen.
 
     Raises:
         OffloadError: on negative sizes or counts, headroom below 1, an ``offload_layers`` that is not ``None``,
@@ -790,7 +792,7 @@ class ActivationOffloader:
         self._param_ptrs: set[int] = set()
         self._param_shapes: set[torch.Size] = set()
         _watch_module_registrations()
-        self._resident: list[torch.Tensor] | None = None
+        self._resident_modules: list[weakref.ref[nn.Module]] | None = None
         self._resident_epoch = -1
         self._shared_inputs: set[int] = set()
         # Whether autocast caches its weight copies in the running layer call (read at the call: the pack hook runs
@@ -856,7 +858,7 @@ class ActivationOffloader:
             self._copier = None
         resident = self._resident_tensors()
         # Parameters, buffers and views of them (W.t() saved by mm) are never offloaded: they stay resident anyway.
-        # Read every step: `.to()` and `param.data = ...` move storages without registering anything.
+        # Their storages are read every step: `.to()` and `param.data = ...` move them without registering anything.
         self._param_ptrs = {t.untyped_storage().data_ptr() for t in resident}
         # A cheap first test for "a copy of a parameter" (reading a cast's source node costs a wrapper object).
         self._param_shapes = {t.shape for t in resident}
@@ -868,12 +870,18 @@ class ActivationOffloader:
         self._in_step = True
 
     def _resident_tensors(self) -> list[torch.Tensor]:
-        """The layers' parameters and buffers, walked again only after some module registered a parameter, buffer or
-        submodule since the last walk (12 reference layers' walk: 0.2 ms of host time per step on CPU)."""
-        if self._resident is None or self._resident_epoch != _MODULE_EPOCH[0]:
+        """The layers' parameters and buffers.
+
+        The layers' modules are walked again only after some module registered a parameter, buffer or submodule
+        since the last walk (12 reference layers' walk took 0.2 ms of host time per step on CPU). Their parameter
+        and buffer dicts are read every step: ``.to()``, ``.double()``, ``to_empty()`` and ``del`` change those in
+        place without registering anything. Modules are held weakly: a deleted submodule is not kept alive.
+        """
+        if self._resident_modules is None or self._resident_epoch != _MODULE_EPOCH[0]:
             self._resident_epoch = _MODULE_EPOCH[0]
-            self._resident = [t for layer in self.layers for t in (*layer.parameters(), *layer.buffers())]
-        return self._resident
+            self._resident_modules = [weakref.ref(m) for layer in self.layers for m in layer.modules()]
+        modules = [m for m in (ref() for ref in self._resident_modules) if m is not None]
+        return [t for m in modules for d in (m._parameters, m._buffers) for t in d.values() if t is not None]
 
     def _apply_recompute(self) -> None:
         """Wrap the layers that recompute this step: with ``recompute`` set and a plan, those not offloaded.
@@ -1009,6 +1017,7 @@ class ActivationOffloader:
         self.pool.clear()
         self._sets = [None] * self._num_sets
         self._copier = None
+        self._resident_modules = None
 
     def __enter__(self) -> ActivationOffloader:
         self.begin_step()

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,17 +83,33 @@ def _policy_for(op: Any) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-@contextlib.contextmanager
-def _recompute_context(recompute: contextlib.AbstractContextManager[Any], cache: Any) -> Iterator[None]:
-    # CUDA backward runs on the autograd engine's thread, where the forward's thread-local metadata cache is not
-    # active: the recomputed attention must see the same cache (still open: its version ends after the step).
-    with recompute, activate_cache(cache):
-        yield
+class _RecomputeContext:
+    """The recomputation's context: the selective-checkpoint mode plus the forward's metadata cache.
+
+    CUDA backward runs on the autograd engine's thread, where the forward's thread-local metadata cache is not
+    active: the recomputed attention must see the same cache (still open: its version ends after the step). Entered
+    once per recomputation: a second backward over a retained graph recomputes again (a generator-based context
+    manager can be entered only once).
+    """
+
+    def __init__(self, recompute: contextlib.AbstractContextManager[Any], cache: Any) -> None:
+        self._recompute = recompute
+        self._cache = cache
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._recompute)
+        stack.enter_context(activate_cache(self._cache))
+        self._stacks.append(stack)
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._stacks.pop().__exit__(*exc)
 
 
 def _contexts(cache: Any) -> tuple[Any, Any]:
     forward, recompute = create_selective_checkpoint_contexts(recompute_policy)
-    return forward, _recompute_context(recompute, cache)
+    return forward, _RecomputeContext(recompute, cache)
 
 
 class RecomputeHandle:
