@@ -1258,20 +1258,20 @@ class ActivationOffloader:
         )
 
     @staticmethod
-    def _share(base: torch.Tensor, seg: _Segment | None) -> tuple[_Shared, bool]:
+    def _share(base: torch.Tensor, seg: _Segment) -> tuple[_Shared, bool]:
         """The :class:`_Shared` of the handles on the very tensor ``base`` in ``seg`` (the layer call, while it runs),
         counting one more handle; and whether ``base``'s (storage address, version) was unknown in ``seg`` or its
         entry dead (then its bytes count as new)."""
         storage = base.untyped_storage()
         key = (storage.data_ptr(), base._version)
-        entry = seg.rebuilt.get(key) if seg is not None else None
+        entry = seg.rebuilt.get(key)
         known = entry[0]() if entry is not None else None  # None: a dead entry, the address freed and reused since
         if known is base:
             shared = entry[1]
         else:
             # Only the very tensor is shared: another one on the storage (an alias) may want another recipe.
             shared = _Shared()
-            if seg is not None and known is None:
+            if known is None:
                 seg.rebuilt[key] = (weakref.ref(base), shared)
         shared.pending += 1
         return shared, known is None
