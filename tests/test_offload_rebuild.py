@@ -44,15 +44,20 @@ def _assert_same_grads(ref: nn.Module, model: nn.Module, x: torch.Tensor, off: A
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# 1. A contiguous-format copy of a norm output that is itself not contiguous (norm of a transposed input).
-class _SeqFirstBlock(nn.Module):
-    """Sequence-first block: the norm runs on ``x.transpose(0, 1)``, so its output keeps that (non-contiguous)
-    layout; the matmul's bf16 input is an explicit contiguous-format copy of it."""
+class _NormBlock(nn.Module):
+    """The parameters of the norm-then-matmul blocks below: the norm's weight and an (8, 8) matmul weight."""
 
     def __init__(self) -> None:
         super().__init__()
         self.norm = nn.Parameter(torch.rand(8) + 0.5)
         self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 1. A contiguous-format copy of a norm output that is itself not contiguous (norm of a transposed input).
+class _SeqFirstBlock(_NormBlock):
+    """Sequence-first block: the norm runs on ``x.transpose(0, 1)``, so its output keeps that (non-contiguous)
+    layout; the matmul's bf16 input is an explicit contiguous-format copy of it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, H)
         y = rms_norm(x.transpose(0, 1), self.norm, 1e-5)  # (T, B, H), strides of the transpose
@@ -71,12 +76,10 @@ def test_contiguous_copy_of_a_non_contiguous_norm_output_is_rebuilt_with_its_val
 
 # --------------------------------------------------------------------------------------------------------------------
 # 2. The norm output changed in place (without autograd recording it) before a later op saves it.
-class _ClampedNormBlock(nn.Module):
+class _ClampedNormBlock(_NormBlock):
     def __init__(self, how: str, copy_to_bf16: bool) -> None:
         super().__init__()
         self.how, self.copy_to_bf16 = how, copy_to_bf16
-        self.norm = nn.Parameter(torch.rand(8) + 0.5)
-        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = rms_norm(x, self.norm, 1e-5)
@@ -108,14 +111,12 @@ def test_norm_output_changed_in_place_before_it_is_saved_is_not_rebuilt_from_the
 
 # --------------------------------------------------------------------------------------------------------------------
 # 3. The norm's saved tensors are held by torch.utils.checkpoint (which allows one unpack per graph task).
-class _PostNormBlock(nn.Module):
+class _PostNormBlock(_NormBlock):
     """Post-norm block ``norm(x + tanh(x @ W))``: its output, a norm output, is what the next block saves."""
 
     def __init__(self, ckpt: bool) -> None:
         super().__init__()
         self.ckpt = ckpt
-        self.norm = nn.Parameter(torch.rand(8) + 0.5)
-        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
 
     def _inner(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x + torch.tanh(x @ self.weight), self.norm, 1e-5)
@@ -157,13 +158,8 @@ def test_post_norm_blocks_under_checkpoint_or_selective_recompute(ckpt: bool, kw
     off.close()
 
 
-class _CheckpointedNormBlock(nn.Module):
+class _CheckpointedNormBlock(_NormBlock):
     """Only the norm is checkpointed; the matmul that saves its output runs outside the checkpoint."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.Parameter(torch.rand(8) + 0.5)
-        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = checkpoint(rms_norm, x, self.norm, 1e-5, use_reentrant=False)
@@ -256,13 +252,8 @@ def test_rebuilt_bytes_count_every_rebuilt_storage() -> None:
 
 # --------------------------------------------------------------------------------------------------------------------
 # 6. A cast copy changed in place before it is saved.
-class _CastThenMaskBlock(nn.Module):
+class _CastThenMaskBlock(_NormBlock):
     """The matmul input is a cast copy of the norm output, changed in place (under no_grad) before it is used."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.Parameter(torch.rand(8) + 0.5)
-        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = rms_norm(x, self.norm, 1e-5)
