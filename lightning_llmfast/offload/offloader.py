@@ -527,7 +527,7 @@ class _Recipe:
     tensor in its layer call (:class:`_Shared`)."""
 
     shared: _Shared | None  # None: rebuilt on every read (weight copies: one cast each)
-    consumed: bool
+    consumed: bool  # whether its saver has read it (handles with a _Shared only)
     size: tuple[int, ...]
     stride: tuple[int, ...]
     storage_offset: int
@@ -574,8 +574,11 @@ class _Recast(_Recipe):
     size: tuple[int, ...]
     stride: tuple[int, ...]
     storage_offset: int
-    shared: _Shared | None
-    consumed: bool = False
+    # Never shared: each matmul saves the copy it made (autocast without its cache casts per call), and a copy is one
+    # cast kernel, so it is rebuilt for each read rather than held. (Held from a gate/up output's rebuild to the
+    # experts' backward, their weight copy raised a 4-layer model's backward peak by 46 MB at hidden 1024, 8192
+    # tokens, CPU.)
+    shared: None = None
 
     def base(self) -> torch.Tensor:
         if self.param._version != self.version:
@@ -700,9 +703,8 @@ class ActivationOffloader:
             of what a reference layer saves at hidden 1024 under bf16, recomputed in its backward by one gather and
             grouped GEMM (the rebuild reads the op's saved tensors: the gate/up weight's bf16 copy is cast once
             more, and the experts' rebuilt input is held until their GEMM's backward reads it). ``True``: in every
-            layer call,
-            offloading or not; an int ``N``: in the first ``N`` layers only (each takes the same share off the
-            forward's peak, so ``N`` trades memory for backward time linearly). Not in layers under
+            layer call, offloading or not; an int ``N``: in the first ``N`` layers only (each takes the same share
+            off the forward's peak, so ``N`` trades memory for backward time linearly). Not in layers under
             ``recompute="selective"``, whose saved tensors belong to the checkpoint. The ``"auto"`` plan measures
             with it.
 
@@ -1303,11 +1305,6 @@ class ActivationOffloader:
             size=tuple(t.shape),
             stride=t.stride(),
             storage_offset=t.storage_offset(),
-            # Each matmul saves the copy it made (autocast without its cache casts per call), and a copy is one
-            # cast kernel: rebuilt for each read rather than held. (Held from a gate/up output's rebuild to the
-            # experts' backward, their weight copy raised a 4-layer model's backward peak by 46 MB at hidden 1024,
-            # 8192 tokens, CPU.)
-            shared=None,
         )
 
     @staticmethod
