@@ -128,6 +128,8 @@ MODES: dict[str, dict[str, Any] | None] = {
     "recompute": {"offload_layers": 0, "recompute": "selective"},
     "auto_recompute": {"offload_layers": "auto", "recompute": "selective"},
 }
+# The modes CPU measurements compare: the baseline and the two that copy nothing.
+COPY_FREE_MODES = ("off", "rebuild", "rebuild_gemms")
 # A small vocabulary keeps the (B, T, V) logits, which no layer offload can touch, from dominating the peak.
 VOCAB = 4096
 
@@ -270,36 +272,42 @@ def _cpu_offloader(model: MoEGPT, settings: dict[str, Any]) -> ActivationOffload
     return ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, **settings)
 
 
+def _copy_free_offloaders(model: MoEGPT) -> dict[str, ActivationOffloader | None]:
+    """``off`` (``None``) and the CPU offloaders of the two modes that copy nothing and only rebuild (weight copies
+    and norm outputs; and the experts' gate/up output): what CPU measurements compare, as offloading to host memory
+    frees nothing when the host is the device."""
+    return {name: None if MODES[name] is None else _cpu_offloader(model, MODES[name]) for name in COPY_FREE_MODES}
+
+
+def _close(offloaders: dict[str, ActivationOffloader | None]) -> None:
+    for off in offloaders.values():
+        if off is not None:
+            off.close()
+
+
 def _cpu_peaks() -> dict[str, int]:
-    """Peak live tensor bytes of one forward + backward on CPU: no offloader, and the two that copy nothing and only
-    rebuild (weight copies and norm outputs; and the experts' gate/up output): offloading to host memory frees
-    nothing when the host is the device."""
+    """Peak live tensor bytes of one forward + backward on CPU in the :func:`_copy_free_offloaders` modes."""
     model, _, ids = _setup(SHAPES["cpu"], "cpu")
+    offloaders = _copy_free_offloaders(model)
     peaks = {}
-    for name in ("off", "rebuild", "rebuild_gemms"):
-        settings = MODES[name]
-        off = None if settings is None else _cpu_offloader(model, settings)
+    for name, off in offloaders.items():
         model.zero_grad(set_to_none=True)
         with _PeakMemory(torch.device("cpu")) as mem:
             _forward_backward(model, ids, off)
         peaks[name] = mem.peak_bytes
-        if off is not None:
-            off.close()
+    _close(offloaders)
     return peaks
 
 
 def _cpu_host_ms(repeats: int) -> dict[str, Any]:
-    """Forward and backward milliseconds of a step that is host time (``SHAPES["host"]``), without the offloader and
-    in the two modes that copy nothing, interleaved, medians; and each mode's forward and backward over ``off``'s.
+    """Forward and backward milliseconds of a step that is host time (``SHAPES["host"]``) in the
+    :func:`_copy_free_offloaders` modes, interleaved, medians; and each mode's forward and backward over ``off``'s.
 
     What the offloader's pack and unpack hooks and rebuilds cost the host per step: on a GPU whose forward is
     launch-bound that is step time.
     """
     model, _, ids = _setup(SHAPES["host"], "cpu")
-    offloaders = {
-        name: None if MODES[name] is None else _cpu_offloader(model, MODES[name])
-        for name in ("off", "rebuild", "rebuild_gemms")
-    }
+    offloaders = _copy_free_offloaders(model)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in offloaders}
     for repeat in range(repeats + 1):  # the first round warms up
         for name, off in offloaders.items():
@@ -309,9 +317,7 @@ def _cpu_host_ms(repeats: int) -> dict[str, Any]:
             _forward_backward(model, ids, off, marks=(_HostMark(marks), _HostMark(marks)))
             if repeat:
                 times[name].append((marks[0] - start, marks[1] - marks[0]))
-    for off in offloaders.values():
-        if off is not None:
-            off.close()
+    _close(offloaders)
     forward = {name: statistics.median(f for f, _ in t) * 1e3 for name, t in times.items()}
     backward = {name: statistics.median(b for _, b in t) * 1e3 for name, t in times.items()}
     return {
