@@ -39,7 +39,8 @@ Reported per mode:
 On CPU there are no copy streams: it runs the forced path on a tiny model (under the same bf16 autocast) for the
 offloader's stats and a bit-identity check of every mode, the peak of live tensor bytes of the modes that copy
 nothing, and ``host_ms``: forward and backward time of those modes on a 12-layer model whose step is host time, as a
-launch-bound GPU forward is (what the hooks and rebuild bookkeeping cost; copy timings need CUDA).
+launch-bound GPU forward is (what the hooks and rebuild bookkeeping cost; copy timings need CUDA), with the ATen
+operations a step dispatches in each mode (on a launch-bound GPU each one costs host time).
 
 Usage::
 
@@ -62,6 +63,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lightning_llmfast.bench import OpCounter
 from lightning_llmfast.bench.e2e import _PeakMemory
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
@@ -301,7 +303,8 @@ def _cpu_peaks() -> dict[str, int]:
 
 def _cpu_host_ms(repeats: int) -> dict[str, Any]:
     """Forward and backward milliseconds of a step that is host time (``SHAPES["host"]``) in the
-    :func:`_copy_free_offloaders` modes, interleaved, medians; and each mode's forward and backward over ``off``'s.
+    :func:`_copy_free_offloaders` modes, interleaved, medians; each mode's forward and backward over ``off``'s; and
+    the ATen operations a step dispatches in each mode (``step_ops``: counted in the untimed warm-up round).
 
     What the offloader's pack and unpack hooks and rebuilds cost the host per step: on a GPU whose forward is
     launch-bound that is step time.
@@ -309,14 +312,19 @@ def _cpu_host_ms(repeats: int) -> dict[str, Any]:
     model, _, ids = _setup(SHAPES["host"], "cpu")
     offloaders = _copy_free_offloaders(model)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in offloaders}
-    for repeat in range(repeats + 1):  # the first round warms up
+    ops: dict[str, int] = {}
+    for repeat in range(repeats + 1):
         for name, off in offloaders.items():
             model.zero_grad(set_to_none=True)
+            if not repeat:  # the first round warms up, untimed: it counts the step's ATen dispatches instead
+                with OpCounter() as counter:
+                    _forward_backward(model, ids, off)
+                ops[name] = counter.total
+                continue
             marks: list[float] = []
             start = time.perf_counter()
             _forward_backward(model, ids, off, marks=(_HostMark(marks), _HostMark(marks)))
-            if repeat:
-                times[name].append((marks[0] - start, marks[1] - marks[0]))
+            times[name].append((marks[0] - start, marks[1] - marks[0]))
     _close(offloaders)
     forward = {name: statistics.median(f for f, _ in t) * 1e3 for name, t in times.items()}
     backward = {name: statistics.median(b for _, b in t) * 1e3 for name, t in times.items()}
@@ -327,6 +335,7 @@ def _cpu_host_ms(repeats: int) -> dict[str, Any]:
         "backward_ms": backward,
         "forward_ratio": {name: ms / forward["off"] for name, ms in forward.items()},
         "backward_ratio": {name: ms / backward["off"] for name, ms in backward.items()},
+        "step_ops": ops,
     }
 
 

@@ -86,6 +86,8 @@ AUTO_MARGIN = 0.2
 # The "auto" bandwidth probe copies the largest layer's bytes, within these bounds (long enough to time, short).
 _PROBE_MIN_BYTES = 1 << 20
 _PROBE_MAX_BYTES = 64 << 20
+# (size, stride, storage_offset) of a saved view of a dropped tensor, for ``as_strided``.
+_View = tuple[tuple[int, ...], tuple[int, ...], int]
 
 
 def _aligned(nbytes: int) -> int:
@@ -522,15 +524,15 @@ class _Shared:
 
 
 class _Recipe:
-    """A saved tensor dropped in forward and rebuilt in backward: a view (``size``, ``stride``, ``storage_offset``)
-    of a base tensor that :meth:`base` rebuilds; rebuilt outputs are shared with the other handles on that very
-    tensor in its layer call (:class:`_Shared`)."""
+    """A saved tensor dropped in forward and rebuilt in backward: a base tensor that :meth:`base` rebuilds, or a view
+    (``view``) of it; rebuilt outputs are shared with the other handles on that very tensor in its layer call
+    (:class:`_Shared`)."""
 
     shared: _Shared | None  # None: rebuilt on every read (weight copies: one cast each)
     consumed: bool  # whether its saver has read it (handles with a _Shared only)
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_offset: int
+    # (size, stride, storage_offset) of the saved view; None: the base itself, returned without an as_strided (most
+    # reads: one dispatch less for 84 of the 132 per backward of bench_offload's 12-layer "host" model, rebuild_gemms)
+    view: _View | None
 
     def base(self) -> torch.Tensor:
         """The whole saved tensor that the handle views, rebuilt."""
@@ -540,7 +542,7 @@ class _Recipe:
         shared = self.shared
         if shared is None:  # a handle of its own
             counters["rebuilds"] += 1
-            return self.base().as_strided(self.size, self.stride, self.storage_offset)
+            return self._viewed(self.base())
         base = shared.tensor
         if base is None or base._version != shared.version:
             base = self.base()
@@ -555,7 +557,10 @@ class _Recipe:
                 self.consumed = True
                 shared.pending -= 1
             shared.tensor = base if shared.pending > 0 else None
-        return base.as_strided(self.size, self.stride, self.storage_offset)
+        return self._viewed(base)
+
+    def _viewed(self, base: torch.Tensor) -> torch.Tensor:
+        return base if self.view is None else base.as_strided(*self.view)
 
 
 @dataclass(eq=False)
@@ -571,9 +576,7 @@ class _Recast(_Recipe):
     param: torch.Tensor
     version: int
     dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_offset: int
+    view: _View | None
     # Never shared: each matmul saves the copy it made (autocast without its cache casts per call), and a copy is one
     # cast kernel, so it is rebuilt for each read rather than held. (Held from a gate/up output's rebuild to the
     # experts' backward, their weight copy raised a 4-layer model's backward peak by 46 MB at hidden 1024, 8192
@@ -614,9 +617,7 @@ class _Rebuilt(_Recipe):
     function: Callable[..., torch.Tensor]  # the Function's llmfast_rebuild
     copy_to: tuple[torch.device, torch.dtype] | None  # the copy's device and dtype; None: the output itself
     shape: tuple[int, ...]  # of the saved tensor's base: the output's, or a reshape of it
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_offset: int
+    view: _View | None
     shared: _Shared
     consumed: bool = False
 
@@ -1186,7 +1187,7 @@ class ActivationOffloader:
         if fn is not None and t.dtype == base.dtype:
             param = self._cast_source(base, source) if copies_param else None
             if param is not None:
-                return self._keep_or_recast(t, param)
+                return self._keep_or_recast(t, base, param)
             if copies_param:
                 origin = _rebuild_origin(fn, source)  # a copy of something else of a parameter's shape
             if seg is not None and origin is not None:
@@ -1253,9 +1254,7 @@ class ActivationOffloader:
             function=node.llmfast_rebuild,
             copy_to=(base.device, base.dtype) if cast else None,
             shape=tuple(base.shape),
-            size=tuple(t.shape),
-            stride=t.stride(),
-            storage_offset=t.storage_offset(),
+            view=_view_of(t, base),
             shared=shared,
         )
 
@@ -1284,8 +1283,9 @@ class ActivationOffloader:
             return self.rebuild_gemms
         return layer_index < self.rebuild_gemms
 
-    def _keep_or_recast(self, t: torch.Tensor, param: torch.Tensor) -> torch.Tensor | _Recast:
-        """Keep a parameter's saved copy while autocast's cache holds it, else rebuild it in backward.
+    def _keep_or_recast(self, t: torch.Tensor, base: torch.Tensor, param: torch.Tensor) -> torch.Tensor | _Recast:
+        """Keep a parameter's saved copy (``t``, a view of ``base``) while autocast's cache holds it, else rebuild it
+        in backward.
 
         With the cache (``torch.autocast``'s default) the copy lives until the autocast region ends, after the
         forward: dropping or copying it frees nothing at the forward's peak. Without it (Lightning's mixed precision
@@ -1302,9 +1302,7 @@ class ActivationOffloader:
             param=param,
             version=param._version,
             dtype=t.dtype,
-            size=tuple(t.shape),
-            stride=t.stride(),
-            storage_offset=t.storage_offset(),
+            view=_view_of(t, base),
         )
 
     @staticmethod
@@ -1522,6 +1520,11 @@ def _rebuild_origin(fn: Any, source: tuple[Any, int] | None) -> tuple[Any, int] 
         while node is not None and node.name() in _RESHAPES and node.next_functions:
             node, output_nr = node.next_functions[0]
     return (node, output_nr) if getattr(node, "llmfast_rebuild", None) is not None else None
+
+
+def _view_of(t: torch.Tensor, base: torch.Tensor) -> _View | None:
+    """What ``as_strided`` on ``base`` gives ``t`` back; ``None`` when ``t`` is ``base``."""
+    return None if t is base else (tuple(t.shape), t.stride(), t.storage_offset())
 
 
 def _tensors(output: Any) -> Iterator[torch.Tensor]:
