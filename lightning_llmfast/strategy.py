@@ -23,6 +23,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from lightning_llmfast._checks import check_bool
+from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload.offloader import ActivationOffloader, resolve_layers, validate_offload_config
 
 if TYPE_CHECKING:
@@ -54,7 +56,7 @@ class LLMFastStrategy(DDPStrategy):
         min_offload_bytes: storages smaller than this stay on the device.
         keep_last_layers: the last this many layers are not offloaded.
         prefetch_layers: layers prefetched ahead in backward (``prefetch_layers + 1`` device buffer sets).
-        pool_headroom: the pinned pool is sized after the first step to its measured need times this (``>= 1``).
+        pool_headroom: the pinned pool is sized after the first step to its measured need times this (from 1 to 16).
         force_offload: run the offload mechanism on CPU-only training too (tests); otherwise offload is CUDA-only.
         offload_layers: ``None`` (all but the last ``keep_last_layers``), an int ``N`` (only the first ``N``
             layers) or ``"auto"`` (measure the first step, then offload as many leading layers as the copies can
@@ -69,7 +71,8 @@ class LLMFastStrategy(DDPStrategy):
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and on to DDP).
 
     Raises:
-        OffloadError: at construction for negative sizes or counts, headroom below 1 or an ``offload_layers``
+        OffloadError: at construction for negative sizes or counts, a headroom outside ``[1, 16]``, an
+            ``offload_activations`` or ``force_offload`` that is not a bool, or an ``offload_layers``
             other than ``None``, an int ``>= 0`` or ``"auto"``, or a ``recompute`` other than ``None`` or
             ``"selective"``, or a ``rebuild_gemms`` that is neither a bool nor an int ``>= 0``; at :meth:`setup`,
             before any step, when ``layers`` matches nothing.
@@ -108,10 +111,13 @@ class LLMFastStrategy(DDPStrategy):
             offload_layers=offload_layers,
             recompute=recompute,
             rebuild_gemms=rebuild_gemms,
+            force=force_offload,
         )
+        # A string must not pass: bool("no") is True.
+        check_bool(f"{type(self).__name__}: offload_activations", offload_activations, error=OffloadError)
         super().__init__(*args, **kwargs)
-        self.offload_activations = bool(offload_activations)
-        self.force_offload = bool(force_offload)
+        self.offload_activations = offload_activations
+        self.force_offload = force_offload
         self._layers_spec = layers
         self._offload_kwargs: dict[str, Any] = {
             "min_offload_bytes": min_offload_bytes,

@@ -138,9 +138,12 @@ def test_pool_release_of_unknown_buffer_and_bad_headroom_raise() -> None:
     pool = PinnedBufferPool(pin_memory=False)
     with pytest.raises(OffloadError, match="not checked out"):
         pool.release(torch.empty(4096, dtype=torch.uint8))
-    for bad in (0.5, float("nan")):
+    for bad in (0.5, float("nan"), float("inf"), 1e308, "2", True):  # inf or 1e308 overflowed when the pool was sized
         with pytest.raises(OffloadError, match="headroom"):
             PinnedBufferPool(headroom=bad)
+    for bad in (-1, None, 1.5):
+        with pytest.raises(OffloadError, match="size_class: nbytes"):
+            size_class(bad)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------- config errors
@@ -154,6 +157,9 @@ def test_pool_release_of_unknown_buffer_and_bad_headroom_raise() -> None:
         ({"keep_last_layers": True}, "keep_last_layers"),
         ({"pool_headroom": 0.99}, "pool_headroom"),
         ({"pool_headroom": float("nan")}, "pool_headroom"),
+        ({"pool_headroom": float("inf")}, "pool_headroom"),
+        ({"pool_headroom": 17}, "pool_headroom"),
+        ({"force": "no"}, "force"),  # bool("no") is True: a string must not switch the mechanism on
         ({"rebuild_gemms": -1}, "rebuild_gemms"),
         ({"rebuild_gemms": 1.5}, "rebuild_gemms"),
     ],
@@ -663,10 +669,27 @@ def test_auto_plan_uses_the_memory_backward_freed(monkeypatch: pytest.MonkeyPatc
     off.close()
 
 
-@pytest.mark.parametrize(("layers", "depth"), [(-1, 1), (0, 0)])
-def test_plan_partial_bytes_rejects_bad_counts(layers: int, depth: int) -> None:
-    with pytest.raises(OffloadError, match="offload_layers must be >= 0 and prefetch_layers >= 1"):
+@pytest.mark.parametrize(
+    ("layers", "depth", "match"),
+    [(-1, 1, "offload_layers"), (1.5, 1, "offload_layers"), (None, 1, "offload_layers"), (0, 0, "prefetch_layers")],
+)
+def test_plan_partial_bytes_rejects_bad_counts(layers: Any, depth: int, match: str) -> None:
+    with pytest.raises(OffloadError, match=f"plan_partial_bytes: {match} must be an int >= "):
         plan_partial_bytes([1.0], [1], 1.0, margin=0.0, offload_layers=layers, prefetch_layers=depth)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"bytes_per_layer": [1, 2]}, "differ in length"),  # was an IndexError
+        ({"bytes_per_layer": [1, 1, -5, 1], "offload_layers": 2}, r"bytes_per_layer\[2\]"),  # was a silent 0
+        ({"bandwidth_bytes_per_ms": 0.0, "offload_layers": 4}, "bandwidth"),  # past the last layer: checked too
+    ],
+)
+def test_plan_partial_bytes_validates_before_it_plans(kwargs: dict[str, Any], match: str) -> None:
+    args = {"compute_ms": [1.0] * 4, "bytes_per_layer": [1] * 4, "bandwidth_bytes_per_ms": 1.0, "offload_layers": 3}
+    with pytest.raises(OffloadError, match=match):
+        plan_partial_bytes(**{**args, **kwargs}, margin=0.0, prefetch_layers=1)
 
 
 def test_plan_partial_bytes_hand_computed() -> None:
@@ -708,12 +731,15 @@ def test_plan_partial_bytes_is_the_largest_that_fits(
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        (([1.0], [1, 2], 1.0), "bytes_per_layer has 2"),
+        (([1.0], [1, 2], 1.0), "'bytes_per_layer': 2"),
+        (([None], [1], 1.0), r"compute_ms\[0\]"),  # was a TypeError
+        (([float("inf")], [1], 1.0), r"compute_ms\[0\]"),
+        (([1.0], [True], 1.0), r"bytes_per_layer\[0\]"),
         (([-1.0], [1], 1.0), r"compute_ms\[0\]"),
         (([1.0, 1.0], [1, -5], 1.0), r"bytes_per_layer\[1\]"),
         (([1.0], [1], 0.0), "bandwidth"),
         (([1.0], [1], float("nan")), "bandwidth"),
-        (([1.0, 1.0], [1, 1], 1.0, None, [5]), "freed_bytes 1"),
+        (([1.0, 1.0], [1, 1], 1.0, None, [5]), "'freed_bytes': 1"),
         (([1.0, 1.0], [1, 1], 1.0, None, [5, -1]), r"freed_bytes\[1\]"),
     ],
 )
@@ -723,6 +749,9 @@ def test_plan_offload_layers_rejects_bad_inputs(args: tuple[Any, ...], match: st
         plan_offload_layers(compute, sizes, bandwidth, margin=0.0, backward_ms=backward, freed_bytes=freed)
     with pytest.raises(OffloadError, match="margin"):
         plan_offload_layers([1.0], [1], 1.0, margin=-0.1)
+    for depth in (-1, -100, 1.5, None):  # -1 returned 1, -100 raised IndexError, 1.5 TypeError
+        with pytest.raises(OffloadError, match="prefetch_layers"):
+            plan_offload_layers([1.0], [1], 1.0, margin=0.0, prefetch_layers=depth)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("value", [-1, "all", "AUTO", True, 1.5, [1]])
@@ -943,6 +972,25 @@ def test_auto_adds_no_host_syncs_in_measuring_or_planned_steps() -> None:
     assert off.stats["offloaded_tensors"] > 0 and auto.auto_plan is not None
     off.close()
     auto.close()
+
+
+def test_auto_measuring_step_without_saved_tensors_or_backward_is_measured_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A first step under no_grad (an evaluation pass) or without backward saves nothing to plan from; planning from
+    it offloaded every eligible layer, past the memory rule that a real measuring step applies."""
+    monkeypatch.setattr(_Copier, "bandwidth", lambda self, nbytes, host: 1e30)
+    model = Stack(n_layers=3)
+    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    with off, torch.no_grad():
+        model(torch.randn(2, 8))
+    with off:
+        model(torch.randn(2, 8))  # forward only: no backward measured
+    assert off.auto_plan is None and off.stats["offload_layers"] == 0
+    _step(model, torch.randn(2, 8), off)
+    # as after a real measuring step: the memory rule keeps layer 1 (see the test below)
+    assert off.auto_plan is not None and off.auto_plan["bytes_per_layer"][0] > 0 and off.stats["offload_layers"] == 1
+    off.close()
 
 
 def test_auto_measuring_step_that_fails_is_measured_again(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -190,11 +190,16 @@ def test_offload_on_cpu_without_force_warns_and_stays_off() -> None:
         ({"offload_layers": -1}, "offload_layers"),
         ({"offload_layers": "fastest"}, "offload_layers"),
         ({"rebuild_gemms": "yes"}, "rebuild_gemms"),
+        ({"pool_headroom": float("inf")}, "pool_headroom"),
+        # bool("no") is True: strings turned offload (or the CPU mechanism) on
+        ({"offload_activations": "no"}, "offload_activations"),
+        ({"offload_activations": 0}, "offload_activations"),
+        ({"force_offload": "no"}, "force"),
     ],
 )
 def test_bad_configuration_raises_at_construction(kwargs: dict[str, Any], field: str) -> None:
     with pytest.raises(OffloadError, match=field) as info:
-        LLMFastStrategy(offload_activations=True, **kwargs)
+        LLMFastStrategy(**{"offload_activations": True, **kwargs})
     assert isinstance(info.value, ValueError)
 
 

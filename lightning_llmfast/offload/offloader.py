@@ -60,8 +60,9 @@ import torch
 from torch import nn
 
 from lightning_llmfast._autograd import in_backward
+from lightning_llmfast._checks import check_bool, check_int, check_number
 from lightning_llmfast.errors import OffloadError
-from lightning_llmfast.offload.pool import PinnedBufferPool
+from lightning_llmfast.offload.pool import MAX_HEADROOM, PinnedBufferPool
 from lightning_llmfast.offload.recompute import RECOMPUTE_MODES, RecomputeHandle, recompute_layer
 
 __all__ = [
@@ -144,7 +145,7 @@ def plan_offload_layers(
 
         plan_offload_layers([1.0] * 4, [1] * 4, 1.0, margin=0.0)  # 2: a third prefetch would outgrow freed memory
     """
-    depths = (prefetch_layers,)
+    depths = (check_int("plan_offload_layers: prefetch_layers", prefetch_layers, low=0, error=OffloadError),)
     return _plan(compute_ms, bytes_per_layer, bandwidth_bytes_per_ms, margin, depths, backward_ms, freed_bytes)[0]
 
 
@@ -202,11 +203,9 @@ def plan_partial_bytes(
 
         plan_partial_bytes([3.0] * 12, [10_000] * 12, 1_000.0, margin=0.0, offload_layers=3, prefetch_layers=3)
     """
-    if offload_layers < 0 or prefetch_layers < 1:
-        raise OffloadError(
-            f"plan_partial_bytes: offload_layers must be >= 0 and prefetch_layers >= 1, got {offload_layers} and "
-            f"{prefetch_layers}"
-        )
+    check_int("plan_partial_bytes: offload_layers", offload_layers, low=0, error=OffloadError)
+    check_int("plan_partial_bytes: prefetch_layers", prefetch_layers, low=1, error=OffloadError)
+    _rules(compute_ms, bytes_per_layer, bandwidth_bytes_per_ms, margin, backward_ms, freed_bytes)  # validates
     if offload_layers >= len(compute_ms):
         return 0
     sizes = list(bytes_per_layer)
@@ -242,24 +241,23 @@ def _rules(
     freed_bytes: Sequence[int] | None,
 ) -> Callable[[int, int], bool]:
     """Validate the inputs and return ``fits(n, depth)``: the three rules of :func:`plan_offload_layers`."""
+    given = {"compute_ms": compute_ms, "bytes_per_layer": bytes_per_layer}
+    given.update({"backward_ms": backward_ms} if backward_ms is not None else {})
+    given.update({"freed_bytes": freed_bytes} if freed_bytes is not None else {})
+    lengths = {name: len(values) for name, values in given.items()}
+    if len(set(lengths.values())) > 1:
+        raise OffloadError(f"plan_offload_layers: the per-layer inputs differ in length: {lengths}")
+    for name, values in given.items():
+        for i, value in enumerate(values):
+            check_number(f"plan_offload_layers: {name}[{i}]", value, low=0, error=OffloadError)
     num = len(compute_ms)
     sizes = list(bytes_per_layer)
     backward = [_BACKWARD_PER_FORWARD * c for c in compute_ms] if backward_ms is None else list(backward_ms)
     freed = _freed_or_later_bytes(sizes, freed_bytes)
-    if len(sizes) != num or len(backward) != num or len(freed) != num:
-        raise OffloadError(
-            f"plan_offload_layers: compute_ms has {num} layers but bytes_per_layer has {len(sizes)}, "
-            f"backward_ms {len(backward)} and freed_bytes {len(freed)}"
-        )
-    checked = {"compute_ms": compute_ms, "bytes_per_layer": sizes, "backward_ms": backward, "freed_bytes": freed}
-    for name, values in checked.items():
-        bad = next((i for i, v in enumerate(values) if not v >= 0), None)
-        if bad is not None:
-            raise OffloadError(f"plan_offload_layers: {name}[{bad}] must be >= 0, got {values[bad]!r}")
-    if not bandwidth_bytes_per_ms > 0:
-        raise OffloadError(f"plan_offload_layers: bandwidth_bytes_per_ms must be > 0, got {bandwidth_bytes_per_ms!r}")
-    if not margin >= 0:
-        raise OffloadError(f"plan_offload_layers: margin must be >= 0, got {margin!r}")
+    check_number(
+        "plan_offload_layers: bandwidth_bytes_per_ms", bandwidth_bytes_per_ms, low=0, low_open=True, error=OffloadError
+    )
+    check_number("plan_offload_layers: margin", margin, low=0, error=OffloadError)
     copy_ms = [b / bandwidth_bytes_per_ms * (1.0 + margin) for b in sizes]
     forward_ends = [sum(compute_ms[: i + 1]) for i in range(num)]
     backward_starts = [sum(backward[j + 1 :]) for j in range(num)]
@@ -314,13 +312,15 @@ def validate_offload_config(
     offload_layers: Any = None,
     recompute: Any = None,
     rebuild_gemms: Any = False,
+    force: Any = False,
 ) -> None:
     """Check offload settings; shared by :class:`ActivationOffloader` and the strategy so both fail at construction.
 
     Raises:
-        OffloadError: naming the field, the rule and the value (negative sizes or counts, headroom below 1,
-            ``offload_layers`` other than ``None``, an int ``>= 0`` or ``"auto"``, ``recompute`` other than
-            ``None`` or ``"selective"``, ``rebuild_gemms`` neither a bool nor an int ``>= 0``).
+        OffloadError: naming the field, the rule and the value (negative sizes or counts, a headroom outside
+            ``[1, 16]``, ``offload_layers`` other than ``None``, an int ``>= 0`` or ``"auto"``, ``recompute`` other
+            than ``None`` or ``"selective"``, ``rebuild_gemms`` neither a bool nor an int ``>= 0``, ``force`` not a
+            bool).
     """
     if not isinstance(rebuild_gemms, int) or rebuild_gemms < 0:  # (a bool is an int)
         raise OffloadError(f"{owner}: rebuild_gemms must be a bool or an int >= 0, got {rebuild_gemms!r}")
@@ -335,10 +335,9 @@ def validate_offload_config(
         "prefetch_layers": prefetch_layers,
     }
     for name, value in counts.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise OffloadError(f"{owner}: {name} must be an int >= 0, got {value!r}")
-    if isinstance(pool_headroom, bool) or not isinstance(pool_headroom, (int, float)) or not pool_headroom >= 1.0:
-        raise OffloadError(f"{owner}: pool_headroom must be a number >= 1, got {pool_headroom!r}")
+        check_int(f"{owner}: {name}", value, low=0, error=OffloadError)
+    check_number(f"{owner}: pool_headroom", pool_headroom, low=1, high=MAX_HEADROOM, error=OffloadError)
+    check_bool(f"{owner}: force", force, error=OffloadError)
 
 
 def resolve_layers(root: nn.Module, layers: Sequence[nn.Module] | nn.Module | str | None) -> list[nn.Module]:
@@ -678,7 +677,7 @@ class ActivationOffloader:
         min_offload_bytes: storages smaller than this stay on the device.
         keep_last_layers: the last this many layers are not offloaded (their backward runs first).
         prefetch_layers: how many layers ahead backward prefetches; ``prefetch_layers + 1`` device buffer sets.
-        pool_headroom: the host pool is sized after the first offloading step to its peak need times this (``>= 1``).
+        pool_headroom: the host pool is sized after the first offloading step to its peak need times this (1 to 16).
         force: run the whole mechanism on CPU too (synchronous copies, plain memory if pinning is unavailable).
         offload_layers: which layers offload. ``None``: all but the last ``keep_last_layers``. An int ``N``: only
             the first ``N`` of those (the earliest layers: their activations live longest). ``"auto"``: the first
@@ -751,6 +750,7 @@ class ActivationOffloader:
             offload_layers=offload_layers,
             recompute=recompute,
             rebuild_gemms=rebuild_gemms,
+            force=force,
         )
         self.min_offload_bytes = min_offload_bytes
         self.keep_last_layers = keep_last_layers
@@ -761,7 +761,7 @@ class ActivationOffloader:
                 "resolve names with resolve_layers(model, ...)"
             )
         self.layers = resolve_layers(nn.Module(), layers)
-        self.force = bool(force)
+        self.force = force
         self.offload_layers = offload_layers
         self.recompute = recompute
         self.rebuild_gemms = rebuild_gemms
@@ -946,7 +946,10 @@ class ActivationOffloader:
         self._steps_done += 1
         if measured:
             assert self._copier is not None
-            self._plan(segments, backward_end=self._copier.timestamp())
+            # A step whose layers saved nothing or ran no backward (under no_grad, an evaluation step) measured
+            # nothing to plan from: the next step measures again.
+            if any(seg.candidate_bytes and seg.backward_started is not None for seg in segments):
+                self._plan(segments, backward_end=self._copier.timestamp())
         elif not self._sized and self._copier is not None:
             self.pool.reserve_measured()  # the first step that offloaded under the final plan sizes the pool
             self._sized = True

@@ -22,9 +22,14 @@ from collections import defaultdict
 
 import torch
 
+from lightning_llmfast._checks import check_int, check_number
 from lightning_llmfast.errors import OffloadError
 
-__all__ = ["PinnedBufferPool", "size_class"]
+__all__ = ["MAX_HEADROOM", "PinnedBufferPool", "size_class"]
+
+# The largest headroom accepted: a pool of 16x the measured need is already more pinned memory than a step uses; a
+# larger factor is a mistake (an infinite one overflowed when the pool was sized).
+MAX_HEADROOM = 16.0
 
 # Smallest class; everything below shares one class so tiny tensors do not fragment the pool.
 _MIN_CLASS_BYTES = 4096
@@ -46,8 +51,7 @@ def size_class(nbytes: int) -> int:
         >>> size_class(5000), size_class(1 << 20)
         (5120, 1048576)
     """
-    if nbytes < 0:
-        raise OffloadError(f"size_class: nbytes must be >= 0, got {nbytes}")
+    check_int("size_class: nbytes", nbytes, low=0, error=OffloadError)
     if nbytes <= _MIN_CLASS_BYTES:
         return _MIN_CLASS_BYTES
     octave = 1 << ((nbytes - 1).bit_length() - 1)  # largest power of two strictly below nbytes
@@ -59,7 +63,7 @@ class PinnedBufferPool:
     """Pool of flat host ``uint8`` buffers (page-locked when the build supports it), reused across steps.
 
     Args:
-        headroom: factor ``>= 1`` applied to the first step's peak need when the pool is sized.
+        headroom: factor in ``[1, MAX_HEADROOM]`` applied to the first step's peak need when the pool is sized.
         pin_memory: page-lock the buffers. ``None`` pins when CUDA is available; if pinning fails (CPU-only
             builds), the pool falls back to plain memory once and reports ``pinned=False`` in :attr:`stats`.
 
@@ -72,9 +76,9 @@ class PinnedBufferPool:
     """
 
     def __init__(self, headroom: float = 1.5, pin_memory: bool | None = None) -> None:
-        if not headroom >= 1.0:  # also rejects NaN
-            raise OffloadError(f"PinnedBufferPool: headroom must be >= 1, got {headroom}")
-        self.headroom = float(headroom)
+        self.headroom = check_number(
+            "PinnedBufferPool: headroom", headroom, low=1, high=MAX_HEADROOM, error=OffloadError
+        )
         self.pinned = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._out: dict[int, torch.Tensor] = {}  # data_ptr -> buffer, for checked-out buffers
