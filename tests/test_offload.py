@@ -977,8 +977,8 @@ def test_auto_adds_no_host_syncs_in_measuring_or_planned_steps() -> None:
 def test_auto_measuring_step_without_saved_tensors_or_backward_is_measured_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A first step under no_grad (an evaluation pass) or without backward saves nothing to plan from; planning from
-    it offloaded every eligible layer, past the memory rule that a real measuring step applies."""
+    """A first step under no_grad (an evaluation pass) or without backward measures no backward to plan from;
+    planning from it offloaded every eligible layer, past the memory rule that a real measuring step applies."""
     monkeypatch.setattr(_Copier, "bandwidth", lambda self, nbytes, host: 1e30)
     model = Stack(n_layers=3)
     off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")

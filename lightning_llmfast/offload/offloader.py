@@ -946,9 +946,9 @@ class ActivationOffloader:
         self._steps_done += 1
         if measured:
             assert self._copier is not None
-            # A step whose layers saved nothing or ran no backward (under no_grad, an evaluation step) measured
-            # nothing to plan from: the next step measures again.
-            if any(seg.candidate_bytes and seg.backward_started is not None for seg in segments):
+            # A step whose layers ran no backward (a forward under no_grad, an evaluation pass) measured nothing to
+            # plan from: the next step measures again.
+            if any(seg.backward_started is not None for seg in segments):
                 self._plan(segments, backward_end=self._copier.timestamp())
         elif not self._sized and self._copier is not None:
             self.pool.reserve_measured()  # the first step that offloaded under the final plan sizes the pool
