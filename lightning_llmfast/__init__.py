@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from lightning_llmfast._lazy import lazy_getattr
+from lightning_llmfast._lazy import lazy_dir, lazy_getattr
 from lightning_llmfast.errors import (
     ConfigError,
     DataError,
@@ -76,6 +76,7 @@ __all__ = [
 
 
 __getattr__ = lazy_getattr(__name__, _LAZY)
+__dir__ = lazy_dir(__name__, _LAZY)
 
 # Registers "llmfast" and "llmfast_offload" in Lightning's StrategyRegistry, so Trainer(strategy="llmfast") works
 # after `import lightning_llmfast`.

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["lazy_getattr"]
+__all__ = ["lazy_dir", "lazy_getattr"]
 
 
 def lazy_getattr(package: str, names: dict[str, str]) -> Callable[[str], Any]:
@@ -29,3 +29,17 @@ def lazy_getattr(package: str, names: dict[str, str]) -> Callable[[str], Any]:
         return value
 
     return __getattr__
+
+
+def lazy_dir(package: str, names: dict[str, str]) -> Callable[[], list[str]]:
+    """A module ``__dir__`` that lists the lazy ``names`` too (tab completion, ``dir()``), next to ``__getattr__``.
+
+    Example::
+
+        __dir__ = lazy_dir(__name__, _LAZY)
+    """
+
+    def __dir__() -> list[str]:
+        return sorted(set(vars(sys.modules[package])) | set(names))
+
+    return __dir__

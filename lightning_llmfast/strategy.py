@@ -82,7 +82,7 @@ class LLMFastStrategy(DDPStrategy):
         strategy = LLMFastStrategy(offload_activations=True, layers="model.layers", offload_layers="auto")
         trainer = L.Trainer(strategy=strategy, accelerator="cuda", devices=1, precision="bf16-mixed")
         trainer.fit(MoEGPTLightningModule(MoEGPTConfig(n_layers=12)), datamodule=dm)
-        print(strategy.offloader.stats)
+        print(strategy.offload_stats)  # the last step's offload stats, also after fit
     """
 
     strategy_name = "llmfast"
@@ -129,6 +129,7 @@ class LLMFastStrategy(DDPStrategy):
             "rebuild_gemms": rebuild_gemms,
         }
         self._offloader: ActivationOffloader | None = None
+        self._last_offload_stats: dict[str, int | bool] | None = None
         if not self.offload_activations:
             ignored = {**self._offload_kwargs, "layers": layers, "force_offload": force_offload}
             self._warn_unused_offload_settings(ignored)
@@ -137,6 +138,12 @@ class LLMFastStrategy(DDPStrategy):
     def offloader(self) -> ActivationOffloader | None:
         """The activation offloader while fitting with ``offload_activations=True``, else ``None``."""
         return self._offloader
+
+    @property
+    def offload_stats(self) -> dict[str, int | bool] | None:
+        """:attr:`ActivationOffloader.stats <lightning_llmfast.offload.ActivationOffloader.stats>` of the last step:
+        while fitting, and after :meth:`teardown` released the offloader (``None`` before any offloading fit)."""
+        return self._offloader.stats if self._offloader is not None else self._last_offload_stats
 
     @property
     def single_process(self) -> bool:
@@ -244,6 +251,7 @@ class LLMFastStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         if self._offloader is not None:
+            self._last_offload_stats = self._offloader.stats  # kept for offload_stats: the offloader is released
             self._offloader.close()
             self._offloader = None
         super().teardown()

@@ -114,8 +114,11 @@ def test_forced_offload_under_trainer_is_bit_identical_and_released() -> None:
     assert _same(reference, module)
     assert len(spy.stats) == 3
     assert all(s["offloaded_bytes"] > 0 and s["checked_out"] == 0 and s["lazy_reloads"] == 0 for s in spy.stats)
-    # teardown released the offloader: hooks gone, pool empty
+    # teardown released the offloader: hooks gone, pool empty; the last step's stats stay readable
     assert strategy.offloader is None and spy.offloader.stats["pool_bytes"] == 0
+    assert strategy.offload_stats is not None
+    assert strategy.offload_stats["offloaded_bytes"] == spy.stats[-1]["offloaded_bytes"] > 0
+    assert LLMFastStrategy().offload_stats is None
     assert all(not layer._forward_pre_hooks for layer in module.model.layers)
 
 

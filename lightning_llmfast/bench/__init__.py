@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lightning_llmfast._lazy import lazy_getattr
+from lightning_llmfast._lazy import lazy_dir, lazy_getattr
 from lightning_llmfast.bench.counters import SYNC_OPS, OpCounter, SyncCounter
 
 _LAZY = {
@@ -33,6 +33,7 @@ __all__ = [
 
 
 __getattr__ = lazy_getattr(__name__, _LAZY)
+__dir__ = lazy_dir(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from lightning_llmfast.bench.e2e import E2ESettings

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_llmfast._lazy import lazy_getattr
+from lightning_llmfast._lazy import lazy_dir, lazy_getattr
 
 _LAZY = {
     "SequenceMetadataCallback": "lightning_llmfast.callbacks.seqmeta",
@@ -14,3 +14,4 @@ __all__ = list(_LAZY)
 
 
 __getattr__ = lazy_getattr(__name__, _LAZY)
+__dir__ = lazy_dir(__name__, _LAZY)

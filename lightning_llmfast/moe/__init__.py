@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lightning_llmfast._lazy import lazy_getattr
+from lightning_llmfast._lazy import lazy_dir, lazy_getattr
 
 # Imported eagerly: the function shares its name with its submodule, and once any code imports the submodule
 # ``lightning_llmfast.moe.permute`` the import system binds that name on this package to the module, which a lazy
@@ -52,6 +52,7 @@ __all__ = [
 
 
 __getattr__ = lazy_getattr(__name__, _LAZY)
+__dir__ = lazy_dir(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from lightning_llmfast.moe.adapters import get_moe_adapter, register_moe_adapter
