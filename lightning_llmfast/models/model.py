@@ -337,6 +337,8 @@ class MoEGPT(nn.Module):
         except IndexError:  # the CPU kernel's bounds check: the happy path pays nothing for this
             vocab = self.config.vocab_size
             bad = input_ids[(input_ids < 0) | (input_ids >= vocab)]  # NOTE: reads the ids, on the error path only
+            if bad.numel() == 0:
+                raise  # not the ids: some other embedding failure
             raise DataError(
                 f"input_ids: token ids must lie in [0, vocab_size={vocab}), got {bad.numel()} outside it "
                 f"(first {bad[0].item()})"
