@@ -13,6 +13,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from typing_extensions import override
 
+from lightning_llmfast._checks import check_bool, check_int, check_number
 from lightning_llmfast.data import (
     DEFAULT_LOOKAHEAD,
     VOCAB_SIZE,
@@ -22,11 +23,14 @@ from lightning_llmfast.data import (
     check_packing_args,
     pack_documents,
 )
-from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.data.corpus import _DISTRIBUTIONS, _MAX_SEED
+from lightning_llmfast.errors import ConfigError, DataError
 
 __all__ = ["PackedDataModule", "PackedDocumentDataset"]
 
 _CORPORA = ("stdlib", "synthetic", "files")
+# What torch.Generator.manual_seed takes.
+_GENERATOR_SEED_MIN, _GENERATOR_SEED_MAX = -(2**63), 2**64 - 1
 
 
 class PackedDocumentDataset(IterableDataset[PackedBatch]):
@@ -49,6 +53,10 @@ class PackedDocumentDataset(IterableDataset[PackedBatch]):
         world_size: number of ranks.
         limit_batches: at most this many batches per rank and epoch, split evenly over the workers.
 
+    Raises:
+        DataError: ``corpus`` is not sized and indexable, or a packing argument is invalid.
+        ConfigError: ``rank``, ``world_size``, ``shuffle_seed`` or ``limit_batches`` is not an int in range.
+
     Example::
 
         dataset = PackedDocumentDataset(SyntheticCorpus(64, 40, seed=0), seq_len=32, batch_size=4, vocab_size=258)
@@ -70,8 +78,16 @@ class PackedDocumentDataset(IterableDataset[PackedBatch]):
         limit_batches: int | None = None,
     ) -> None:
         check_packing_args(seq_len, batch_size, pad_id=pad_id, vocab_size=vocab_size, lookahead=lookahead)
-        if not 0 <= rank < world_size:
+        if not (hasattr(corpus, "__len__") and hasattr(corpus, "__getitem__")):
+            raise DataError(f"corpus must be a sized, indexable sequence of documents, got {type(corpus).__name__}")
+        check_int("world_size", world_size, low=1)
+        check_int("rank", rank, low=0)
+        if rank >= world_size:
             raise ConfigError(f"rank must lie in [0, world_size={world_size}), got {rank}")
+        if shuffle_seed is not None:
+            check_int("shuffle_seed", shuffle_seed, low=_GENERATOR_SEED_MIN, high=_GENERATOR_SEED_MAX)
+        if limit_batches is not None:
+            check_int("limit_batches", limit_batches, low=0)
         self.corpus = corpus
         self.seq_len = seq_len
         self.batch_size = batch_size
@@ -142,6 +158,12 @@ class PackedDataModule(LightningDataModule):
         pad_id: token id of padding.
         lookahead: short pieces the packer may hold back for a better fit.
 
+    Raises:
+        ConfigError: a bad ``corpus``/``paths`` choice, or ``num_workers``, ``pin_memory``, ``shuffle`` or a
+            ``limit_*`` that is not of its type and range.
+        DataError: a bad corpus argument (``max_docs``, ``val_fraction``, ``seed``, ``synthetic_*``) or packing
+            argument (what the corpus or the packer would raise later).
+
     Example::
 
         import lightning as L
@@ -177,11 +199,22 @@ class PackedDataModule(LightningDataModule):
             raise ConfigError(f"corpus must be one of {_CORPORA}, got {corpus!r}")
         if (corpus == "files") != bool(paths):
             raise ConfigError(f"paths must be given exactly when corpus='files' (corpus={corpus!r}, paths={paths!r})")
-        if num_workers < 0:
-            raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
+        check_int("num_workers", num_workers, low=0)
+        check_bool("pin_memory", pin_memory)
+        check_bool("shuffle", shuffle)
         for name, value in (("limit_batches", limit_batches), ("limit_val_batches", limit_val_batches)):
-            if value is not None and value < 1:
-                raise ConfigError(f"{name} must be >= 1 or None, got {value}")
+            if value is not None:
+                check_int(name, value, low=1)
+        # Corpus arguments: checked here (DataError, as the corpora raise) rather than at the first corpus_for().
+        if max_docs is not None:
+            check_int("max_docs", max_docs, low=1, error=DataError)
+        check_number("val_fraction", val_fraction, low=0, high=1, error=DataError)
+        check_int("synthetic_num_docs", synthetic_num_docs, low=1, error=DataError)
+        check_number("synthetic_mean_len", synthetic_mean_len, low=1, error=DataError)
+        if synthetic_distribution not in _DISTRIBUTIONS:
+            raise DataError(f"synthetic_distribution must be one of {_DISTRIBUTIONS}, got {synthetic_distribution!r}")
+        # The validation corpus uses seed + 1.
+        check_int("seed", seed, low=-_MAX_SEED, high=_MAX_SEED - 1, error=DataError)
         check_packing_args(seq_len, batch_size, pad_id=pad_id, vocab_size=VOCAB_SIZE, lookahead=lookahead)
         self.save_hyperparameters()
         self.corpus = corpus
@@ -218,7 +251,7 @@ class PackedDataModule(LightningDataModule):
                     else max(1, round(self.synthetic_num_docs * self.val_fraction))
                 )
                 self._corpora[split] = SyntheticCorpus(
-                    min(num_docs, self.max_docs or num_docs),
+                    num_docs if self.max_docs is None else min(num_docs, self.max_docs),
                     self.synthetic_mean_len,
                     # A different seed for validation: its documents must not repeat the training ones.
                     self.seed if split == "train" else self.seed + 1,

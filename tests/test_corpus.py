@@ -33,6 +33,25 @@ def test_vocabulary_and_decode_errors():
         decode([-1])
 
 
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: decode([104.5]), r"token id 104.5 at position 0 is not an int"),
+        (lambda: decode([104, True]), r"token id True at position 1 is not an int"),
+        (lambda: decode(None), r"decode: ids must be a 1-D sequence of int token ids, got NoneType"),
+        (lambda: decode("hi"), r"decode: ids must be a 1-D sequence of int token ids, got str"),
+        (lambda: decode(torch.tensor([[104, 105]])), r"decode: ids must be a 1-D integer tensor, .*shape \(1, 2\)"),
+        (lambda: decode(torch.tensor([104.0])), r"decode: ids must be a 1-D integer tensor, got torch.float32"),
+        (lambda: encode(b"hi"), r"encode: text must be a str, got bytes"),
+        (lambda: encode(None), r"encode: text must be a str, got NoneType"),
+        (lambda: encode("hi", add_special_tokens="no"), r"encode: add_special_tokens must be True or False"),
+    ],
+)
+def test_tokenizer_rejects_bad_input(call, match):
+    with pytest.raises(DataError, match=match):
+        call()
+
+
 def test_stdlib_corpus_is_deterministic_split_and_lazy():
     root = Path(sysconfig.get_paths()["stdlib"])
     train, val = TextCorpus(), TextCorpus(split="val")
@@ -133,9 +152,47 @@ def test_synthetic_corpus_max_len_and_iteration():
         ({"max_len": 1, "min_len": 2}, "max_len"),
         ({"vocab_size": 0}, "vocab_size"),
         ({"sigma": 0.0}, "sigma"),
+        ({"sigma": None}, r"sigma must be a finite number > 0, got None"),
+        ({"sigma": float("inf")}, r"sigma must be a finite number > 0, got inf"),
+        ({"sigma": 1e200}, r"sigma=1e\+200 is too large"),
+        ({"seed": None}, r"seed must be an int .*got None"),
+        ({"seed": 1.5}, r"seed must be an int .*got 1.5"),
+        ({"seed": 2**60}, r"seed must be an int >= -\d+ and <= \d+, got 1152921504606846976"),
+        ({"mean_len": True}, r"mean_len must be a finite number >= 1, got True"),
+        ({"max_len": True}, r"max_len must be an int >= 1, got True"),
+        ({"max_len": 8.0}, r"max_len must be an int"),
+        ({"num_docs": 2.0}, r"num_docs must be an int >= 1, got 2.0"),
+        ({"vocab_size": True}, r"vocab_size must be an int"),
+        ({"mean_len": 1e300, "distribution": "uniform"}, r"document lengths do not fit: .*'uniform'.*set max_len"),
+        ({"mean_len": 1e308, "distribution": "uniform"}, r"mean_len=1e\+308 is too large for distribution='uniform'"),
+        ({"mean_len": 1e20, "distribution": "fixed"}, r"document lengths do not fit: .*1e\+20 tokens"),
+        ({"mean_len": 1e308, "distribution": "exponential"}, r"document lengths do not fit: .*inf tokens"),
+        ({"mean_len": 1e300}, r"document lengths do not fit: distribution='lognormal'.*sigma=1.0"),
     ],
 )
 def test_synthetic_corpus_errors(kwargs, match):
     args = {"num_docs": 10, "mean_len": 8, "seed": 0, **kwargs}
     with pytest.raises(DataError, match=match):
         SyntheticCorpus(args.pop("num_docs"), args.pop("mean_len"), args.pop("seed"), **args)
+
+
+def test_synthetic_corpus_huge_mean_is_fine_when_max_len_bounds_it():
+    corpus = SyntheticCorpus(4, 1e300, seed=3, distribution="uniform", max_len=100)
+    assert corpus.lengths == [100] * 4 and len(corpus[0]) == 100
+    negative_seed = SyntheticCorpus(4, 8, seed=-5)
+    assert all(n >= 1 for n in negative_seed.lengths) and len(negative_seed[3]) == negative_seed.lengths[3]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"val_fraction": None}, r"val_fraction must be a finite number >= 0 and <= 1, got None"),
+        ({"val_fraction": "0.5"}, r"val_fraction must be a finite number"),
+        ({"val_fraction": float("nan")}, r"val_fraction must be a finite number"),
+        ({"max_docs": 2.5}, r"max_docs must be an int >= 1, got 2.5"),
+        ({"max_docs": True}, r"max_docs must be an int >= 1, got True"),
+    ],
+)
+def test_text_corpus_rejects_non_numbers(kwargs, match):
+    with pytest.raises(DataError, match=match):
+        TextCorpus(**kwargs)

@@ -176,6 +176,69 @@ def test_data_module_rejects_bad_config(kwargs, error, match):
         PackedDataModule(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"num_workers": None}, ConfigError, r"num_workers must be an int >= 0, got None"),
+        ({"num_workers": "2"}, ConfigError, r"num_workers must be an int >= 0, got '2'"),
+        ({"num_workers": 1.5}, ConfigError, r"num_workers must be an int >= 0, got 1.5"),
+        ({"pin_memory": "no"}, ConfigError, r"pin_memory must be True or False, got 'no'"),
+        ({"shuffle": 0}, ConfigError, r"shuffle must be True or False, got 0"),
+        ({"limit_batches": "3"}, ConfigError, r"limit_batches must be an int >= 1, got '3'"),
+        ({"limit_batches": 1.5}, ConfigError, r"limit_batches must be an int >= 1, got 1.5"),
+        ({"limit_batches": True}, ConfigError, r"limit_batches must be an int >= 1, got True"),
+        ({"limit_val_batches": -1}, ConfigError, r"limit_val_batches must be an int >= 1, got -1"),
+        ({"val_fraction": 2.0}, DataError, r"val_fraction must be a finite number >= 0 and <= 1, got 2.0"),
+        ({"val_fraction": -1.0}, DataError, r"val_fraction must be a finite number >= 0 and <= 1, got -1.0"),
+        ({"val_fraction": None}, DataError, r"val_fraction must be a finite number"),
+        ({"max_docs": 0}, DataError, r"max_docs must be an int >= 1, got 0"),
+        ({"max_docs": -5}, DataError, r"max_docs must be an int >= 1, got -5"),
+        ({"max_docs": 2.5}, DataError, r"max_docs must be an int >= 1, got 2.5"),
+        ({"seed": None}, DataError, r"seed must be an int .*got None"),
+        ({"seed": 1.5}, DataError, r"seed must be an int .*got 1.5"),
+        ({"synthetic_num_docs": 0}, DataError, r"synthetic_num_docs must be an int >= 1, got 0"),
+        ({"synthetic_mean_len": float("inf")}, DataError, r"synthetic_mean_len must be a finite number >= 1"),
+        ({"synthetic_distribution": "zipf"}, DataError, r"synthetic_distribution must be one of"),
+    ],
+)
+def test_data_module_rejects_bad_types_and_corpus_arguments_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        PackedDataModule(**{"corpus": "synthetic", **kwargs})
+
+
+def test_data_module_max_docs_caps_both_synthetic_splits():
+    data = PackedDataModule(corpus="synthetic", synthetic_num_docs=40, val_fraction=0.25, max_docs=3, num_workers=0)
+    assert len(data.corpus_for("train")) == 3 and len(data.corpus_for("val")) == 3
+    data = PackedDataModule(corpus="synthetic", synthetic_num_docs=40, val_fraction=0.25, num_workers=0)
+    assert len(data.corpus_for("train")) == 40 and len(data.corpus_for("val")) == 10
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"limit_batches": -1}, ConfigError, r"limit_batches must be an int >= 0, got -1"),
+        ({"limit_batches": 1.5}, ConfigError, r"limit_batches must be an int >= 0, got 1.5"),
+        ({"limit_batches": "3"}, ConfigError, r"limit_batches must be an int >= 0, got '3'"),
+        ({"rank": 0.5}, ConfigError, r"rank must be an int >= 0, got 0.5"),
+        ({"rank": -1}, ConfigError, r"rank must be an int >= 0, got -1"),
+        ({"world_size": 0}, ConfigError, r"world_size must be an int >= 1, got 0"),
+        ({"world_size": 2.0}, ConfigError, r"world_size must be an int >= 1, got 2.0"),
+        ({"shuffle_seed": 1.5}, ConfigError, r"shuffle_seed must be an int .*got 1.5"),
+        ({"shuffle_seed": 2**64}, ConfigError, r"shuffle_seed must be an int .*got 18446744073709551616"),
+        ({"corpus": iter([[1, 2]])}, DataError, r"corpus must be a sized, indexable sequence of documents"),
+    ],
+)
+def test_dataset_rejects_bad_arguments_at_construction(kwargs, error, match):
+    args = {"corpus": [[1, 2, 3]] * 4, "seq_len": 4, "batch_size": 1, "vocab_size": VOCAB_SIZE, **kwargs}
+    with pytest.raises(error, match=match):
+        PackedDocumentDataset(args.pop("corpus"), **args)
+
+
+def test_dataset_limit_batches_zero_yields_nothing():
+    dataset = PackedDocumentDataset([[1, 2, 3]] * 4, seq_len=4, batch_size=1, vocab_size=VOCAB_SIZE, limit_batches=0)
+    assert list(dataset) == []
+
+
 def test_data_module_missing_files_fail_at_setup(tmp_path):
     data = PackedDataModule(corpus="files", paths=[str(tmp_path / "nope")], num_workers=0)
     with pytest.raises(DataError, match="does not exist"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_llmfast import ConfigError, MoEGPT, MoEGPTConfig, SequenceMetadata
+from lightning_llmfast import ConfigError, DataError, MetadataError, MoEGPT, MoEGPTConfig, SequenceMetadata
 from lightning_llmfast.bench import SyncCounter
 from lightning_llmfast.data import pack_documents
 
@@ -112,3 +112,61 @@ def test_flops_per_batch_matches_hand_count() -> None:
 def test_bad_config_raises_config_error(overrides: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         _model(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"n_layers": None}, r"MoEGPTConfig.n_layers must be an int >= 1, got None"),
+        ({"hidden_size": 32.0}, r"MoEGPTConfig.hidden_size must be an int >= 1, got 32.0"),
+        ({"top_k": True}, r"MoEGPTConfig.top_k must be an int >= 1, got True"),
+        ({"vocab_size": True}, r"MoEGPTConfig.vocab_size must be an int >= 1, got True"),
+        ({"num_experts": "4"}, r"MoEGPTConfig.num_experts must be an int >= 1, got '4'"),
+        ({"capacity_factor": 0.0}, r"MoEGPTConfig.capacity_factor must be a finite number > 0, got 0.0"),
+        ({"capacity_factor": -1.0}, r"MoEGPTConfig.capacity_factor must be a finite number > 0"),
+        ({"capacity_factor": float("inf")}, r"MoEGPTConfig.capacity_factor must be a finite number > 0, got inf"),
+        ({"norm_eps": -1e-5}, r"MoEGPTConfig.norm_eps must be a finite number >= 0"),
+        ({"norm_eps": float("nan")}, r"MoEGPTConfig.norm_eps must be a finite number >= 0, got nan"),
+        ({"rope_theta": 0}, r"MoEGPTConfig.rope_theta must be a finite number > 0, got 0"),
+        ({"init_std": -0.02}, r"MoEGPTConfig.init_std must be a finite number >= 0"),
+        ({"tie_embeddings": "no"}, r"MoEGPTConfig.tie_embeddings must be True or False, got 'no'"),
+        ({"dense_layers": (0.5,)}, r"MoEGPTConfig.dense_layers entry must be an int, got 0.5"),
+        ({"dense_layers": [True]}, r"MoEGPTConfig.dense_layers entry must be an int, got True"),
+        ({"dense_layers": 1}, r"MoEGPTConfig.dense_layers must be a list of layer indices, got 1"),
+        ({"router_backend": "naive", "capacity_factor": 1.0}, r"router_backend='naive' is dropless"),
+    ],
+)
+def test_config_is_validated_at_construction(overrides: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        MoEGPTConfig(**{**TINY, **overrides})  # the config alone: no model is built
+
+
+def test_config_accepts_a_tuple_of_dense_layers() -> None:
+    model = _model(dense_layers=(1,))
+    assert sum(1 for _ in model.moe_blocks()) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        ((torch.tensor([[3, 50]]),), DataError, r"token ids must lie in \[0, vocab_size=50\), got 1 outside it"),
+        ((torch.tensor([[-1, 3]]),), DataError, r"token ids must lie in \[0, vocab_size=50\).*first -1"),
+        ((torch.tensor([[1.0, 2.0]]),), DataError, r"input_ids: must be a \(B, T\) int64 or int32 tensor.*float32"),
+        ((torch.tensor([1, 2]),), DataError, r"input_ids: must be a \(B, T\) .*shape \(2,\)"),
+        ((torch.tensor([[1, 2]], dtype=torch.int16),), DataError, r"input_ids: .*torch.int16"),
+        (([[1, 2]],), DataError, r"input_ids: must be a \(B, T\) .*got list"),
+        ((torch.tensor([[1, 2]]), torch.tensor([0, 1])), MetadataError, r"position_ids: .*shape \(1, 2\), got"),
+        ((torch.tensor([[1, 2]]), torch.tensor([[0.0, 1.0]])), MetadataError, r"position_ids: .*torch.float32"),
+    ],
+)
+@pytest.mark.parametrize("attention_metadata", ["per_layer", "dense", "cached"])
+def test_forward_rejects_bad_ids_with_our_errors(args: tuple, error: type, match: str, attention_metadata: str) -> None:
+    model = _model(attention_metadata=attention_metadata, router_backend="naive")
+    with pytest.raises(error, match=match):
+        model(*args)
+
+
+def test_forward_takes_int32_ids() -> None:
+    model = _model()
+    ids = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(model(ids.int()), model(ids))

@@ -296,3 +296,46 @@ def test_torch_compile_fullgraph_forward_and_gradients() -> None:
         results.append((y.detach(), x.grad, norm.weight.grad.clone()))
     for eager, traced in zip(*results):
         torch.testing.assert_close(traced, eager)
+
+
+# ---------------------------------------------------------------------------------------------- argument checks
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: rms_norm(torch.arange(8).view(1, 8), torch.ones(8), 1e-5), r"rms_norm: x must be a floating-point"),
+        (lambda: rms_norm(torch.tensor(1.0), torch.ones(1), 1e-5), r"x must be a floating-point tensor \(\.\.\., H\)"),
+        (lambda: rms_norm([[1.0, 2.0]], torch.ones(2), 1e-5), r"x must be a floating-point tensor.*list"),
+        (lambda: rms_norm(torch.randn(2, 8), torch.ones(4), 1e-5), r"weight must be a tensor of shape \(H,\) = \(8,\)"),
+        (lambda: rms_norm(torch.randn(2, 8), torch.ones(2, 8), 1e-5), r"weight .* got shape \(2, 8\)"),
+        (lambda: rms_norm(torch.zeros(1, 4), torch.ones(4), -1.0), r"rms_norm: eps must be a finite number >= 0"),
+        (lambda: rms_norm(torch.zeros(1, 4), torch.ones(4), float("nan")), r"eps must be a finite number >= 0"),
+        (lambda: rms_norm(torch.zeros(1, 4), torch.ones(4), None), r"eps must be a finite number"),
+        (
+            lambda: add_rms_norm(torch.arange(8).view(1, 8), torch.ones(1, 8).long(), torch.ones(8), 1e-5),
+            r"add_rms_norm: residual must be a floating-point",
+        ),
+        (lambda: add_rms_norm(torch.randn(1, 8), torch.randn(1, 8), torch.ones(8), -1e-5), r"add_rms_norm: eps"),
+        (lambda: RMSNorm(-1, 1e-5), r"RMSNorm: dim must be an int >= 1, got -1"),
+        (lambda: RMSNorm(0, 1e-5), r"RMSNorm: dim must be an int >= 1, got 0"),
+        (lambda: RMSNorm(8.0, 1e-5), r"RMSNorm: dim must be an int"),
+        (lambda: RMSNorm(8, -1e-5), r"RMSNorm: eps must be a finite number >= 0"),
+        (lambda: RMSNorm(8, float("nan")), r"RMSNorm: eps must be a finite number >= 0"),
+    ],
+)
+def test_rms_norm_rejects_bad_arguments(call: Callable[[], object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        call()
+
+
+def test_rms_norm_module_rejects_integer_input_and_a_resized_weight() -> None:
+    norm = RMSNorm(8, 1e-5)
+    with pytest.raises(ConfigError, match=r"x must be a floating-point tensor .*torch.int64"):
+        norm(torch.arange(8).view(1, 8))  # was [0, 0, 0, 0, 0, 1, 1, 1]: normalised then cast back to int64
+    norm.weight = nn.Parameter(torch.ones(4))
+    with pytest.raises(ConfigError, match=r"weight must be a tensor of shape \(H,\) = \(8,\)"):
+        norm(torch.randn(2, 8))
+
+
+def test_rms_norm_accepts_zero_eps() -> None:
+    x = torch.randn(3, 8, dtype=torch.float64)
+    torch.testing.assert_close(rms_norm(x, torch.ones(8, dtype=torch.float64), 0.0), _reference(x, torch.ones(8), 0.0))

@@ -126,12 +126,20 @@ def test_dense_block_causal_mask_matches_loops(lengths: list[int]) -> None:
         ({"cu_seqlens": torch.zeros(2, 2, dtype=torch.int32)}, r"cu_seqlens: must be 1-D"),
         ({"cu_seqlens": []}, r"cu_seqlens: must hold at least one value"),
         ({"cu_seqlens": "0,3"}, r"cu_seqlens: must be a 1-D integer"),
+        ({"cu_seqlens": [0, 1], "num_tokens": True}, r"num_tokens must be an int >= 0, got True"),
+        ({"cu_seqlens": [0, 3], "num_tokens": 3.0}, r"num_tokens must be an int >= 0, got 3.0"),
+        ({"cu_seqlens": [0, 3], "num_tokens": "3"}, r"num_tokens must be an int >= 0, got '3'"),
+        ({"cu_seqlens": [0, 0], "num_tokens": -1}, r"num_tokens must be an int >= 0, got -1"),
     ],
 )
 def test_invalid_cu_seqlens_raise_metadata_error(kwargs: dict, match: str) -> None:
     with pytest.raises(MetadataError, match=match) as info:
         SequenceMetadata.from_cu_seqlens(**kwargs)
     assert isinstance(info.value, ValueError)
+
+
+def test_num_tokens_accepts_numpy_ints() -> None:
+    assert SequenceMetadata.from_cu_seqlens([0, 3], num_tokens=np.int64(3)).num_tokens == 3
 
 
 def test_invalid_lengths_and_position_ids_raise_metadata_error() -> None:

@@ -131,9 +131,23 @@ def test_monitor_counts_each_micro_batch_under_gradient_accumulation(tmp_path: P
     assert monitor.last_metrics["train/tokens"] == recorder.tokens_by_step[6]
 
 
-@pytest.mark.parametrize("kwargs", [{"log_every_n_steps": 0}, {"window_size": 1}])
-def test_monitor_rejects_bad_arguments(kwargs: dict[str, int]) -> None:
-    with pytest.raises(ConfigError):
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"log_every_n_steps": 0}, r"log_every_n_steps must be an int >= 1, got 0"),
+        ({"log_every_n_steps": "5"}, r"log_every_n_steps must be an int >= 1, got '5'"),
+        ({"log_every_n_steps": 1.5}, r"log_every_n_steps must be an int >= 1, got 1.5"),
+        ({"log_every_n_steps": True}, r"log_every_n_steps must be an int >= 1, got True"),
+        ({"window_size": 1}, r"window_size must be an int >= 2, got 1"),
+        ({"window_size": "5"}, r"window_size must be an int >= 2, got '5'"),
+        ({"window_size": 2.5}, r"window_size must be an int >= 2, got 2.5"),
+        ({"peak_flops": -1}, r"peak_flops must be a finite number > 0, got -1"),
+        ({"peak_flops": float("nan")}, r"peak_flops must be a finite number > 0, got nan"),
+        ({"num_tokens_fn": 5}, r"num_tokens_fn must be callable or None, got 5"),
+    ],
+)
+def test_monitor_rejects_bad_arguments(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
         TokenThroughputMonitor(**kwargs)
 
 

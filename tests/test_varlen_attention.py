@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_llmfast import ConfigError, MetadataError
 from lightning_llmfast.bench.counters import SyncCounter
-from lightning_llmfast.seqmeta import SequenceMetadata, SequenceMetadataCache, varlen_attention
+from lightning_llmfast.seqmeta import SequenceMetadata, SequenceMetadataCache, dense_block_causal_mask, varlen_attention
 from lightning_llmfast.seqmeta.attention import _auto_impl
 
 EXACT_IMPLS = ("masked", "per_document", "bucketed")
@@ -125,6 +125,59 @@ def test_empty_and_errors() -> None:
     q, k, v = _inputs(5, 2, 2, 4, 0)
     with pytest.raises(ConfigError, match=r"impl: must be one of"):
         varlen_attention(q, k, v, meta, impl="nope")  # type: ignore[arg-type]
+
+
+_META = SequenceMetadata.from_lengths([3, 2])
+_Q, _K, _V = torch.randn(5, 2, 4), torch.randn(5, 1, 4), torch.randn(5, 1, 4)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "match"),
+    [
+        ((torch.randn(5, 2, 0), torch.randn(5, 1, 0), _V, _META), {}, ConfigError, r"head_dim: .*got 0 and 4"),
+        ((_Q, _K, torch.randn(5, 1, 0), _META), {}, ConfigError, r"head_dim: .*got 4 and 0"),
+        ((torch.randn(5, 0, 4), _K, _V, _META), {}, ConfigError, r"heads: q must have at least one head"),
+        ((_Q.long(), _K.long(), _V.long(), _META), {}, ConfigError, r"one floating-point dtype, got torch.int64"),
+        ((_Q, _K.double(), _V.double(), _META), {}, ConfigError, r"one floating-point dtype, .*float32.*float64"),
+        ((_Q, _K, _V.half(), _META), {}, ConfigError, r"one floating-point dtype"),
+        ((_Q, _K, [[0.0]], _META), {}, ConfigError, r"q, k, v: must be tensors, got Tensor, Tensor, list"),
+        ((_Q, _K, _V, [0, 3, 5]), {}, MetadataError, r"metadata: must be a SequenceMetadata .*got list"),
+        ((_Q, _K, _V, None), {}, MetadataError, r"metadata: must be a SequenceMetadata .*got NoneType"),
+        ((_Q, _K, _V, _META), {"scale": float("nan")}, ConfigError, r"scale must be a finite number, got nan"),
+        ((_Q, _K, _V, _META), {"scale": "0.5"}, ConfigError, r"scale must be a finite number"),
+        ((_Q, _K, _V, _META), {"causal": None}, ConfigError, r"causal must be True or False, got None"),
+        ((_Q, _K, _V, _META), {"causal": 1}, ConfigError, r"causal must be True or False, got 1"),
+    ],
+)
+def test_rejects_bad_inputs_with_our_errors(args: tuple, kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        varlen_attention(*args, **kwargs)
+
+
+def test_dense_block_causal_mask_rejects_non_metadata() -> None:
+    with pytest.raises(MetadataError, match=r"metadata: must be a SequenceMetadata .*got list"):
+        dense_block_causal_mask([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"causal must be True or False, got 'yes'"):
+        dense_block_causal_mask(_META, causal="yes")  # type: ignore[arg-type]
+
+
+def test_zero_scale_is_accepted() -> None:
+    out = varlen_attention(_Q, _K, _V, _META, scale=0.0, causal=False)
+    expected = reference_attention(_Q, _K, _V, [3, 2], causal=False, scale=0.0)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", EXACT_IMPLS)
+def test_no_tokens_keeps_a_gradient_path(impl: str) -> None:
+    q = torch.randn(0, 2, 4, requires_grad=True)
+    k, v = torch.randn(0, 1, 4, requires_grad=True), torch.randn(0, 1, 3, requires_grad=True)
+    out = varlen_attention(q, k, v, SequenceMetadata.from_lengths([]), impl=impl)
+    assert out.shape == (0, 2, 3) and out.dtype == q.dtype and out.grad_fn is not None
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and t.grad.shape == t.shape
+    no_grad = varlen_attention(q.detach(), k.detach(), v.detach(), SequenceMetadata.from_lengths([0, 0]))
+    assert no_grad.shape == (0, 2, 3) and not no_grad.requires_grad
 
 
 @pytest.mark.parametrize("impl", IMPLS)

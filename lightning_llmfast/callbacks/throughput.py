@@ -10,6 +10,7 @@ from lightning.fabric.utilities.throughput import Throughput, get_available_flop
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_llmfast._checks import check_int, check_number
 from lightning_llmfast.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -53,6 +54,10 @@ class TokenThroughputMonitor(Callback):
             :class:`~lightning_llmfast.data.PackedBatch`.
         peak_flops: the device's peak FLOP/s for MFU; by default looked up from the device and precision.
 
+    Raises:
+        ConfigError: ``log_every_n_steps`` is not an int >= 1, ``window_size`` not an int >= 2, ``peak_flops``
+            not a finite number > 0, or ``num_tokens_fn`` not callable.
+
     Example::
 
         trainer = L.Trainer(callbacks=[SequenceMetadataCallback(), TokenThroughputMonitor()])
@@ -66,10 +71,13 @@ class TokenThroughputMonitor(Callback):
         peak_flops: float | None = None,
     ) -> None:
         super().__init__()
-        if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ConfigError(f"log_every_n_steps must be >= 1, got {log_every_n_steps}")
-        if window_size < 2:
-            raise ConfigError(f"window_size must be >= 2 (a rate needs two points), got {window_size}")
+        if log_every_n_steps is not None:
+            check_int("log_every_n_steps", log_every_n_steps, low=1)
+        check_int("window_size", window_size, low=2)  # a rate needs two points
+        if num_tokens_fn is not None and not callable(num_tokens_fn):
+            raise ConfigError(f"num_tokens_fn must be callable or None, got {num_tokens_fn!r}")
+        if peak_flops is not None:
+            check_number("peak_flops", peak_flops, low=0, low_open=True)
         self.log_every_n_steps = log_every_n_steps
         self.window_size = window_size
         self.num_tokens_fn = num_tokens_fn or _batch_tokens

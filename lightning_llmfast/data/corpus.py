@@ -7,6 +7,7 @@ them by index across workers and ranks without reading what they skip.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import sysconfig
 import zlib
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_llmfast._checks import check_bool, check_int, check_number
 from lightning_llmfast.errors import DataError
 
 __all__ = [
@@ -36,10 +38,18 @@ VOCAB_SIZE = 258
 
 _SPLITS = ("train", "val")
 _DISTRIBUTIONS = ("lognormal", "uniform", "fixed", "exponential")
+_MAX_DOC_LEN = 2**31 - 1
+"""Longest synthetic document: a drawn length above it (an absurd ``mean_len`` or ``sigma``) is an error."""
+_DOC_SEED_STRIDE = 1_000_003
+_MAX_SEED = 2**63 // _DOC_SEED_STRIDE
+"""Bound of ``abs(seed)`` in :class:`SyntheticCorpus`: each document seed ``seed * stride + index`` must fit."""
 
 
 def encode(text: str, *, add_special_tokens: bool = True) -> list[int]:
     """Byte-level token ids of ``text`` (UTF-8), framed by ``BOS_ID``/``EOS_ID`` unless told otherwise.
+
+    Raises:
+        DataError: ``text`` is not a ``str`` (bytes are already tokens: ``list(data)``).
 
     Example::
 
@@ -48,6 +58,9 @@ def encode(text: str, *, add_special_tokens: bool = True) -> list[int]:
         >>> decode(encode("héllo"))
         'héllo'
     """
+    if not isinstance(text, str):
+        raise DataError(f"encode: text must be a str, got {type(text).__name__}")
+    check_bool("encode: add_special_tokens", add_special_tokens, error=DataError)
     ids = list(text.encode("utf-8"))
     return [BOS_ID, *ids, EOS_ID] if add_special_tokens else ids
 
@@ -56,15 +69,25 @@ def decode(ids: Iterable[int] | torch.Tensor) -> str:
     """Text of byte-level token ids; special tokens are dropped, invalid UTF-8 becomes U+FFFD.
 
     Raises:
-        DataError: an id outside ``[0, VOCAB_SIZE)``.
+        DataError: ``ids`` is not a 1-D sequence (or tensor) of ints, or an id lies outside ``[0, VOCAB_SIZE)``.
 
     Example::
 
         >>> decode([256, 104, 105, 257])
         'hi'
     """
-    values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+    if isinstance(ids, torch.Tensor):
+        integer = not (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool)
+        if ids.dim() != 1 or not (integer or ids.numel() == 0):  # torch.tensor([]) is float32: nothing to misread
+            raise DataError(f"decode: ids must be a 1-D integer tensor, got {ids.dtype} of shape {tuple(ids.shape)}")
+        values = ids.tolist()
+    elif isinstance(ids, str) or not isinstance(ids, Iterable):
+        raise DataError(f"decode: ids must be a 1-D sequence of int token ids, got {type(ids).__name__}")
+    else:
+        values = list(ids)
     for position, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise DataError(f"token id {value!r} at position {position} is not an int")
         if not 0 <= value < VOCAB_SIZE:
             raise DataError(f"token id {value} at position {position} is outside the byte vocabulary [0, {VOCAB_SIZE})")
     return bytes(v for v in values if v < 256).decode("utf-8", errors="replace")
@@ -119,10 +142,9 @@ class TextCorpus(Sequence[list[int]]):
     ) -> None:
         if split not in _SPLITS:
             raise DataError(f"split must be one of {_SPLITS}, got {split!r}")
-        if not 0.0 <= val_fraction <= 1.0:
-            raise DataError(f"val_fraction must lie in [0, 1], got {val_fraction!r}")
-        if max_docs is not None and (isinstance(max_docs, bool) or not isinstance(max_docs, int) or max_docs < 1):
-            raise DataError(f"max_docs must be an int >= 1 or None, got {max_docs!r}")
+        check_number("val_fraction", val_fraction, low=0, high=1, error=DataError)
+        if max_docs is not None:
+            check_int("max_docs", max_docs, low=1, error=DataError)
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         self.split = split
@@ -181,13 +203,17 @@ class SyntheticCorpus(Sequence[list[int]]):
     Args:
         num_docs: number of documents (at least 1).
         mean_len: mean document length in tokens (before clamping to ``[min_len, max_len]``).
-        seed: random seed.
+        seed: random seed, an int of magnitude at most ``2**63 // 1_000_003`` (document seeds derive from it).
         distribution: ``"lognormal"`` (``sigma`` sets the spread), ``"uniform"`` (on
             ``[min_len, 2 * mean_len - min_len]``), ``"exponential"`` or ``"fixed"`` (every document ``mean_len``).
         vocab_size: token ids are drawn uniformly from ``[0, vocab_size)``.
         min_len: shortest document (at least 1).
         max_len: longest document (``None``: unbounded).
         sigma: standard deviation of the log-length for ``"lognormal"``.
+
+    Raises:
+        DataError: an argument out of range, or a drawn length over ``2**31 - 1`` tokens (lower ``mean_len`` or
+            ``sigma``, or set ``max_len``).
 
     Example::
 
@@ -208,36 +234,48 @@ class SyntheticCorpus(Sequence[list[int]]):
         max_len: int | None = None,
         sigma: float = 1.0,
     ) -> None:
-        for name, value in (("num_docs", num_docs), ("min_len", min_len), ("vocab_size", vocab_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise DataError(f"{name} must be an int >= 1, got {value!r}")
-        if not (isinstance(mean_len, (int, float)) and math.isfinite(mean_len) and mean_len >= 1):
-            raise DataError(f"mean_len must be a finite number >= 1, got {mean_len!r}")
-        if max_len is not None and (not isinstance(max_len, int) or max_len < min_len):
-            raise DataError(f"max_len must be an int >= min_len={min_len} or None, got {max_len!r}")
+        check_int("num_docs", num_docs, low=1, error=DataError)
+        check_int("min_len", min_len, low=1, error=DataError)
+        check_int("vocab_size", vocab_size, low=1, high=2**63 - 1, error=DataError)
+        check_number("mean_len", mean_len, low=1, error=DataError)
+        check_int("seed", seed, low=-_MAX_SEED, high=_MAX_SEED, error=DataError)
+        if max_len is not None:
+            check_int("max_len", max_len, low=min_len, error=DataError)
         if distribution not in _DISTRIBUTIONS:
             raise DataError(f"distribution must be one of {_DISTRIBUTIONS}, got {distribution!r}")
-        if not sigma > 0:
-            raise DataError(f"sigma must be > 0, got {sigma!r}")
+        check_number("sigma", sigma, low=0, low_open=True, error=DataError)
+
         self.seed = seed
         self.vocab_size = vocab_size
         generator = torch.Generator().manual_seed(seed)
         shape = (num_docs,)
         if distribution == "lognormal":
-            # E[exp(N(mu, sigma^2))] = exp(mu + sigma^2 / 2) = mean_len
-            lengths = torch.empty(shape, dtype=torch.float64).log_normal_(
-                math.log(mean_len) - sigma**2 / 2, sigma, generator=generator
-            )
+            try:
+                # E[exp(N(mu, sigma^2))] = exp(mu + sigma^2 / 2) = mean_len
+                mu = math.log(mean_len) - sigma**2 / 2
+            except OverflowError:
+                raise DataError(f"sigma={sigma!r} is too large: sigma**2 overflows a float") from None
+            lengths = torch.empty(shape, dtype=torch.float64).log_normal_(mu, sigma, generator=generator)
         elif distribution == "uniform":
-            lengths = torch.empty(shape, dtype=torch.float64).uniform_(
-                min_len, max(2 * mean_len - min_len, min_len) + 1, generator=generator
-            )
+            high = max(2 * mean_len - min_len, min_len) + 1
+            if not math.isfinite(high):  # torch refuses an infinite bound
+                raise DataError(
+                    f"mean_len={mean_len!r} is too large for distribution='uniform': 2 * mean_len overflows"
+                )
+            lengths = torch.empty(shape, dtype=torch.float64).uniform_(min_len, high, generator=generator)
         elif distribution == "exponential":
             lengths = torch.empty(shape, dtype=torch.float64).exponential_(1 / mean_len, generator=generator)
         else:
             lengths = torch.full(shape, float(mean_len), dtype=torch.float64)
-        lengths = lengths.floor().clamp(min=min_len, max=max_len).to(torch.int64)
-        self.lengths: list[int] = lengths.tolist()
+        lengths = lengths.floor().clamp(min=min_len, max=max_len)
+        longest = float(lengths.max())  # a CPU tensor: no device involved
+        if not longest <= _MAX_DOC_LEN:  # NaN or inf too: the int64 cast would wrap them to negative lengths
+            spread = f" sigma={sigma!r}" if distribution == "lognormal" else ""
+            raise DataError(
+                f"document lengths do not fit: distribution={distribution!r} mean_len={mean_len!r}{spread} draws "
+                f"a length of {longest:.4g} tokens, over {_MAX_DOC_LEN}; lower mean_len (or sigma) or set max_len"
+            )
+        self.lengths: list[int] = lengths.to(torch.int64).tolist()
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -245,7 +283,7 @@ class SyntheticCorpus(Sequence[list[int]]):
     def __getitem__(self, index: int) -> list[int]:  # type: ignore[override]
         """Document ``index`` (``list[int]`` of ``lengths[index]`` ids), regenerated identically on every read."""
         length = self.lengths[index]
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index % len(self))
+        generator = torch.Generator().manual_seed(self.seed * _DOC_SEED_STRIDE + index % len(self))
         return torch.randint(0, self.vocab_size, (length,), generator=generator).tolist()
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_llmfast._checks import check_bool, check_int, check_number
 from lightning_llmfast.data import VOCAB_SIZE
-from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.errors import ConfigError, DataError, MetadataError
 from lightning_llmfast.models.rmsnorm import RMSNorm
 from lightning_llmfast.moe import MoEBlock, NaiveMoEBlock
 from lightning_llmfast.seqmeta import SequenceMetadata, active_cache, varlen_attention
@@ -38,11 +39,17 @@ __all__ = ["MoEGPT", "MoEGPTConfig"]
 
 _ATTENTION_METADATA = ("per_layer", "dense", "cached")
 _ROUTER_BACKENDS = ("naive", "torch", "triton", "auto")
+_ID_DTYPES = (torch.int64, torch.int32)  # what nn.Embedding takes
+_POSITION_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 @dataclass
 class MoEGPTConfig:
     """Hyper-parameters of :class:`MoEGPT`. The defaults are a small model for CPU runs.
+
+    Every field is checked at construction (:class:`~lightning_llmfast.errors.ConfigError` naming the field): sizes
+    are ints >= 1, ``capacity_factor`` and ``rope_theta`` finite numbers > 0, ``norm_eps`` and ``init_std`` finite
+    numbers >= 0, ``dense_layers`` layer indices.
 
     Example::
 
@@ -80,8 +87,17 @@ class MoEGPTConfig:
             "top_k",
         )
         for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"MoEGPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+            check_int(f"MoEGPTConfig.{name}", getattr(self, name), low=1)
+        if self.capacity_factor is not None:
+            check_number("MoEGPTConfig.capacity_factor", self.capacity_factor, low=0, low_open=True)
+        check_number("MoEGPTConfig.rope_theta", self.rope_theta, low=0, low_open=True)
+        check_number("MoEGPTConfig.norm_eps", self.norm_eps, low=0)
+        check_number("MoEGPTConfig.init_std", self.init_std, low=0)
+        check_bool("MoEGPTConfig.tie_embeddings", self.tie_embeddings)
+        if isinstance(self.dense_layers, (str, bytes)) or not isinstance(self.dense_layers, (list, tuple)):
+            raise ConfigError(f"MoEGPTConfig.dense_layers must be a list of layer indices, got {self.dense_layers!r}")
+        for index in self.dense_layers:
+            check_int("MoEGPTConfig.dense_layers entry", index)
         if self.hidden_size % self.n_heads or (self.hidden_size // self.n_heads) % 2:
             raise ConfigError(
                 f"hidden_size ({self.hidden_size}) must split into n_heads ({self.n_heads}) heads of even size (RoPE)"
@@ -96,6 +112,8 @@ class MoEGPTConfig:
             )
         if self.router_backend not in _ROUTER_BACKENDS:
             raise ConfigError(f"router_backend must be one of {_ROUTER_BACKENDS}, got {self.router_backend!r}")
+        if self.router_backend == "naive" and self.capacity_factor is not None:
+            raise ConfigError("router_backend='naive' is dropless; capacity_factor needs a grouped backend")
         bad = [i for i in self.dense_layers if not 0 <= i < self.n_layers]
         if bad:
             raise ConfigError(f"dense_layers {bad} out of range for n_layers={self.n_layers}")
@@ -268,13 +286,42 @@ class MoEGPT(nn.Module):
         """Logits ``(B, T, vocab_size)`` for ``input_ids`` ``(B, T)``.
 
         Args:
-            input_ids: token ids ``(B, T)``.
+            input_ids: token ids ``(B, T)``, int64 or int32, in ``[0, vocab_size)``.
             position_ids: ``(B, T)``, restarting at 0 at every document of a packed row; ``None`` means one
                 document per row.
             metadata: boundaries of the flattened ``B*T`` positions; in ``"cached"`` mode, when neither this nor an
                 active :class:`~lightning_llmfast.seqmeta.SequenceMetadataCache` is given, it is built once here
                 from ``position_ids`` (one host sync if they live on an accelerator).
+
+        Raises:
+            DataError: ``input_ids`` is not a 2-D int64/int32 tensor, or (on the CPU) holds an id outside
+                ``[0, vocab_size)``. Token values are not checked ahead of time: that would read the device every
+                step. On an accelerator an out-of-range id fails in the embedding kernel (a device-side assert);
+                the packed data path checks every id on the host when packing
+                (:func:`~lightning_llmfast.data.pack_documents` with ``vocab_size``).
+            MetadataError: ``position_ids`` is not an integer tensor of ``input_ids``' shape.
         """
+        # Shapes and dtypes only: free, no device read.
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in _ID_DTYPES:
+            got = (
+                f"{input_ids.dtype} of shape {tuple(input_ids.shape)}"
+                if isinstance(input_ids, Tensor)
+                else type(input_ids).__name__
+            )
+            raise DataError(f"input_ids: must be a (B, T) int64 or int32 tensor of token ids, got {got}")
+        if position_ids is not None and (
+            not isinstance(position_ids, Tensor)
+            or position_ids.shape != input_ids.shape
+            or position_ids.dtype not in _POSITION_DTYPES
+        ):
+            got = (
+                f"{position_ids.dtype} of shape {tuple(position_ids.shape)}"
+                if isinstance(position_ids, Tensor)
+                else type(position_ids).__name__
+            )
+            raise MetadataError(
+                f"position_ids: must be an integer tensor of input_ids' shape {tuple(input_ids.shape)}, got {got}"
+            )
         b, t = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
@@ -285,7 +332,17 @@ class MoEGPT(nn.Module):
         elif mode == "dense":
             layer_meta = dense_document_mask(position_ids)  # once per forward, shared by every layer
         rope = rope_tables(position_ids, self.config.head_dim, self.config.rope_theta)
-        x = self.embed(input_ids)
+        try:
+            x = self.embed(input_ids)
+        except IndexError:  # the CPU kernel's bounds check: the happy path pays nothing for this
+            vocab = self.config.vocab_size
+            bad = input_ids[(input_ids < 0) | (input_ids >= vocab)]  # NOTE: reads the ids, on the error path only
+            if bad.numel() == 0:
+                raise  # not the ids: some other embedding failure
+            raise DataError(
+                f"input_ids: token ids must lie in [0, vocab_size={vocab}), got {bad.numel()} outside it "
+                f"(first {bad[0].item()})"
+            ) from None
         for layer in self.layers:
             x = layer(x, rope, position_ids, layer_meta)
         return self.lm_head(self.norm(x))

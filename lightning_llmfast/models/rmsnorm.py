@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_llmfast._autograd import mark_rebuildable
+from lightning_llmfast._checks import check_int, check_number
 from lightning_llmfast.errors import ConfigError
 
 __all__ = ["RMSNorm", "RMSNormFunction", "add_rms_norm", "rms_norm", "swap_rms_norms"]
@@ -124,13 +125,33 @@ def _wide(t: Tensor) -> Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+def _check_norm_args(fn: str, x: object, weight: object, eps: object, x_name: str = "x") -> None:
+    """Raise :class:`ConfigError` unless ``x`` is a floating ``(..., H)`` tensor, ``weight`` a ``(H,)`` tensor and
+    ``eps`` a finite number >= 0. Shapes and dtypes only: nothing reads the device."""
+    if not isinstance(x, Tensor) or x.dim() == 0 or not x.is_floating_point():
+        got = f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+        # An integer x would be normalised in fp32 and cast back to integers: silently truncated output.
+        raise ConfigError(f"{fn}: {x_name} must be a floating-point tensor (..., H), got a {got}")
+    if not isinstance(weight, Tensor) or weight.shape != (x.shape[-1],):
+        got = f"shape {tuple(weight.shape)}" if isinstance(weight, Tensor) else type(weight).__name__
+        raise ConfigError(
+            f"{fn}: weight must be a tensor of shape (H,) = ({x.shape[-1]},), {x_name}'s last dim; got {got}"
+        )
+    check_number(f"{fn}: eps", eps, low=0)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm of ``x`` ``(..., H)`` with ``weight`` ``(H,)``, computed in at least fp32 (bf16 squares lose precision).
+
+    Raises:
+        ConfigError: ``x`` is not a floating-point tensor, ``weight`` is not ``(H,)``, or ``eps`` is not a finite
+            number >= 0.
 
     Example::
 
         y = rms_norm(torch.randn(2, 5, 8), torch.ones(8), 1e-5)
     """
+    _check_norm_args("rms_norm", x, weight, eps)
     return RMSNormFunction.apply(x, weight, eps)
 
 
@@ -143,12 +164,15 @@ def add_rms_norm(residual: Tensor, branch: Tensor, weight: Tensor, eps: float) -
     bits as ``h = residual + branch; rms_norm(h, weight, eps)``, forward and backward.
 
     Raises:
-        ConfigError: ``residual`` and ``branch`` have different shapes (a broadcast would save the wider one).
+        ConfigError: ``residual`` and ``branch`` have different shapes (a broadcast would save the wider one), or
+            an argument :func:`rms_norm` rejects.
 
     Example::
 
         normed, h = add_rms_norm(x, attn_out, weight, 1e-5)  # x (B, T, H) fp32, attn_out (B, T, H) bf16
     """
+    _check_norm_args("add_rms_norm", residual, weight, eps, "residual")
+    _check_norm_args("add_rms_norm", branch, weight, eps, "branch")
     if residual.shape != branch.shape:
         raise ConfigError(
             f"add_rms_norm: residual {tuple(residual.shape)} and branch {tuple(branch.shape)} must have one shape"
@@ -171,6 +195,8 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
+        check_int("RMSNorm: dim", dim, low=1)
+        check_number("RMSNorm: eps", eps, low=0)
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 

@@ -24,6 +24,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from lightning_llmfast._checks import check_bool, check_number
 from lightning_llmfast.errors import ConfigError, MetadataError
 from lightning_llmfast.seqmeta.metadata import SequenceMetadata
 
@@ -68,11 +69,18 @@ def dense_block_causal_mask(metadata: SequenceMetadata, *, causal: bool = True) 
         ``(num_tokens, num_tokens)`` bool on ``metadata.device``; ``True`` where query ``i`` may attend to key ``j``.
         Built with sync-free ops from ``metadata.document_ids``.
 
+    Raises:
+        MetadataError: ``metadata`` is not a :class:`SequenceMetadata`.
+        ConfigError: ``causal`` is not a bool.
+
     Example::
 
         mask = dense_block_causal_mask(SequenceMetadata.from_lengths([2, 1]))
         # [[True, False, False], [True, True, False], [False, False, True]]
     """
+
+    _check_metadata(metadata)
+    check_bool("causal", causal)
 
     def build() -> torch.Tensor:
         doc = metadata.document_ids
@@ -82,6 +90,14 @@ def dense_block_causal_mask(metadata: SequenceMetadata, *, causal: bool = True) 
         return mask
 
     return metadata.memo(("dense_mask", causal), build)
+
+
+def _check_metadata(metadata: object) -> None:
+    if not isinstance(metadata, SequenceMetadata):
+        raise MetadataError(
+            f"metadata: must be a SequenceMetadata (SequenceMetadata.from_cu_seqlens, from_lengths or from_batch), "
+            f"got {type(metadata).__name__}"
+        )
 
 
 class _Bucket(NamedTuple):
@@ -306,6 +322,13 @@ def varlen_attention(
 
     Returns:
         ``(num_tokens, heads, v_dim)`` attention output. No host sync: every shape comes from ``cu_seqlens_cpu``.
+        With no tokens, an empty output that still has a gradient path to ``q``, ``k`` and ``v`` (zero gradients).
+
+    Raises:
+        MetadataError: ``metadata`` is not a :class:`SequenceMetadata`, or describes another number of tokens.
+        ConfigError: ``q``/``k``/``v`` are not 3-D floating-point tensors of one dtype and device with matching
+            heads and dims (every size at least 1), ``causal`` is not a bool, ``scale`` not a finite number, or
+            ``impl`` is unknown or cannot take these inputs.
 
     Example::
 
@@ -313,21 +336,36 @@ def varlen_attention(
         q = torch.randn(8, 4, 16); k = v = torch.randn(8, 2, 16)
         out = varlen_attention(q, k, v, meta)  # (8, 4, 16)
     """
+    # Shapes, dtypes and devices only: nothing here reads the device.
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        raise ConfigError(f"q, k, v: must be tensors, got {', '.join(type(t).__name__ for t in (q, k, v))}")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ConfigError(
             f"q, k, v: must be (num_tokens, heads, head_dim), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
+    if not q.is_floating_point() or not (q.dtype == k.dtype == v.dtype):
+        raise ConfigError(f"q, k, v: must share one floating-point dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ConfigError(f"q, k, v: must be on one device, got {q.device}, {k.device}, {v.device}")
+    _check_metadata(metadata)
+    check_bool("causal", causal)
+    if scale is not None:
+        check_number("scale", scale)
     if not (q.shape[0] == k.shape[0] == v.shape[0] == metadata.num_tokens):
         raise MetadataError(
             f"num_tokens: q/k/v hold {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens but the metadata describes "
             f"{metadata.num_tokens}; stale or mismatched metadata"
         )
+    if q.shape[1] == 0:
+        raise ConfigError(f"heads: q must have at least one head, got shape {tuple(q.shape)}")
     if k.shape[1] != v.shape[1] or k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ConfigError(
             f"kv_heads: k has {k.shape[1]} heads and v {v.shape[1]}; they must match and divide q's {q.shape[1]} heads"
         )
     if q.shape[2] != k.shape[2]:
         raise ConfigError(f"head_dim: q has {q.shape[2]} and k has {k.shape[2]}; they must match")
+    if q.shape[2] == 0 or v.shape[2] == 0:
+        raise ConfigError(f"head_dim: q/k and v must have at least one dim per head, got {q.shape[2]} and {v.shape[2]}")
     if impl not in ("auto", *_IMPLS):
         raise ConfigError(f"impl: must be one of 'auto', {', '.join(map(repr, _IMPLS))}; got {impl!r}")
     if metadata.device != q.device:
@@ -336,6 +374,8 @@ def varlen_attention(
     if impl == "flash" and (reason := _flash_unsupported(q, v)) is not None:  # "auto" picks it only where it fits
         raise ConfigError(f"impl: 'flash' {reason}")
     if q.shape[0] == 0:
-        return q.new_empty(0, q.shape[1], v.shape[2])
+        # A 0-d zero built from every input: the empty output keeps a gradient path (zero gradients) to q, k and v.
+        link = q.sum() + k.sum() + v.sum()
+        return q.new_zeros(0, q.shape[1], v.shape[2]) + link
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[2])
     return _IMPLS[chosen](q, k, v, metadata, causal, scale)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import MetadataError
 
 __all__ = ["SequenceMetadata"]
@@ -86,6 +87,10 @@ def _validate_cu_seqlens(cu: np.ndarray, num_tokens: int | None, max_seqlen: int
             f"cu_seqlens: must be non-decreasing; first offending index {i} "
             f"(cu_seqlens[{i}]={int(cu[i])} < cu_seqlens[{i - 1}]={int(cu[i - 1])})"
         )
+    if num_tokens is not None:
+        # True == 1 and 3.0 == 3: without this check either would pass the comparison below.
+        expected = int(num_tokens) if isinstance(num_tokens, np.integer) else num_tokens
+        check_int("num_tokens", expected, low=0, error=MetadataError)
     if num_tokens is not None and int(cu[-1]) != num_tokens:
         raise MetadataError(
             f"cu_seqlens: last value must equal num_tokens={num_tokens}; "
