@@ -16,7 +16,7 @@ from lightning_llmfast import ConfigError, MetadataError
 from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.callbacks.seqmeta import SequenceMetadataCallback
 from lightning_llmfast.data import pack_documents
-from lightning_llmfast.seqmeta import SequenceMetadata, active_cache, varlen_attention
+from lightning_llmfast.seqmeta import SequenceMetadata, SequenceMetadataCache, active_cache, varlen_attention
 
 HIDDEN, HEADS = 8, 2
 
@@ -116,6 +116,49 @@ def test_fit_with_validation_builds_once_per_batch_and_logs(tmp_path: Path) -> N
     assert all(not block._forward_pre_hooks for block in module.blocks)
 
 
+class LateModule(TinyModule):
+    """Builds its layers in ``configure_model``, which Lightning runs after the callbacks' ``setup``."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.batches = []
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "blocks"):
+            self.embed = nn.Embedding(256, HIDDEN)
+            self.blocks = nn.ModuleList(TinyLayer() for _ in range(2))
+            self.head = nn.Linear(HIDDEN, 256)
+
+
+class FailingModule(TinyModule):
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)  # inside the batch's open metadata version
+        if batch_idx == 1:
+            raise RuntimeError("out of memory (simulated)")
+        return loss
+
+
+def test_layers_built_in_configure_model_are_found(tmp_path: Path) -> None:
+    module = LateModule()
+    callback = SequenceMetadataCallback(layers="blocks")
+    _trainer(tmp_path, callback).fit(module, train_dataloaders=_loader(_batches([(2, 8), (1, 5)])))
+    assert module.batches == [(1, 2), (1, 2)] and callback.cache.stats["builds"] == 2
+
+
+def test_a_fit_that_raises_leaves_no_open_cache_and_no_hooks(tmp_path: Path) -> None:
+    """Lightning skips teardown when fit raises; an open cache would serve that batch's metadata to every later
+    forward of the model in this process."""
+    module = FailingModule(n_layers=2)
+    callback = SequenceMetadataCallback()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        _trainer(tmp_path, callback).fit(module, train_dataloaders=_loader(_batches([(2, 8)] * 3)))
+    assert active_cache() is None and not callback.cache.is_open
+    assert all(not block._forward_pre_hooks for block in module.blocks)
+    (other,) = _batches([(1, 5)], seed=3)
+    with SequenceMetadataCache().batch(other):  # the model works on another batch afterwards
+        module(other.input_ids)
+
+
 def test_gradient_accumulation_and_validate_modes(tmp_path: Path) -> None:
     for validate in ("every_layer", "off"):
         module = TinyModule(n_layers=4)
@@ -144,9 +187,8 @@ def test_position_ids_fallback_from_first_layer(tmp_path: Path) -> None:
 def test_every_layer_check_catches_a_mismatched_layer() -> None:
     module = TinyModule(n_layers=3)
     callback = SequenceMetadataCallback(validate="every_layer")
-    callback.setup(None, module, "fit")  # type: ignore[arg-type]
     (batch,) = _batches([(2, 8)])
-    callback.cache.begin(batch)
+    callback.on_train_batch_start(None, module, batch, 0)  # type: ignore[arg-type]  # installs the hooks
     x = module.embed(batch.input_ids)
     module.blocks[0](x)
     with pytest.raises(MetadataError, match=r"hidden: holds 8 tokens .* describes 16"):
@@ -160,12 +202,15 @@ def test_configuration_errors() -> None:
         SequenceMetadataCallback(validate="sometimes")  # type: ignore[arg-type]
     plain = L.LightningModule()
     plain.net = nn.Linear(2, 2)
+    (batch,) = _batches([(1, 4)])
+    # raised at the first batch, before any forward (layers built in configure_model exist by then)
     with pytest.raises(ConfigError, match=r"layers: no nn.ModuleList of identical blocks"):
-        SequenceMetadataCallback().setup(None, plain, "fit")  # type: ignore[arg-type]
+        SequenceMetadataCallback().on_train_batch_start(None, plain, batch, 0)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"layers: TinyModule has no attribute path 'model.layers'"):
-        SequenceMetadataCallback(layers="model.layers").setup(None, TinyModule(), "fit")  # type: ignore[arg-type]
+        SequenceMetadataCallback(layers="model.layers").on_train_batch_start(None, TinyModule(), batch, 0)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"layers: expected a module list"):
-        SequenceMetadataCallback(layers="head").setup(None, TinyModule(), "fit")  # type: ignore[arg-type]
+        SequenceMetadataCallback(layers="head").on_train_batch_start(None, TinyModule(), batch, 0)  # type: ignore[arg-type]
+    assert active_cache() is None
 
 
 def test_default_finds_largest_identical_module_list() -> None:
@@ -173,7 +218,8 @@ def test_default_finds_largest_identical_module_list() -> None:
     module.mixed = nn.ModuleList([nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2), nn.ReLU()])  # larger, not identical
     module.small = nn.ModuleList([nn.Linear(2, 2)])
     callback = SequenceMetadataCallback()
-    callback.setup(None, module, "fit")  # type: ignore[arg-type]
+    (batch,) = _batches([(1, 4)])
+    callback.on_train_batch_start(None, module, batch, 0)  # type: ignore[arg-type]
     assert module.blocks[0]._forward_pre_hooks and not module.small[0]._forward_pre_hooks
     callback.teardown(None, module, "fit")  # type: ignore[arg-type]
 
@@ -228,8 +274,8 @@ def test_reference_model_sync_counts_cached_vs_per_layer(n_layers: int) -> None:
     per_layer = models.MoEGPT(_tiny_config(n_layers, "per_layer"))
     per_layer.load_state_dict(cached.state_dict())
     callback = SequenceMetadataCallback()
-    callback.setup(None, cached, "fit")  # type: ignore[arg-type]
-    with SyncCounter() as cached_syncs, callback.cache.batch(batch):
+    callback.on_train_batch_start(None, cached, batch, 0)  # type: ignore[arg-type]
+    with SyncCounter() as cached_syncs:
         _forward_backward(cached, batch)
     with SyncCounter() as per_layer_syncs:
         _forward_backward(per_layer, batch)

@@ -291,7 +291,7 @@ def test_flash_wrapper_passes_kv_heads_natively_where_the_kernel_takes_them(
     from lightning_llmfast.seqmeta import attention
 
     fake = _FakeVarlen(kind, native_gqa)
-    monkeypatch.setattr(attention, "_flash_varlen", lambda: (fake, fake.params()))
+    monkeypatch.setattr(attention, "_FLASH_VARLEN", (fake, fake.params()))
     monkeypatch.setattr(attention, "_native_gqa", None)
     lengths = [1, 7, 3]
     meta = SequenceMetadata.from_lengths(lengths)
@@ -320,7 +320,7 @@ def test_flash_wrapper_does_not_take_other_errors_for_a_head_count_refusal(
     from lightning_llmfast.seqmeta import attention
 
     fake = _FakeVarlen("old", error=error)
-    monkeypatch.setattr(attention, "_flash_varlen", lambda: (fake, fake.params()))
+    monkeypatch.setattr(attention, "_FLASH_VARLEN", (fake, fake.params()))
     monkeypatch.setattr(attention, "_native_gqa", None)
     meta = SequenceMetadata.from_lengths([3, 5])
     with pytest.raises(RuntimeError, match=error.split(".")[0]):
@@ -337,7 +337,7 @@ def test_flash_wrapper_under_tracing_follows_the_eager_answer(
     from lightning_llmfast.seqmeta import attention
 
     fake = _FakeVarlen("old", native_gqa=known is not False)
-    monkeypatch.setattr(attention, "_flash_varlen", lambda: (fake, fake.params()))
+    monkeypatch.setattr(attention, "_FLASH_VARLEN", (fake, fake.params()))
     monkeypatch.setattr(attention, "_native_gqa", known)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     meta = SequenceMetadata.from_lengths([3, 5])

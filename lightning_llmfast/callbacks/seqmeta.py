@@ -68,7 +68,8 @@ def _hidden_and_positions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
 class SequenceMetadataCallback(L.Callback):
     """Builds each batch's packed-sequence metadata once, at the first transformer layer, for every layer to reuse.
 
-    At setup it finds the model's layers and installs a forward pre-hook on the first one; each batch-start hook
+    At the first batch it finds the model's layers (after ``configure_model``, so layers built there count) and
+    installs a forward pre-hook on the first one; each batch-start hook
     (train, validation, test, predict) opens a new :class:`~lightning_llmfast.seqmeta.SequenceMetadataCache` version
     for the batch and each batch-end hook closes it, so nothing is reused across batches. Layers read the metadata
     with ``active_cache().get(hidden)`` (the reference model does this in ``attention_metadata="cached"`` mode).
@@ -104,9 +105,8 @@ class SequenceMetadataCallback(L.Callback):
         """Metadata builds of the most recent (or current) batch."""
         return self.cache.stats["builds"] - self._builds_at_begin
 
-    @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._remove_hooks()
+    def _install_hooks(self, pl_module: L.LightningModule) -> None:
+        # At the first batch rather than in setup(): configure_model, which may build the layers, runs after setup.
         found = _find_layers(pl_module, self.layers)
         self._handles.append(found[0].register_forward_pre_hook(self._build_hook, with_kwargs=True))
         if self.validate == "every_layer":
@@ -115,6 +115,15 @@ class SequenceMetadataCallback(L.Callback):
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._release()
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # Lightning skips teardown when fit raises: an open cache would serve this batch's metadata to every later
+        # forward of the model in this process (a notebook after an out-of-memory error).
+        self._release()
+
+    def _release(self) -> None:
         self._remove_hooks()
         self.cache.end()
 
@@ -137,7 +146,9 @@ class SequenceMetadataCallback(L.Callback):
         if hidden is not None:
             self.cache.check(hidden)
 
-    def _begin(self, batch: Any) -> None:
+    def _begin(self, pl_module: L.LightningModule, batch: Any) -> None:
+        if not self._handles:
+            self._install_hooks(pl_module)
         self._builds_at_begin = self.cache.stats["builds"]
         self.cache.begin(batch)
 
@@ -146,7 +157,7 @@ class SequenceMetadataCallback(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._begin(batch)
+        self._begin(pl_module, batch)
 
     @override
     def on_train_batch_end(
@@ -161,7 +172,7 @@ class SequenceMetadataCallback(L.Callback):
     def on_validation_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._begin(batch)
+        self._begin(pl_module, batch)
 
     @override
     def on_validation_batch_end(
@@ -179,7 +190,7 @@ class SequenceMetadataCallback(L.Callback):
     def on_test_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._begin(batch)
+        self._begin(pl_module, batch)
 
     @override
     def on_test_batch_end(
@@ -197,7 +208,7 @@ class SequenceMetadataCallback(L.Callback):
     def on_predict_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._begin(batch)
+        self._begin(pl_module, batch)
 
     @override
     def on_predict_batch_end(

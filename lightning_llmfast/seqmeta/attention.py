@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from functools import lru_cache
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -204,13 +203,16 @@ def _bucketed(
     return torch.cat(outs, dim=0).index_select(0, row_of_token)
 
 
-@lru_cache(maxsize=1)
-def _flash_varlen() -> tuple[Any, frozenset[str]] | None:
+def _find_flash_varlen() -> tuple[Any, frozenset[str]] | None:
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # torch builds without varlen attention: callers fall back to the exact CPU paths
         return None
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+# Looked up once at import: a constant to torch.compile (an lru_cache'd call inside traced code makes Dynamo warn).
+_FLASH_VARLEN = _find_flash_varlen()
 
 
 # Whether a varlen_attn without an `enable_gqa` argument (torch <= 2.11) takes fewer key/value heads than query heads:
@@ -224,7 +226,7 @@ def _flash(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SequenceMetadata, causal: bool, scale: Any
 ) -> torch.Tensor:
     global _native_gqa
-    found = _flash_varlen()
+    found = _FLASH_VARLEN
     assert found is not None
     varlen_attn, params = found
     kwargs: dict[str, Any] = {}
@@ -275,7 +277,7 @@ _IMPLS = {"masked": _masked, "per_document": _per_document, "bucketed": _buckete
 
 def _flash_unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why FlashAttention varlen cannot take these inputs (``None``: it can)."""
-    if _flash_varlen() is None:
+    if _FLASH_VARLEN is None:
         return "needs torch.nn.attention.varlen.varlen_attn, missing in this torch build"
     dim = q.shape[2]
     if v.shape[2] != dim or dim % 8 or dim > 256:
