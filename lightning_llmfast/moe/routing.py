@@ -247,7 +247,7 @@ def route(
 
     # The one counting pass: pairs per expert and each pair's position in the expert-grouped stable order.
     flat_ids = expert_ids.reshape(-1)
-    counts, dest, order = stable_counting_sort(flat_ids, num_experts, backend=backend)
+    counts, dest, order = stable_counting_sort(flat_ids, num_experts, backend=backend, validate=False)
     if capacity_factor is None:
         capacity = None
         tokens_per_expert = counts
@@ -328,11 +328,13 @@ def _apply_capacity(
     # Rank inside the expert by descending weight (ties by index): the same counting sort over the pairs visited
     # in descending-weight order.
     order = torch.sort(flat_weights, descending=True, stable=True).indices
-    _, dest_by_weight, _ = stable_counting_sort(flat_ids[order], num_experts, backend=backend)
+    _, dest_by_weight, _ = stable_counting_sort(flat_ids[order], num_experts, backend=backend, validate=False)
     rank = torch.empty_like(dest).scatter_(0, order, dest_by_weight - starts[flat_ids[order]])
     kept = rank < capacity
     # Keys 0..E-1 for kept pairs and E..2E-1 for dropped ones: one more stable pass yields the final layout.
-    _, _, permutation = stable_counting_sort(flat_ids + num_experts * (~kept).long(), 2 * num_experts, backend=backend)
+    _, _, permutation = stable_counting_sort(
+        flat_ids + num_experts * (~kept).long(), 2 * num_experts, backend=backend, validate=False
+    )
     return tokens_per_expert, kept, permutation
 
 
