@@ -477,6 +477,8 @@ def combine_rows_reference(
         out = combine_rows_reference(rows, torch.tensor([[0, 2], [1, 3]]), torch.full((2, 2), 0.5))
     """
     (num_tokens, top_k), hidden = positions.shape, rows.shape[1]
+    if hidden == 0:  # nothing to sum; view(-1, top_k, 0) below could not infer its size
+        return rows.new_empty(num_tokens, 0, dtype=out_dtype or rows.dtype)
     acc = _acc_dtype(rows)
     out = torch.empty(num_tokens, hidden, dtype=acc, device=rows.device)
     chunk = _chunk_size(top_k * hidden, num_tokens)
