@@ -514,12 +514,40 @@ def test_expert_load_metric_against_hand_computation() -> None:
 def test_expert_load_metric_update_is_sync_free_and_validates() -> None:
     metric = ExpertLoadMetric(3)
     with SyncCounter() as counter:
-        metric.update(torch.tensor([1, 2, 3]), torch.tensor(1))
+        metric.update(torch.tensor([1, 2, 3]), torch.tensor(1), validate=False)  # the per-step call
     assert counter.num_syncs == 0
     with pytest.raises(RoutingError, match="tokens_per_expert"):
         metric.update(torch.tensor([1, 2]))
     with pytest.raises(ConfigError, match="num_experts"):
         ExpertLoadMetric(0)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (([1, 2, 3],), "tokens_per_expert must be a torch.Tensor, got list"),
+        ((torch.tensor([1.0, 2.5, 3.0]),), "tokens_per_expert must be an integer tensor, got torch.float32"),
+        ((torch.tensor([1, 2, 3]), torch.tensor([1, 0])), r"num_dropped must be an int or a 0-d integer tensor"),
+        ((torch.tensor([1, 2, 3]), torch.tensor(1.0)), r"num_dropped must be an int or a 0-d integer tensor"),
+        ((torch.tensor([1, 2, 3]), None, 7.5), "num_pairs must be an int >= 0, got 7.5"),
+        ((torch.tensor([1, 2, 3]), None, torch.tensor(7.0)), "num_pairs must be an int or a 0-d integer tensor"),
+        ((torch.tensor([1, 2, 3]), -1), "num_dropped must be an int >= 0, got -1"),
+        ((torch.tensor([1, 2, 3]), True), "num_dropped must be an int >= 0, got True"),
+        ((torch.tensor([-1, 0, 0]),), r"tokens_per_expert must be counts >= 0, got \[-1, 0, 0\]"),
+        ((torch.tensor([1, 2, 3]), torch.tensor(-2)), "num_dropped must be >= 0, got -2"),
+        ((torch.tensor([1, 2, 3]), 1, 5), r"num_pairs must be >= kept \+ dropped = 6 \+ 1 .*got 5"),
+        ((torch.tensor([1, 2, 3]), torch.tensor(1), torch.tensor(6)), r"num_pairs must be >= kept \+ dropped = 6 \+ 1"),
+    ],
+)
+def test_expert_load_metric_rejects_bad_counts(args: tuple, match: str) -> None:
+    """Negative counts used to give a NaN entropy, float counts were truncated, lists raised AttributeError."""
+    metric = ExpertLoadMetric(3)
+    metric.update(torch.tensor([1, 1, 1]))
+    with pytest.raises(RoutingError, match=match):
+        metric.update(*args)
+    # Nothing of the rejected update was added.
+    assert metric.tokens_per_expert.tolist() == [1, 1, 1]
+    assert int(metric.num_dropped) == 0 and int(metric.num_pairs) == 3
 
 
 def test_autocast_bf16_is_sync_free_and_matches_naive() -> None:
