@@ -132,7 +132,7 @@ class MoEBlock(nn.Module):
             RoutingError: ``x`` is not a float ``(..., H)`` tensor on the block's device, or (outside autocast)
                 its dtype is not the block's: the block does not cast ``x`` itself (``nn.Linear`` neither).
         """
-        check_block_input(x, self.hidden_size, self.router.weight, self.experts.gate_up_proj)
+        check_block_input(x, self.hidden_size, self.router.weight)
         shape = x.shape
         x = x.reshape(-1, self.hidden_size)
         # Cast once for router and experts: both keep this one (T, H) copy for backward (dispatch.py).

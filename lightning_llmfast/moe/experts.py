@@ -244,15 +244,16 @@ def check_swiglu_inputs(x: Tensor, gate_up: Tensor, down: Tensor) -> None:
             raise RoutingError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
         if not value.is_floating_point():
             raise RoutingError(f"{name} must be floating point, got {value.dtype}")
-    if x.dim() != 2:
-        raise RoutingError(f"x must be 2-D (M, H), got shape {tuple(x.shape)}")
-    hidden = x.shape[1]
-    if gate_up.dim() != 3 or gate_up.shape[1] != hidden:
-        raise RoutingError(f"gate_up must have shape (E, H={hidden}, 2F), got {tuple(gate_up.shape)}")
-    num_experts, ffn2 = gate_up.shape[0], gate_up.shape[2]
+    x_shape, gate_up_shape = x.shape, gate_up.shape
+    if len(x_shape) != 2:
+        raise RoutingError(f"x must be 2-D (M, H), got shape {tuple(x_shape)}")
+    hidden = x_shape[1]
+    if len(gate_up_shape) != 3 or gate_up_shape[1] != hidden:
+        raise RoutingError(f"gate_up must have shape (E, H={hidden}, 2F), got {tuple(gate_up_shape)}")
+    num_experts, ffn2 = gate_up_shape[0], gate_up_shape[2]
     if ffn2 % 2:
         raise RoutingError(f"gate_up's last dim must be even (2F: the gate half, then the up half), got {ffn2}")
-    if tuple(down.shape) != (num_experts, ffn2 // 2, hidden):
+    if down.shape != (num_experts, ffn2 // 2, hidden):
         raise RoutingError(
             f"down must have shape (E={num_experts}, F={ffn2 // 2}, H={hidden}) to match gate_up "
             f"{tuple(gate_up.shape)}, got {tuple(down.shape)}"
