@@ -205,6 +205,40 @@ def test_routed_swiglu_rejects_x_of_another_token_count(num_tokens: int, kernel_
         routed_swiglu(torch.randn(5, H), plan, gate_up, down, x_compute=torch.randn(5, 2 * H), backend=kernel_backend)
 
 
+@pytest.mark.parametrize(
+    ("gate_up_shape", "down_shape", "match"),
+    [
+        ((3, H, 2 * FFN), (3, FFN, H), r"E=plan.num_experts=4 experts, got 3"),
+        ((4, H + 1, 2 * FFN), (4, FFN, H), rf"gate_up must have shape \(E, H={H}, 2F\), got \(4, {H + 1}, {2 * FFN}\)"),
+        ((4, H, 2 * FFN + 1), (4, FFN, H), rf"gate_up's last dim must be even .*got {2 * FFN + 1}"),
+        ((4, H, 2 * FFN), (4, FFN + 1, H), rf"down must have shape \(E=4, F={FFN}, H={H}\)"),
+        ((4, H, 2 * FFN), (3, FFN, H), rf"down must have shape \(E=4, F={FFN}, H={H}\)"),
+        ((4, H, 2 * FFN), (FFN, H), rf"down must have shape \(E=4, F={FFN}, H={H}\)"),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # fused, and the float64 fallback
+def test_routed_swiglu_rejects_weights_of_the_wrong_shape(gate_up_shape, down_shape, match, dtype) -> None:
+    plan = route(torch.randn(5, 4), 2, validate=False)
+    x = torch.randn(5, H, dtype=dtype)
+    with pytest.raises(RoutingError, match=match):
+        routed_swiglu(x, plan, torch.randn(gate_up_shape, dtype=dtype), torch.randn(down_shape, dtype=dtype))
+
+
+def test_routed_swiglu_rejects_x_compute_of_another_dtype() -> None:
+    plan = route(torch.randn(5, 4), 2, validate=False)
+    gate_up, down = torch.randn(4, H, 2 * FFN), torch.randn(4, FFN, H)
+    x = torch.randn(5, H)
+    with pytest.raises(RoutingError, match=r"x_compute must have dtype torch.float32 .*got torch.float64"):
+        routed_swiglu(x, plan, gate_up, down, x_compute=x.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RoutingError, match=r"x_compute must have dtype torch.bfloat16 .*got torch.float32"):
+            routed_swiglu(x, plan, gate_up, down, x_compute=x)
+        # compute_copy's result is what it takes, and gives what it computes by itself
+        torch.testing.assert_close(
+            routed_swiglu(x, plan, gate_up, down, x_compute=compute_copy(x)), routed_swiglu(x, plan, gate_up, down)
+        )
+
+
 def test_create_graph_backward_through_moe_block() -> None:
     """A first-order ``create_graph`` backward (as gradient penalties use) gives the plain backward's gradient: the
     row scaling leaves its in-place ``out=`` path when its inputs require grad."""

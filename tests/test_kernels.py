@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -72,6 +74,49 @@ def test_counting_sort_accepts_int32_keys():
     for backend in ("torch", "triton"):
         got = kernels.stable_counting_sort(keys.int(), 5, backend=backend)
         assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize(
+    ("keys", "num_bins", "match"),
+    [
+        (torch.tensor([0, 5]), 3, r"keys must be in \[0, num_bins=3\), got a key 5"),
+        (torch.tensor([0, -1, 2], dtype=torch.int32), 3, r"keys must be in \[0, num_bins=3\), got a key -1"),
+        (torch.tensor([0.0, 1.0]), 3, "keys must be an integer tensor, got torch.float32"),
+        (torch.tensor([True, False]), 3, "keys must be an integer tensor, got torch.bool"),
+        (torch.zeros(2, 2, dtype=torch.int64), 3, r"keys must be a 1-D integer tensor, got \(2, 2\)"),
+        ([0, 1], 3, "keys must be a 1-D integer tensor, got list"),
+        (torch.tensor([0, 1]), 0, "num_bins must be an int >= 1, got 0"),
+        (torch.tensor([0, 1]), True, "num_bins must be an int >= 1, got True"),
+    ],
+)
+def test_counting_sort_rejects_bad_keys(backend, keys, num_bins, match):
+    with pytest.raises(RoutingError, match=match):
+        kernels.stable_counting_sort(keys, num_bins, backend=backend)
+
+
+def test_counting_sort_rejects_unknown_backend():
+    with pytest.raises(RoutingError, match=r"backend must be one of \['auto', 'torch', 'triton'\], got 'foo'"):
+        kernels.stable_counting_sort(torch.tensor([0, 1]), 2, backend="foo")
+    auto = kernels.stable_counting_sort(torch.tensor([1, 0, 1]), 2, backend="auto")
+    assert [t.tolist() for t in auto] == [[1, 2], [1, 0, 2], [1, 0, 2]]
+
+
+@needs_interpreter
+def test_counting_sort_triton_never_writes_out_of_bounds_for_bad_keys():
+    """validate=False with keys outside [0, num_bins): the kernels mask them (this used to be a SIGSEGV)."""
+    code = (
+        "import torch\n"
+        "from lightning_llmfast.moe.kernels import stable_counting_sort\n"
+        "keys = torch.tensor([0, 5, 1, -3, 0, 2**40, -(2**40)])\n"
+        "counts, dest, _ = stable_counting_sort(keys, 3, backend='triton', validate=False)\n"
+        "print(counts.tolist(), dest.tolist())\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # Valid keys are sorted as usual; the bad ones are skipped (dest -1).
+    assert done.stdout.split() == ["[2,", "1,", "0]", "[0,", "-1,", "2,", "-1,", "1,", "-1,", "-1]"]
 
 
 def assert_same(got: torch.Tensor, expected: torch.Tensor) -> None:

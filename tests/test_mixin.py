@@ -144,6 +144,7 @@ def test_monitor_raises_for_nonfinite_router_logits(tmp_path: object) -> None:
         _fit(Module(), data, ExpertLoadMonitor(log_every_n_steps=2), tmp_path)
 
 
-def test_monitor_rejects_bad_period() -> None:
-    with pytest.raises(ConfigError, match="log_every_n_steps"):
-        ExpertLoadMonitor(log_every_n_steps=0)
+@pytest.mark.parametrize("period", [0, -1, 1.5, "5", True])
+def test_monitor_rejects_bad_period(period: object) -> None:
+    with pytest.raises(ConfigError, match=rf"log_every_n_steps must be an int >= 1, got {period!r}"):
+        ExpertLoadMonitor(log_every_n_steps=period)

@@ -311,6 +311,15 @@ def test_nonfinite_logits_are_recorded_not_raised() -> None:
         ({"capacity_factor": 0.0}, "capacity_factor"),
         ({"backend": "cuda"}, "backend"),
         ({"drop_policy": "random"}, "drop_policy"),
+        ({"top_k": True}, r"top_k must be an int in \[1, num_experts=4\], got True"),
+        ({"hidden_size": True}, "hidden_size must be an int >= 1, got True"),
+        ({"num_experts": 2.0}, "num_experts must be an int >= 1, got 2.0"),
+        ({"capacity_factor": float("inf")}, "capacity_factor must be a finite number > 0, got inf"),
+        ({"capacity_factor": float("nan")}, "capacity_factor must be a finite number > 0, got nan"),
+        ({"bias_update_rate": float("inf")}, "bias_update_rate must be a finite number >= 0, got inf"),
+        ({"bias_update_rate": None}, "bias_update_rate must be a finite number >= 0, got None"),
+        ({"bias_update_rate": "0.1"}, "bias_update_rate must be a finite number >= 0, got '0.1'"),
+        ({"bias_update_rate": -1.0}, "bias_update_rate must be a finite number >= 0, got -1.0"),
     ],
 )
 def test_bad_config_raises(kwargs: dict[str, object], match: str) -> None:
@@ -320,6 +329,110 @@ def test_bad_config_raises(kwargs: dict[str, object], match: str) -> None:
     if set(kwargs) <= {"top_k", "hidden_size", "score"}:
         with pytest.raises(ConfigError, match=match):
             NaiveMoEBlock(**args)
+
+
+@pytest.mark.parametrize("cls", [SwiGLUExperts, GroupedExperts])
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((-1, H, FFN), "num_experts must be an int >= 1, got -1"),
+        ((0, H, FFN), "num_experts must be an int >= 1, got 0"),
+        ((2, True, FFN), "hidden_size must be an int >= 1, got True"),
+        ((2, H, 1.5), "ffn_size must be an int >= 1, got 1.5"),
+    ],
+)
+def test_experts_reject_bad_sizes(cls: type, args: tuple, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        cls(*args)
+
+
+@pytest.mark.parametrize("block_cls", [MoEBlock, NaiveMoEBlock])
+@pytest.mark.parametrize(
+    ("x", "match"),
+    [
+        (torch.randn(4, 2 * H), rf"x must have shape \(\.\.\., hidden_size={H}\), got \(4, {2 * H}\)"),
+        (torch.randn(3, 4), rf"x must have shape \(\.\.\., hidden_size={H}\), got \(3, 4\)"),
+        (torch.tensor(1.0), rf"x must have shape \(\.\.\., hidden_size={H}\), got \(\)"),
+        (torch.ones(2, H, dtype=torch.int64), "x must be floating point, got torch.int64"),
+        (
+            torch.randn(2, H, dtype=torch.bfloat16),
+            "x has dtype torch.bfloat16 but the block's weights are torch.float32",
+        ),
+        (torch.randn(2, H, dtype=torch.float64), "x has dtype torch.float64 but the block's weights are torch.float32"),
+    ],
+)
+def test_block_rejects_bad_x(block_cls: type, x: torch.Tensor, match: str) -> None:
+    """The last dim used to be reshaped into more or fewer tokens silently; another dtype failed inside nn.Linear."""
+    block = block_cls(H, FFN, 4, 2)
+    with pytest.raises(RoutingError, match=match):
+        block(x)
+
+
+@pytest.mark.parametrize("block_cls", [MoEBlock, NaiveMoEBlock])
+def test_block_takes_16_bit_x_under_autocast(block_cls: type) -> None:
+    """Under autocast the compute dtype is autocast's whatever x's is, and the output keeps x's dtype."""
+    block = block_cls(H, FFN, 4, 2)
+    x = torch.randn(2, 5, H).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = block(x)
+        y_from_float = block(x.float())
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    torch.testing.assert_close(y, y_from_float.to(torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RoutingError, match=r"x has dtype torch\.float64"):
+        block(x.double())  # autocast does not cast float64 matmul inputs
+
+
+OFFSETS_ERRORS = [
+    ([0, 0, 0, 0], False, r"offsets must end at M=6 \(the number of rows\), got offsets\[-1\]=0"),
+    ([0, 2, 3, 4], False, r"offsets must end at M=6 \(the number of rows\), got offsets\[-1\]=4"),
+    ([1, 2, 3, 6], False, r"offsets must start at 0, got offsets\[0\]=1"),
+    ([1, 2, 3, 6], True, r"offsets must start at 0, got offsets\[0\]=1"),
+    ([0, 4, 2, 6], False, r"offsets must be non-decreasing, got offsets\[1\]=4 > offsets\[2\]=2"),
+    ([0, 2, 3, 7], True, r"offsets\[-1\] must be <= M=6 \(the number of rows\), got offsets\[-1\]=7"),
+    ([0, 2, 6], False, r"offsets must have shape \(E\+1,\) = \(4,\) for E=3 experts, got \(3,\)"),
+    ([[0, 2, 3, 6]], False, r"offsets must have shape \(E\+1,\) = \(4,\) for E=3 experts, got \(1, 4\)"),
+    ([0.0, 2.0, 3.0, 6.0], False, "offsets must be an integer tensor, got torch.float32"),
+]
+
+
+@pytest.mark.parametrize(("offsets", "padded", "match"), OFFSETS_ERRORS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # grouped_mm, and the per-expert loop
+def test_grouped_experts_reject_bad_offsets(offsets: list, padded: bool, match: str, dtype: torch.dtype) -> None:
+    """offsets[-1] < M used to return the rows grouped_mm never wrote (uninitialised memory)."""
+    experts = GroupedExperts(3, H, FFN).to(dtype)
+    x = torch.randn(6, H, dtype=dtype)
+    offsets = torch.tensor(offsets, dtype=torch.int32 if isinstance(offsets[0], int) else None)
+    with pytest.raises(RoutingError, match=match):
+        experts(x, offsets, padded=padded)
+
+
+def test_grouped_experts_offsets_of_any_integer_dtype() -> None:
+    experts = GroupedExperts(3, H, FFN)
+    x = torch.randn(6, H)
+    expected = _loop_experts(x, [2, 1, 3], experts)
+    for dtype in (torch.int32, torch.int64, torch.int16):
+        got = experts(x, torch.tensor([0, 2, 3, 6], dtype=dtype))
+        torch.testing.assert_close(got.double(), expected)
+
+
+@pytest.mark.parametrize(
+    ("gate_up_shape", "down_shape", "match"),
+    [
+        ((3, H + 1, 2 * FFN), (3, FFN, H), rf"gate_up must have shape \(E, H={H}, 2F\)"),
+        ((3, H, 2 * FFN - 1), (3, FFN, H), "gate_up's last dim must be even"),
+        ((3, H, 2 * FFN), (3, FFN, H + 1), rf"down must have shape \(E=3, F={FFN}, H={H}\)"),
+        ((3, H, 2 * FFN), (2, FFN, H), rf"down must have shape \(E=3, F={FFN}, H={H}\)"),
+        ((4, H, 2 * FFN), (4, FFN, H), r"offsets must have shape \(E\+1,\) = \(5,\) for E=4 experts"),
+    ],
+)
+def test_grouped_swiglu_rejects_weights_of_the_wrong_shape(gate_up_shape: tuple, down_shape: tuple, match: str) -> None:
+    offsets = torch.tensor([0, 2, 3, 6], dtype=torch.int32)
+    with pytest.raises(RoutingError, match=match):
+        grouped_swiglu(torch.randn(6, H), offsets, torch.randn(gate_up_shape), torch.randn(down_shape))
+    with pytest.raises(RoutingError, match="x must be 2-D"):
+        grouped_swiglu(torch.randn(6, H, 1), offsets, torch.randn(3, H, 2 * FFN), torch.randn(3, FFN, H))
+    with pytest.raises(RoutingError, match=r"x \(torch.float64\) and the weights .* must share a dtype"):
+        grouped_swiglu(torch.randn(6, H).double(), offsets, torch.randn(3, H, 2 * FFN), torch.randn(3, FFN, H))
 
 
 def _loop_experts(x: torch.Tensor, sizes: list[int], experts: SwiGLUExperts) -> torch.Tensor:
@@ -339,7 +452,7 @@ def test_grouped_experts_vs_loop_with_padding(sizes: list[int]) -> None:
     pad = 3
     x = torch.randn(sum(sizes) + pad, H, requires_grad=True)
     with SyncCounter() as counter:
-        y = experts(x, offsets, padded=True)
+        y = experts(x, offsets, padded=True, validate=False)  # the hot path's call: no offsets read on the host
         (y * torch.randn_like(y)).sum().backward()
     assert counter.num_syncs == 0
     torch.testing.assert_close(y[: sum(sizes)].double(), _loop_experts(x.detach(), sizes, experts))
@@ -401,12 +514,40 @@ def test_expert_load_metric_against_hand_computation() -> None:
 def test_expert_load_metric_update_is_sync_free_and_validates() -> None:
     metric = ExpertLoadMetric(3)
     with SyncCounter() as counter:
-        metric.update(torch.tensor([1, 2, 3]), torch.tensor(1))
+        metric.update(torch.tensor([1, 2, 3]), torch.tensor(1), validate=False)  # the per-step call
     assert counter.num_syncs == 0
     with pytest.raises(RoutingError, match="tokens_per_expert"):
         metric.update(torch.tensor([1, 2]))
     with pytest.raises(ConfigError, match="num_experts"):
         ExpertLoadMetric(0)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (([1, 2, 3],), "tokens_per_expert must be a torch.Tensor, got list"),
+        ((torch.tensor([1.0, 2.5, 3.0]),), "tokens_per_expert must be an integer tensor, got torch.float32"),
+        ((torch.tensor([1, 2, 3]), torch.tensor([1, 0])), r"num_dropped must be an int or a 0-d integer tensor"),
+        ((torch.tensor([1, 2, 3]), torch.tensor(1.0)), r"num_dropped must be an int or a 0-d integer tensor"),
+        ((torch.tensor([1, 2, 3]), None, 7.5), "num_pairs must be an int >= 0, got 7.5"),
+        ((torch.tensor([1, 2, 3]), None, torch.tensor(7.0)), "num_pairs must be an int or a 0-d integer tensor"),
+        ((torch.tensor([1, 2, 3]), -1), "num_dropped must be an int >= 0, got -1"),
+        ((torch.tensor([1, 2, 3]), True), "num_dropped must be an int >= 0, got True"),
+        ((torch.tensor([-1, 0, 0]),), r"tokens_per_expert must be counts >= 0, got \[-1, 0, 0\]"),
+        ((torch.tensor([1, 2, 3]), torch.tensor(-2)), "num_dropped must be >= 0, got -2"),
+        ((torch.tensor([1, 2, 3]), 1, 5), r"num_pairs must be >= kept \+ dropped = 6 \+ 1 .*got 5"),
+        ((torch.tensor([1, 2, 3]), torch.tensor(1), torch.tensor(6)), r"num_pairs must be >= kept \+ dropped = 6 \+ 1"),
+    ],
+)
+def test_expert_load_metric_rejects_bad_counts(args: tuple, match: str) -> None:
+    """Negative counts used to give a NaN entropy, float counts were truncated, lists raised AttributeError."""
+    metric = ExpertLoadMetric(3)
+    metric.update(torch.tensor([1, 1, 1]))
+    with pytest.raises(RoutingError, match=match):
+        metric.update(*args)
+    # Nothing of the rejected update was added.
+    assert metric.tokens_per_expert.tolist() == [1, 1, 1]
+    assert int(metric.num_dropped) == 0 and int(metric.num_pairs) == 3
 
 
 def test_autocast_bf16_is_sync_free_and_matches_naive() -> None:

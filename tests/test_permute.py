@@ -184,6 +184,19 @@ def test_bad_shapes_raise():
         unpermute(torch.randn(19, 3), plan)
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_hidden_size_zero_round_trip(kernel_backend, capacity_factor):
+    plan = make_plan(5, 4, 2, capacity_factor, "position", seed=8)
+    x = torch.ones(5, 0, requires_grad=True)
+    rows = permute(x, plan, backend=kernel_backend)
+    assert rows.shape == (plan.num_rows, 0)
+    out = unpermute(rows, plan, backend=kernel_backend)
+    assert out.shape == (5, 0)
+    out.sum().backward()
+    assert x.grad.shape == (5, 0)
+    assert unpermute(torch.ones(plan.num_rows, 0), plan, backend=kernel_backend).shape == (5, 0)
+
+
 @pytest.mark.parametrize(("num_tokens", "capacity_factor"), [(13, None), (13, 0.5), (1, None), (0, None)])
 def test_custom_ops_pass_opcheck(kernel_backend, num_tokens, capacity_factor):
     """Schema (no undeclared mutation or aliasing), fake implementations (shapes, dtypes, strides), autograd."""

@@ -67,6 +67,7 @@ def oracle(
         # The pair count first, as route() computes it: (0.2 * 6) * 5 / 6 rounds to 1.0000000000000002 (ceil 2)
         # where 0.2 * 30 / 6 is 1.0 (ceil 1). Hypothesis found that float-order disagreement, not a routing bug.
         capacity = math.ceil(capacity_factor * (num_tokens * top_k) / num_experts)
+        capacity = min(capacity, num_tokens * top_k)  # documented cap: no expert can get more pairs
         kept_of, dropped_of = [], []
         w = (drop_weights if drop_weights is not None else weights).reshape(-1).tolist()
         for plist in pairs_of:
@@ -295,6 +296,18 @@ def test_nonfinite_logits_raise_eagerly(bad):
         ({"capacity_factor": float("inf")}, "capacity_factor"),
         ({"expert_bias": torch.zeros(5)}, "expert_bias"),
         ({"expert_bias": torch.zeros(4, 1)}, "expert_bias"),
+        ({"expert_bias": torch.zeros(4, dtype=torch.bool)}, "expert_bias must be a floating-point tensor"),
+        ({"expert_bias": torch.zeros(4, dtype=torch.int64)}, "expert_bias must be a floating-point tensor"),
+        ({"expert_bias": [0.0] * 4}, "expert_bias must have shape"),
+        ({"expert_bias": torch.tensor([float("nan"), 0, 0, 0])}, r"expert_bias must be finite; found nan at expert 0"),
+        (
+            {"expert_bias": torch.tensor([0, 0, float("-inf"), 0])},
+            r"expert_bias must be finite; found -inf at expert 2",
+        ),
+        ({"capacity_factor": float("nan")}, "capacity_factor"),
+        ({"capacity_factor": True}, "capacity_factor"),
+        ({"capacity_factor": "1.0"}, "capacity_factor"),
+        ({"top_k": True}, "top_k"),
         ({"score": "tanh"}, "score"),
         ({"drop_policy": "random"}, "drop_policy"),
         ({"backend": "cuda"}, "backend"),
@@ -311,6 +324,46 @@ def test_bad_logits_raise(logits):
     with pytest.raises(RoutingError, match="logits"):
         route(logits, 1)
     assert issubclass(RoutingError, ValueError)
+
+
+@pytest.mark.parametrize("capacity_factor", [4.0, 1e300, 1e308, 1.7e308])
+@pytest.mark.parametrize("drop_policy", ["position", "score"])
+def test_huge_capacity_factor_is_capped_at_the_pair_count(capacity_factor, drop_policy):
+    logits = distinct_logits(5, 4, seed=3)
+    plan = route(logits, 2, capacity_factor=capacity_factor, drop_policy=drop_policy)
+    dropless = route(logits, 2)
+    assert plan.capacity == 10  # T * k
+    assert int(plan.num_dropped) == 0 and plan.kept.all()
+    for name in ("expert_ids", "tokens_per_expert", "offsets", "permutation"):
+        assert torch.equal(getattr(plan, name), getattr(dropless, name)), name
+
+
+def test_nonfinite_expert_bias_is_not_checked_without_validate():
+    bias = torch.tensor([float("nan"), 0.0, 0.0, 0.0])
+    plan = route(torch.randn(3, 4), 1, expert_bias=bias, validate=False)  # the hot path reads no values
+    assert not bool(plan.nonfinite)  # the flag is about the logits
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((torch.zeros(4), torch.zeros(4), None), "rate must be a finite number >= 0, got None"),
+        ((torch.zeros(4), torch.zeros(4), "1"), "rate must be a finite number >= 0, got '1'"),
+        ((torch.zeros(4), torch.zeros(4), float("inf")), "rate must be a finite number >= 0, got inf"),
+        ((torch.zeros(4), torch.zeros(4), True), "rate must be a finite number >= 0, got True"),
+        ((torch.zeros(4), [1, 2, 3, 4], 0.1), "tokens_per_expert must be a torch.Tensor, got list"),
+        (([0.0] * 4, torch.zeros(4), 0.1), "expert_bias must be a torch.Tensor, got list"),
+        ((torch.zeros(4, dtype=torch.long), torch.tensor([1, 2, 3, 4]), 0.1), "expert_bias must be a floating"),
+        ((torch.zeros(4), torch.ones(4, dtype=torch.bool), 0.1), "tokens_per_expert must be a real count"),
+    ],
+)
+def test_update_expert_bias_rejects_bad_arguments(args, match):
+    bias = args[0]
+    before = bias.clone() if isinstance(bias, torch.Tensor) else None
+    with pytest.raises(RoutingError, match=match):
+        update_expert_bias(*args)
+    if before is not None:
+        assert torch.equal(bias, before)  # not touched
 
 
 def test_update_expert_bias_sign_rule_in_place():

@@ -15,7 +15,8 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_llmfast.errors import ConfigError, RoutingError
+from lightning_llmfast._checks import check_int
+from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe.metrics import ExpertLoadMetric
 
 __all__ = ["ExpertLoadMonitor"]
@@ -36,7 +37,7 @@ class ExpertLoadMonitor(Callback):
         log_every_n_steps: logging period in training batches; ``None`` uses the trainer's ``log_every_n_steps``.
 
     Raises:
-        ConfigError: ``log_every_n_steps < 1``.
+        ConfigError: ``log_every_n_steps`` not ``None`` or an int >= 1.
 
     Example::
 
@@ -45,8 +46,8 @@ class ExpertLoadMonitor(Callback):
     """
 
     def __init__(self, log_every_n_steps: int | None = None) -> None:
-        if log_every_n_steps is not None and (isinstance(log_every_n_steps, bool) or log_every_n_steps < 1):
-            raise ConfigError(f"log_every_n_steps must be an int >= 1 or None, got {log_every_n_steps!r}")
+        if log_every_n_steps is not None:
+            check_int("log_every_n_steps", log_every_n_steps, low=1)
         self.log_every_n_steps = log_every_n_steps
         self._blocks: dict[str, nn.Module] = {}
         self._metrics: dict[str, ExpertLoadMetric] = {}
@@ -73,10 +74,11 @@ class ExpertLoadMonitor(Callback):
             if metric is None:
                 metric = self._metrics[name] = ExpertLoadMetric(counts.numel()).to(counts.device)
             plan = getattr(block, "last_plan", None)
+            # validate=False: no host sync per batch (the counts come from the router).
             if plan is None:
-                metric.update(counts)
+                metric.update(counts, validate=False)
             else:
-                metric.update(counts, plan.num_dropped, plan.num_tokens * plan.top_k)
+                metric.update(counts, plan.num_dropped, plan.num_tokens * plan.top_k, validate=False)
             flag = getattr(block, "last_nonfinite", None)
             if flag is not None:
                 # OR-ed on the device: a NaN in any batch of the window is reported, not only in the last one.

@@ -12,11 +12,12 @@ import torch
 from torch import Tensor, nn
 
 from lightning_llmfast._autograd import in_backward
+from lightning_llmfast._checks import check_number
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.moe.dispatch import compute_copy, routed_swiglu
 from lightning_llmfast.moe.experts import GroupedExperts
 from lightning_llmfast.moe.kernels import BACKENDS
-from lightning_llmfast.moe.naive import check_moe_args
+from lightning_llmfast.moe.naive import check_block_input, check_moe_args
 from lightning_llmfast.moe.routing import DROP_POLICIES, RoutingPlan, route, update_expert_bias
 
 __all__ = ["MoEBlock", "check_block_routing_args", "record_plan"]
@@ -28,10 +29,9 @@ def check_block_routing_args(capacity_factor: float | None, backend: str, drop_p
     Raises:
         ConfigError: naming the offending argument and value.
     """
-    if capacity_factor is not None and (
-        isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not capacity_factor > 0
-    ):
-        raise ConfigError(f"capacity_factor must be a number > 0 or None (dropless), got {capacity_factor!r}")
+    if capacity_factor is not None:
+        # Finite, as route() requires: an infinite factor must fail here, not at the first forward.
+        check_number("capacity_factor", capacity_factor, low=0, low_open=True)
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
     if drop_policy not in DROP_POLICIES:
@@ -46,14 +46,15 @@ class MoEBlock(nn.Module):
         ffn_size: ``F`` of each expert.
         num_experts: ``E``.
         top_k: experts per token, ``1 <= top_k <= E``.
-        capacity_factor: ``None`` (dropless) or the factor of ``capacity = ceil(cf * T * k / E)``.
+        capacity_factor: ``None`` (dropless) or a finite factor ``> 0`` of ``capacity = ceil(cf * T * k / E)``
+            (at most ``T * k``).
         backend: routing kernels, ``"auto"`` (Triton on CUDA), ``"torch"`` or ``"triton"``.
         normalize: renormalise the top-k weights to sum to 1.
         score: ``"softmax"`` or ``"sigmoid"``.
         drop_policy: ``"position"`` or ``"score"`` (which overflow pairs a capacity limit drops).
         expert_bias: keep an aux-loss-free balancing bias (DeepSeek-V3) as the ``(E,)`` buffer ``expert_bias``.
-        bias_update_rate: how far each training forward moves ``expert_bias`` toward balance
-            (:func:`~lightning_llmfast.moe.update_expert_bias`, in place and sync-free).
+        bias_update_rate: how far each training forward moves ``expert_bias`` toward balance, a finite number
+            ``>= 0`` (:func:`~lightning_llmfast.moe.update_expert_bias`, in place and sync-free).
 
     Attributes:
         router: ``nn.Linear(H, E, bias=False)``; ``router.weight`` is ``(E, H)``.
@@ -96,8 +97,7 @@ class MoEBlock(nn.Module):
         super().__init__()
         check_moe_args(hidden_size, ffn_size, num_experts, top_k, score)
         check_block_routing_args(capacity_factor, backend, drop_policy)
-        if not bias_update_rate >= 0:
-            raise ConfigError(f"bias_update_rate must be >= 0, got {bias_update_rate!r}")
+        check_number("bias_update_rate", bias_update_rate, low=0)
         self.hidden_size = hidden_size
         self.ffn_size = ffn_size
         self.num_experts = num_experts
@@ -123,11 +123,16 @@ class MoEBlock(nn.Module):
         """Route, dispatch, run the experts and combine, without a host sync.
 
         Args:
-            x: ``(..., H)``.
+            x: ``(..., H)`` in the block's dtype (any float dtype under autocast).
 
         Returns:
             ``(..., H)``, same dtype as ``x``.
+
+        Raises:
+            RoutingError: ``x`` is not a float ``(..., H)`` tensor on the block's device, or (outside autocast)
+                its dtype is not the block's: the block does not cast ``x`` itself (``nn.Linear`` neither).
         """
+        check_block_input(x, self.hidden_size, self.router.weight)
         shape = x.shape
         x = x.reshape(-1, self.hidden_size)
         # Cast once for router and experts: both keep this one (T, H) copy for backward (dispatch.py).

@@ -34,6 +34,7 @@ from lightning_llmfast.moe.experts import (
     _grouped_mm,
     _swiglu_down,
     autocast_inputs,
+    check_swiglu_inputs,
     grouped_mm_supported,
     grouped_swiglu,
 )
@@ -170,7 +171,9 @@ def routed_swiglu(
         ``(T, H)`` in the compute dtype.
 
     Raises:
-        RoutingError: ``x`` is not ``(plan.num_tokens, H)``, or ``x_compute`` has another shape.
+        RoutingError: ``x`` is not ``(plan.num_tokens, H)``, ``gate_up``/``down`` are not ``(E, H, 2F)``/
+            ``(E, F, H)`` with ``E = plan.num_experts``, or ``x_compute`` has another shape or a dtype other than
+            ``compute_copy(x)``'s.
 
     Example::
 
@@ -180,8 +183,19 @@ def routed_swiglu(
     """
     if x.dim() != 2 or x.shape[0] != plan.num_tokens:
         raise RoutingError(f"x must have shape (num_tokens={plan.num_tokens}, hidden), got {tuple(x.shape)}")
-    if x_compute is not None and x_compute.shape != x.shape:
-        raise RoutingError(f"x_compute must have the shape of x {tuple(x.shape)}, got {tuple(x_compute.shape)}")
+    check_swiglu_inputs(x, gate_up, down)
+    if gate_up.shape[0] != plan.num_experts:
+        raise RoutingError(
+            f"gate_up and down must have E=plan.num_experts={plan.num_experts} experts, got {gate_up.shape[0]}"
+        )
+    if x_compute is not None:
+        if x_compute.shape != x.shape:
+            raise RoutingError(f"x_compute must have the shape of x {tuple(x.shape)}, got {tuple(x_compute.shape)}")
+        if x_compute.dtype != _compute_dtype(x):
+            raise RoutingError(
+                f"x_compute must have dtype {_compute_dtype(x)} (compute_copy(x): x's, or autocast's), "
+                f"got {x_compute.dtype}"
+            )
     backend = resolve_backend(backend, x.device)
     padded = plan.capacity is not None
     if x_compute is None:
@@ -189,7 +203,8 @@ def routed_swiglu(
     gate_up, down = autocast_inputs(x.device, gate_up, down)
     if act is not F.silu or not grouped_mm_supported(x_compute, gate_up, down):
         rows = permute(x, plan, backend=backend)
-        return unpermute(grouped_swiglu(rows, plan.offsets, gate_up, down, act, padded=padded), plan, backend=backend)
+        hidden = grouped_swiglu(rows, plan.offsets, gate_up, down, act, padded=padded, validate=False)
+        return unpermute(hidden, plan, backend=backend)
     idx = _plan_indices(plan)
     kept = plan.kept if padded else None
     pair_mask = kept.to(x.dtype) if kept is not None else None
@@ -216,7 +231,13 @@ def compute_copy(x: Tensor) -> Tensor:
         x_compute = compute_copy(x)
         logits = router(x_compute)  # autocast keeps an already cast input as is: one copy for router and experts
     """
+    dtype = _compute_dtype(x)
+    return x if dtype == x.dtype else x.to(dtype)
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype of :func:`compute_copy`'s result."""
     device = x.device.type
     if torch.is_autocast_enabled(device) and x.is_floating_point() and x.dtype != torch.float64:
-        return x.to(torch.get_autocast_dtype(device))
-    return x
+        return torch.get_autocast_dtype(device)
+    return x.dtype

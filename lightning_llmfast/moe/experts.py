@@ -24,16 +24,18 @@ is sync-free but materialises ``(M, H, 2F)`` weights, so it loses at any useful 
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe.kernels import _scale_rows_, pair_dots
 from lightning_llmfast.moe.naive import SwiGLUExperts
 
-__all__ = ["GroupedExperts", "autocast_inputs", "grouped_swiglu", "grouped_mm_supported"]
+__all__ = ["GroupedExperts", "autocast_inputs", "check_swiglu_inputs", "grouped_swiglu", "grouped_mm_supported"]
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -229,6 +231,65 @@ def autocast_inputs(device: torch.device, *tensors: Tensor) -> tuple[Tensor, ...
     return tuple(t.to(dtype) for t in tensors)
 
 
+def check_swiglu_inputs(x: Tensor, gate_up: Tensor, down: Tensor) -> None:
+    """Check the shapes of SwiGLU experts' inputs: ``x`` ``(M, H)``, ``gate_up`` ``(E, H, 2F)``, ``down`` ``(E, F, H)``.
+
+    Metadata only (shapes, dtypes, devices): no device value is read, so it costs no sync.
+
+    Raises:
+        RoutingError: naming the tensor and the shape it should have.
+    """
+    for name, value in (("x", x), ("gate_up", gate_up), ("down", down)):
+        if not isinstance(value, Tensor):
+            raise RoutingError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        if not value.is_floating_point():
+            raise RoutingError(f"{name} must be floating point, got {value.dtype}")
+    x_shape, gate_up_shape = x.shape, gate_up.shape
+    if len(x_shape) != 2:
+        raise RoutingError(f"x must be 2-D (M, H), got shape {tuple(x_shape)}")
+    hidden = x_shape[1]
+    if len(gate_up_shape) != 3 or gate_up_shape[1] != hidden:
+        raise RoutingError(f"gate_up must have shape (E, H={hidden}, 2F), got {tuple(gate_up_shape)}")
+    num_experts, ffn2 = gate_up_shape[0], gate_up_shape[2]
+    if ffn2 % 2:
+        raise RoutingError(f"gate_up's last dim must be even (2F: the gate half, then the up half), got {ffn2}")
+    if down.shape != (num_experts, ffn2 // 2, hidden):
+        raise RoutingError(
+            f"down must have shape (E={num_experts}, F={ffn2 // 2}, H={hidden}) to match gate_up "
+            f"{tuple(gate_up.shape)}, got {tuple(down.shape)}"
+        )
+    if not x.device == gate_up.device == down.device:
+        devices = f"{x.device}, {gate_up.device}, {down.device}"
+        raise RoutingError(f"x, gate_up and down must be on one device, got {devices}")
+
+
+def _check_offsets_meta(offsets: Tensor, num_experts: int) -> None:
+    if not isinstance(offsets, Tensor):
+        raise RoutingError(f"offsets must be a torch.Tensor, got {type(offsets).__name__}")
+    if offsets.is_floating_point() or offsets.is_complex() or offsets.dtype == torch.bool:
+        raise RoutingError(f"offsets must be an integer tensor, got {offsets.dtype}")
+    if tuple(offsets.shape) != (num_experts + 1,):
+        raise RoutingError(
+            f"offsets must have shape (E+1,) = ({num_experts + 1},) for E={num_experts} experts, "
+            f"got {tuple(offsets.shape)}"
+        )
+
+
+def _check_offsets_values(bounds: list[int], num_rows: int, padded: bool) -> None:
+    if bounds[0] != 0:
+        raise RoutingError(f"offsets must start at 0, got offsets[0]={bounds[0]}")
+    for e, (start, end) in enumerate(pairwise(bounds)):
+        if end < start:
+            raise RoutingError(f"offsets must be non-decreasing, got offsets[{e}]={start} > offsets[{e + 1}]={end}")
+    if padded and bounds[-1] > num_rows:
+        raise RoutingError(f"offsets[-1] must be <= M={num_rows} (the number of rows), got offsets[-1]={bounds[-1]}")
+    if not padded and bounds[-1] != num_rows:
+        raise RoutingError(
+            f"offsets must end at M={num_rows} (the number of rows), got offsets[-1]={bounds[-1]} "
+            "(pass padded=True if the rows from offsets[-1] on are padding)"
+        )
+
+
 def grouped_swiglu(
     x: Tensor,
     offsets: Tensor,
@@ -237,6 +298,7 @@ def grouped_swiglu(
     act: Callable[[Tensor], Tensor] = F.silu,
     *,
     padded: bool = False,
+    validate: bool = True,
 ) -> Tensor:
     """SwiGLU experts over rows grouped by expert.
 
@@ -252,9 +314,18 @@ def grouped_swiglu(
         down: ``(E, F, H)`` (any strides).
         act: activation applied to the gate half.
         padded: zero the rows from ``offsets[-1]`` on (``grouped_mm`` leaves them uninitialised).
+        validate: check the offsets' values (start at 0, non-decreasing, end at ``M``, or at most ``M`` when
+            ``padded``). One host sync on an accelerator; callers whose offsets come from
+            :func:`~lightning_llmfast.moe.route` pass ``False``. Shapes and dtypes are always checked. The
+            per-expert fallback reads the offsets on the host anyway and always checks them.
 
     Returns:
         ``(M, H)`` in ``x``'s dtype.
+
+    Raises:
+        RoutingError: wrong shapes (``x`` not ``(M, H)``, ``gate_up`` not ``(E, H, 2F)``, ``down`` not
+            ``(E, F, H)``, ``offsets`` not an ``(E+1,)`` integer tensor), ``x`` and the weights in different
+            dtypes (outside autocast), or bad offset values.
 
     Example::
 
@@ -262,10 +333,24 @@ def grouped_swiglu(
         offsets = torch.tensor([0, 2, 2, 5, 6], dtype=torch.int32)
         y = grouped_swiglu(torch.randn(6, 8), offsets, experts.gate_up_proj, experts.down_proj)  # (6, 8)
     """
+    check_swiglu_inputs(x, gate_up, down)
+    _check_offsets_meta(offsets, gate_up.shape[0])
     x, gate_up, down = autocast_inputs(x.device, x, gate_up, down)
-    if grouped_mm_supported(x, gate_up, down):
-        # grouped_mm takes the group ends (offsets[1:]) as its int32 `offs`.
-        ends = offsets[1:].to(torch.int32)
+    if not x.dtype == gate_up.dtype == down.dtype:
+        raise RoutingError(
+            f"x ({x.dtype}) and the weights (gate_up {gate_up.dtype}, down {down.dtype}) must share a dtype "
+            "outside autocast"
+        )
+    grouped = grouped_mm_supported(x, gate_up, down)
+    bounds = None
+    if validate or not grouped:
+        # NOTE: host sync: the offsets read on the host (one .tolist()), to check them (validate=True) or
+        # because the per-expert fallback slices rows with them.
+        bounds = offsets.tolist()
+        _check_offsets_values(bounds, x.shape[0], padded)
+    if grouped:
+        # grouped_mm takes the group ends (offsets[1:]) as its int32 `offs`, on x's device.
+        ends = offsets[1:].to(device=x.device, dtype=torch.int32)
         valid = None
         if padded:
             # grouped_mm neither writes the padding rows of its output nor of its input gradient: mask both
@@ -278,8 +363,6 @@ def grouped_swiglu(
         else:
             out = _grouped_mm(_swiglu(hidden, act), down, ends)
         return out if valid is None else torch.where(valid, out, 0)
-    # NOTE: host sync: the per-expert fallback slices rows with the offsets read on the host (one .tolist()).
-    bounds = offsets.tolist()
     out = x.new_zeros(x.shape[0], down.shape[-1])
     for expert in range(gate_up.shape[0]):
         start, end = bounds[expert], bounds[expert + 1]
@@ -300,15 +383,19 @@ class GroupedExperts(SwiGLUExperts):
         y = experts(torch.randn(6, 8), offsets)  # (6, 8)
     """
 
-    def forward(self, x: Tensor, offsets: Tensor, *, padded: bool = False) -> Tensor:
+    def forward(self, x: Tensor, offsets: Tensor, *, padded: bool = False, validate: bool = True) -> Tensor:
         """Apply expert ``e`` to rows ``offsets[e]:offsets[e+1]``.
 
         Args:
             x: ``(M, H)`` rows grouped by expert.
             offsets: ``(E+1,)`` int32 group boundaries.
             padded: rows from ``offsets[-1]`` on are padding (capacity limit); they come back as zeros.
+            validate: check the offsets' values (one host sync on an accelerator; see :func:`grouped_swiglu`).
 
         Returns:
             ``(M, H)``.
+
+        Raises:
+            RoutingError: as :func:`grouped_swiglu`.
         """
-        return grouped_swiglu(x, offsets, self.gate_up_proj, self.down_proj, padded=padded)
+        return grouped_swiglu(x, offsets, self.gate_up_proj, self.down_proj, padded=padded, validate=validate)

@@ -34,6 +34,7 @@ import os
 import torch
 from torch import Tensor
 
+from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import RoutingError
 
 try:  # Triton is optional: without it every backend="auto" call takes the PyTorch reference.
@@ -160,13 +161,16 @@ def _block_histogram_kernel(keys_ptr, hist_ptr, rank_ptr, n, num_bins, BLOCK: tl
     pid = tl.program_id(0)
     idx = tl.arange(0, BLOCK)
     offs = pid * BLOCK + idx
-    valid = offs < n
-    keys = tl.load(keys_ptr + offs, mask=valid, other=0).to(tl.int32)
+    in_range = offs < n
+    raw = tl.load(keys_ptr + offs, mask=in_range, other=0)
+    # A key outside [0, num_bins) (possible only with validate=False) is skipped, never used as an address.
+    valid = in_range & (raw >= 0) & (raw < num_bins)
+    keys = raw.to(tl.int32)
     # Rank by flattened index: count the earlier valid pairs of the block with the same key. Comparing all pairs
     # of the block (instead of a running count per key) keeps the result independent of thread scheduling.
     same = (keys[:, None] == keys[None, :]) & (idx[None, :] < idx[:, None]) & valid[None, :]
     rank = tl.sum(same.to(tl.int32), axis=1)
-    tl.store(rank_ptr + offs, rank, mask=valid)
+    tl.store(rank_ptr + offs, rank, mask=in_range)
     # Integer atomics into this block's own row: exact and order-independent.
     tl.atomic_add(hist_ptr + pid * num_bins + keys, tl.full([BLOCK], 1, tl.int32), mask=valid)
 
@@ -199,13 +203,16 @@ def _scatter_kernel(keys_ptr, rank_ptr, prefix_ptr, starts_ptr, dest_ptr, order_
     """``dest = starts[key] + earlier_blocks[block, key] + rank_in_block`` (the stable position); ``order[dest]``."""
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < n
-    keys = tl.load(keys_ptr + offs, mask=valid, other=0).to(tl.int64)
+    in_range = offs < n
+    keys = tl.load(keys_ptr + offs, mask=in_range, other=0).to(tl.int64)
+    # Out-of-range keys (validate=False only) are masked out of every key-addressed load and store: their dest
+    # is -1 and they write nothing, so a bad key can never make the kernel touch memory out of bounds.
+    valid = in_range & (keys >= 0) & (keys < num_bins)
     rank = tl.load(rank_ptr + offs, mask=valid, other=0).to(tl.int64)
     earlier = tl.load(prefix_ptr + pid * num_bins + keys, mask=valid, other=0).to(tl.int64)
     start = tl.load(starts_ptr + keys, mask=valid, other=0)
-    dest = start + earlier + rank
-    tl.store(dest_ptr + offs, dest, mask=valid)
+    dest = tl.where(valid, start + earlier + rank, -1)
+    tl.store(dest_ptr + offs, dest, mask=in_range)
     tl.store(order_ptr + dest, offs.to(tl.int64), mask=valid)
 
 
@@ -240,22 +247,45 @@ def stable_counting_sort_triton(keys: Tensor, num_bins: int) -> tuple[Tensor, Te
     return counts, dest, order
 
 
-def stable_counting_sort(keys: Tensor, num_bins: int, *, backend: str = "torch") -> tuple[Tensor, Tensor, Tensor]:
+def stable_counting_sort(
+    keys: Tensor, num_bins: int, *, backend: str = "torch", validate: bool = True
+) -> tuple[Tensor, Tensor, Tensor]:
     """Stable counting sort of integer keys; dispatches to the Triton kernels or the PyTorch reference.
 
     Args:
-        keys: ``(n,)`` integer keys in ``[0, num_bins)`` (not checked: callers produce them).
-        num_bins: number of distinct keys.
-        backend: ``"torch"`` or ``"triton"`` (already resolved, see :func:`resolve_backend`).
+        keys: ``(n,)`` integer keys in ``[0, num_bins)``.
+        num_bins: number of distinct keys, ``>= 1``.
+        backend: ``"torch"``, ``"triton"`` or ``"auto"`` (see :func:`resolve_backend`).
+        validate: check that every key is in ``[0, num_bins)`` (one host sync on an accelerator). With ``False``
+            (callers that produce the keys, such as :func:`~lightning_llmfast.moe.route`) an out-of-range key
+            gives unspecified results: the PyTorch reference raises a torch error, the Triton kernels skip it
+            (they never access memory out of bounds).
 
     Returns:
         ``counts`` ``(num_bins,)`` int64, ``dest`` ``(n,)`` int64 (the position of each key in the stable order)
         and ``order`` ``(n,)`` int64 (its inverse: the index of the key at each sorted position).
 
+    Raises:
+        RoutingError: ``keys`` not a 1-D integer tensor, ``num_bins`` not an int >= 1, an unknown ``backend``,
+            or (``validate=True``) a key outside ``[0, num_bins)``.
+
     Example::
 
         counts, dest, order = stable_counting_sort(torch.tensor([1, 0, 1]), 2)  # [1, 2], [1, 0, 2], [1, 0, 2]
     """
+    if not isinstance(keys, Tensor) or keys.dim() != 1:
+        got = tuple(keys.shape) if isinstance(keys, Tensor) else type(keys).__name__
+        raise RoutingError(f"keys must be a 1-D integer tensor, got {got}")
+    if keys.is_floating_point() or keys.is_complex() or keys.dtype == torch.bool:
+        raise RoutingError(f"keys must be an integer tensor, got {keys.dtype}")
+    check_int("num_bins", num_bins, low=1, error=RoutingError)
+    backend = resolve_backend(backend, keys.device)
+    if validate and keys.numel():
+        # NOTE: host sync (reads the key range); route() passes validate=False for the keys it makes itself.
+        low, high = torch.stack(torch.aminmax(keys)).tolist()
+        if low < 0 or high >= num_bins:
+            bad = low if low < 0 else high
+            raise RoutingError(f"keys must be in [0, num_bins={num_bins}), got a key {bad}")
     if backend == "triton":
         return stable_counting_sort_triton(keys, num_bins)
     return stable_counting_sort_reference(keys, num_bins)
@@ -447,6 +477,8 @@ def combine_rows_reference(
         out = combine_rows_reference(rows, torch.tensor([[0, 2], [1, 3]]), torch.full((2, 2), 0.5))
     """
     (num_tokens, top_k), hidden = positions.shape, rows.shape[1]
+    if hidden == 0:  # nothing to sum; view(-1, top_k, 0) below could not infer its size
+        return rows.new_empty(num_tokens, 0, dtype=out_dtype or rows.dtype)
     acc = _acc_dtype(rows)
     out = torch.empty(num_tokens, hidden, dtype=acc, device=rows.device)
     chunk = _chunk_size(top_k * hidden, num_tokens)

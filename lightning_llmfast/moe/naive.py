@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_llmfast.errors import ConfigError
+from lightning_llmfast._checks import check_int
+from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.moe.routing import SCORES
 
-__all__ = ["SwiGLUExperts", "NaiveMoEBlock", "check_moe_args", "router_scores", "router_losses"]
+__all__ = ["SwiGLUExperts", "NaiveMoEBlock", "check_block_input", "check_moe_args", "router_scores", "router_losses"]
 
 
 def check_moe_args(hidden_size: int, ffn_size: int, num_experts: int, top_k: int, score: str) -> None:
@@ -25,12 +26,39 @@ def check_moe_args(hidden_size: int, ffn_size: int, num_experts: int, top_k: int
         ConfigError: naming the offending argument and value.
     """
     for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_experts", num_experts)):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be a positive int, got {value!r}")
-    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        check_int(name, value, low=1)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ConfigError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
     if score not in SCORES:
         raise ConfigError(f"score must be one of {sorted(SCORES)}, got {score!r}")
+
+
+def check_block_input(x: Tensor, hidden_size: int, *weights: Tensor) -> None:
+    """Validate an MoE block's input against its configuration and weights (metadata only: no sync).
+
+    ``x`` must be a float ``(..., hidden_size)`` tensor on the weights' device, in the weights' dtype unless
+    autocast is on for that device and ``x`` is not float64 (autocast then picks the compute dtype).
+
+    Raises:
+        RoutingError: naming the mismatch.
+    """
+    if not isinstance(x, Tensor):
+        raise RoutingError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0 or x.shape[-1] != hidden_size:
+        raise RoutingError(f"x must have shape (..., hidden_size={hidden_size}), got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise RoutingError(f"x must be floating point, got {x.dtype}")
+    for weight in weights:
+        if x.device != weight.device:
+            raise RoutingError(f"x is on {x.device} but the block's weights are on {weight.device}")
+        # Autocast casts float32/16-bit matmul inputs (never float64) to its dtype: those may differ from the block.
+        # (Asked only on a mismatch: the autocast query costs more than the other checks together.)
+        if x.dtype != weight.dtype and (x.dtype == torch.float64 or not torch.is_autocast_enabled(x.device.type)):
+            hint = "" if x.dtype == torch.float64 else ", or run under torch.autocast"
+            raise RoutingError(
+                f"x has dtype {x.dtype} but the block's weights are {weight.dtype}: cast x or the block "
+                f"(block.to(dtype)){hint}"
+            )
 
 
 def router_scores(logits: Tensor, score: str) -> Tensor:
@@ -85,6 +113,9 @@ class SwiGLUExperts(nn.Module):
         hidden_size: ``H``.
         ffn_size: ``F``, the intermediate size of one expert.
 
+    Raises:
+        ConfigError: a size that is not an int >= 1.
+
     Attributes:
         gate_up_proj: ``(E, H, 2F)`` parameter, initialised ``N(0, 0.02)``.
         down_proj: ``(E, F, H)`` parameter, initialised ``N(0, 0.02)``.
@@ -97,6 +128,8 @@ class SwiGLUExperts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_size: int) -> None:
         super().__init__()
+        for name, value in (("num_experts", num_experts), ("hidden_size", hidden_size), ("ffn_size", ffn_size)):
+            check_int(name, value, low=1)
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.ffn_size = ffn_size
@@ -183,11 +216,16 @@ class NaiveMoEBlock(nn.Module):
         """Route every token to its top-k experts and combine their outputs.
 
         Args:
-            x: ``(..., H)``.
+            x: ``(..., H)`` in the block's dtype (any float dtype under autocast).
 
         Returns:
             ``(..., H)``, same dtype as ``x``.
+
+        Raises:
+            RoutingError: ``x`` is not a float ``(..., H)`` tensor on the block's device, or (outside autocast)
+                its dtype is not the block's.
         """
+        check_block_input(x, self.hidden_size, self.router.weight)
         shape = x.shape
         x = x.reshape(-1, self.hidden_size)
         logits = self.router(x)  # (T, E)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_llmfast._checks import check_number
 from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe.kernels import resolve_backend, stable_counting_sort
 
@@ -137,17 +138,14 @@ def _check_arguments(
         raise RoutingError(f"score must be one of {sorted(SCORES)}, got {score!r}")
     if drop_policy not in DROP_POLICIES:
         raise RoutingError(f"drop_policy must be one of {sorted(DROP_POLICIES)}, got {drop_policy!r}")
-    if capacity_factor is not None and not (
-        isinstance(capacity_factor, (int, float))
-        and not isinstance(capacity_factor, bool)
-        and math.isfinite(capacity_factor)
-        and capacity_factor > 0
-    ):
-        raise RoutingError(f"capacity_factor must be a finite number > 0 or None, got {capacity_factor!r}")
+    if capacity_factor is not None:
+        check_number("capacity_factor", capacity_factor, low=0, low_open=True, error=RoutingError)
     if expert_bias is not None:
         if not isinstance(expert_bias, Tensor) or tuple(expert_bias.shape) != (num_experts,):
             shape = tuple(expert_bias.shape) if isinstance(expert_bias, Tensor) else type(expert_bias).__name__
             raise RoutingError(f"expert_bias must have shape ({num_experts},) (num_experts), got {shape}")
+        if not expert_bias.is_floating_point():
+            raise RoutingError(f"expert_bias must be a floating-point tensor, got {expert_bias.dtype}")
         if expert_bias.device != logits.device:
             raise RoutingError(f"expert_bias is on {expert_bias.device} but logits are on {logits.device}")
 
@@ -192,13 +190,14 @@ def route(
         score: ``"softmax"`` (over experts) or ``"sigmoid"`` (independent per expert, DeepSeek-V3 style).
         normalize: renormalise the k selected weights of each token to sum to one.
         capacity_factor: ``None`` for dropless routing; otherwise each expert keeps at most
-            ``capacity = ceil(capacity_factor * num_tokens * top_k / num_experts)`` pairs.
+            ``capacity = min(ceil(capacity_factor * num_tokens * top_k / num_experts), num_tokens * top_k)`` pairs.
         drop_policy: which overflow pairs are dropped: ``"position"`` drops later tokens first, ``"score"`` drops
             the lowest weights first (ties: later pairs first).
-        expert_bias: optional ``(num_experts,)`` aux-loss-free balancing bias (DeepSeek-V3): added to the scores
-            for the selection only; the weights come from the unbiased scores. Not differentiated.
-        validate: check the logits for NaN/inf eagerly and raise. This costs one host sync on an accelerator.
-            With ``False`` only host-side checks run and the finding is stored in ``plan.nonfinite``.
+        expert_bias: optional ``(num_experts,)`` floating-point aux-loss-free balancing bias (DeepSeek-V3): added
+            to the scores for the selection only; the weights come from the unbiased scores. Not differentiated.
+        validate: check the logits (and ``expert_bias``) for NaN/inf eagerly and raise. This costs one host sync
+            on an accelerator. With ``False`` only host-side checks run, the logits' finding is stored in
+            ``plan.nonfinite`` and the bias values are not checked.
         backend: ``"auto"`` (the Triton kernels for CUDA logits, the PyTorch reference elsewhere), ``"torch"`` or
             ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``).
 
@@ -207,8 +206,8 @@ def route(
 
     Raises:
         RoutingError: logits not a 2-D float tensor, ``top_k`` out of range, unknown ``score``/``drop_policy``/
-            ``backend``, ``capacity_factor <= 0``, ``expert_bias`` of the wrong shape, or (``validate=True``)
-            non-finite logits.
+            ``backend``, ``capacity_factor`` not a finite number > 0, ``expert_bias`` not a float tensor of shape
+            ``(num_experts,)``, or (``validate=True``) non-finite logits or ``expert_bias``.
 
     Example::
 
@@ -222,10 +221,18 @@ def route(
     device = logits.device
 
     if validate:
-        # NOTE: host sync (bool of a device flag), documented: validate=True trades it for an eager error.
+        # NOTE: host sync (one read of the device flags), documented: validate=True trades it for an eager error.
         nonfinite = None
-        if bool(_nonfinite_flag(logits)):
-            _raise_nonfinite(logits)
+        flag = _nonfinite_flag(logits)
+        if expert_bias is not None:
+            flag = flag | _nonfinite_flag(expert_bias)
+        if bool(flag):
+            # Error path only: which of the two, and where, costs more syncs, which no longer matter.
+            if bool(_nonfinite_flag(logits)):
+                _raise_nonfinite(logits)
+            values = expert_bias.tolist()
+            expert = next(e for e, v in enumerate(values) if not math.isfinite(v))
+            raise RoutingError(f"expert_bias must be finite; found {values[expert]} at expert {expert}")
     else:
         nonfinite = _nonfinite_flag(logits)
 
@@ -240,14 +247,16 @@ def route(
 
     # The one counting pass: pairs per expert and each pair's position in the expert-grouped stable order.
     flat_ids = expert_ids.reshape(-1)
-    counts, dest, order = stable_counting_sort(flat_ids, num_experts, backend=backend)
+    counts, dest, order = stable_counting_sort(flat_ids, num_experts, backend=backend, validate=False)
     if capacity_factor is None:
         capacity = None
         tokens_per_expert = counts
         kept = torch.ones(num_pairs, dtype=torch.bool, device=device)
         permutation = order
     else:
-        capacity = math.ceil(capacity_factor * num_pairs / num_experts)
+        # Capped at T * k (no expert can get more pairs): a huge factor must not overflow ceil() or the int64 clamp.
+        capacity = capacity_factor * num_pairs / num_experts
+        capacity = math.ceil(capacity) if capacity < num_pairs else num_pairs
         tokens_per_expert, kept, permutation = _apply_capacity(
             flat_ids, weights.detach().reshape(-1), counts, dest, capacity, drop_policy, backend
         )
@@ -319,11 +328,13 @@ def _apply_capacity(
     # Rank inside the expert by descending weight (ties by index): the same counting sort over the pairs visited
     # in descending-weight order.
     order = torch.sort(flat_weights, descending=True, stable=True).indices
-    _, dest_by_weight, _ = stable_counting_sort(flat_ids[order], num_experts, backend=backend)
+    _, dest_by_weight, _ = stable_counting_sort(flat_ids[order], num_experts, backend=backend, validate=False)
     rank = torch.empty_like(dest).scatter_(0, order, dest_by_weight - starts[flat_ids[order]])
     kept = rank < capacity
     # Keys 0..E-1 for kept pairs and E..2E-1 for dropped ones: one more stable pass yields the final layout.
-    _, _, permutation = stable_counting_sort(flat_ids + num_experts * (~kept).long(), 2 * num_experts, backend=backend)
+    _, _, permutation = stable_counting_sort(
+        flat_ids + num_experts * (~kept).long(), 2 * num_experts, backend=backend, validate=False
+    )
     return tokens_per_expert, kept, permutation
 
 
@@ -343,7 +354,8 @@ def update_expert_bias(expert_bias: Tensor, tokens_per_expert: Tensor, rate: flo
         ``expert_bias``, for chaining.
 
     Raises:
-        RoutingError: shapes differ, or ``rate`` is negative or not finite.
+        RoutingError: arguments not tensors, shapes differ, ``expert_bias`` not floating point, or ``rate`` not
+            a finite number >= 0.
 
     Example::
 
@@ -351,13 +363,19 @@ def update_expert_bias(expert_bias: Tensor, tokens_per_expert: Tensor, rate: flo
         plan = route(logits, top_k=2, expert_bias=bias)
         update_expert_bias(bias, plan.tokens_per_expert, rate=1e-3)
     """
+    for name, value in (("expert_bias", expert_bias), ("tokens_per_expert", tokens_per_expert)):
+        if not isinstance(value, Tensor):
+            raise RoutingError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if expert_bias.dim() != 1 or tuple(tokens_per_expert.shape) != tuple(expert_bias.shape):
         raise RoutingError(
             f"expert_bias and tokens_per_expert must both have shape (num_experts,), got "
             f"{tuple(expert_bias.shape)} and {tuple(tokens_per_expert.shape)}"
         )
-    if not (math.isfinite(rate) and rate >= 0):
-        raise RoutingError(f"rate must be a finite number >= 0, got {rate!r}")
+    if not expert_bias.is_floating_point():
+        raise RoutingError(f"expert_bias must be a floating-point tensor (updated in place), got {expert_bias.dtype}")
+    if tokens_per_expert.is_complex() or tokens_per_expert.dtype == torch.bool:
+        raise RoutingError(f"tokens_per_expert must be a real count tensor, got {tokens_per_expert.dtype}")
+    check_number("rate", rate, low=0, error=RoutingError)
     # copy=True: the all_reduce below works in place and the caller's counts must stay per-rank.
     load = tokens_per_expert.to(device=expert_bias.device, dtype=torch.float32, copy=True)
     if dist.is_available() and dist.is_initialized():
