@@ -260,4 +260,4 @@ def test_permute_grouped_mm_passes_opcheck() -> None:
     weight = torch.randn(3, H, 2 * FFN, requires_grad=True)
     ends = plan.offsets[1:].to(torch.int32)
     args = (x, x.detach(), idx.tokens, None, idx.positions, None, weight, ends, "torch")
-    torch.library.opcheck(_permute_grouped_mm, args)
+    torch.library.opcheck(torch.ops.lightning_llmfast.permute_grouped_mm.default, args)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_llmfast._autograd import mark_rebuildable
+from lightning_llmfast._autograd import eager_custom_op, mark_rebuildable
 from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe.experts import (
     _grouped_mm,
@@ -139,6 +139,8 @@ def _permute_grouped_mm_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None,
 
 
 _permute_grouped_mm.register_autograd(_permute_grouped_mm_backward, setup_context=_permute_grouped_mm_setup)
+# Eager calls skip the dispatcher, compiled ones keep the registered ops (see eager_custom_op).
+_permute_grouped_mm = eager_custom_op(_permute_grouped_mm)
 
 
 def routed_swiglu(

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_llmfast._autograd import eager_custom_op
 from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe.kernels import _scale_rows_, pair_dots
 from lightning_llmfast.moe.naive import SwiGLUExperts
@@ -210,6 +211,10 @@ def _swiglu_down_grad(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
 
 
 _swiglu_down.register_autograd(_swiglu_down_grad, setup_context=_swiglu_down_setup)
+# Eager calls skip the dispatcher, compiled ones keep the registered ops (see eager_custom_op).
+_grouped_mm, _silu_glu, _silu_glu_backward, _swiglu_down = (
+    eager_custom_op(op) for op in (_grouped_mm, _silu_glu, _silu_glu_backward, _swiglu_down)
+)
 
 
 def _swiglu(gate_up: Tensor, act: Callable[[Tensor], Tensor]) -> Tensor:

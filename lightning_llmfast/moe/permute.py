@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from lightning_llmfast._autograd import eager_custom_op
 from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe.kernels import (
     _acc_dtype,
@@ -237,6 +238,13 @@ def _combine_rows_backward_fake(
     grad: Tensor, rows: Tensor, src: Tensor, scale: Tensor, positions: Tensor, backend: str
 ) -> tuple[Tensor, Tensor]:
     return grad.new_empty(rows.shape), rows.new_empty(positions.shape, dtype=_acc_dtype(rows))
+
+
+# Eager calls skip the dispatcher, compiled ones keep the registered ops (see eager_custom_op).
+_permute_rows, _combine_rows, _sum_rows, _pair_values_to_rows, _unpermute_rows, _combine_rows_backward = (
+    eager_custom_op(op)
+    for op in (_permute_rows, _combine_rows, _sum_rows, _pair_values_to_rows, _unpermute_rows, _combine_rows_backward)
+)
 
 
 def permute(x: Tensor, plan: RoutingPlan, *, backend: str = "auto") -> Tensor:
