@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_llmfast.bench.counters import SyncCounter
+from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.models import swap_rms_norms
 from lightning_llmfast.moe.adapters import HFGroupedMoeBlock, get_moe_adapter, swap_moe_blocks
 from lightning_llmfast.offload import ActivationOffloader
@@ -227,3 +228,16 @@ def test_swapped_causal_lm_under_the_offloader_is_bit_identical_and_rebuilds() -
         rebuilt[rebuild_gemms] = off.stats["rebuilt_tensors"]
         off.close()
     assert rebuilt[False] > 0 and rebuilt[True] == rebuilt[False] + 2  # one gate/up output per layer
+
+
+@pytest.mark.parametrize(("block_cls", "config_cls", "kwargs"), _available())
+def test_swapped_block_rejects_input_of_another_width_or_dtype(
+    block_cls: type, config_cls: type, kwargs: dict[str, object]
+) -> None:
+    container = nn.Sequential(_tiny_block(block_cls, config_cls, kwargs, seed=5))
+    swap_moe_blocks(container, backend="torch")
+    assert isinstance(container[0], HFGroupedMoeBlock)
+    with pytest.raises(RoutingError, match=rf"hidden_size={H}"):
+        container(torch.randn(2, 3, 2 * H))  # was silently read as twice the tokens
+    with pytest.raises(RoutingError, match=r"dtype torch\.float64"):
+        container(torch.randn(2, 3, H, dtype=torch.float64))

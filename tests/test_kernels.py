@@ -333,3 +333,21 @@ def test_cuda_route_permute_sync_free_and_deterministic():
         results.append((out.detach(), x.grad.clone(), logits.grad.clone()))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["auto", "Triton", "foo", None])
+def test_row_kernels_reject_a_backend_that_is_not_resolved(backend: object) -> None:
+    """They took anything but "triton" as the PyTorch reference: "auto" (meant for resolve_backend) or a typo ran
+    torch silently, also on CUDA."""
+    x, rows, grad = torch.randn(3, 4), torch.randn(6, 4), torch.randn(3, 4)
+    src, positions, scale = torch.tensor([0, 0, 1, 1, 2, 2]), torch.arange(6).view(3, 2), torch.rand(6)
+    calls = [
+        lambda: kernels.gather_rows(x, src, backend=backend),
+        lambda: kernels.combine_rows(rows, positions, backend=backend),
+        lambda: kernels.pair_dots(rows, grad, positions, backend=backend),
+        lambda: kernels.combine_rows_backward(grad, rows, src, scale, positions, backend=backend),
+    ]
+    for call in calls:
+        with pytest.raises(RoutingError, match="backend must be 'torch' or 'triton' here"):
+            call()
+    assert torch.equal(kernels.gather_rows(x, src, backend="torch"), x[src])  # the resolved names still work

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.moe.block import MoEBlock, check_block_routing_args, record_plan
 from lightning_llmfast.moe.dispatch import compute_copy, routed_swiglu
-from lightning_llmfast.moe.naive import NaiveMoEBlock
+from lightning_llmfast.moe.naive import NaiveMoEBlock, check_block_input
 from lightning_llmfast.moe.routing import route
 
 __all__ = [
@@ -257,6 +257,8 @@ class HFGroupedMoeBlock(nn.Module):
         Returns:
             ``(batch, seq, H)``.
         """
+        router = self.gate.weight  # (E, H)
+        check_block_input(hidden_states, router.shape[1], router)
         shape = hidden_states.shape
         if self.training and self.jitter_noise > 0:
             # Mixtral's multiplicative router jitter, drawn exactly as the original block draws it.

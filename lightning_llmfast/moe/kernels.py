@@ -120,6 +120,17 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def _is_triton(backend: str) -> bool:
+    """Whether an already resolved ``backend`` is ``"triton"``; anything but ``"torch"`` or ``"triton"`` raises."""
+    if backend == "triton":
+        return True
+    if backend != "torch":
+        raise RoutingError(
+            f"backend must be 'torch' or 'triton' here (resolve_backend turns 'auto' into one), got {backend!r}"
+        )
+    return False
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Stable counting sort
 # --------------------------------------------------------------------------------------------------------------
@@ -449,7 +460,7 @@ def gather_rows(
 
         y = gather_rows(x, torch.tensor([2, 0]))
     """
-    if backend == "triton":
+    if _is_triton(backend):
         return gather_rows_triton(x, src, num_valid, scale)
     return gather_rows_reference(x, src, num_valid, scale)
 
@@ -588,7 +599,7 @@ def combine_rows(
 
         out = combine_rows(rows, positions, weights)
     """
-    if backend == "triton":
+    if _is_triton(backend):
         return combine_rows_triton(rows, positions, weights, out_dtype)
     return combine_rows_reference(rows, positions, weights, out_dtype)
 
@@ -694,7 +705,7 @@ def pair_dots(rows: Tensor, grad: Tensor, positions: Tensor, *, backend: str = "
 
         row_dots = pair_dots(a, b, torch.arange(a.shape[0])[:, None])  # (M, 1): <a[r], b[r]>
     """
-    if backend == "triton":
+    if _is_triton(backend):
         return pair_dots_triton(rows, grad, positions)
     return pair_dots_reference(rows, grad, positions)
 
@@ -775,6 +786,6 @@ def combine_rows_backward(
 
         grad_rows, grad_weights = combine_rows_backward(grad_out, rows, tokens, row_weights, positions)
     """
-    if backend == "triton":
+    if _is_triton(backend):
         return combine_rows_backward_triton(grad, rows, src, scale, positions)
     return combine_rows_backward_reference(grad, rows, src, scale, positions)
