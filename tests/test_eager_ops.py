@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_llmfast._autograd import eager_custom_op
+from lightning_llmfast._autograd import _seen_by_more_than_eager, eager_custom_op
 from lightning_llmfast.bench import OpCounter
 from lightning_llmfast.moe import route
 from lightning_llmfast.moe.routing import RoutingPlan
@@ -123,3 +123,45 @@ def test_eager_custom_op_without_autograd_calls_the_op_when_a_gradient_is_needed
         assert torch.equal(fast(x), x * 2)
     with pytest.raises(RuntimeError, match="autograd"):
         fast(x).sum().backward()
+
+
+def _seen(x: torch.Tensor) -> bool:
+    return _seen_by_more_than_eager((x, None, "torch"))
+
+
+def test_the_registered_op_runs_wherever_more_than_eager_execution_would_see_the_call() -> None:
+    """Tracers, transforms, modes and the profiler see the op as registered (an opaque op with its own rules)."""
+    x = torch.randn(3)
+    assert not _seen(x)
+    seen_by: dict[str, bool] = {}
+    torch.func.vmap(lambda row: seen_by.setdefault("vmap", _seen(row)) and row)(torch.randn(2, 3))
+    torch.func.grad(lambda v: (seen_by.setdefault("func.grad", _seen(v)), v.sum())[1])(x)
+    with torch.autograd.forward_ad.dual_level():
+        seen_by["forward AD"] = _seen(torch.autograd.forward_ad.make_dual(x, torch.ones(3)))
+    with torch.profiler.profile():
+        seen_by["profiler"] = _seen(x)
+    with OpCounter():
+        seen_by["dispatch mode"] = _seen(x)
+    with torch.device("cpu"):  # a function mode, as torch.set_default_device installs
+        seen_by["function mode"] = _seen(x)
+    torch.jit.trace(lambda v: (seen_by.setdefault("jit.trace", _seen(v)), v * 2)[1], (x,))
+    seen_by["meta tensor"] = _seen(torch.empty(3, device="meta"))
+    seen_by["fx proxy"] = False
+    torch.fx.symbolic_trace(lambda v: seen_by.update({"fx proxy": _seen_by_more_than_eager((v,))}) or v)
+    assert all(seen_by.values()) and len(seen_by) == 9, seen_by
+    assert not _seen(x)
+
+
+def test_a_registration_after_wrapping_and_keyword_calls_go_to_the_registered_op() -> None:
+    @torch.library.custom_op("lightning_llmfast_test::triple", mutates_args=())
+    def triple(x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+    triple.register_autograd(lambda ctx, grad: grad * 3, setup_context=lambda ctx, inputs, output: None)
+    fast = eager_custom_op(triple)
+    assert fast.op is triple and fast.__name__ == "triple"
+    x = torch.randn(4, requires_grad=True)
+    assert "eager" in type(fast(x).grad_fn).__name__
+    assert "eager" not in type(fast(x=x).grad_fn).__name__  # keywords: the registered op, which takes them
+    triple.register_kernel("cpu")(lambda x: x * 5)  # the dispatcher now runs this kernel on CPU
+    assert torch.equal(fast(x), x * 5) and "eager" not in type(fast(x).grad_fn).__name__
