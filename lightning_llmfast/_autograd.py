@@ -58,6 +58,8 @@ def mark_rebuildable(
     """
     if torch.compiler.is_compiling():
         return  # traced: the compiled graph saves for backward its own way (and Dynamo cannot trace the query below)
+    if output.is_inference():
+        return  # made under inference_mode (Trainer.validate/test/predict): no backward, and no version counter
     if rebuild is None:
         rebuild = getattr(getattr(type(ctx), "_forward_cls", None), "llmfast_rebuild", None)
         if rebuild is None:

@@ -1,8 +1,9 @@
 """Argument checks shared by every public entry point: one wording for every "must be an int >= 1, got ..." error.
 
 Each check raises the caller's error class (a subclass of :class:`~lightning_llmfast.errors.LLMFastError`) naming
-the argument, the rule and the value. ``bool`` is rejected where an int or a number is expected (``True`` is the
-int 1 in Python, almost always a mistake here), and so are NaN and infinities unless a range allows them.
+the argument, the rule and the value. Python and NumPy integers and reals pass (``numpy.int64(2)`` is an int here);
+``bool`` is rejected where an int or a number is expected (``True`` is the int 1 in Python, almost always a mistake
+here), and so are NaN and infinities.
 
 Example::
 
@@ -15,6 +16,9 @@ Example::
 from __future__ import annotations
 
 import math
+from numbers import Integral, Real
+
+import numpy as np
 
 from lightning_llmfast.errors import ConfigError, LLMFastError
 
@@ -38,12 +42,13 @@ def check_int(
     high: int | None = None,
     error: type[LLMFastError] = ConfigError,
 ) -> int:
-    """``value`` if it is an int (not a bool) in ``[low, high]``; else raise ``error``."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as an ``int`` if it is an integer (not a bool) in ``[low, high]``; else raise ``error``."""
+    if _is_bool(value) or not isinstance(value, Integral):
         raise error(f"{name} must be an int{_range(low, high)}, got {value!r}")
-    if (low is not None and value < low) or (high is not None and value > high):
+    number = int(value)
+    if (low is not None and number < low) or (high is not None and number > high):
         raise error(f"{name} must be an int{_range(low, high)}, got {value!r}")
-    return value
+    return number
 
 
 def check_number(
@@ -56,9 +61,12 @@ def check_number(
     error: type[LLMFastError] = ConfigError,
 ) -> float:
     """``value`` as a float if it is a finite real number (not a bool) in its range (``low_open``: ``> low``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if _is_bool(value) or not isinstance(value, Real):
         raise error(f"{name} must be a finite number{_range(low, high, low_open)}, got {value!r}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the largest float (10**400)
+        number = math.inf
     if (
         not math.isfinite(number)
         or (low is not None and (number <= low if low_open else number < low))
@@ -70,6 +78,10 @@ def check_number(
 
 def check_bool(name: str, value: object, *, error: type[LLMFastError] = ConfigError) -> bool:
     """``value`` if it is a bool; else raise ``error`` (``bool("no")`` is ``True``: a string must not pass)."""
-    if not isinstance(value, bool):
+    if not _is_bool(value):
         raise error(f"{name} must be True or False, got {value!r}")
-    return value
+    return bool(value)
+
+
+def _is_bool(value: object) -> bool:
+    return isinstance(value, (bool, np.bool_))

@@ -85,7 +85,7 @@ class PackedDocumentDataset(IterableDataset[PackedBatch]):
         if rank >= world_size:
             raise ConfigError(f"rank must lie in [0, world_size={world_size}), got {rank}")
         if shuffle_seed is not None:
-            check_int("shuffle_seed", shuffle_seed, low=_GENERATOR_SEED_MIN, high=_GENERATOR_SEED_MAX)
+            shuffle_seed = check_int("shuffle_seed", shuffle_seed, low=_GENERATOR_SEED_MIN, high=_GENERATOR_SEED_MAX)
         if limit_batches is not None:
             check_int("limit_batches", limit_batches, low=0)
         self.corpus = corpus

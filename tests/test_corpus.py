@@ -196,3 +196,9 @@ def test_synthetic_corpus_huge_mean_is_fine_when_max_len_bounds_it():
 def test_text_corpus_rejects_non_numbers(kwargs, match):
     with pytest.raises(DataError, match=match):
         TextCorpus(**kwargs)
+
+
+def test_decode_reads_a_list_of_zero_dim_integer_tensors() -> None:
+    assert decode(list(torch.tensor([104, 105]))) == "hi"  # what iterating a tensor gives
+    with pytest.raises(DataError, match="is not an int"):
+        decode([torch.tensor(104.0)])

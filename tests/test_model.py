@@ -170,3 +170,15 @@ def test_forward_takes_int32_ids() -> None:
     model = _model()
     ids = torch.tensor([[1, 2, 3]])
     torch.testing.assert_close(model(ids.int()), model(ids))
+
+
+@pytest.mark.parametrize("mode", ["cached", "dense", "per_layer"])
+def test_position_ids_of_one_row_apply_to_every_row(mode: str) -> None:
+    """HF's ``arange(T)[None]``: the same positions for each row, as if none were given."""
+    torch.manual_seed(0)
+    cfg = MoEGPTConfig(n_layers=1, hidden_size=32, n_heads=2, n_kv_heads=1, ffn_size=32, num_experts=2)
+    model = MoEGPT(MoEGPTConfig(**{**cfg.__dict__, "attention_metadata": mode}))
+    ids = torch.randint(0, cfg.vocab_size, (3, 8))
+    assert torch.equal(model(ids, torch.arange(8)[None]), model(ids))
+    with pytest.raises(MetadataError, match=r"position_ids: .*\(3, 8\) \(or \(1, 8\)\)"):
+        model(ids, torch.arange(8)[None].expand(2, 8))

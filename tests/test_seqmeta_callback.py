@@ -285,3 +285,9 @@ def test_reference_model_sync_counts_cached_vs_per_layer(n_layers: int) -> None:
     assert callback.cache.stats["builds"] == 1
     assert per_layer_syncs.counts["_local_scalar_dense"] >= n_layers
     assert per_layer_syncs.counts["nonzero"] >= n_layers
+
+
+def test_layers_of_another_type_name_the_argument() -> None:
+    (batch,) = _batches([(1, 4)])
+    with pytest.raises(ConfigError, match="layers: expected a module list, an attribute path or None, got 5"):
+        SequenceMetadataCallback(layers=5).on_train_batch_start(None, TinyModule(), batch, 0)  # type: ignore[arg-type]

@@ -209,3 +209,20 @@ def test_monitor_sums_real_tokens_over_ranks_instead_of_scaling_rank_zero() -> N
     # over the window both rates divide by the same elapsed time: global / device = (100 + 300) / 100, not 2
     ratio = second["train/tokens_per_sec"] / second["train/device/tokens_per_sec"]
     assert ratio == pytest.approx((100 + other_rank_real) / 100)
+
+
+def test_validate_runs_under_inference_mode_with_the_forward_of_no_grad(tmp_path: Path) -> None:
+    """Trainer.validate/test/predict run under torch.inference_mode (Lightning's default): the RMSNorm Function's
+    rebuild marking read the version counter that inference tensors lack, so they crashed."""
+    module = _module()
+    batches = _batches(2, seq_len=32, batch_size=2)
+    trainer = L.Trainer(
+        accelerator="cpu", strategy="llmfast", logger=False, enable_progress_bar=False, default_root_dir=tmp_path
+    )
+    (metrics,) = trainer.validate(module, dataloaders=DataLoader(batches, batch_size=None))
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()) and metrics
+    ids = batches[0].input_ids
+    with torch.inference_mode():
+        inferred = module.model(ids)
+    with torch.no_grad():
+        assert torch.equal(inferred, module.model(ids))

@@ -137,9 +137,9 @@ _Q, _K, _V = torch.randn(5, 2, 4), torch.randn(5, 1, 4), torch.randn(5, 1, 4)
         ((torch.randn(5, 2, 0), torch.randn(5, 1, 0), _V, _META), {}, ConfigError, r"head_dim: .*got 0 and 4"),
         ((_Q, _K, torch.randn(5, 1, 0), _META), {}, ConfigError, r"head_dim: .*got 4 and 0"),
         ((torch.randn(5, 0, 4), _K, _V, _META), {}, ConfigError, r"heads: q must have at least one head"),
-        ((_Q.long(), _K.long(), _V.long(), _META), {}, ConfigError, r"one floating-point dtype, got torch.int64"),
-        ((_Q, _K.double(), _V.double(), _META), {}, ConfigError, r"one floating-point dtype, .*float32.*float64"),
-        ((_Q, _K, _V.half(), _META), {}, ConfigError, r"one floating-point dtype"),
+        ((_Q.long(), _K.long(), _V.long(), _META), {}, ConfigError, r"must be floating point, got torch.int64"),
+        ((_Q, _K.double(), _V.double(), _META), {}, ConfigError, r"one dtype outside autocast, .*float32.*float64"),
+        ((_Q, _K, _V.half(), _META), {}, ConfigError, r"one dtype outside autocast"),
         ((_Q, _K, [[0.0]], _META), {}, ConfigError, r"q, k, v: must be tensors, got Tensor, Tensor, list"),
         ((_Q, _K, _V, [0, 3, 5]), {}, MetadataError, r"metadata: must be a SequenceMetadata .*got list"),
         ((_Q, _K, _V, None), {}, MetadataError, r"metadata: must be a SequenceMetadata .*got NoneType"),
@@ -354,3 +354,16 @@ def test_flash_impl_names_what_it_needs() -> None:
         varlen_attention(q, k, v, meta, impl="flash")
     with pytest.raises(ConfigError, match=r"head_dim|missing in this torch build"):
         varlen_attention(q, k, torch.randn(8, 2, 16), meta, impl="flash")
+
+
+def test_mixed_dtypes_compute_in_the_autocast_dtype_and_are_refused_outside_autocast() -> None:
+    """Under autocast, q and k in float32 (after RoPE) next to a bf16 v attend in bf16, as torch's SDPA would."""
+    meta = SequenceMetadata.from_lengths([3, 4])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(7, 2, 8, generator=g) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = varlen_attention(q, k, v.bfloat16(), meta)
+    same = varlen_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), meta)
+    assert mixed.dtype == torch.bfloat16 and torch.equal(mixed, same)
+    with pytest.raises(ConfigError, match="must share one dtype outside autocast"):
+        varlen_attention(q, k, v.bfloat16(), meta)

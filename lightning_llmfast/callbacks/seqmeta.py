@@ -34,6 +34,8 @@ def _find_layers(root: nn.Module, layers: nn.ModuleList | Sequence[nn.Module] | 
             found = getattr(found, part)
         layers = found
     if layers is not None:
+        if not isinstance(layers, (nn.Module, Sequence)):
+            raise ConfigError(f"layers: expected a module list, an attribute path or None, got {layers!r}")
         if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
             raise ConfigError(f"layers: expected a module list or sequence of modules, got {type(layers).__name__}")
         result = list(layers)

@@ -84,13 +84,23 @@ def decode(ids: Iterable[int] | torch.Tensor) -> str:
     elif isinstance(ids, str) or not isinstance(ids, Iterable):
         raise DataError(f"decode: ids must be a 1-D sequence of int token ids, got {type(ids).__name__}")
     else:
-        values = list(ids)
+        # 0-d integer tensors (list(torch.tensor([...]))) count as ints, as the tensor path reads them.
+        values = [
+            v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_floating_point() else v for v in ids
+        ]
     for position, value in enumerate(values):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise DataError(f"token id {value!r} at position {position} is not an int")
         if not 0 <= value < VOCAB_SIZE:
             raise DataError(f"token id {value} at position {position} is outside the byte vocabulary [0, {VOCAB_SIZE})")
     return bytes(v for v in values if v < 256).decode("utf-8", errors="replace")
+
+
+def _scalar(value: object) -> object:
+    """A 0-d integer tensor's value (an int); anything else as given."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point():
+        return value.item()
+    return value
 
 
 def _stdlib_root() -> Path:
@@ -238,7 +248,7 @@ class SyntheticCorpus(Sequence[list[int]]):
         check_int("min_len", min_len, low=1, error=DataError)
         check_int("vocab_size", vocab_size, low=1, high=2**63 - 1, error=DataError)
         check_number("mean_len", mean_len, low=1, error=DataError)
-        check_int("seed", seed, low=-_MAX_SEED, high=_MAX_SEED, error=DataError)
+        seed = check_int("seed", seed, low=-_MAX_SEED, high=_MAX_SEED, error=DataError)  # a NumPy int: a Python int
         if max_len is not None:
             check_int("max_len", max_len, low=min_len, error=DataError)
         if distribution not in _DISTRIBUTIONS:
@@ -283,7 +293,7 @@ class SyntheticCorpus(Sequence[list[int]]):
     def __getitem__(self, index: int) -> list[int]:  # type: ignore[override]
         """Document ``index`` (``list[int]`` of ``lengths[index]`` ids), regenerated identically on every read."""
         length = self.lengths[index]
-        generator = torch.Generator().manual_seed(self.seed * _DOC_SEED_STRIDE + index % len(self))
+        generator = torch.Generator().manual_seed(self.seed * _DOC_SEED_STRIDE + int(index) % len(self))
         return torch.randint(0, self.vocab_size, (length,), generator=generator).tolist()
 
     def __iter__(self) -> Iterator[list[int]]:

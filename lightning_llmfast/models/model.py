@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -94,10 +95,10 @@ class MoEGPTConfig:
         check_number("MoEGPTConfig.norm_eps", self.norm_eps, low=0)
         check_number("MoEGPTConfig.init_std", self.init_std, low=0)
         check_bool("MoEGPTConfig.tie_embeddings", self.tie_embeddings)
-        if isinstance(self.dense_layers, (str, bytes)) or not isinstance(self.dense_layers, (list, tuple)):
+        if isinstance(self.dense_layers, (str, bytes)) or not isinstance(self.dense_layers, Iterable):
             raise ConfigError(f"MoEGPTConfig.dense_layers must be a list of layer indices, got {self.dense_layers!r}")
-        for index in self.dense_layers:
-            check_int("MoEGPTConfig.dense_layers entry", index)
+        # Any iterable of ints (a range, a NumPy array), kept as a list of Python ints.
+        self.dense_layers = [check_int("MoEGPTConfig.dense_layers entry", index) for index in self.dense_layers]
         if self.hidden_size % self.n_heads or (self.hidden_size // self.n_heads) % 2:
             raise ConfigError(
                 f"hidden_size ({self.hidden_size}) must split into n_heads ({self.n_heads}) heads of even size (RoPE)"
@@ -299,7 +300,7 @@ class MoEGPT(nn.Module):
                 step. On an accelerator an out-of-range id fails in the embedding kernel (a device-side assert);
                 the packed data path checks every id on the host when packing
                 (:func:`~lightning_llmfast.data.pack_documents` with ``vocab_size``).
-            MetadataError: ``position_ids`` is not an integer tensor of ``input_ids``' shape.
+            MetadataError: ``position_ids`` is not an integer tensor of ``input_ids``' shape (or ``(1, T)``).
         """
         # Shapes and dtypes only: free, no device read.
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in _ID_DTYPES:
@@ -309,9 +310,10 @@ class MoEGPT(nn.Module):
                 else type(input_ids).__name__
             )
             raise DataError(f"input_ids: must be a (B, T) int64 or int32 tensor of token ids, got {got}")
+        b, t = input_ids.shape
         if position_ids is not None and (
             not isinstance(position_ids, Tensor)
-            or position_ids.shape != input_ids.shape
+            or position_ids.shape not in ((b, t), (1, t))  # (1, T): the same positions for every row, as in HF
             or position_ids.dtype not in _POSITION_DTYPES
         ):
             got = (
@@ -319,12 +321,12 @@ class MoEGPT(nn.Module):
                 if isinstance(position_ids, Tensor)
                 else type(position_ids).__name__
             )
-            raise MetadataError(
-                f"position_ids: must be an integer tensor of input_ids' shape {tuple(input_ids.shape)}, got {got}"
-            )
-        b, t = input_ids.shape
+            shapes = f"{(b, t)}" if b == 1 else f"{(b, t)} (or (1, {t}))"
+            raise MetadataError(f"position_ids: must be an integer tensor of input_ids' shape {shapes}, got {got}")
         if position_ids is None:
             position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
+        elif position_ids.shape[0] != b:
+            position_ids = position_ids.expand(b, t)
         mode = self.config.attention_metadata
         layer_meta: SequenceMetadata | Tensor | None = metadata
         if mode == "cached" and metadata is None and active_cache() is None:

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import math
+from numbers import Integral
 from typing import NamedTuple
 
 import torch
@@ -132,7 +133,7 @@ def _check_arguments(
     if not logits.is_floating_point():
         raise RoutingError(f"logits must be floating point, got {logits.dtype}")
     num_experts = logits.shape[1]
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+    if isinstance(top_k, bool) or not isinstance(top_k, Integral) or not 1 <= top_k <= num_experts:  # NumPy ints too
         raise RoutingError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
     if score not in SCORES:
         raise RoutingError(f"score must be one of {sorted(SCORES)}, got {score!r}")

@@ -345,10 +345,16 @@ def varlen_attention(
         raise ConfigError(
             f"q, k, v: must be (num_tokens, heads, head_dim), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if not q.is_floating_point() or not (q.dtype == k.dtype == v.dtype):
-        raise ConfigError(f"q, k, v: must share one floating-point dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ConfigError(f"q, k, v: must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.is_floating_point() and k.is_floating_point() and v.is_floating_point()):
+        raise ConfigError(f"q, k, v: must be floating point, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        # Under autocast, attention computes in its dtype, as torch's SDPA would (e.g. q, k in float32 after RoPE).
+        if not torch.is_autocast_enabled(q.device.type):
+            raise ConfigError(f"q, k, v: must share one dtype outside autocast, got {q.dtype}, {k.dtype}, {v.dtype}")
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     _check_metadata(metadata)
     check_bool("causal", causal)
     if scale is not None:
