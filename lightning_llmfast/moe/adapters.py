@@ -258,7 +258,7 @@ class HFGroupedMoeBlock(nn.Module):
             ``(batch, seq, H)``.
         """
         router = self.gate.weight  # (E, H)
-        check_block_input(hidden_states, router.shape[1], router)
+        check_block_input(hidden_states, router.shape[1], router, name="hidden_states")
         shape = hidden_states.shape
         if self.training and self.jitter_noise > 0:
             # Mixtral's multiplicative router jitter, drawn exactly as the original block draws it.

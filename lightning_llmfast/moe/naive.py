@@ -33,30 +33,31 @@ def check_moe_args(hidden_size: int, ffn_size: int, num_experts: int, top_k: int
         raise ConfigError(f"score must be one of {sorted(SCORES)}, got {score!r}")
 
 
-def check_block_input(x: Tensor, hidden_size: int, *weights: Tensor) -> None:
+def check_block_input(x: Tensor, hidden_size: int, *weights: Tensor, name: str = "x") -> None:
     """Validate an MoE block's input against its configuration and weights (metadata only: no sync).
 
-    ``x`` must be a float ``(..., hidden_size)`` tensor on the weights' device, in the weights' dtype unless
-    autocast is on for that device and ``x`` is not float64 (autocast then picks the compute dtype).
+    ``x`` (called ``name`` in the errors) must be a float ``(..., hidden_size)`` tensor on the weights' device, in the
+    weights' dtype unless autocast is on for that device and ``x`` is not float64 (autocast then picks the compute
+    dtype).
 
     Raises:
         RoutingError: naming the mismatch.
     """
     if not isinstance(x, Tensor):
-        raise RoutingError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        raise RoutingError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() == 0 or x.shape[-1] != hidden_size:
-        raise RoutingError(f"x must have shape (..., hidden_size={hidden_size}), got {tuple(x.shape)}")
+        raise RoutingError(f"{name} must have shape (..., hidden_size={hidden_size}), got {tuple(x.shape)}")
     if not x.is_floating_point():
-        raise RoutingError(f"x must be floating point, got {x.dtype}")
+        raise RoutingError(f"{name} must be floating point, got {x.dtype}")
     for weight in weights:
         if x.device != weight.device:
-            raise RoutingError(f"x is on {x.device} but the block's weights are on {weight.device}")
+            raise RoutingError(f"{name} is on {x.device} but the block's weights are on {weight.device}")
         # Autocast casts float32/16-bit matmul inputs (never float64) to its dtype: those may differ from the block.
         # (Asked only on a mismatch: the autocast query costs more than the other checks together.)
         if x.dtype != weight.dtype and (x.dtype == torch.float64 or not torch.is_autocast_enabled(x.device.type)):
             hint = "" if x.dtype == torch.float64 else ", or run under torch.autocast"
             raise RoutingError(
-                f"x has dtype {x.dtype} but the block's weights are {weight.dtype}: cast x or the block "
+                f"{name} has dtype {x.dtype} but the block's weights are {weight.dtype}: cast {name} or the block "
                 f"(block.to(dtype)){hint}"
             )
 
