@@ -88,11 +88,11 @@ def eager_custom_op(op: Any) -> Callable[..., Any]:
     kernel. In plain eager mode the returned function calls the same implementation, ``setup_context`` and backward
     through an ``autograd.Function``, or, when no input needs a gradient, the implementation alone: 12 us instead of
     26 us per call with autograd, 5.5 us instead of 12 us without (a small op on CPU, torch 2.13; on a launch-bound
-    GPU that is step time). Whenever anything but plain eager execution would see the call, it
-    calls ``op`` itself (see :func:`_seen_by_more_than_eager`): ``torch.compile`` and other tracers keep the opaque
-    op with its registered fake and autograd (why these are custom ops at all). So does an op given a kernel,
-    autocast, vmap or dispatch rule after it was wrapped, and a call with keyword arguments. ``op`` stays reachable
-    as the returned function's ``op``.
+    GPU that is step time). Whenever anything but plain eager execution would see the call, it calls ``op`` itself
+    (see :func:`_seen_by_more_than_eager`): ``torch.compile`` and other tracers keep the opaque op with its
+    registered fake and autograd (why these are custom ops at all). So does an op given a kernel, autocast, vmap or
+    dispatch rule after it was wrapped, and a call with keyword arguments. ``op`` stays reachable as the returned
+    function's ``op``.
 
     Example::
 
