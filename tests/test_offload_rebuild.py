@@ -527,12 +527,17 @@ def test_reading_a_saved_tensor_in_forward_neither_counts_as_its_consumer_nor_ho
     off.close()
 
 
-class _ScaledCopyBlock(nn.Module):
-    """A weight copy changed in place (no grad) before a matmul saves it: not the parameter's cast any more."""
-
+class _CastBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + (x.to(torch.bfloat16) @ self.w.to(torch.bfloat16)).float()
+
+
+class _ScaledCopyBlock(_CastBlock):
+    """A weight copy changed in place (no grad) before a matmul saves it: not the parameter's cast any more."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w16 = self.w.to(torch.bfloat16)
@@ -551,15 +556,6 @@ def test_a_weight_copy_changed_in_place_before_it_is_saved_is_kept_not_recast() 
     assert all(torch.equal(a, b) for a, b in zip(expected, _grads(model, x, off)))
     assert off.stats["recast_casts"] == 0
     off.close()
-
-
-class _CastBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(8, 8) / 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + (x.to(torch.bfloat16) @ self.w.to(torch.bfloat16)).float()
 
 
 def test_a_parameter_replaced_between_steps_is_recognised_in_the_next() -> None:

@@ -85,9 +85,7 @@ def decode(ids: Iterable[int] | torch.Tensor) -> str:
         raise DataError(f"decode: ids must be a 1-D sequence of int token ids, got {type(ids).__name__}")
     else:
         # 0-d integer tensors (list(torch.tensor([...]))) count as ints, as the tensor path reads them.
-        values = [
-            v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_floating_point() else v for v in ids
-        ]
+        values = [_scalar(v) for v in ids]
     for position, value in enumerate(values):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise DataError(f"token id {value!r} at position {position} is not an int")

@@ -172,14 +172,17 @@ def add_rms_norm(residual: Tensor, branch: Tensor, weight: Tensor, eps: float) -
         normed, h = add_rms_norm(x, attn_out, weight, 1e-5)  # x (B, T, H) fp32, attn_out (B, T, H) bf16
     """
     _check_norm_args("add_rms_norm", residual, weight, eps, "residual")
-    _check_norm_args("add_rms_norm", branch, weight, eps, "branch")
+    if not isinstance(branch, Tensor) or not branch.is_floating_point():
+        got = branch.dtype if isinstance(branch, Tensor) else type(branch).__name__
+        raise ConfigError(f"add_rms_norm: branch must be a floating-point tensor, got {got}")
     if residual.shape != branch.shape:
         raise ConfigError(
             f"add_rms_norm: residual {tuple(residual.shape)} and branch {tuple(branch.shape)} must have one shape"
         )
     h = residual + branch
     if branch.element_size() >= h.element_size():
-        return rms_norm(h, weight, eps), h  # as wide as the sum (fp32 training): keeping it would save nothing
+        # As wide as the sum (fp32 training): keeping it would save nothing. (Arguments checked above.)
+        return RMSNormFunction.apply(h, weight, eps), h
     # Detached aliases: the same storages and version counters (an in-place change before backward still raises).
     return _AddRMSNormFunction.apply(h, residual.detach(), branch.detach(), weight, eps), h
 

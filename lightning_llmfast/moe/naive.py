@@ -8,6 +8,8 @@ names and layout with :class:`~lightning_llmfast.moe.block.MoEBlock`, so a state
 
 from __future__ import annotations
 
+from numbers import Integral
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -27,7 +29,7 @@ def check_moe_args(hidden_size: int, ffn_size: int, num_experts: int, top_k: int
     """
     for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_experts", num_experts)):
         check_int(name, value, low=1)
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+    if isinstance(top_k, bool) or not isinstance(top_k, Integral) or not 1 <= top_k <= num_experts:  # as route()
         raise ConfigError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
     if score not in SCORES:
         raise ConfigError(f"score must be one of {sorted(SCORES)}, got {score!r}")

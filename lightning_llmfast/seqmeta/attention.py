@@ -328,9 +328,10 @@ def varlen_attention(
 
     Raises:
         MetadataError: ``metadata`` is not a :class:`SequenceMetadata`, or describes another number of tokens.
-        ConfigError: ``q``/``k``/``v`` are not 3-D floating-point tensors of one dtype and device with matching
-            heads and dims (every size at least 1), ``causal`` is not a bool, ``scale`` not a finite number, or
-            ``impl`` is unknown or cannot take these inputs.
+        ConfigError: ``q``/``k``/``v`` are not 3-D floating-point tensors on one device, of one dtype outside
+            autocast (under it they attend in its dtype), with matching heads and dims (every size at least 1),
+            ``causal`` is not a bool, ``scale`` not a finite number, or ``impl`` is unknown or cannot take these
+            inputs.
 
     Example::
 
