@@ -324,9 +324,12 @@ def route(
     capacity = None
     if capacity_factor is not None:
         capacity = expert_capacity(capacity_factor, num_pairs, num_experts, min_capacity)
-    nonfinite = _check_finite(logits, expert_bias) if validate else _nonfinite_flag(logits)
-
     logits32 = logits.float()
+    if token_mask is not None:
+        # Masked tokens (padding) may hold anything: zeroed first, they reach no NaN check, loss or gradient.
+        logits32 = logits32.masked_fill(~token_mask.unsqueeze(1), 0.0)
+    nonfinite = _check_finite(logits32, expert_bias) if validate else _nonfinite_flag(logits32)
+
     probs = logits32.softmax(dim=-1) if score == "softmax" else logits32.sigmoid()
     selection = probs.detach() if expert_bias is None else probs.detach() + expert_bias.detach().float()
     expert_ids = select_experts(
