@@ -81,7 +81,9 @@ class ExpertLoadMonitor(Callback):
             if plan is None:
                 metric.update(counts, validate=False)
             else:
-                metric.update(counts, plan.num_dropped, plan.num_tokens * plan.top_k, validate=False)
+                # Masked tokens are no routed pairs: the valid pairs are then exactly the kept plus the dropped ones.
+                num_pairs = plan.num_tokens * plan.top_k if getattr(plan, "token_mask", None) is None else None
+                metric.update(counts, plan.num_dropped, num_pairs, validate=False)
             flag = getattr(block, "last_nonfinite", None)
             if flag is not None:
                 # OR-ed on the device: a NaN in any batch of the window is reported, not only in the last one.
