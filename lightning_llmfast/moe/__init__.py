@@ -29,6 +29,7 @@ _LAZY: dict[str, str] = {
     "GroupedExperts": "lightning_llmfast.moe.experts",
     "routed_swiglu": "lightning_llmfast.moe.dispatch",
     "MoEBlock": "lightning_llmfast.moe.block",
+    "SharedExperts": "lightning_llmfast.moe.block",
     "register_moe_adapter": "lightning_llmfast.moe.adapters",
     "get_moe_adapter": "lightning_llmfast.moe.adapters",
     "ExpertLoadMetric": "lightning_llmfast.moe.metrics",
@@ -40,6 +41,7 @@ __all__ = [
     "MoEBlock",
     "NaiveMoEBlock",
     "RoutingPlan",
+    "SharedExperts",
     "SwiGLUExperts",
     "get_moe_adapter",
     "permute",
@@ -56,7 +58,7 @@ __dir__ = lazy_dir(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from lightning_llmfast.moe.adapters import get_moe_adapter, register_moe_adapter
-    from lightning_llmfast.moe.block import MoEBlock
+    from lightning_llmfast.moe.block import MoEBlock, SharedExperts
     from lightning_llmfast.moe.dispatch import routed_swiglu
     from lightning_llmfast.moe.experts import GroupedExperts
     from lightning_llmfast.moe.metrics import ExpertLoadMetric

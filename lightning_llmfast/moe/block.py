@@ -306,13 +306,14 @@ class MoEBlock(nn.Module):
         return plan.aux_loss
 
     def _row_documents(self, shape: Size, device: torch.device) -> SequenceMetadata:
-        """Each row of a ``(..., S, H)`` input (the whole input if 2-D) as one document; memoised per shape."""
+        """Each row of a ``(..., S, H)`` input (the whole input if 2-D) as one document; memoised for the last shape."""
         rows = math.prod(shape[:-2]) if len(shape) > 2 else 1
         length = shape[-2] if len(shape) > 2 else shape[0]
         key = (rows, length, device)
         metadata = self._documents.get(key)
         if metadata is None:
-            metadata = self._documents[key] = SequenceMetadata.from_lengths([length] * rows, device=device)
+            metadata = SequenceMetadata.from_lengths([length] * rows, device=device)
+            self._documents = {key: metadata}  # one entry: varying shapes must not grow it
         return metadata
 
     def _count(self, plan: RoutingPlan) -> None:
