@@ -168,39 +168,29 @@ def test_bad_token_mask_is_a_routing_error() -> None:
 
 
 def test_compile_fullgraph_with_every_option() -> None:
+    """Compiled and eager agree (output, every gradient, the bias after the step) with every option on; two blocks
+    with different float options compile one after the other (their floats must not turn symbolic)."""
     kwargs = dict(
-        num_shared_experts=1,
-        shared_ffn_size=6,
-        num_groups=4,
-        topk_groups=2,
-        route_scale=1.5,
-        score="sigmoid",
-        expert_bias=True,
-        capacity_factor=1.25,
+        num_shared_experts=1, shared_ffn_size=6, num_groups=4, topk_groups=2, score="sigmoid", expert_bias=True,
         backend="torch",
-    )
+    )  # fmt: skip
     x = torch.randn(2, 5, H)
     mask = torch.ones(2, 5, dtype=torch.bool)
     mask[1, 3:] = False
     meta = SequenceMetadata.from_lengths([4, 6])
-    for aux_loss in ("sequence", "global"):
-        eager, compiled_block = _block(aux_loss=aux_loss, **kwargs), _block(aux_loss=aux_loss, **kwargs)
+    for aux_loss, capacity_factor, route_scale in (("sequence", 1.25, 1.5), ("global", 1.5, 2.0)):
+        options = dict(kwargs, aux_loss=aux_loss, capacity_factor=capacity_factor, route_scale=route_scale)
+        eager, compiled_block = _block(**options), _block(**options)
         compiled = torch.compile(compiled_block, fullgraph=True, backend="aot_eager")
         results = []
-        for block in (eager, compiled):
+        for block, call in ((eager, eager), (compiled_block, compiled)):
             xi = x.clone().requires_grad_()
-            y = block(xi, token_mask=mask, sequence_metadata=meta)
-            loss = (
-                y.square().sum() + block.last_aux_loss
-                if block is eager
-                else y.square().sum() + compiled_block.last_aux_loss
-            )
-            loss.backward()
-            results.append(
-                (y.detach(), xi.grad, *(p.grad for p in (eager if block is eager else compiled_block).parameters()))
-            )
+            y = call(xi, token_mask=mask, sequence_metadata=meta)
+            (y.square().sum() + block.last_aux_loss).backward()
+            results.append((y.detach(), xi.grad, block.last_aux_loss.detach(), *(p.grad for p in block.parameters())))
         for a, b in zip(*results, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-        compiled_block.finish_step()
-        eager.finish_step()
+        for block in (eager, compiled_block):
+            block.finish_step()
+        assert not torch.equal(eager.expert_bias, _block(**options).expert_bias)  # the step did move it
         torch.testing.assert_close(compiled_block.expert_bias, eager.expert_bias)

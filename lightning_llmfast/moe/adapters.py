@@ -267,6 +267,17 @@ class HFGroupedMoeBlock(nn.Module):
         self.normalize = normalize
         self.backend = backend
         self.deepseek = deepseek
+        # A tuple: torch.compile specialises its elements (float attributes turn symbolic across compiles).
+        self._deepseek_options: tuple[tuple[str, Any], ...] = ()
+        if deepseek:
+            gate = block.gate
+            self._deepseek_options = (
+                ("score", "sigmoid"),
+                ("num_groups", gate.num_group),
+                ("topk_groups", gate.topk_group),
+                ("group_topk", min(_HF_GROUP_TOPK, gate.weight.shape[0] // gate.num_group)),
+                ("route_scale", gate.routed_scaling_factor),
+            )
         self.jitter_noise: float = getattr(block, "jitter_noise", 0.0)
         act = block.experts.act_fn
         # HF's SiLUActivation and nn.SiLU compute F.silu; passing the function itself selects the fused SwiGLU.
@@ -326,16 +337,7 @@ class HFGroupedMoeBlock(nn.Module):
         """The DeepSeek-V3 router's options for :func:`~lightning_llmfast.moe.route` (none for softmax routers)."""
         if not self.deepseek:
             return {}
-        gate = self.gate
-        group_size = gate.weight.shape[0] // gate.num_group
-        return {
-            "score": "sigmoid",
-            "expert_bias": gate.e_score_correction_bias,
-            "num_groups": gate.num_group,
-            "topk_groups": gate.topk_group,
-            "group_topk": min(_HF_GROUP_TOPK, group_size),
-            "route_scale": gate.routed_scaling_factor,
-        }
+        return {**dict(self._deepseek_options), "expert_bias": self.gate.e_score_correction_bias}
 
 
 def _adapt_hf(block: nn.Module, backend: str = "auto") -> HFGroupedMoeBlock:

@@ -178,15 +178,16 @@ class MoEBlock(nn.Module):
         self.ffn_size = ffn_size
         self.num_experts = num_experts
         self.top_k = top_k
-        self.capacity_factor = capacity_factor
+        # The float options live in one tuple (read-only properties below): torch.compile specialises the elements
+        # of a tuple attribute, where float attributes become symbolic once two blocks with different values are
+        # compiled, and the host-side checks in route() cannot take symbolic floats.
+        self._floats = (capacity_factor, route_scale, bias_update_rate)
         self.backend = backend
         self.normalize = normalize
         self.score = score
         self.drop_policy = drop_policy
-        self.bias_update_rate = bias_update_rate
         self.num_groups = num_groups
         self.topk_groups = topk_groups
-        self.route_scale = route_scale
         self.aux_loss = aux_loss
         self.bias_update = bias_update
         self.dp_group: dist.ProcessGroup | None = None
@@ -211,6 +212,21 @@ class MoEBlock(nn.Module):
         self.last_tokens_per_expert: Tensor | None = None
         self.last_router_logits: Tensor | None = None
         self.last_nonfinite: Tensor | None = None
+
+    @property
+    def capacity_factor(self) -> float | None:
+        """The capacity factor (``None``: dropless)."""
+        return self._floats[0]
+
+    @property
+    def route_scale(self) -> float:
+        """The factor of the routed weights."""
+        return self._floats[1]
+
+    @property
+    def bias_update_rate(self) -> float:
+        """The step of each expert-bias update."""
+        return self._floats[2]
 
     def forward(
         self, x: Tensor, *, token_mask: Tensor | None = None, sequence_metadata: SequenceMetadata | None = None
