@@ -27,28 +27,28 @@ def masked_probs(probs: Tensor, token_mask: Tensor | None) -> Tensor:
     return probs if token_mask is None else probs.masked_fill(~token_mask.unsqueeze(1), 0.0)
 
 
-def _num_valid(num_tokens: int, token_mask: Tensor | None, device: torch.device) -> Tensor | int:
+def _num_valid(num_tokens: int, token_mask: Tensor | None) -> Tensor | int:
     """Valid tokens, at least 1: a host int without a mask, else a 0-d device tensor (no sync)."""
     return max(num_tokens, 1) if token_mask is None else token_mask.sum().clamp(min=1)
 
 
-def balance_loss(counts: Tensor, probs: Tensor, token_mask: Tensor | None, top_k: int) -> Tensor:
+def balance_loss(counts: Tensor, probs: Tensor, token_mask: Tensor | None) -> Tensor:
     """Switch/GShard ``E * sum_e f_e * P_e``: ``f_e = counts_e / sum(counts)``, ``P_e`` the mean masked probability.
 
     Args:
         counts: ``(E,)`` integer pairs per expert (this micro-batch's, or summed over a step and over ranks).
         probs: ``(T, E)`` float32 router probabilities (sigmoid scores normalised per token), differentiable.
         token_mask: ``(T,)`` bool or ``None``.
-        top_k: experts per token (``sum(counts) = valid tokens * top_k`` for this micro-batch's counts).
 
     Returns:
-        0-d float32, differentiable through ``probs``.
+        0-d float32, differentiable through ``probs`` (``sum(counts)`` is valid tokens * k for one micro-batch's
+        counts, so ``f_e`` is Switch's fraction of routed pairs).
     """
     num_experts = probs.shape[1]
     prob_sums = masked_probs(probs, token_mask).sum(dim=0)
     total = counts.sum().clamp(min=1).to(torch.float32)
     return torch.dot(counts.to(torch.float32), prob_sums) * (
-        num_experts / total / _num_valid(probs.shape[0], token_mask, probs.device)
+        num_experts / total / _num_valid(probs.shape[0], token_mask)
     )
 
 
@@ -57,7 +57,7 @@ def z_loss(logits: Tensor, token_mask: Tensor | None) -> Tensor:
     lse = torch.logsumexp(logits.float(), dim=-1)
     if token_mask is not None:
         lse = lse.masked_fill(~token_mask, 0.0)
-    return torch.dot(lse, lse) / _num_valid(logits.shape[0], token_mask, logits.device)
+    return torch.dot(lse, lse) / _num_valid(logits.shape[0], token_mask)
 
 
 def sequence_balance_loss(

@@ -165,7 +165,7 @@ class RoutingPlan(NamedTuple):
         if not isinstance(counts, Tensor) or tuple(counts.shape) != (self.num_experts,):
             got = tuple(counts.shape) if isinstance(counts, Tensor) else type(counts).__name__
             raise RoutingError(f"counts must have shape ({self.num_experts},) (num_experts), got {got}")
-        return balance_loss(counts, self.router_probs, self.token_mask, self.top_k)
+        return balance_loss(counts, self.router_probs, self.token_mask)
 
     def check_finite(self) -> None:
         """Raises :class:`RoutingError` if the logits had a NaN or infinite value (recorded by ``validate=False``).
@@ -370,7 +370,7 @@ def route(
         permutation=permutation.to(torch.int32),
         kept=kept.view(num_tokens, top_k),
         num_dropped=valid_pairs - offsets[-1],
-        aux_loss=balance_loss(routed, router_probs, token_mask, top_k),
+        aux_loss=balance_loss(routed, router_probs, token_mask),
         z_loss=z_loss(logits32, token_mask),
         nonfinite=nonfinite,
         capacity=capacity,
