@@ -1,5 +1,6 @@
 """The expert-bias update once per optimizer step under Lightning: ExpertBalanceCallback with gradient accumulation,
-one process and DDP on 2 gloo processes, against a float64 loop of the aux-loss-free rule on the same global batch."""
+one process and DDP on 2 gloo processes, against a float64 loop of the aux-loss-free rule on the same global batch;
+and the "global" aux loss summed over micro-batches and ranks in the same runs."""
 
 from __future__ import annotations
 
@@ -29,11 +30,16 @@ _SCRIPT = textwrap.dedent(
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            self.block = MoEBlock(H, 8, E, K, expert_bias=True, bias_update_rate=RATE, backend="torch")
+            self.block = MoEBlock(
+                H, 8, E, K, expert_bias=True, bias_update_rate=RATE, aux_loss="global", backend="torch"
+            )
+            self.aux = []
             self.block.router.requires_grad_(False)  # routing depends on the data and the bias only: exact
 
         def training_step(self, batch, batch_idx):
-            return self.block(batch).square().mean()
+            out = self.block(batch).square().mean()
+            self.aux.append(float(self.block.last_aux_loss))
+            return out
 
         def configure_optimizers(self):
             return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
@@ -53,7 +59,7 @@ _SCRIPT = textwrap.dedent(
     trainer.fit(module)
     with open(f"{{out}}.{{trainer.global_rank}}", "w") as f:
         json.dump({{"bias": module.block.expert_bias.tolist(), "router": module.block.router.weight.tolist(),
-                   "world": trainer.world_size}}, f)
+                   "aux": module.aux, "world": trainer.world_size}}, f)
     """
 )
 
@@ -92,3 +98,9 @@ def test_bias_once_per_step_same_on_both_ranks_and_as_one_process(tmp_path: Path
     want = _oracle_bias(torch.tensor(one["router"]))
     torch.testing.assert_close(torch.tensor(one["bias"], dtype=torch.float64), want, rtol=0, atol=1e-6)
     assert bool((want != 0).any()) and want.abs().max() <= STEPS * RATE + 1e-9  # moved, one step of RATE at a time
+    # aux_loss="global": f from the counts of the step so far summed over the ranks, P from each rank's tokens; with
+    # equal shards the mean over the ranks is the one-process loss of the same global micro-batches.
+    assert len(one["aux"]) == len(rank0["aux"]) == STEPS * ACCUMULATE
+    mean = (torch.tensor(rank0["aux"]) + torch.tensor(rank1["aux"])) / 2
+    torch.testing.assert_close(mean, torch.tensor(one["aux"]), rtol=1e-5, atol=1e-6)
+    assert rank0["aux"] != rank1["aux"]  # each rank's own P: the check compares more than one number twice
