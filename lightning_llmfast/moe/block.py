@@ -8,6 +8,8 @@ the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -110,6 +112,8 @@ class MoEBlock(nn.Module):
         self.bias_update_rate = bias_update_rate
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = GroupedExperts(num_experts, hidden_size, ffn_size)
+        # The routed experts' call: replaced by an expert-parallel dispatch by shard_experts (moe/expert_parallel.py).
+        self.expert_dispatch: Callable[..., Tensor] = routed_swiglu
         self.expert_bias: Tensor | None
         self.register_buffer("expert_bias", torch.zeros(num_experts) if expert_bias else None)
         self.last_plan: RoutingPlan | None = None
@@ -150,7 +154,7 @@ class MoEBlock(nn.Module):
             backend=self.backend,
         )
         experts = self.experts
-        out = routed_swiglu(
+        out = self.expert_dispatch(
             x, plan, experts.gate_up_proj, experts.down_proj, x_compute=x_compute, backend=self.backend
         ).to(x.dtype)
         # Not again when activation recomputation replays this forward inside backward.

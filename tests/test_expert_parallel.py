@@ -1,0 +1,175 @@
+"""Expert-parallel dispatch over gloo (2 and 4 CPU processes) against the one-process MoEBlock with the same weights."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _distributed import run_distributed
+
+from lightning_llmfast.bench.counters import SyncCounter
+from lightning_llmfast.errors import ConfigError, RoutingError
+from lightning_llmfast.moe import MoEBlock
+from lightning_llmfast.moe.expert_parallel import ExpertParallelDispatch, shard_experts
+
+AUX = 0.1  # weight of the load-balancing loss in the test loss, so that its gradient is checked too
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float) -> None:
+    scale = expected.abs().max().clamp(min=1e-30)
+    err = (actual - expected).abs().max() / scale
+    assert err <= rtol, f"{what}: max error {err:.3g} relative to max |expected| (tolerance {rtol})"
+
+
+def _blocks(world: int, experts: int, top_k: int, dtype: torch.dtype, **kwargs: Any) -> tuple[MoEBlock, MoEBlock]:
+    torch.manual_seed(1234)  # same weights on every rank
+    block = MoEBlock(8, 12 if dtype == torch.float64 else 16, experts, top_k, backend="torch", **kwargs).to(dtype)
+    reference = copy.deepcopy(block)
+    shard_experts(block, dist.group.WORLD)
+    return block, reference
+
+
+def _inputs(world: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)  # the global batch, identical on every rank
+    return torch.randn(world * tokens, hidden, generator=g, dtype=dtype), torch.randn(
+        world * tokens, hidden, generator=g, dtype=dtype
+    )
+
+
+def _check_against_reference(
+    rank: int, world: int, block: MoEBlock, reference: MoEBlock, x: torch.Tensor, g: torch.Tensor, rtol: float
+) -> None:
+    """Outputs, input/router/expert gradients and the aux loss of the sharded block vs the one-process block.
+
+    Dropless: the reference runs on the concatenated batch. With a capacity limit the rule is per source rank, so
+    the reference runs each rank's tokens separately (and the whole batch once more for the aux loss, which counts
+    the pairs before the capacity limit).
+    """
+    tokens = x.shape[0] // world
+    mine = slice(rank * tokens, (rank + 1) * tokens)
+    xs = x[mine].clone().requires_grad_()
+    out = block(xs)
+    (out * g[mine]).sum().add(AUX * block.last_aux_loss).backward()
+    aux = block.last_aux_loss.detach().clone()
+    dist.all_reduce(aux)
+    xr = x.clone().requires_grad_()
+    if block.capacity_factor is None:
+        ref_out = reference(xr)
+    else:
+        ref_outs = []
+        for r in range(world):
+            ref_outs.append(reference(xr[r * tokens : (r + 1) * tokens]))
+            if r == rank:
+                ref_plan = reference.last_plan
+        assert int(block.last_plan.num_dropped) == int(ref_plan.num_dropped)
+        assert torch.equal(block.last_plan.kept, ref_plan.kept)
+        ref_out = torch.cat(ref_outs)
+        reference(xr)  # the aux loss of the whole batch (it counts the pairs before the capacity limit)
+    ref_aux = reference.last_aux_loss
+    (ref_out * g).sum().add(AUX * world * ref_aux).backward()
+    _close(aux / world, ref_aux.detach(), "aux loss (mean over ranks)", 1e-6)
+    router_grad = block.router.weight.grad.clone()
+    dist.all_reduce(router_grad)
+    _close(router_grad, reference.router.weight.grad, "router gradient (summed over ranks)", rtol)
+    _close(out, ref_out[mine], "output", rtol)
+    _close(xs.grad, xr.grad[mine], "input gradient", rtol)
+    local = block.expert_dispatch.local_experts
+    for name in ("gate_up_proj", "down_proj"):
+        expected = getattr(reference.experts, name).grad[local.start : local.stop]
+        _close(getattr(block.experts, name).grad, expected, f"{name} gradient", rtol)
+
+
+def _dropless_cases(rank: int, world: int) -> None:
+    # (experts, top_k, tokens per rank, routing): "spread" random routing, "one" every token to expert 0.
+    cases = [(world, 1, 5, "spread"), (4 * world, 2, 7, "spread"), (2 * world, 2, 1, "spread"), (2 * world, 1, 6, "one")]
+    for dtype, rtol in ((torch.float64, 1e-6), (torch.float32, 1e-6)):
+        for seed, (experts, top_k, tokens, routing) in enumerate(cases):
+            block, reference = _blocks(world, experts, top_k, dtype)
+            x, g = _inputs(world, tokens, 8, dtype, seed)
+            if routing == "one":
+                with torch.no_grad():  # expert 0 wins every token (positive inputs): every other rank gets nothing
+                    for b in (block, reference):
+                        b.router.weight.zero_()
+                        b.router.weight[0] = 10.0
+                x = x.abs()
+            _check_against_reference(rank, world, block, reference, x, g, rtol)
+            if routing == "one" and rank:
+                assert block.expert_dispatch.last_recv_rows == 0
+            # Exactly one host read per layer and forward; the combine and the backward reuse its splits.
+            assert block.expert_dispatch.host_syncs == 1
+
+
+def _capacity_cases(rank: int, world: int) -> None:
+    for seed, (experts, top_k, factor) in enumerate([(2 * world, 2, 1.0), (4 * world, 1, 0.5)]):
+        block, reference = _blocks(world, experts, top_k, torch.float32, capacity_factor=factor)
+        x, g = _inputs(world, 9, 8, torch.float32, 100 + seed)
+        _check_against_reference(rank, world, block, reference, x, g, 1e-6)
+        # Steady state: a second step on fresh inputs of the same size reads nothing on the host.
+        x, g = _inputs(world, 9, 8, torch.float32, 200 + seed)
+        xs = x[rank * 9 : (rank + 1) * 9].clone().requires_grad_()
+        before = block.expert_dispatch.host_syncs
+        reads = _count_host_reads()
+        with SyncCounter() as counter:
+            (block(xs) * g[rank * 9 : (rank + 1) * 9]).sum().add(block.last_aux_loss).backward()
+        reads.restore()
+        assert counter.num_syncs == 0, counter.syncs
+        assert reads.count == 0 and block.expert_dispatch.host_syncs == before
+
+
+class _count_host_reads:  # noqa: N801 - used like a function
+    """Counts ``.tolist()``/``.item()`` calls (on CPU they bypass the dispatcher that SyncCounter watches)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "item")}
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, self._wrap(original))
+
+    def _wrap(self, original: Any) -> Any:
+        def counted(t: torch.Tensor, *args: Any) -> Any:
+            self.count += 1
+            return original(t, *args)
+
+        return counted
+
+    def restore(self) -> None:
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+def _error_cases(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    with pytest.raises(ConfigError, match="must divide the number of experts"):
+        shard_experts(MoEBlock(8, 16, 2 * world + 1, 1), dist.group.WORLD)
+    # A rank with another dtype (autocast on one rank only): every rank raises, none hangs.
+    block, _ = _blocks(world, 2 * world, 2, torch.float32)
+    x = torch.randn(4, 8)
+    with pytest.raises(RoutingError, match="disagree"), torch.autocast("cpu", torch.bfloat16, enabled=rank == 1):
+        block(x)
+    # Capacity mode with another number of tokens on one rank (another capacity, other buffer sizes).
+    block, _ = _blocks(world, 2 * world, 2, torch.float32, capacity_factor=1.0)
+    with pytest.raises(RoutingError, match="disagree"):
+        block(torch.randn(4 + (rank == 1), 8))
+    with pytest.raises(ConfigError, match="already sharded"):
+        shard_experts(block, dist.group.WORLD)
+    dist.barrier()
+
+
+def _all_cases(rank: int, world: int) -> None:
+    _dropless_cases(rank, world)
+    _capacity_cases(rank, world)
+    _error_cases(rank, world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_block_equals_one_process_block(world: int) -> None:
+    run_distributed(_all_cases, world, timeout=180)
+
+
+def test_shard_experts_needs_a_process_group_and_a_grouped_block() -> None:
+    with pytest.raises(ConfigError, match="initialised"):
+        shard_experts(MoEBlock(8, 16, 4, 2))
+    assert not isinstance(MoEBlock(8, 16, 4, 2).expert_dispatch, ExpertParallelDispatch)
