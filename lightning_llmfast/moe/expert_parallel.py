@@ -133,9 +133,7 @@ class ExpertParallelDispatch(nn.Module):
         block.expert_dispatch = ExpertParallelDispatch(group, num_experts=8)  # what shard_experts installs
     """
 
-    def __init__(
-        self, group: dist.ProcessGroup, num_experts: int, loss_group: dist.ProcessGroup | None = None
-    ) -> None:
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, loss_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.group = group
         self.loss_group = dist.group.WORLD if loss_group is None else loss_group
