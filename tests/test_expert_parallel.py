@@ -10,11 +10,20 @@ import pytest
 import torch
 import torch.distributed as dist
 from _distributed import run_distributed
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.moe import MoEBlock
 from lightning_llmfast.moe.expert_parallel import ExpertParallelDispatch, shard_experts
+from lightning_llmfast.parallel.expert import (
+    gather_expert_optimizer_state,
+    gather_expert_state_dict,
+    reduce_expert_gradients,
+    shard_model_experts,
+    slice_expert_optimizer_state,
+    slice_expert_state_dict,
+)
 
 AUX = 0.1  # weight of the load-balancing loss in the test loss, so that its gradient is checked too
 
@@ -190,12 +199,47 @@ def _error_cases(rank: int, world: int) -> None:
     dist.barrier()
 
 
+def _mesh_case(rank: int, world: int) -> None:
+    """Experts over "ep" groups of 2, replicated over "edp": DDP for the dense gradients, ours for the experts, and
+    checkpoints with the full experts, all equal to the one-process model on the global batch."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), MoEBlock(8, 16, 4, 2, backend="torch"))
+    reference = copy.deepcopy(model)
+    mesh = shard_model_experts(model, 2)
+    assert mesh["ep"].size() == 2 and mesh["edp"].size() == world // 2
+    ddp = DistributedDataParallel(model)
+    x, g = _inputs(world, 5, 8, torch.float32, 9)
+    mine = slice(rank * 5, (rank + 1) * 5)
+    (ddp(x[mine]) * g[mine]).sum().add(AUX * model[1].last_aux_loss).backward()
+    reduce_expert_gradients(model, mesh)
+    (reference(x) * g).sum().div(world).add(AUX * reference[1].last_aux_loss).backward()
+    local = model[1].expert_dispatch.local_experts
+    for name, param in reference.named_parameters():
+        expected = param.grad[local.start : local.stop] if ".experts." in name else param.grad
+        _close(model.get_parameter(name).grad, expected, f"{name} gradient", 1e-6)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
+    for optimizer in optimizers:
+        optimizer.step()
+    full = gather_expert_state_dict(model, model.state_dict())
+    for name, value in reference.state_dict().items():
+        _close(full[name], value, f"gathered {name}", 1e-6)
+    state = gather_expert_optimizer_state(model, optimizers[0], optimizers[0].state_dict())
+    ref_state = optimizers[1].state_dict()["state"]
+    for index, param_state in ref_state.items():
+        _close(state["state"][index]["exp_avg"], param_state["exp_avg"], f"exp_avg {index}", 1e-6)
+    sliced = slice_expert_optimizer_state(model, optimizers[0], state)
+    optimizers[0].load_state_dict(sliced)
+    model.load_state_dict(slice_expert_state_dict(model, full))
+
+
 def _all_cases(rank: int, world: int) -> None:
     _dropless_cases(rank, world)
     _capacity_cases(rank, world)
     _error_cases(rank, world)
     if world == 2 and importlib.util.find_spec("transformers") is not None:
         _hf_case(rank, world)
+    if world == 4:
+        _mesh_case(rank, world)
 
 
 @pytest.mark.parametrize("world", [2, 4])
