@@ -38,9 +38,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
-from lightning_llmfast.bench.counters import SyncCounter
+from lightning_llmfast.bench.counters import HostReadCounter, SyncCounter
 from lightning_llmfast.moe import MoEBlock
-from lightning_llmfast.moe.expert_parallel import _AllToAll, shard_experts
+from lightning_llmfast.moe._exchange import all_to_all
+from lightning_llmfast.moe.expert_parallel import shard_experts
 from lightning_llmfast.moe.experts import grouped_swiglu
 
 __all__ = ["run"]
@@ -70,7 +71,7 @@ class TitanStyleDispatch(nn.Module):
         in_splits = counts.view(world, local).sum(dim=1).tolist()
         out_splits = recv_counts.view(world, local).sum(dim=1).tolist()
         self.host_reads += 2
-        received = _AllToAll.apply(rows, out_splits, in_splits, self.dispatch.group)
+        received = all_to_all(rows, out_splits, in_splits, self.dispatch.group)
         # Regroup by local expert: expert id of every received row, from host-side repeats (data-dependent sizes).
         local_ids = torch.arange(local).repeat(world).repeat_interleave(recv_counts.cpu())
         regroup = torch.argsort(local_ids, stable=True)
@@ -79,31 +80,9 @@ class TitanStyleDispatch(nn.Module):
         experts = block.experts
         hidden = grouped_swiglu(grouped, offsets, experts.gate_up_proj, experts.down_proj, validate=False)
         back = torch.empty_like(hidden).index_copy(0, regroup, hidden)
-        returned = _AllToAll.apply(back, in_splits, out_splits, self.dispatch.group)
+        returned = all_to_all(back, in_splits, out_splits, self.dispatch.group)
         weighted = returned * weights.flatten()[order].unsqueeze(1).to(returned.dtype)
         return torch.zeros_like(x).index_add(0, order // block.top_k, weighted)
-
-
-class _HostReads:
-    """Counts ``.tolist()``/``.item()`` calls, which bypass the dispatcher on CPU tensors."""
-
-    def __enter__(self) -> _HostReads:
-        self.count = 0
-        self._saved = {name: getattr(Tensor, name) for name in ("tolist", "item")}
-        for name, original in self._saved.items():
-            setattr(Tensor, name, self._counted(original))
-        return self
-
-    def _counted(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(t: Tensor, *args: Any) -> Any:
-            self.count += 1
-            return original(t, *args)
-
-        return counted
-
-    def __exit__(self, *exc: object) -> None:
-        for name, original in self._saved.items():
-            setattr(Tensor, name, original)
 
 
 def _step(fn: Callable[[Tensor], Tensor], x: Tensor, grad: Tensor) -> None:
@@ -132,7 +111,7 @@ def _worker(rank: int, world: int, port: int, shape: tuple[int, ...], repeats: i
     syncs: dict[str, int] = {}
     for name, fn in impls.items():
         _step(fn, x, grad)  # warm-up, and the capacity mode's one-time size check
-        with _HostReads() as reads, SyncCounter() as counter:
+        with HostReadCounter() as reads, SyncCounter() as counter:
             _step(fn, x, grad)
         syncs[name] = reads.count + counter.num_syncs
     times: dict[str, list[float]] = {name: [] for name in impls}

@@ -9,8 +9,9 @@ outputs come back in the order they were sent and ``unpermute`` applies the weig
 
 Two modes, chosen by the plan:
 
-- dropless (``capacity is None``): one ``all_to_all_single`` of ``E`` integers (plus a two-integer signature per
-  rank) gives the receive splits. It is issued before the local permutation is queued and read on the host after:
+- dropless (``capacity is None``): one ``all_to_all_single`` of the ``E`` counts, the token count and a two-integer
+  signature per rank gives the receive splits (and the batch-wide counts of the load-balancing loss, so that it
+  needs no all-reduce). It is issued before the local permutation is queued and read on the host after:
   one host read per layer and forward (:attr:`ExpertParallelDispatch.host_syncs` counts it); the combine and both
   backward exchanges reuse the same splits, swapped. The signature (dtype, hidden size) is checked on every rank
   with that read, so ranks that disagree raise :class:`~lightning_llmfast.errors.RoutingError` instead of hanging.
@@ -43,6 +44,7 @@ from torch import Tensor, nn
 
 from lightning_llmfast._autograd import in_backward
 from lightning_llmfast.errors import ConfigError, RoutingError
+from lightning_llmfast.moe._exchange import all_to_all, comm_device, masked_gather
 from lightning_llmfast.moe.experts import grouped_swiglu
 from lightning_llmfast.moe.permute import permute, unpermute
 from lightning_llmfast.moe.routing import RoutingPlan
@@ -53,61 +55,6 @@ __all__ = ["ExpertParallelDispatch", "global_aux_loss", "shard_experts"]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Expert-parameter dimensions compared across ranks by shard_experts (four 3-D parameters at most).
 _SHAPE_SLOTS = 12
-
-
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` whose backward is the reverse exchange (splits swapped)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: dist.ProcessGroup
-    ) -> Tensor:
-        ctx.splits, ctx.group = (in_splits, out_splits), group
-        rows = x.shape[0] if out_splits is None else sum(out_splits)
-        out = x.new_empty((rows, *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
-        out_splits, in_splits = ctx.splits
-        return _AllToAll.apply(grad.contiguous(), out_splits, in_splits, ctx.group), None, None, None
-
-
-class _MaskedGather(torch.autograd.Function):
-    """``out[i] = x[index[i]]`` where ``mask[i]`` (else 0), for a partial bijection between rows of ``x`` and ``out``.
-
-    The backward is the inverse gather (``inverse``, ``inverse_mask``): no scatter, no atomics, deterministic.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, index: Tensor, mask: Tensor | None, inverse: Tensor, inverse_mask: Tensor | None
-    ) -> Tensor:
-        ctx.save_for_backward(inverse, inverse_mask)
-        return _gather(x, index, mask)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None, None]:
-        inverse, inverse_mask = ctx.saved_tensors
-        return _gather(grad, inverse, inverse_mask), None, None, None, None
-
-
-def _gather(x: Tensor, index: Tensor, mask: Tensor | None) -> Tensor:
-    rows = x.index_select(0, index) if x.shape[0] else x.new_zeros((index.shape[0], *x.shape[1:]))
-    # A select, not a product: masked rows may point at rows whose values are garbage (NaN * 0 is NaN).
-    return rows if mask is None else torch.where(mask.unsqueeze(1), rows, 0)
-
-
-def _exclusive_cumsum(x: Tensor) -> Tensor:
-    return x.cumsum(0) - x
-
-
-def _comm_device(group: dist.ProcessGroup, fallback: torch.device) -> torch.device:
-    """Where tensors of host-side handshakes live: the current CUDA device for NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return fallback if fallback.type == "cpu" else torch.device("cpu")
 
 
 class ExpertParallelDispatch(nn.Module):
@@ -127,6 +74,8 @@ class ExpertParallelDispatch(nn.Module):
         last_send_rows: rows this rank sent in the last forward's dispatch all-to-all (its combine sends back
             what it received; each backward exchange mirrors a forward one).
         last_recv_rows: rows this rank received in the last forward's dispatch all-to-all.
+        last_global_stats: dropless: ``(E + 1,)`` int64 pairs per expert and tokens of the last forward, summed
+            over the group (device tensor); ``None`` with a capacity limit.
 
     Example::
 
@@ -144,6 +93,7 @@ class ExpertParallelDispatch(nn.Module):
         self.host_syncs = 0
         self.last_send_rows = 0
         self.last_recv_rows = 0
+        self.last_global_stats: Tensor | None = None
         self._checked_sizes: tuple[int, ...] | None = None
         self._static: dict[tuple[Any, ...], Tensor] = {}
 
@@ -187,11 +137,12 @@ class ExpertParallelDispatch(nn.Module):
                 f"expected a plan over {self.num_experts} experts and {self.num_local} local experts, got "
                 f"{plan.num_experts} and {gate_up.shape[0]}"
             )
-        rows = permute(x if x_compute is None else x_compute, plan, backend=backend)
+        source = x if x_compute is None else x_compute
+        self.last_global_stats = None
         if plan.capacity is None:
-            hidden = self._dropless(rows, plan, gate_up, down, act)
+            hidden = self._dropless(source, plan, gate_up, down, act, backend)
         else:
-            hidden = self._capacity(rows, plan, gate_up, down, act)
+            hidden = self._capacity(permute(source, plan, backend=backend), plan, gate_up, down, act)
         return unpermute(hidden, plan, backend=backend)
 
     def _signature(self, rows: Tensor) -> list[int]:
@@ -208,45 +159,57 @@ class ExpertParallelDispatch(nn.Module):
 
     # ------------------------------------------------------------------ dropless
     def _dropless(
-        self, rows: Tensor, plan: RoutingPlan, gate_up: Tensor, down: Tensor, act: Callable[[Tensor], Tensor]
+        self,
+        source: Tensor,
+        plan: RoutingPlan,
+        gate_up: Tensor,
+        down: Tensor,
+        act: Callable[[Tensor], Tensor],
+        backend: str,
     ) -> Tensor:
-        world, local = self.world, self.num_local
-        signature = self._signature(rows)
-        counts = plan.tokens_per_expert.to(torch.int64).view(world, local)
-        sig = torch.tensor(signature, dtype=torch.int64, device=counts.device).expand(world, 2)
-        send = torch.cat([counts, sig], dim=1)  # row j goes to rank j: its experts' counts, then our signature
+        world, local, num_experts = self.world, self.num_local, self.num_experts
+        signature = self._signature(source)
+        counts = plan.tokens_per_expert.to(torch.int64)
+        # Every rank gets every source's full counts and token count (W * (E + 3) integers, not W * E_l): its own
+        # experts' receive splits, and the batch-wide counts of the load-balancing loss without an all-reduce.
+        header = torch.tensor([plan.num_tokens, *signature], dtype=torch.int64, device=counts.device)
+        send = torch.cat([counts, header]).expand(world, -1).contiguous()
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
-        # Queued before the host waits: the send splits and the first permutation work need no received value.
-        send_rows = counts.sum(dim=1)
+        # Queued before the host waits: the permutation and the send splits need no received value.
+        rows = permute(source, plan, backend=backend)
+        send_rows = counts.view(world, local).sum(dim=1)
         work.wait()
+        mine = recv[:, self.rank * local : (self.rank + 1) * local]
         # NOTE: host sync, the one of dropless expert parallelism (once per layer and forward; every later
         # exchange of this layer, in forward and backward, reuses these splits).
-        host = torch.cat([send_rows, recv.flatten()]).tolist()
+        host = torch.cat([send_rows, mine.sum(dim=1), recv[:, num_experts + 1 :].flatten()]).tolist()
         self.host_syncs += 1
-        in_splits = host[:world]
-        received = [host[world + i * (local + 2) : world + (i + 1) * (local + 2)] for i in range(world)]
-        if any(r[local:] != signature for r in received):
-            self._raise_disagreement("dtype or hidden size", [r[local:] for r in received])
-        out_splits = [sum(r[:local]) for r in received]
+        in_splits, out_splits, theirs = host[:world], host[world : 2 * world], host[2 * world :]
+        received = [theirs[2 * i : 2 * i + 2] for i in range(world)]
+        if any(r != signature for r in received):
+            self._raise_disagreement("dtype or hidden size", received)
+        self.last_global_stats = recv[:, : num_experts + 1].sum(dim=0)
         self.last_send_rows, self.last_recv_rows = sum(in_splits), sum(out_splits)
-        recv_rows = _AllToAll.apply(rows, out_splits, in_splits, self.group)
+        recv_rows = all_to_all(rows, out_splits, in_splits, self.group)
         # Received rows are grouped by (source rank, local expert); the grouped GEMM wants (local expert, source).
-        by_source = recv[:, :local]
+        by_source = mine
         order, inverse = self._expert_major(by_source, self.last_recv_rows)
-        grouped = _MaskedGather.apply(recv_rows, order, None, inverse, None)
+        grouped = masked_gather(recv_rows, order, None, inverse, None)
         offsets = F.pad(by_source.sum(dim=0).cumsum(0), (1, 0)).to(torch.int32)
         hidden = grouped_swiglu(grouped, offsets, gate_up, down, act, validate=False)
-        back = _MaskedGather.apply(hidden, inverse, None, order, None)
-        return _AllToAll.apply(back, in_splits, out_splits, self.group)
+        back = masked_gather(hidden, inverse, None, order, None)
+        return all_to_all(back, in_splits, out_splits, self.group)
 
     @staticmethod
     def _expert_major(by_source: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
         """``order`` (expert-major row -> source-major row) and its inverse, on the device, without a sync."""
-        src_start = _exclusive_cumsum(by_source.flatten())
-        dst_start = _exclusive_cumsum(by_source.t().flatten()).view(by_source.shape[1], -1).t().flatten()
+        flat, expert_major = by_source.flatten(), by_source.t().flatten()
+        src_end = flat.cumsum(0)
+        src_start = src_end - flat
+        dst_start = (expert_major.cumsum(0) - expert_major).view(by_source.shape[1], -1).t().flatten()
         row = torch.arange(num_rows, device=by_source.device)
-        block = torch.searchsorted(by_source.flatten().cumsum(0), row, right=True)
+        block = torch.searchsorted(src_end, row, right=True)
         inverse = dst_start[block] + row - src_start[block]  # source-major row -> expert-major row
         order = torch.empty_like(inverse).scatter_(0, inverse, row)
         return order, inverse
@@ -259,9 +222,9 @@ class ExpertParallelDispatch(nn.Module):
         assert capacity is not None
         self._check_sizes([plan.num_tokens, capacity, *self._signature(rows)], rows.device)
         slot_src, slot_valid, row_slot, row_valid = self._slot_maps(plan, rows.device)
-        send = _MaskedGather.apply(rows, slot_src, slot_valid, row_slot, row_valid)  # (E * C, H)
+        send = masked_gather(rows, slot_src, slot_valid, row_slot, row_valid)  # (E * C, H)
         self.last_send_rows = self.last_recv_rows = send.shape[0]
-        recv = _AllToAll.apply(send, None, None, self.group)  # (W * E_l * C, H): source, local expert, slot
+        recv = all_to_all(send, None, None, self.group)  # (W * E_l * C, H): source, local expert, slot
         hidden_size = recv.shape[1]
         grouped = recv.view(world, local, capacity, hidden_size).transpose(0, 1).reshape(-1, hidden_size)
         # Every local expert owns W * C rows; the free slots are zero rows, whose outputs and gradients are zero.
@@ -272,8 +235,8 @@ class ExpertParallelDispatch(nn.Module):
         )
         hidden = grouped_swiglu(grouped, offsets, gate_up, down, act, validate=False)
         back = hidden.view(local, world, capacity, hidden_size).transpose(0, 1).reshape(-1, hidden_size)
-        slots = _AllToAll.apply(back, None, None, self.group)
-        return _MaskedGather.apply(slots, row_slot, row_valid, slot_src, slot_valid)
+        slots = all_to_all(back, None, None, self.group)
+        return masked_gather(slots, row_slot, row_valid, slot_src, slot_valid)
 
     def _slot_maps(self, plan: RoutingPlan, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Kept permuted rows <-> fixed slots ``expert * C + rank_in_expert``, both ways, from the plan's offsets."""
@@ -298,7 +261,7 @@ class ExpertParallelDispatch(nn.Module):
         """All ranks agree on ``sizes``: checked collectively when this rank's own sizes change (one host read)."""
         if tuple(sizes) == self._checked_sizes:
             return
-        mine = torch.tensor(sizes, dtype=torch.int64, device=_comm_device(self.group, device))
+        mine = torch.tensor(sizes, dtype=torch.int64, device=comm_device(self.group, device))
         everyone = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(everyone, mine, group=self.group)
         # NOTE: host sync, only when this rank's sizes change (the steady state reads nothing).
@@ -313,7 +276,7 @@ class ExpertParallelDispatch(nn.Module):
         return f"world={self.world}, rank={self.rank}, local_experts=[{experts.start}, {experts.stop})"
 
 
-def global_aux_loss(block: nn.Module, group: dist.ProcessGroup | None = None) -> Tensor:
+def global_aux_loss(block: nn.Module, group: dist.ProcessGroup | None = None, stats: Tensor | None = None) -> Tensor:
     """This rank's share of the load-balancing loss of the whole batch (all ranks of ``group``), from one forward.
 
     The Switch loss ``E * sum_e f_e * P_e`` of :func:`~lightning_llmfast.moe.route` is not a mean of per-rank losses:
@@ -325,6 +288,8 @@ def global_aux_loss(block: nn.Module, group: dist.ProcessGroup | None = None) ->
     Args:
         block: an MoE block after its forward (``last_plan``, ``last_router_logits``; ``score`` if not softmax).
         group: the ranks whose tokens form the batch (default: the whole world).
+        stats: ``(E + 1,)`` int64 pairs per expert and tokens, already summed over ``group`` (the dropless dispatch
+            exchanges them with its counts); ``None``: all-reduced here.
 
     Returns:
         0-d float32, differentiable with respect to the router logits.
@@ -336,11 +301,12 @@ def global_aux_loss(block: nn.Module, group: dist.ProcessGroup | None = None) ->
     group = dist.group.WORLD if group is None else group
     plan, logits = block.last_plan, block.last_router_logits
     num_experts, top_k = plan.num_experts, plan.top_k
-    ids = plan.expert_ids.reshape(-1).to(torch.int64)
-    stats = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
-    stats.scatter_add_(0, ids, torch.ones_like(ids))  # integer adds: order-free, deterministic
-    stats[num_experts] = plan.num_tokens
-    dist.all_reduce(stats, group=group, async_op=True).wait()
+    if stats is None:
+        ids = plan.expert_ids.reshape(-1).to(torch.int64)
+        stats = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+        stats.scatter_add_(0, ids, torch.ones_like(ids))  # integer adds: order-free, deterministic
+        stats[num_experts] = plan.num_tokens
+        dist.all_reduce(stats, group=group, async_op=True).wait()
     probs = logits.float().softmax(dim=-1)
     if getattr(block, "score", "softmax") == "sigmoid":
         probs = logits.float().sigmoid()
@@ -353,7 +319,11 @@ def global_aux_loss(block: nn.Module, group: dist.ProcessGroup | None = None) ->
 def _aux_hook(block: nn.Module, args: Any, output: Any) -> None:
     # Not again when activation recomputation replays the forward inside backward (its collectives would not pair).
     if block.training and not in_backward():
-        block.last_aux_loss = global_aux_loss(block, block.expert_dispatch.loss_group)
+        dispatch = block.expert_dispatch
+        # The dispatch's exchanged counts cover the loss's batch when its group is the whole loss group.
+        covered = dist.get_world_size(dispatch.loss_group) == dispatch.world
+        stats = dispatch.last_global_stats if covered else None
+        block.last_aux_loss = global_aux_loss(block, dispatch.loss_group, stats)
 
 
 def _num_experts(block: nn.Module) -> int:
@@ -428,7 +398,7 @@ def _check_same_blocks(params: dict[str, Tensor], group: dist.ProcessGroup) -> N
     shapes = [d for p in params.values() for d in p.shape][:_SHAPE_SLOTS]
     shapes += [-1] * (_SHAPE_SLOTS - len(shapes))
     device = next(iter(params.values())).device
-    mine = torch.tensor([len(params), *shapes], dtype=torch.int64, device=_comm_device(group, device))
+    mine = torch.tensor([len(params), *shapes], dtype=torch.int64, device=comm_device(group, device))
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     theirs = torch.stack(everyone).tolist()  # construction time: the host read does not matter
