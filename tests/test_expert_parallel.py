@@ -174,6 +174,10 @@ def _error_cases(rank: int, world: int) -> None:
         block(torch.randn(4 + (rank == 1), 8))
     with pytest.raises(ConfigError, match="already sharded"):
         shard_experts(block, dist.group.WORLD)
+    with pytest.raises(ConfigError, match="no grouped MoE block"):
+        shard_model_experts(torch.nn.Linear(2, 2), world)
+    with pytest.raises(ConfigError, match="must divide the world size"):
+        shard_model_experts(MoEBlock(8, 16, 12, 1), world + 1)
     dist.barrier()
 
 

@@ -96,3 +96,7 @@ def test_expert_parallel_fit_equals_one_process_fit_and_resumes_exactly(tmp_path
 def test_expert_parallel_size_is_checked() -> None:
     with pytest.raises(ConfigError, match="expert_parallel_size"):
         LLMFastStrategy(expert_parallel_size=0)
+    # One process has no expert-parallel group: a clear error before any step.
+    trainer = _trainer(LLMFastStrategy(expert_parallel_size=2), 1, epochs=1)
+    with pytest.raises(ConfigError, match="process group"):
+        trainer.fit(_module(), DataLoader(_batches(1, None)[:1], batch_size=None))
