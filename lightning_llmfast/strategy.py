@@ -24,7 +24,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_llmfast._checks import check_bool, check_int
-from lightning_llmfast.errors import OffloadError
+from lightning_llmfast.errors import ConfigError, OffloadError
 from lightning_llmfast.offload.offloader import ActivationOffloader, resolve_layers, validate_offload_config
 from lightning_llmfast.parallel import expert as expert_parallel
 
@@ -83,7 +83,8 @@ class LLMFastStrategy(DDPStrategy):
             ``"selective"``, or a ``rebuild_gemms`` that is neither a bool nor an int ``>= 0``; at :meth:`setup`,
             before any step, when ``layers`` matches nothing.
         ConfigError: ``expert_parallel_size`` not an int ``>= 1``; at :meth:`setup`, when it does not divide the
-            world size or a block's experts, or the model has no grouped MoE block.
+            world size or a block's experts, the model has no grouped MoE block, or the Trainer clips gradients by
+            norm (each rank would see only its own experts' norm; clipping by value works).
 
     Example::
 
@@ -181,7 +182,7 @@ class LLMFastStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        self._setup_expert_parallel()
+        self._setup_expert_parallel(trainer)
         if self.single_process:
             # The base setup (device, precision, optimizers) without DDP's wrapper and module-state broadcast.
             Strategy.setup(self, trainer)
@@ -275,10 +276,16 @@ class LLMFastStrategy(DDPStrategy):
         """The ``("edp", "ep")`` mesh with ``expert_parallel_size > 1`` (after :meth:`setup`), else ``None``."""
         return self._expert_mesh
 
-    def _setup_expert_parallel(self) -> None:
+    def _setup_expert_parallel(self, trainer: pl.Trainer) -> None:
         # Before DDP wraps the model and the optimizers are built: both must see the local experts only.
         if self.expert_parallel_size > 1 and self._expert_mesh is None:
             assert self.lightning_module is not None
+            if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
+                # Each rank would take the norm over its own experts and clip its dense replica by another factor.
+                raise ConfigError(
+                    f"{type(self).__name__}: gradient clipping by norm is not supported with expert_parallel_size > 1 "
+                    "(the norm would cover each rank's experts only); use gradient_clip_algorithm='value'"
+                )
             device = "cpu" if self._get_process_group_backend() == "gloo" else self.root_device.type
             self._expert_mesh = expert_parallel.shard_model_experts(
                 self.lightning_module, self.expert_parallel_size, device

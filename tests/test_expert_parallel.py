@@ -112,6 +112,9 @@ def _dropless_cases(rank: int, world: int) -> None:
                 assert block.expert_dispatch.last_recv_rows == 0
             # Exactly one host read per layer and forward; the combine and the backward reuse its splits.
             assert block.expert_dispatch.host_syncs == 1
+    # Sigmoid scores: the batch-wide aux loss normalises them per token, as route() does.
+    block, reference = _blocks(world, 2 * world, 2, torch.float32, score="sigmoid")
+    _check_against_reference(rank, world, block, reference, *_inputs(world, 6, 8, torch.float32, 50), 1e-6)
 
 
 def _capacity_cases(rank: int, world: int) -> None:

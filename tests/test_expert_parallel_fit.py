@@ -98,5 +98,9 @@ def test_expert_parallel_size_is_checked() -> None:
         LLMFastStrategy(expert_parallel_size=0)
     # One process has no expert-parallel group: a clear error before any step.
     trainer = _trainer(LLMFastStrategy(expert_parallel_size=2), 1, epochs=1)
+    data = DataLoader(_batches(1, None)[:1], batch_size=None)
     with pytest.raises(ConfigError, match="process group"):
-        trainer.fit(_module(), DataLoader(_batches(1, None)[:1], batch_size=None))
+        trainer.fit(_module(), data)
+    clipped = L.Trainer(strategy=LLMFastStrategy(expert_parallel_size=2), gradient_clip_val=1.0, logger=False)
+    with pytest.raises(ConfigError, match="clipping by norm"):
+        clipped.fit(_module(), data)

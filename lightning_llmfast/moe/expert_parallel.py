@@ -270,6 +270,7 @@ class ExpertParallelDispatch(nn.Module):
         if any(t != sizes for t in theirs):
             self._raise_disagreement("tokens, capacity, dtype or hidden size", theirs)
         self._checked_sizes = tuple(sizes)
+        self._static.clear()  # the size-derived buffers of the old sizes are not needed again
 
     def extra_repr(self) -> str:
         experts = self.local_experts
@@ -307,10 +308,12 @@ def global_aux_loss(block: nn.Module, group: dist.ProcessGroup | None = None, st
         stats.scatter_add_(0, ids, torch.ones_like(ids))  # integer adds: order-free, deterministic
         stats[num_experts] = plan.num_tokens
         dist.all_reduce(stats, group=group, async_op=True).wait()
-    probs = logits.float().softmax(dim=-1)
     if getattr(block, "score", "softmax") == "sigmoid":
+        # Normalised over the experts of each token, as route() does for its loss (DeepSeek-V3).
         probs = logits.float().sigmoid()
         probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        probs = logits.float().softmax(dim=-1)
     tokens = stats[num_experts].clamp(min=1).to(torch.float32)
     scale = dist.get_world_size(group) * num_experts / (tokens * tokens * top_k)
     return torch.dot(stats[:num_experts].to(torch.float32), probs.sum(dim=0)) * scale
