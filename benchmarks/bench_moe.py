@@ -36,6 +36,7 @@ Usage::
     python benchmarks/bench_moe.py            # the issue's two shapes (about a minute on 2 CPU cores)
     python benchmarks/bench_moe.py --quick    # small shapes, a few seconds
     python benchmarks/bench_moe.py --json out.json
+    python benchmarks/bench_moe.py --ep 2     # expert parallelism on 2 CPU processes (bench_moe_ep.py)
 """
 
 from __future__ import annotations
@@ -310,9 +311,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: unchanged)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--ep", type=int, default=None, help="expert parallelism on this many CPU processes instead")
     args = parser.parse_args()
-    report = run(quick=args.quick, device=args.device, repeats=args.repeats, threads=args.threads)
-    _print(report)
+    if args.ep is not None:
+        from bench_moe_ep import print_report
+        from bench_moe_ep import run as run_ep
+
+        report = run_ep(world=args.ep, quick=args.quick, repeats=args.repeats)
+        print_report(report)
+    else:
+        report = run(quick=args.quick, device=args.device, repeats=args.repeats, threads=args.threads)
+        _print(report)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -33,10 +33,13 @@ _LAZY: dict[str, str] = {
     "register_moe_adapter": "lightning_llmfast.moe.adapters",
     "get_moe_adapter": "lightning_llmfast.moe.adapters",
     "ExpertLoadMetric": "lightning_llmfast.moe.metrics",
+    "ExpertParallelDispatch": "lightning_llmfast.moe.expert_parallel",
+    "shard_experts": "lightning_llmfast.moe.expert_parallel",
 }
 
 __all__ = [
     "ExpertLoadMetric",
+    "ExpertParallelDispatch",
     "GroupedExperts",
     "MoEBlock",
     "NaiveMoEBlock",
@@ -48,6 +51,7 @@ __all__ = [
     "register_moe_adapter",
     "route",
     "routed_swiglu",
+    "shard_experts",
     "unpermute",
     "update_expert_bias",
 ]
@@ -60,6 +64,7 @@ if TYPE_CHECKING:
     from lightning_llmfast.moe.adapters import get_moe_adapter, register_moe_adapter
     from lightning_llmfast.moe.block import MoEBlock, SharedExperts
     from lightning_llmfast.moe.dispatch import routed_swiglu
+    from lightning_llmfast.moe.expert_parallel import ExpertParallelDispatch, shard_experts
     from lightning_llmfast.moe.experts import GroupedExperts
     from lightning_llmfast.moe.metrics import ExpertLoadMetric
     from lightning_llmfast.moe.naive import NaiveMoEBlock, SwiGLUExperts

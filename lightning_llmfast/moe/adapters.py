@@ -285,6 +285,8 @@ class HFGroupedMoeBlock(nn.Module):
             F.silu if isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" else act
         )
         self.train(block.training)
+        # The routed experts' call: replaced by an expert-parallel dispatch by shard_experts (moe/expert_parallel.py).
+        self.expert_dispatch: Callable[..., Tensor] = routed_swiglu
         self.last_plan: Any = None
         self.last_aux_loss: Tensor | None = None
         self.last_z_loss: Tensor | None = None
@@ -317,7 +319,7 @@ class HFGroupedMoeBlock(nn.Module):
             logits, self.top_k, normalize=self.normalize, validate=False, backend=self.backend, **self._routing()
         )
         experts = self.experts
-        out = routed_swiglu(
+        out = self.expert_dispatch(
             x,
             plan,
             experts.gate_up_proj.transpose(1, 2),

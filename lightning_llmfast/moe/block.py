@@ -9,6 +9,7 @@ the host.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -200,6 +201,8 @@ class MoEBlock(nn.Module):
         self.shared_experts = (
             SharedExperts(hidden_size, shared_ffn_size or num_shared_experts * ffn_size) if num_shared_experts else None
         )
+        # The routed experts' call: replaced by an expert-parallel dispatch by shard_experts (moe/expert_parallel.py).
+        self.expert_dispatch: Callable[..., Tensor] = routed_swiglu
         self.expert_bias: Tensor | None
         self.register_buffer("expert_bias", torch.zeros(num_experts) if expert_bias else None)
         # Pairs per expert summed over the training forwards of the current optimizer step: this rank's (for the
@@ -278,7 +281,9 @@ class MoEBlock(nn.Module):
             token_mask=token_mask,
         )
         experts = self.experts
-        out = routed_swiglu(x, plan, experts.gate_up_proj, experts.down_proj, x_compute=x_compute, backend=self.backend)
+        out = self.expert_dispatch(
+            x, plan, experts.gate_up_proj, experts.down_proj, x_compute=x_compute, backend=self.backend
+        )
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_compute)
         counting = self.training and not in_backward()  # not again when recomputation replays this forward
