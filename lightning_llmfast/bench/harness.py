@@ -128,8 +128,8 @@ PROFILES: dict[str, BenchProfile] = {
 def git_commit(path: Path = _REPO_ROOT) -> str:
     """Short commit hash of the repository at ``path`` (``+dirty`` with uncommitted changes), or ``"unknown"``.
 
-    ``$LLMFAST_COMMIT``, when set, wins: a tree copied to a lent GPU machine has no ``.git`` or a stale one (the
-    2026-11-30 GPU run reported the previous session's commit), so the caller names what it copied.
+    ``$LLMFAST_COMMIT``, when set, wins: a tree copied to a lent GPU machine has no ``.git`` or a stale one, so the
+    caller names what it copied.
 
     Example::
 
