@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 class RunSummary(pl.Callback):
-    """Prints one line at the end of fit: tokens/sec and the first and last training loss.
+    """Prints one line at the end of fit: real tokens/sec over the whole fit and the first and last training loss.
 
     Losses are kept as device tensors and read once at the end, so the summary adds no per-step host sync.
     """
@@ -56,8 +56,8 @@ class RunSummary(pl.Callback):
             return
         elapsed = time.perf_counter() - self._start
         print(
-            f"summary: steps={trainer.global_step} tokens/sec={self._tokens / elapsed:,.0f} (real tokens, "
-            f"padding excluded) first_loss={self._first.item():.3f} last_loss={self._last.item():.3f} "
+            f"summary: steps={trainer.global_step} tokens/sec={self._tokens / elapsed:,.0f} (real tokens over the "
+            f"whole fit, validation included) first_loss={self._first.item():.3f} last_loss={self._last.item():.3f} "
             f"time={elapsed:.1f}s"
         )
 
