@@ -2,8 +2,10 @@
 
     python examples/train_moe.py fit --config examples/configs/tiny.yaml
 
-The default corpus is the running Python's standard library source (no download). The run ends with one
-summary line: real tokens/sec (padding excluded) and the first and last training loss.
+The default corpus is the running Python's standard library source (no download). ``fit --help`` lists the model's
+size settings (``--model.config.n_layers`` ...). The run ends with one summary line: real tokens/sec over the whole
+fit (padding excluded; unlike the logged ``train/tokens_per_sec`` it includes the first step and validation) and
+the first and last training loss.
 """
 
 from __future__ import annotations
@@ -12,18 +14,18 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
 import lightning_llmfast  # noqa: F401  (registers strategy="llmfast")
 from lightning_llmfast import MoEGPTLightningModule, PackedDataModule
+from lightning_llmfast.cli import LLMFastCLI
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 
 class RunSummary(pl.Callback):
-    """Prints one line at the end of fit: tokens/sec and the first and last training loss.
+    """Prints one line at the end of fit: real tokens/sec over the whole fit and the first and last training loss.
 
     Losses are kept as device tensors and read once at the end, so the summary adds no per-step host sync.
     """
@@ -54,13 +56,13 @@ class RunSummary(pl.Callback):
             return
         elapsed = time.perf_counter() - self._start
         print(
-            f"summary: steps={trainer.global_step} tokens/sec={self._tokens / elapsed:,.0f} (real tokens, "
-            f"padding excluded) first_loss={self._first.item():.3f} last_loss={self._last.item():.3f} "
+            f"summary: steps={trainer.global_step} tokens/sec={self._tokens / elapsed:,.0f} (real tokens over the "
+            f"whole fit, validation included) first_loss={self._first.item():.3f} last_loss={self._last.item():.3f} "
             f"time={elapsed:.1f}s"
         )
 
 
-class TrainCLI(LightningCLI):
+class TrainCLI(LLMFastCLI):
     @override
     def before_fit(self) -> None:
         # Appended here rather than in trainer_defaults so a config's own `callbacks:` list does not drop it.

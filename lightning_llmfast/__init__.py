@@ -1,7 +1,9 @@
 """lightning_llmfast: remove the overhead between the big kernels of LLM and MoE training in Lightning.
 
-Public names are resolved lazily so that ``import lightning_llmfast.moe`` (plain PyTorch) stays cheap;
-importing the package registers the ``"llmfast"`` strategies with Lightning.
+Public names are resolved lazily, so ``import lightning_llmfast.moe`` (plain PyTorch) does not import the other parts.
+Where Lightning is installed, importing the package registers the ``"llmfast"`` and ``"llmfast_offload"``
+strategies in Lightning's ``StrategyRegistry``; without Lightning, ``data``, ``seqmeta``, ``moe`` and ``offload``
+still import and work.
 
 Example::
 
@@ -14,7 +16,6 @@ Example::
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
 
 from lightning_llmfast._lazy import lazy_dir, lazy_getattr
 from lightning_llmfast.errors import (
@@ -26,68 +27,56 @@ from lightning_llmfast.errors import (
     RoutingError,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-# public name -> module that defines it
+# The public names: name -> module that defines it (imported on first use). Add new exports here; __all__, dir()
+# and the lazy lookup follow from this one table.
 _LAZY: dict[str, str] = {
+    # plain PyTorch
     "PackedBatch": "lightning_llmfast.data",
     "pack_documents": "lightning_llmfast.data",
     "TextCorpus": "lightning_llmfast.data",
     "SyntheticCorpus": "lightning_llmfast.data",
-    "PackedDataModule": "lightning_llmfast.datamodule",
     "SequenceMetadata": "lightning_llmfast.seqmeta",
     "SequenceMetadataCache": "lightning_llmfast.seqmeta",
+    "register_moe_adapter": "lightning_llmfast.moe",
+    "MoEGPT": "lightning_llmfast.models",
+    "MoEGPTConfig": "lightning_llmfast.models",
+    # Lightning layer
+    "PackedDataModule": "lightning_llmfast.datamodule",
     "SequenceMetadataCallback": "lightning_llmfast.callbacks",
     "TokenThroughputMonitor": "lightning_llmfast.callbacks",
     "ExpertLoadMonitor": "lightning_llmfast.callbacks",
+    "ExpertBalanceCallback": "lightning_llmfast.callbacks",
     "GroupedRouterMixin": "lightning_llmfast.mixin",
-    "register_moe_adapter": "lightning_llmfast.moe",
     "LLMFastStrategy": "lightning_llmfast.strategy",
-    "MoEGPT": "lightning_llmfast.models",
-    "MoEGPTConfig": "lightning_llmfast.models",
     "MoEGPTLightningModule": "lightning_llmfast.models",
 }
 
-__all__ = [
-    "ConfigError",
-    "DataError",
-    "ExpertLoadMonitor",
-    "GroupedRouterMixin",
-    "LLMFastError",
-    "LLMFastStrategy",
-    "MetadataError",
-    "MoEGPT",
-    "MoEGPTConfig",
-    "MoEGPTLightningModule",
-    "OffloadError",
-    "PackedBatch",
-    "PackedDataModule",
-    "RoutingError",
-    "SequenceMetadata",
-    "SequenceMetadataCache",
-    "SequenceMetadataCallback",
-    "SyntheticCorpus",
-    "TextCorpus",
-    "TokenThroughputMonitor",
-    "__version__",
-    "pack_documents",
-    "register_moe_adapter",
-]
+_ERRORS = (ConfigError, DataError, LLMFastError, MetadataError, OffloadError, RoutingError)
 
+__all__ = sorted([*_LAZY, *(error.__name__ for error in _ERRORS), "__version__"])
 
 __getattr__ = lazy_getattr(__name__, _LAZY)
 __dir__ = lazy_dir(__name__, _LAZY)
 
-# Registers "llmfast" and "llmfast_offload" in Lightning's StrategyRegistry, so Trainer(strategy="llmfast") works
-# after `import lightning_llmfast`.
-importlib.import_module("lightning_llmfast.strategy")
+# Top-level packages whose absence only disables the Lightning layer (the plain-PyTorch parts do not need them).
+_LIGHTNING_PACKAGES = frozenset({"lightning", "pytorch_lightning", "torchmetrics"})
 
-if TYPE_CHECKING:
-    from lightning_llmfast.callbacks import ExpertLoadMonitor, SequenceMetadataCallback, TokenThroughputMonitor
-    from lightning_llmfast.data import PackedBatch, SyntheticCorpus, TextCorpus, pack_documents
-    from lightning_llmfast.datamodule import PackedDataModule
-    from lightning_llmfast.mixin import GroupedRouterMixin
-    from lightning_llmfast.models import MoEGPT, MoEGPTConfig, MoEGPTLightningModule
-    from lightning_llmfast.moe import register_moe_adapter
-    from lightning_llmfast.seqmeta import SequenceMetadata, SequenceMetadataCache
-    from lightning_llmfast.strategy import LLMFastStrategy
+
+def _register_strategies() -> bool:
+    """Import the strategy module, which registers ``"llmfast"``/``"llmfast_offload"`` with Lightning.
+
+    Returns ``False`` (and registers nothing) when Lightning is not installed; any other import error propagates.
+    """
+    try:
+        importlib.import_module("lightning_llmfast.strategy")
+    except ModuleNotFoundError as err:
+        if (err.name or "").partition(".")[0] not in _LIGHTNING_PACKAGES:
+            raise
+        return False
+    return True
+
+
+# So that Trainer(strategy="llmfast") works right after `import lightning_llmfast`.
+_LIGHTNING_AVAILABLE = _register_strategies()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +13,8 @@ import torch
 from lightning_llmfast.errors import OffloadError
 
 __all__ = ["eager_custom_op", "in_backward", "mark_rebuildable"]
+
+_log = logging.getLogger(__name__)
 
 
 def in_backward() -> bool:
@@ -92,14 +95,16 @@ def eager_custom_op(op: Any) -> Callable[..., Any]:
     (see :func:`_seen_by_more_than_eager`): ``torch.compile`` and other tracers keep the opaque op with its
     registered fake and autograd (why these are custom ops at all). So does an op given a kernel, autocast, vmap or
     dispatch rule after it was wrapped, and a call with keyword arguments. ``op`` stays reachable as the returned
-    function's ``op``.
+    function's ``op``. On a torch that lacks one of the private attributes this reads (``_TORCH_STATE``,
+    ``_OP_STATE``), ``op`` itself is returned and a debug message names what is missing.
 
     Example::
 
         _sum_rows = eager_custom_op(_sum_rows)  # after its registrations: same arguments, outputs and gradients
     """
-    impl = getattr(op, "_init_fn", None)
-    if impl is None or not _CAN_TELL:  # a torch without these internals: the dispatcher path, unchanged
+    missing = _MISSING_TORCH_STATE or [name for name in _OP_STATE if not hasattr(op, name)]
+    if missing:  # a torch that renamed these internals: the dispatcher path, unchanged
+        _log.debug("eager_custom_op: %r stays the registered op (torch lacks %s)", op, ", ".join(missing))
         return op
     kernels = dict(op._backend_fns)  # as wrapped: the default kernel (key None) that runs `impl`
 
@@ -112,22 +117,48 @@ def eager_custom_op(op: Any) -> Callable[..., Any]:
             return op(*args) if function is None else function.apply(*args)
         return op._init_fn(*args)
 
-    functools.update_wrapper(call, impl)
+    functools.update_wrapper(call, op._init_fn)
     call.op = op  # type: ignore[attr-defined]
     return call
 
 
-# The private torch state eager_custom_op reads (stable since torch 2.4); without any of it, ops stay as registered.
-_CAN_TELL = all(
-    hasattr(module, name)
-    for module, name in (
-        (torch._C, "_len_torch_dispatch_stack"),
-        (torch._C, "_is_torch_function_mode_enabled"),
-        (torch._C._functorch, "peek_interpreter_stack"),
-        (torch._C._autograd, "_profiler_enabled"),
-        (torch.autograd.forward_ad, "_current_level"),
-    )
+# The private torch state eager_custom_op reads (stable since torch 2.4): global switches, and the attributes of a
+# ``torch.library.CustomOpDef``. Checked once (globals at import, an op's attributes when it is wrapped); where any is
+# missing the op is returned as registered, so a torch release that renames one costs speed, not a broken import.
+_TORCH_STATE: tuple[tuple[str, str], ...] = (
+    ("torch._C", "_len_torch_dispatch_stack"),
+    ("torch._C", "_is_torch_function_mode_enabled"),
+    ("torch._C._functorch", "peek_interpreter_stack"),
+    ("torch._C._autograd", "_profiler_enabled"),
+    ("torch.autograd.forward_ad", "_current_level"),
 )
+_OP_STATE: tuple[str, ...] = (
+    "_init_fn",
+    "_setup_context_fn",
+    "_backward_fn",
+    "_backend_fns",
+    "_torch_dispatch_fns",
+    "_vmap_fn",
+    "_autocast_dtype",
+    "_disabled_kernel",
+    "_namespace",
+    "_name",
+)
+
+
+def _missing_torch_state() -> list[str]:
+    """The entries of ``_TORCH_STATE`` this torch lacks, as ``"module.name"`` (empty: the fast path is usable)."""
+    missing = []
+    for module_name, name in _TORCH_STATE:
+        module: Any = torch
+        for part in module_name.split(".")[1:]:
+            module = getattr(module, part, None)
+        if not hasattr(module, name):
+            missing.append(f"{module_name}.{name}")
+    return missing
+
+
+_MISSING_TORCH_STATE = _missing_torch_state()
 
 
 def _seen_by_more_than_eager(args: tuple[Any, ...]) -> bool:

@@ -175,6 +175,9 @@ def test_unknown_variant_and_profile_are_rejected() -> None:
 # ------------------------------------------------------------------------------------------------ harness and CLI
 E2E_KEYS = {
     "tokens_per_sec",
+    "tokens_per_sec_min",
+    "tokens_per_sec_max",
+    "tokens_per_sec_repeats",
     "host_syncs_per_step",
     "metadata_builds_per_step",
     "aten_ops_per_step",
@@ -196,7 +199,13 @@ def test_cli_writes_the_json_schema_table_and_plot(tmp_path: Path, capsys: pytes
         assert set(row) == E2E_KEYS, variant
         assert row["tokens_per_sec"] > 0 and row["aten_ops_per_step"] > 0 and row["peak_mem_bytes"] > 0
         assert math.isfinite(row["final_loss"])
+        repeats = row["tokens_per_sec_repeats"]
+        assert len(repeats) == PROFILES["tiny"].e2e.repeats
+        assert (row["tokens_per_sec_min"], row["tokens_per_sec_max"]) == (min(repeats), max(repeats))
+        assert row["tokens_per_sec_min"] <= row["tokens_per_sec"] <= row["tokens_per_sec_max"]
     e2e = result["e2e"]
+    low, high = result["ratio_ranges"]["llmfast_vs_before"]
+    assert low <= result["ratios"]["llmfast_vs_before"] <= high and isinstance(result["warnings"], list)
     ratios = result["ratios"]
     assert set(ratios) == {"llmfast_vs_before", "llmfast_vs_peer"}
     assert ratios["llmfast_vs_before"] == pytest.approx(
@@ -244,22 +253,22 @@ def test_metadata_and_moe_micro_benchmarks_run_on_cpu_without_error() -> None:
 
 
 def test_markdown_report_shows_skipped_variants_and_ratios() -> None:
-    row = dict.fromkeys(E2E_KEYS, 1.0)
+    row = dict.fromkeys(E2E_KEYS - {"tokens_per_sec_repeats"}, 1.0)
     result = {
         "profile": "quick",
         "device": "cpu",
         "commit": "abc",
         "e2e": {
-            "before": dict(row, tokens_per_sec=100.0),
+            "before": dict(row, tokens_per_sec=100.0, tokens_per_sec_min=100.0, tokens_per_sec_max=100.0),
             "peer": {"skipped": "transformers not installed"},
-            "llmfast": dict(row, tokens_per_sec=150.0),
+            "llmfast": dict(row, tokens_per_sec=150.0, tokens_per_sec_min=150.0, tokens_per_sec_max=150.0),
         },
         "ratios": {"llmfast_vs_before": 1.5, "llmfast_vs_peer": None},
         "micro": {"moe": {"skipped": "absent"}},
     }
     text = markdown_report(result)
     assert "| peer | transformers not installed |" in text
-    assert "| llmfast | 150 | 1.50x |" in text
+    assert "| llmfast | 150 | 150 - 150 | 1.50x |" in text
     assert "llmfast_vs_before = 1.50x" in text and "llmfast_vs_peer = n/a" in text
     assert "Micro-benchmark **moe**: absent" in text
 

@@ -104,7 +104,7 @@ def test_counting_sort_rejects_unknown_backend():
 
 @needs_interpreter
 def test_counting_sort_triton_never_writes_out_of_bounds_for_bad_keys():
-    """validate=False with keys outside [0, num_bins): the kernels mask them (this used to be a SIGSEGV)."""
+    """validate=False with keys outside [0, num_bins): the kernels mask them instead of writing out of bounds."""
     code = (
         "import torch\n"
         "from lightning_llmfast.moe.kernels import stable_counting_sort\n"

@@ -399,7 +399,7 @@ OFFSETS_ERRORS = [
 @pytest.mark.parametrize(("offsets", "padded", "match"), OFFSETS_ERRORS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # grouped_mm, and the per-expert loop
 def test_grouped_experts_reject_bad_offsets(offsets: list, padded: bool, match: str, dtype: torch.dtype) -> None:
-    """offsets[-1] < M used to return the rows grouped_mm never wrote (uninitialised memory)."""
+    """offsets[-1] < M would return the rows grouped_mm never wrote (uninitialised memory): rejected."""
     experts = GroupedExperts(3, H, FFN).to(dtype)
     x = torch.randn(6, H, dtype=dtype)
     offsets = torch.tensor(offsets, dtype=torch.int32 if isinstance(offsets[0], int) else None)
@@ -541,7 +541,7 @@ def test_expert_load_metric_update_is_sync_free_and_validates() -> None:
     ],
 )
 def test_expert_load_metric_rejects_bad_counts(args: tuple, match: str) -> None:
-    """Negative counts used to give a NaN entropy, float counts were truncated, lists raised AttributeError."""
+    """Negative counts (a NaN entropy), float counts (they would be truncated) and lists raise RoutingError."""
     metric = ExpertLoadMetric(3)
     metric.update(torch.tensor([1, 1, 1]))
     with pytest.raises(RoutingError, match=match):

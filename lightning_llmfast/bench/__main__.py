@@ -75,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError:
             print("--plot skipped: matplotlib is not installed (pip install lightning-llmfast[plot])", file=sys.stderr)
     print(markdown_report(result))
+    for warning in result["warnings"]:
+        print(f"WARNING: {warning}", file=sys.stderr)
     return 0
 
 

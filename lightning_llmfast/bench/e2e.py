@@ -15,8 +15,9 @@ Every variant is the reference :class:`~lightning_llmfast.models.MoEGPTLightning
 Each variant first runs one unmeasured step (lazy initialisation, kernel compilation, optimizer state), then one
 *counting* segment (host syncs, ATen ops, metadata builds and peak memory, under a ``TorchDispatchMode`` that would
 distort timings), then ``repeats`` *timed* segments, interleaved with the other variants (the order rotates every
-repeat); tokens/sec is the median over repeats. One optimizer per variant lives across all segments. All variants
-see the same sequence of batches, so their losses must agree: the report prints the largest relative difference.
+repeat); tokens/sec is the median over repeats, reported with its min and max. One optimizer per variant lives
+across all segments. All variants see the same sequence of batches, so their losses must agree: the report prints the
+largest relative difference.
 
 The load-balancing loss is left out of the objective (``aux_loss_coef=0``): transformers defines it ``top_k``
 times larger than ours, and with it the three variants would optimise different functions.
@@ -578,7 +579,8 @@ def run_e2e(
             the notes say how many ran.
 
     Returns:
-        ``(results, notes)``: ``results[variant]`` holds ``tokens_per_sec`` (median over repeats),
+        ``(results, notes)``: ``results[variant]`` holds ``tokens_per_sec`` (median over repeats), its spread
+        ``tokens_per_sec_min``/``tokens_per_sec_max`` and every repeat's value ``tokens_per_sec_repeats`` (in order),
         ``host_syncs_per_step`` (forward + backward), ``metadata_builds_per_step``, ``aten_ops_per_step`` (whole
         step), ``peak_mem_bytes`` (CUDA peak allocated; CPU peak of tensor bytes allocated during the counted
         segment) and ``final_loss``; a skipped
@@ -656,6 +658,9 @@ def run_e2e(
         c = counted[variant]
         results[variant] = {
             "tokens_per_sec": statistics.median(timed[variant]),
+            "tokens_per_sec_min": min(timed[variant]),
+            "tokens_per_sec_max": max(timed[variant]),
+            "tokens_per_sec_repeats": list(timed[variant]),
             "host_syncs_per_step": c.syncs / c.measured,
             "metadata_builds_per_step": c.builds / c.measured,
             "aten_ops_per_step": c.ops / c.measured,

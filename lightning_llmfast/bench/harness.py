@@ -3,9 +3,12 @@
 Claims about speed in this project come only from here. The result dictionary (``--json``) is::
 
     {"profile", "device", "commit", "machine",
-     "e2e": {variant: {"tokens_per_sec", "host_syncs_per_step", "metadata_builds_per_step", "aten_ops_per_step",
-                       "peak_mem_bytes", "final_loss"} or {"skipped": reason}},
-     "ratios": {"llmfast_vs_before", "llmfast_vs_peer"},   # tokens/sec ratios; None where a variant is missing
+     "e2e": {variant: {"tokens_per_sec" (median), "tokens_per_sec_min", "tokens_per_sec_max",
+                       "tokens_per_sec_repeats", "host_syncs_per_step", "metadata_builds_per_step",
+                       "aten_ops_per_step", "peak_mem_bytes", "final_loss"} or {"skipped"|"error": reason}},
+     "ratios": {"llmfast_vs_before", "llmfast_vs_peer"},   # tokens/sec ratios of the medians; None: a variant missing
+     "ratio_ranges": {same names: [low, high] over the repeats, or None},
+     "warnings": [str, ...],                                # spreads too wide to trust the ratios (report.py)
      "micro": {name: dict returned by benchmarks/bench_<name>.py's run(), or {"skipped"|"error": reason}},
      "notes": [str, ...]}
 
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 
 from lightning_llmfast.bench.e2e import VARIANTS, E2ESettings, run_e2e
+from lightning_llmfast.bench.report import RATIOS, ratio_range, spread_warnings
 from lightning_llmfast.errors import ConfigError
 
 __all__ = ["MICRO_BENCHMARKS", "PROFILES", "BenchProfile", "git_commit", "machine", "run_benchmark", "run_micro"]
@@ -124,8 +128,8 @@ PROFILES: dict[str, BenchProfile] = {
 def git_commit(path: Path = _REPO_ROOT) -> str:
     """Short commit hash of the repository at ``path`` (``+dirty`` with uncommitted changes), or ``"unknown"``.
 
-    ``$LLMFAST_COMMIT``, when set, wins: a tree copied to a lent GPU machine has no ``.git`` or a stale one (the
-    2026-11-30 GPU run reported the previous session's commit), so the caller names what it copied.
+    ``$LLMFAST_COMMIT``, when set, wins: a tree copied to a lent GPU machine has no ``.git`` or a stale one, so the
+    caller names what it copied.
 
     Example::
 
@@ -287,10 +291,9 @@ def run_benchmark(
         "machine": machine(torch.device(device)),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "e2e": e2e,
-        "ratios": {
-            "llmfast_vs_before": _ratio(e2e, "llmfast", "before"),
-            "llmfast_vs_peer": _ratio(e2e, "llmfast", "peer"),
-        },
+        "ratios": {name: _ratio(e2e, num, den) for name, (num, den) in RATIOS.items()},
+        "ratio_ranges": {name: ratio_range(e2e, num, den) for name, (num, den) in RATIOS.items()},
+        "warnings": spread_warnings(e2e),
         "micro": {},
         "notes": notes,
         "seconds": round(time.perf_counter() - start, 1),

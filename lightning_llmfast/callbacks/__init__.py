@@ -1,4 +1,5 @@
-"""Lightning callbacks: packed-sequence metadata, real-token throughput, expert load and balance."""
+"""Lightning callbacks: packed-sequence metadata, real-token throughput, expert load (and its torchmetrics metric) and
+expert balance."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ _LAZY = {
     "TokenThroughputMonitor": "lightning_llmfast.callbacks.throughput",
     "ExpertLoadMonitor": "lightning_llmfast.callbacks.moe",
     "ExpertBalanceCallback": "lightning_llmfast.callbacks.moe",
+    "ExpertLoadMetric": "lightning_llmfast.callbacks.expert_metric",
 }
 
 __all__ = list(_LAZY)

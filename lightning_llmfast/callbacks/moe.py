@@ -19,8 +19,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_llmfast._checks import check_int
+from lightning_llmfast.callbacks.expert_metric import ExpertLoadMetric
 from lightning_llmfast.errors import RoutingError
-from lightning_llmfast.moe.metrics import ExpertLoadMetric
 
 __all__ = ["ExpertBalanceCallback", "ExpertLoadMonitor"]
 
@@ -30,7 +30,7 @@ class ExpertLoadMonitor(Callback):
 
     Every module with a ``last_tokens_per_expert`` attribute counts as an MoE block (this package's blocks and the
     adapted transformers blocks). After each training batch its counts are added to one
-    :class:`~lightning_llmfast.moe.ExpertLoadMetric` per block, on the device, without a host sync. Every
+    :class:`~lightning_llmfast.callbacks.ExpertLoadMetric` per block, on the device, without a host sync. Every
     ``log_every_n_steps`` batches the metrics are computed, averaged over the blocks, logged and reset. At that
     point, where the host reads device values anyway, a non-finite router-logit flag recorded since the last log
     (``last_nonfinite``, set by routing with ``validate=False``) raises :class:`~lightning_llmfast.RoutingError`

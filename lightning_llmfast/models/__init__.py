@@ -1,7 +1,22 @@
-"""The reference MoE GPT (plain PyTorch) and its LightningModule, used by examples, tests and benchmarks."""
+"""The reference MoE GPT (plain PyTorch) and its LightningModule, used by examples, tests and benchmarks.
 
-from lightning_llmfast.models.model import MoEGPT, MoEGPTConfig
-from lightning_llmfast.models.module import MoEGPTLightningModule
-from lightning_llmfast.models.rmsnorm import RMSNorm, swap_rms_norms
+Names resolve lazily: ``MoEGPT`` and ``RMSNorm`` import without Lightning, ``MoEGPTLightningModule`` needs it.
+"""
 
-__all__ = ["MoEGPT", "MoEGPTConfig", "MoEGPTLightningModule", "RMSNorm", "swap_rms_norms"]
+from __future__ import annotations
+
+from lightning_llmfast._lazy import lazy_dir, lazy_getattr
+
+# public name -> submodule
+_LAZY: dict[str, str] = {
+    "MoEGPT": "lightning_llmfast.models.model",
+    "MoEGPTConfig": "lightning_llmfast.models.model",
+    "MoEGPTLightningModule": "lightning_llmfast.models.module",
+    "RMSNorm": "lightning_llmfast.models.rmsnorm",
+    "swap_rms_norms": "lightning_llmfast.models.rmsnorm",
+}
+
+__all__ = list(_LAZY)
+
+__getattr__ = lazy_getattr(__name__, _LAZY)
+__dir__ = lazy_dir(__name__, _LAZY)

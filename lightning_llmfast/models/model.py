@@ -52,6 +52,24 @@ class MoEGPTConfig:
     are ints >= 1, ``capacity_factor`` and ``rope_theta`` finite numbers > 0, ``norm_eps`` and ``init_std`` finite
     numbers >= 0, ``dense_layers`` layer indices.
 
+    Args:
+        vocab_size: token ids are in ``[0, vocab_size)``.
+        hidden_size: model width; must split into ``n_heads`` heads of even size.
+        n_layers: number of transformer layers.
+        n_heads: query heads per attention layer.
+        n_kv_heads: key/value heads (grouped-query attention); must divide ``n_heads``.
+        ffn_size: hidden width of each expert's (and each dense layer's) SwiGLU feed-forward.
+        num_experts: experts per MoE layer.
+        top_k: experts each token is routed to; at most ``num_experts``.
+        dense_layers: indices of layers that get a dense SwiGLU feed-forward instead of an MoE one.
+        capacity_factor: ``null`` for dropless routing, else each expert keeps at most this times its fair share.
+        rope_theta: base of the rotary position embedding; > 0.
+        norm_eps: epsilon of the RMS norms; >= 0.
+        init_std: standard deviation of the weight initialisation; >= 0.
+        tie_embeddings: share the input embedding and the output projection.
+        attention_metadata: ``cached`` (one metadata per batch, varlen attention), ``dense`` or ``per_layer``.
+        router_backend: ``auto``, ``torch`` or ``triton`` (grouped, sync-free), or ``naive`` (the baseline).
+
     Example::
 
         config = MoEGPTConfig(n_layers=2, num_experts=4, router_backend="naive")
@@ -67,7 +85,6 @@ class MoEGPTConfig:
     num_experts: int = 8
     top_k: int = 2
     dense_layers: list[int] = field(default_factory=list)
-    """Indices of layers that get a dense SwiGLU feed-forward instead of an MoE one."""
     capacity_factor: float | None = None
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
@@ -101,23 +118,28 @@ class MoEGPTConfig:
         self.dense_layers = [check_int("MoEGPTConfig.dense_layers entry", index) for index in self.dense_layers]
         if self.hidden_size % self.n_heads or (self.hidden_size // self.n_heads) % 2:
             raise ConfigError(
-                f"hidden_size ({self.hidden_size}) must split into n_heads ({self.n_heads}) heads of even size (RoPE)"
+                f"MoEGPTConfig.hidden_size ({self.hidden_size}) must split into n_heads ({self.n_heads}) heads of "
+                "even size (RoPE)"
             )
         if self.n_heads % self.n_kv_heads:
-            raise ConfigError(f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+            raise ConfigError(f"MoEGPTConfig.n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
         if self.top_k > self.num_experts:
-            raise ConfigError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
+            raise ConfigError(f"MoEGPTConfig.top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
         if self.attention_metadata not in _ATTENTION_METADATA:
             raise ConfigError(
-                f"attention_metadata must be one of {_ATTENTION_METADATA}, got {self.attention_metadata!r}"
+                f"MoEGPTConfig.attention_metadata must be one of {_ATTENTION_METADATA}, got {self.attention_metadata!r}"
             )
         if self.router_backend not in _ROUTER_BACKENDS:
-            raise ConfigError(f"router_backend must be one of {_ROUTER_BACKENDS}, got {self.router_backend!r}")
+            raise ConfigError(
+                f"MoEGPTConfig.router_backend must be one of {_ROUTER_BACKENDS}, got {self.router_backend!r}"
+            )
         if self.router_backend == "naive" and self.capacity_factor is not None:
-            raise ConfigError("router_backend='naive' is dropless; capacity_factor needs a grouped backend")
+            raise ConfigError(
+                "MoEGPTConfig.router_backend='naive' is dropless; capacity_factor needs a grouped backend"
+            )
         bad = [i for i in self.dense_layers if not 0 <= i < self.n_layers]
         if bad:
-            raise ConfigError(f"dense_layers {bad} out of range for n_layers={self.n_layers}")
+            raise ConfigError(f"MoEGPTConfig.dense_layers {bad} out of range for n_layers={self.n_layers}")
 
     @property
     def head_dim(self) -> int:
@@ -221,7 +243,9 @@ def _make_ffn(config: MoEGPTConfig, layer_idx: int) -> nn.Module:
     args = (config.hidden_size, config.ffn_size, config.num_experts, config.top_k)
     if config.router_backend == "naive":
         if config.capacity_factor is not None:
-            raise ConfigError("router_backend='naive' is dropless; capacity_factor needs a grouped backend")
+            raise ConfigError(
+                "MoEGPTConfig.router_backend='naive' is dropless; capacity_factor needs a grouped backend"
+            )
         return NaiveMoEBlock(*args)
     return MoEBlock(*args, capacity_factor=config.capacity_factor, backend=config.router_backend)
 

@@ -23,12 +23,15 @@ __all__ = ["MoEGPTLightningModule"]
 # Lightning's default, so resuming needs no unsafe loading.
 torch.serialization.add_safe_globals([MoEGPTConfig])
 
+_DEFAULT_CONFIG = MoEGPTConfig()  # never used itself: each module gets a fresh copy
+
 
 class MoEGPTLightningModule(L.LightningModule):
     """Trains :class:`MoEGPT` with cross-entropy over ``labels`` plus the router's load-balancing loss.
 
     Args:
-        config: the model's hyper-parameters (LightningCLI fills it from YAML under ``model.config``).
+        config: the model's hyper-parameters (LightningCLI: ``model.config`` in YAML, ``--model.config.n_layers``
+            etc. on the command line); default ``MoEGPTConfig()``.
         lr: peak AdamW learning rate, reached after ``warmup_steps`` and kept constant afterwards.
         weight_decay: AdamW weight decay, applied to matrices only (not norms).
         aux_loss_coef: weight of the summed Switch load-balancing loss of all MoE layers.
@@ -43,7 +46,7 @@ class MoEGPTLightningModule(L.LightningModule):
 
     def __init__(
         self,
-        config: MoEGPTConfig | None = None,
+        config: MoEGPTConfig = _DEFAULT_CONFIG,  # not None: LightningCLI then lists the fields in --help
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         aux_loss_coef: float = 0.01,
@@ -51,7 +54,7 @@ class MoEGPTLightningModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.config = config if config is not None else MoEGPTConfig()
+        self.config = MoEGPTConfig() if config is None or config is _DEFAULT_CONFIG else config
         self.model = MoEGPT(self.config)
         self.lr, self.weight_decay = lr, weight_decay
         self.aux_loss_coef, self.warmup_steps = aux_loss_coef, warmup_steps

@@ -32,7 +32,7 @@ _LAZY: dict[str, str] = {
     "SharedExperts": "lightning_llmfast.moe.block",
     "register_moe_adapter": "lightning_llmfast.moe.adapters",
     "get_moe_adapter": "lightning_llmfast.moe.adapters",
-    "ExpertLoadMetric": "lightning_llmfast.moe.metrics",
+    "ExpertLoadMetric": "lightning_llmfast.callbacks.expert_metric",  # needs torchmetrics (Lightning layer)
     "ExpertParallelDispatch": "lightning_llmfast.moe.expert_parallel",
     "shard_experts": "lightning_llmfast.moe.expert_parallel",
 }
@@ -61,11 +61,11 @@ __getattr__ = lazy_getattr(__name__, _LAZY)
 __dir__ = lazy_dir(__name__, _LAZY)
 
 if TYPE_CHECKING:
+    from lightning_llmfast.callbacks.expert_metric import ExpertLoadMetric
     from lightning_llmfast.moe.adapters import get_moe_adapter, register_moe_adapter
     from lightning_llmfast.moe.block import MoEBlock, SharedExperts
     from lightning_llmfast.moe.dispatch import routed_swiglu
     from lightning_llmfast.moe.expert_parallel import ExpertParallelDispatch, shard_experts
     from lightning_llmfast.moe.experts import GroupedExperts
-    from lightning_llmfast.moe.metrics import ExpertLoadMetric
     from lightning_llmfast.moe.naive import NaiveMoEBlock, SwiGLUExperts
     from lightning_llmfast.moe.routing import RoutingPlan, route, update_expert_bias

@@ -28,7 +28,7 @@ from lightning_llmfast.errors import OffloadError
 __all__ = ["MAX_HEADROOM", "PinnedBufferPool", "size_class"]
 
 # The largest headroom accepted: a pool of 16x the measured need is already more pinned memory than a step uses; a
-# larger factor is a mistake (an infinite one overflowed when the pool was sized).
+# larger factor is a mistake (an infinite one would overflow when the pool is sized).
 MAX_HEADROOM = 16.0
 
 # Smallest class; everything below shares one class so tiny tensors do not fragment the pool.
