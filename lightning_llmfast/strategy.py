@@ -41,9 +41,9 @@ from lightning_llmfast.parallel.fsdp import (
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.fabric.utilities.types import _PATH
     from lightning.pytorch.strategies.registry import _StrategyRegistry
     from lightning.pytorch.utilities.types import STEP_OUTPUT
-    from lightning.fabric.utilities.types import _PATH
     from torch import Tensor
     from torch.distributed.device_mesh import DeviceMesh
     from torch.optim import Optimizer

@@ -33,7 +33,9 @@ def global_batches() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, lis
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(STEPS):
-        cuts = [sorted(torch.randperm(SEQ_LEN - 1, generator=g)[: DOCS_PER_ROW - 1].add(1).tolist()) for _ in range(ROWS)]
+        cuts = [
+            sorted(torch.randperm(SEQ_LEN - 1, generator=g)[: DOCS_PER_ROW - 1].add(1).tolist()) for _ in range(ROWS)
+        ]
         lengths = [b - a for c in cuts for a, b in zip([0, *c], [*c, SEQ_LEN])]
         ids = torch.randint(0, VOCAB, (ROWS, SEQ_LEN), generator=g)
         positions = torch.cat([torch.arange(n) for n in lengths]).view(ROWS, SEQ_LEN)

@@ -247,7 +247,11 @@ def materialize_module(module: nn.Module, device: torch.device) -> bool:
     ]
     if not meta:
         return False
-    missing = [f"{name or '<root>'} ({type(m).__name__})" for name, m in meta if not callable(getattr(m, "reset_parameters", None))]
+    missing = [
+        f"{name or '<root>'} ({type(m).__name__})"
+        for name, m in meta
+        if not callable(getattr(m, "reset_parameters", None))
+    ]
     if missing:
         raise ConfigError(
             f"sharding='fsdp': modules built on the meta device need reset_parameters() to be initialised; "
