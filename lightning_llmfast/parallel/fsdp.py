@@ -220,11 +220,25 @@ def sync_module_states(module: nn.Module, src: int = 0) -> None:
             dist.broadcast(tensor, src=src)
 
 
+def _shared_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """``(module, name, first module, its name)`` for every parameter also registered earlier (tied weights)."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    ties = []
+    for m in module.modules():
+        for name, p in m.named_parameters(recurse=False, remove_duplicate=False):
+            if id(p) in first:
+                ties.append((m, name, *first[id(p)]))
+            else:
+                first[id(p)] = (m, name)
+    return ties
+
+
 def materialize_module(module: nn.Module, device: torch.device) -> bool:
     """Allocate parameters and buffers left on the meta device on ``device`` and initialise them.
 
     Call after :func:`shard_module`: each rank allocates only its shards. Every module that holds meta tensors is
     re-initialised through its ``reset_parameters()`` (the convention of ``torch.nn`` layers, Lightning and FSDP).
+    Tied parameters stay tied.
 
     Returns:
         Whether anything was on the meta device.
@@ -257,7 +271,11 @@ def materialize_module(module: nn.Module, device: torch.device) -> bool:
             f"sharding='fsdp': modules built on the meta device need reset_parameters() to be initialised; "
             f"missing on {', '.join(missing)}"
         )
+    ties = _shared_parameters(module)
     module.to_empty(device=device)
+    for owner, name, source, source_name in ties:  # plain `to_empty` gives each module a parameter of its own
+        if getattr(owner, name) is not getattr(source, source_name):
+            setattr(owner, name, getattr(source, source_name))
     with torch.no_grad():
         for _, m in meta:
             m.reset_parameters()
