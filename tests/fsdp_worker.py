@@ -86,6 +86,9 @@ class MetaModule(MoEGPTLightningModule):
         if not hasattr(self, "model"):
             with torch.device("meta"):
                 self.model = MoEGPT(self.config)
+            self.compute_dtypes: set[torch.dtype] = set()
+            qkv = self.model.layers[0].attn.qkv
+            qkv.register_forward_pre_hook(lambda m, args: self.compute_dtypes.add(m.weight.dtype))
 
 
 class Recorder(L.Callback):
@@ -109,15 +112,19 @@ class Recorder(L.Callback):
                 "local": tuple(p.to_local().shape) if is_dt else tuple(p.shape),
                 "opt_local": {k: v.to_local().numel() for k, v in state.items() if isinstance(v, DTensor)},
                 "meta": p.is_meta,
+                "dtype": p.dtype,
             }
         tied = pl_module.model.lm_head.weight is pl_module.model.embed.weight
         record = {"losses": self.losses, "shards": shards, "world": trainer.world_size, "tied": tied}
+        record["compute_dtypes"] = sorted(str(d) for d in getattr(pl_module, "compute_dtypes", ()))
         torch.save(record, self.out / f"rank{trainer.global_rank}-{self.tag}.pt")
         if trainer.global_rank == 0:
             torch.save({**record, "weights": full}, self.out / f"result-{self.tag}.pt")
 
 
-def fit(devices: int, out: Path, tag: str, module: L.LightningModule, steps: int, **fit_kwargs: Any) -> None:
+def fit(
+    devices: int, out: Path, tag: str, module: L.LightningModule, steps: int, precision: str = "32-true", **kwargs: Any
+) -> None:
     strategy = LLMFastStrategy(**StrategyRegistry["llmfast_fsdp"]["init_params"], timeout=timedelta(seconds=90))
     callbacks: list[L.Callback] = [Recorder(out, tag)]
     if tag == "fresh":
@@ -125,11 +132,11 @@ def fit(devices: int, out: Path, tag: str, module: L.LightningModule, steps: int
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False, callbacks=callbacks,
-        enable_checkpointing=tag == "fresh",
+        enable_checkpointing=tag == "fresh", precision=precision,
     )  # fmt: skip
     world, rank = devices, int(os.environ.get("LOCAL_RANK", 0))
     data = [rank_batch(step, rank, world) for step in global_batches()]
-    trainer.fit(module, train_dataloaders=Batches(data), **fit_kwargs)
+    trainer.fit(module, train_dataloaders=Batches(data), **kwargs)
 
 
 def main() -> None:
@@ -150,7 +157,7 @@ def main() -> None:
         fit(args.devices, args.out, "resumed", module(), STEPS, ckpt_path=args.resume)
     if args.meta:
         torch.manual_seed(0)
-        fit(args.devices, args.out, "meta", MetaModule(), 2)
+        fit(args.devices, args.out, "meta", MetaModule(), 2, precision="bf16-mixed")
 
 
 if __name__ == "__main__":

@@ -118,11 +118,13 @@ def test_a_two_process_checkpoint_loads_into_one_and_four(runs: dict[str, Path],
     _assert_rel(resumed["weights"], reference["weights"])
 
 
-def test_meta_device_model_is_sharded_then_materialised(runs: dict[str, Path]) -> None:
+def test_meta_device_model_is_sharded_then_materialised_and_trains_in_bf16_mixed(runs: dict[str, Path]) -> None:
     meta = _result(runs[2], "meta")
     assert len(meta["losses"]) == 2 and all(torch.isfinite(torch.tensor(meta["losses"])))
     assert meta["tied"]
-    assert all(s["dtensor"] and not s["meta"] for s in meta["shards"].values())
+    # "bf16-mixed": the sharded master weights stay fp32, FSDP2 gathers them in bf16 for compute
+    assert all(s["dtensor"] and not s["meta"] and s["dtype"] == torch.float32 for s in meta["shards"].values())
+    assert meta["compute_dtypes"] == ["torch.bfloat16"]
     for name, w in meta["weights"].items():
         assert torch.isfinite(w).all(), name
         if name.endswith("norm.weight"):  # reset_parameters gave ones; two AdamW steps of lr 1e-2 move them < 0.05
