@@ -15,43 +15,31 @@ Example::
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
 from lightning_llmfast._checks import check_bool
-from lightning_llmfast.errors import ConfigError, OffloadError
+from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload.offloader import ActivationOffloader, resolve_layers, validate_offload_config
-from lightning_llmfast.parallel import checkpoint as dcp_io
-from lightning_llmfast.parallel.fsdp import (
-    SHARDINGS,
-    build_device_mesh,
-    materialize_module,
-    mixed_precision_policy,
-    shard_module,
-    sync_module_states,
-)
+from lightning_llmfast.sharding import ShardedDataParallelBase
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from lightning.fabric.utilities.types import _PATH
     from lightning.pytorch.strategies.registry import _StrategyRegistry
     from lightning.pytorch.utilities.types import STEP_OUTPUT
     from torch import Tensor
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.optim import Optimizer
 
 __all__ = ["LLMFastStrategy"]
 
 
-class LLMFastStrategy(DDPStrategy):
+class LLMFastStrategy(ShardedDataParallelBase):
     """DDP or FSDP2 for LLM training with optional double-buffered activation offload.
 
     With one process on one device it neither wraps the model in ``DistributedDataParallel`` nor creates a
@@ -64,12 +52,13 @@ class LLMFastStrategy(DDPStrategy):
     With ``sharding="fsdp"`` and several processes it builds a device mesh (:attr:`device_mesh`) and shards the
     model with FSDP2 instead of wrapping it in DDP: every block of ``layers`` and every top-level child holding other
     parameters is a ``fully_shard`` group, so parameters, gradients and optimizer state are split over the ranks
-    (:mod:`~lightning_llmfast.parallel.fsdp`). ``precision="bf16-mixed"`` computes in bf16 and reduces and keeps
-    master weights in fp32. A model built in ``configure_model`` on the meta device is sharded first and then
-    materialised shard by shard through its modules' ``reset_parameters()``. Checkpoints are DCP directories that
-    every rank writes its shards into and that load into any world size
-    (:mod:`~lightning_llmfast.parallel.checkpoint`; ``consolidate_checkpoint`` exports one file for inference).
-    One process shards nothing, as with DDP, but reads and writes the same checkpoints.
+    (:class:`~lightning_llmfast.sharding.ShardedDataParallelBase`, :mod:`~lightning_llmfast.parallel.fsdp`).
+    ``precision="bf16-mixed"`` computes in bf16 and reduces and keeps master weights in fp32. A model built in
+    ``configure_model`` on the meta device is sharded first and then materialised shard by shard through its
+    modules' ``reset_parameters()``. Checkpoints are DCP directories that every rank writes its shards into and
+    that load into any world size (:mod:`~lightning_llmfast.parallel.checkpoint`; ``consolidate_checkpoint``
+    exports one file for inference). One process shards nothing, as with DDP, but reads and writes the same
+    checkpoints.
 
     Args:
         sharding: ``"ddp"`` (replicated model) or ``"fsdp"`` (FSDP2 sharded data parallel).
@@ -149,11 +138,7 @@ class LLMFastStrategy(DDPStrategy):
         )
         # A string must not pass: bool("no") is True.
         check_bool(f"{type(self).__name__}: offload_activations", offload_activations, error=OffloadError)
-        if not isinstance(sharding, str) or sharding not in SHARDINGS:
-            raise ConfigError(f"{type(self).__name__}: sharding must be one of {SHARDINGS}, got {sharding!r}")
-        super().__init__(*args, **kwargs)
-        self.sharding = sharding
-        self._device_mesh: DeviceMesh | None = None
+        super().__init__(*args, sharding=sharding, **kwargs)
         self.offload_activations = offload_activations
         self.force_offload = force_offload
         self._layers_spec = layers
@@ -208,21 +193,14 @@ class LLMFastStrategy(DDPStrategy):
         self._process_group_backend = self._get_process_group_backend()
 
     @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        if self.sharding == "fsdp" and not self.single_process:
-            self._device_mesh = build_device_mesh(self.root_device.type, self.world_size)
-
-    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if self.sharding == "fsdp":
-            self._check_fsdp_config()
+            self._check_fsdp_config(self._layers_spec)  # on every world size, before any step
         if self.sharding == "fsdp" and not self.single_process:
-            self._setup_sharded(trainer)
+            self._setup_sharded(trainer, self._layers_spec)
         elif self.single_process:
             if self.sharding == "fsdp":
-                assert self.lightning_module is not None
-                materialize_module(self.lightning_module, self.root_device)  # configure_model on the meta device
+                self._materialize_single()  # configure_model on the meta device
             # The base setup (device, precision, optimizers) without DDP's wrapper and module-state broadcast.
             Strategy.setup(self, trainer)
             # One replica needs no DistributedSampler; Lightning would inject one (it sees a DDPStrategy) and it
@@ -238,119 +216,6 @@ class LLMFastStrategy(DDPStrategy):
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
         return model if self.single_process else super()._setup_model(model)
-
-    # ------------------------------------------------------------------ sharded data parallel (FSDP2)
-    @property
-    def device_mesh(self) -> DeviceMesh | None:
-        """The device mesh of ``sharding="fsdp"`` with several processes (dimension ``"dp"``), else ``None``."""
-        return self._device_mesh
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # Sharded states load into the sharded model and the optimizers built on it.
-        return self.sharding == "fsdp" or super().restore_checkpoint_after_setup
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return self.sharding != "fsdp"  # load_checkpoint restores them, resharded
-
-    def _check_fsdp_config(self) -> None:
-        """Everything ``sharding="fsdp"`` needs, checked on every world size before any step."""
-        assert self.lightning_module is not None
-        self._fsdp_layers()
-        mixed_precision_policy(self.precision_plugin.precision)
-
-    def _fsdp_layers(self) -> list[nn.Module]:
-        assert self.lightning_module is not None
-        try:
-            return resolve_layers(self.lightning_module, self._layers_spec)
-        except OffloadError as err:
-            raise ConfigError(f"sharding='fsdp' shards the layer stack block by block: {err}") from err
-
-    def _setup_sharded(self, trainer: pl.Trainer) -> None:
-        """Strategy setup with FSDP2 in place of the DDP wrapper: shard, materialise, then build the optimizers."""
-        assert self.accelerator is not None and self.model is not None and self._device_mesh is not None
-        self.accelerator.setup(trainer)
-        self.model = self.precision_plugin.convert_module(self.model)
-        module = self.lightning_module
-        assert module is not None
-        if not any(p.is_meta for p in module.parameters()):
-            sync_module_states(module)  # built eagerly on every rank: shard rank 0's weights, as DDP would
-        policy = mixed_precision_policy(self.precision_plugin.precision)
-        shard_module(module, self._device_mesh, self._fsdp_layers(), mp_policy=policy)
-        if not materialize_module(module, self.root_device):
-            module.to(self.root_device)  # buffers and parameters FSDP does not manage; shards are already there
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-
-    def _release_meta_module(self) -> None:
-        # A setup that failed before materialising leaves meta tensors, which the base teardown's `.cpu()` cannot
-        # move; give them (uninitialised) host storage so the error that stopped setup is the one the user sees.
-        module = self.lightning_module
-        if module is not None and any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
-            module.to_empty(device="cpu")
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.sharding != "fsdp":
-            return super().lightning_module_state_dict()
-        assert self.lightning_module is not None
-        return dcp_io.model_state(self.lightning_module)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self.sharding != "fsdp":
-            return super().optimizer_state(optimizer)
-        assert self.lightning_module is not None
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer.optimizer
-        return dcp_io.optimizer_state(self.lightning_module, optimizer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if self.sharding != "fsdp":
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-            return
-        if storage_options is not None:
-            raise ConfigError(f"{type(self).__name__}(sharding='fsdp'): save_checkpoint takes no storage_options")
-        path = Path(self.broadcast(str(filepath)))  # rank 0's path: every rank writes into the same directory
-        if self.is_global_zero and path.is_file():
-            path.unlink()
-        self.barrier("llmfast_fsdp_save")
-        dcp_io.save_distributed_checkpoint(checkpoint, path, rank=self.global_rank)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        if self.sharding != "fsdp":
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if not dcp_io.is_distributed_checkpoint(path):
-            raise ConfigError(
-                f"{type(self).__name__}(sharding='fsdp') resumes from distributed checkpoint directories; {path} is "
-                "not one (load a single-file checkpoint's weights with LightningModule.load_from_checkpoint)"
-            )
-        assert self.lightning_module is not None
-        return dcp_io.load_distributed_checkpoint(
-            path,
-            self.lightning_module,
-            self.optimizers,
-            strict=self.lightning_module.strict_loading,
-            weights_only=weights_only,
-        )
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self.sharding != "fsdp":
-            super().load_model_state_dict(checkpoint, strict=strict)
-        # under "fsdp", load_checkpoint already loaded the shards
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self.sharding != "fsdp":
-            super().load_optimizer_state_dict(checkpoint)
 
     # ------------------------------------------------------------------ offload wiring
     @staticmethod
@@ -420,8 +285,6 @@ class LLMFastStrategy(DDPStrategy):
             self._last_offload_stats = self._offloader.stats  # kept for offload_stats: the offloader is released
             self._offloader.close()
             self._offloader = None
-        if self.sharding == "fsdp":
-            self._release_meta_module()
         super().teardown()
 
     # ------------------------------------------------------------------ registry

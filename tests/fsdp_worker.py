@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.distributed.tensor import DTensor
@@ -160,5 +162,16 @@ def main() -> None:
         fit(args.devices, args.out, "meta", MetaModule(), 2, precision="bf16-mixed")
 
 
+def finish() -> None:
+    """Exit once every rank has written its files, skipping interpreter teardown: gloo's threads can abort it
+    ("terminate called without an active exception"), which Lightning's launcher would report as a failed rank."""
+    if dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    finish()

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -81,8 +82,9 @@ def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
 def save_distributed_checkpoint(checkpoint: dict[str, Any], path: str | Path, *, rank: int) -> None:
     """Write ``checkpoint`` (Lightning's dict, from :func:`model_state`/:func:`optimizer_state`) to ``path``.
 
-    Every rank calls this: each writes its own shards; rank 0 also writes :data:`META_FILENAME`. ``checkpoint`` is
-    not modified. An existing file at ``path`` is replaced by the directory.
+    Every rank calls this with the same ``path``: each writes its own shards; rank 0 also writes
+    :data:`META_FILENAME`. ``checkpoint`` is not modified. An existing file at ``path`` is replaced by the directory
+    (rank 0 removes it, then all ranks meet at a barrier before creating the directory).
 
     Example::
 
@@ -91,6 +93,8 @@ def save_distributed_checkpoint(checkpoint: dict[str, Any], path: str | Path, *,
     path = Path(path)
     if rank == 0 and path.is_file():
         path.unlink()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
     path.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, Any] = {_MODEL_KEY: checkpoint.get(_MODEL_KEY, {})}
     for index, state in enumerate(checkpoint.get("optimizer_states", [])):

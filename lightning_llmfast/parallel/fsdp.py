@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from lightning_llmfast.errors import ConfigError
 
@@ -207,7 +208,8 @@ def sync_module_states(module: nn.Module, src: int = 0) -> None:
     """Broadcast every parameter and buffer of ``module`` from rank ``src``, as DDP does at construction.
 
     Used before sharding a model that every rank built eagerly, so that the shards come from one model even when
-    the ranks' seeds differ. A no-op without an initialised process group.
+    the ranks' seeds differ. Already sharded parameters (DTensors) are left alone. A no-op without an initialised
+    process group.
 
     Example::
 
@@ -217,7 +219,8 @@ def sync_module_states(module: nn.Module, src: int = 0) -> None:
         return
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor, src=src)
+            if not isinstance(tensor, DTensor):
+                dist.broadcast(tensor, src=src)
 
 
 def _shared_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
