@@ -23,7 +23,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.distributed.tensor import DTensor
 
-from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule, PackedBatch
+from lightning_llmfast import (
+    LLMFastStrategy,
+    MoEGPTConfig,
+    MoEGPTLightningModule,
+    PackedBatch,
+    SequenceMetadataCallback,
+    TokenThroughputMonitor,
+)
 from lightning_llmfast.models import MoEGPT
 
 ROWS, SEQ_LEN, DOCS_PER_ROW, STEPS, VOCAB = 4, 24, 3, 10, 64
@@ -119,6 +126,11 @@ class Recorder(L.Callback):
         tied = pl_module.model.lm_head.weight is pl_module.model.embed.weight
         record = {"losses": self.losses, "shards": shards, "world": trainer.world_size, "tied": tied}
         record["compute_dtypes"] = sorted(str(d) for d in getattr(pl_module, "compute_dtypes", ()))
+        for callback in trainer.callbacks:
+            if isinstance(callback, SequenceMetadataCallback):
+                record["metadata_builds_last_batch"] = callback.builds_last_batch
+            if isinstance(callback, TokenThroughputMonitor):
+                record["throughput"] = callback.last_metrics
         torch.save(record, self.out / f"rank{trainer.global_rank}-{self.tag}.pt")
         if trainer.global_rank == 0:
             torch.save({**record, "weights": full}, self.out / f"result-{self.tag}.pt")
@@ -129,6 +141,8 @@ def fit(
 ) -> None:
     strategy = LLMFastStrategy(**StrategyRegistry["llmfast_fsdp"]["init_params"], timeout=timedelta(seconds=90))
     callbacks: list[L.Callback] = [Recorder(out, tag)]
+    if tag == "meta":  # the package's callbacks on top of FSDP2, unchanged
+        callbacks += [SequenceMetadataCallback(), TokenThroughputMonitor(log_every_n_steps=1)]
     if tag == "fresh":
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=STEPS // 2, save_top_k=-1))
     trainer = L.Trainer(

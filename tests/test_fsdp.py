@@ -125,6 +125,9 @@ def test_meta_device_model_is_sharded_then_materialised_and_trains_in_bf16_mixed
     # "bf16-mixed": the sharded master weights stay fp32, FSDP2 gathers them in bf16 for compute
     assert all(s["dtensor"] and not s["meta"] and s["dtype"] == torch.float32 for s in meta["shards"].values())
     assert meta["compute_dtypes"] == ["torch.bfloat16"]
+    # the package's callbacks work on top: one metadata build per batch, global token counts of both ranks
+    assert meta["metadata_builds_last_batch"] == 1
+    assert meta["throughput"]["train/tokens"] == 2 * worker.ROWS * worker.SEQ_LEN  # 2 steps of the global batch
     for name, w in meta["weights"].items():
         assert torch.isfinite(w).all(), name
         if name.endswith("norm.weight"):  # reset_parameters gave ones; two AdamW steps of lr 1e-2 move them < 0.05
