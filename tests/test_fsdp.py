@@ -28,7 +28,7 @@ from lightning_llmfast.parallel.checkpoint import (
     is_distributed_checkpoint,
     load_distributed_checkpoint,
 )
-from lightning_llmfast.parallel.fsdp import materialize_module, mesh_shape, mixed_precision_policy
+from lightning_llmfast.parallel.fsdp import materialize_module, mesh_shape, mixed_precision_policy, shard_module
 
 WORKER = Path(worker.__file__)
 HALF = f"epoch=0-step={worker.STEPS // 2}.ckpt"
@@ -257,3 +257,20 @@ def test_single_process_fsdp_is_plain_and_refuses_a_non_distributed_checkpoint(t
                     ckpt_path=bad)  # fmt: skip
     assert trainer.strategy.model is model and trainer.strategy.device_mesh is None
     assert not dist.is_initialized()
+
+
+def test_shard_module_refuses_what_fsdp_could_not_shard_before_any_collective() -> None:
+    class Direct(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(2))
+            self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+
+    model = Direct()
+    # mesh=None: the arguments are checked before fully_shard (the only user of the mesh) runs
+    with pytest.raises(ConfigError, match=r"holds parameters directly \(\['scale'\]\)"):
+        shard_module(model, None, list(model.layers))  # type: ignore[arg-type]
+    for layers in ([], [nn.Linear(2, 2)], [model]):
+        with pytest.raises(ConfigError, match="non-empty blocks inside Direct"):
+            shard_module(model, None, layers)  # type: ignore[arg-type]
+    assert all(type(p) is nn.Parameter for p in model.parameters())  # nothing was sharded

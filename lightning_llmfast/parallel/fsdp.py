@@ -139,10 +139,6 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
     return None if dtypes is None else MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1])
 
 
-def _has_own_parameters(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters(recurse=False))
-
-
 def shard_module(
     module: nn.Module,
     mesh: DeviceMesh,
@@ -159,7 +155,8 @@ def shard_module(
 
     Args:
         module: the model (a LightningModule or any module whose children are called through ``forward``).
-        mesh: a 1-D mesh (FSDP) or 2-D mesh (HSDP, replicate x shard).
+        mesh: the data-parallel mesh (:func:`build_device_mesh`); checked only by ``fully_shard``, after the
+            arguments above.
         layers: the blocks of the layer stack, in execution order, all inside ``module``.
         mp_policy: FSDP2 mixed precision (:func:`mixed_precision_policy`); ``None`` computes in the stored dtype.
         reshard_after_forward: free gathered parameters after each block's forward (ZeRO-3); ``False`` keeps them
@@ -184,10 +181,10 @@ def shard_module(
             f"sharding='fsdp': the layer stack must be non-empty blocks inside {type(module).__name__}, got "
             f"{len(layers)} layer(s)"
         )
-    if _has_own_parameters(module):
-        names = [name for name, _ in module.named_parameters(recurse=False)]
+    own = [name for name, _ in module.named_parameters(recurse=False)]
+    if own:
         raise ConfigError(
-            f"sharding='fsdp': {type(module).__name__} holds parameters directly ({names}); move them into a child "
+            f"sharding='fsdp': {type(module).__name__} holds parameters directly ({own}); move them into a child "
             "module so they can be sharded"
         )
     kwargs = {"mesh": mesh, "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy()}
