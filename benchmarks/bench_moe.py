@@ -25,11 +25,18 @@ intermediate): ours 1.07-1.10x at T=4096 and 1.06-1.08x at T=8192 against the ol
 remains at T=8192 is mostly first-touch page faults of the two unavoidable ``(T*k, H)`` buffers (the permuted rows and
 their gradient). On an H200 (bf16) the blocks are launch-bound at these small shapes; see ``benchmarks/RESULTS.md``.
 
+A second table (``"deepseek"`` in the results) runs the DeepSeek-V3 layout: our block with a shared expert,
+sigmoid group-limited routing (``num_groups``/``topk_groups``), the correction bias and ``route_scale``, against
+transformers' ``DeepseekV3MoE`` with the same weights (``eager`` and ``grouped_mm`` experts) and against that HF
+block swapped by our adapter, forward+backward, in the same interleaved run, as ratios to ours; the outputs of all
+of them are checked equal first.
+
 Usage::
 
     python benchmarks/bench_moe.py            # the issue's two shapes (about a minute on 2 CPU cores)
     python benchmarks/bench_moe.py --quick    # small shapes, a few seconds
     python benchmarks/bench_moe.py --json out.json
+    python benchmarks/bench_moe.py --ep 2     # expert parallelism on 2 CPU processes (bench_moe_ep.py)
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from torch import Tensor, nn
 
 from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.moe import MoEBlock, NaiveMoEBlock, permute, route
+from lightning_llmfast.moe.adapters import swap_moe_blocks
 from lightning_llmfast.moe.experts import grouped_swiglu
 
 __all__ = ["run", "main"]
@@ -53,6 +61,10 @@ __all__ = ["run", "main"]
 # (num_tokens, hidden, ffn, num_experts, top_k)
 FULL_SHAPES = [(4096, 256, 512, 8, 2), (8192, 256, 512, 64, 8)]
 QUICK_SHAPES = [(256, 64, 128, 8, 2), (512, 64, 128, 16, 4)]
+# DeepSeek-V3 in small: (num_tokens, hidden, ffn, num_experts, top_k, num_groups, topk_groups); one shared expert.
+DEEPSEEK_FULL_SHAPES = [(4096, 256, 256, 64, 8, 8, 4)]
+DEEPSEEK_QUICK_SHAPES = [(256, 64, 64, 16, 4, 4, 2)]
+ROUTE_SCALE = 2.5
 TARGET_RATIO = 1.05
 
 
@@ -77,6 +89,110 @@ def _hf_mixtral(block: MoEBlock, implementation: str) -> nn.Module | None:
         hf.experts.gate_up_proj.copy_(block.experts.gate_up_proj.transpose(1, 2))
         hf.experts.down_proj.copy_(block.experts.down_proj.transpose(1, 2))
     return hf
+
+
+def _hf_deepseek(block: MoEBlock, implementation: str) -> nn.Module | None:
+    """transformers' DeepSeek-V3 MoE block with ``block``'s weights, or ``None`` without transformers."""
+    try:
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    except ImportError:
+        return None
+    config = DeepseekV3Config(
+        hidden_size=block.hidden_size,
+        moe_intermediate_size=block.ffn_size,
+        n_routed_experts=block.num_experts,
+        num_experts_per_tok=block.top_k,
+        n_group=block.num_groups,
+        topk_group=block.topk_groups,
+        n_shared_experts=1,
+        routed_scaling_factor=block.route_scale,
+        norm_topk_prob=True,
+    )
+    config._experts_implementation = implementation
+    hf = DeepseekV3MoE(config).to(block.router.weight.device, block.router.weight.dtype)
+    shared, ffn = block.shared_experts, block.ffn_size
+    with torch.no_grad():
+        hf.gate.weight.copy_(block.router.weight)
+        hf.gate.e_score_correction_bias.copy_(block.expert_bias)
+        hf.experts.gate_up_proj.copy_(block.experts.gate_up_proj.transpose(1, 2))
+        hf.experts.down_proj.copy_(block.experts.down_proj.transpose(1, 2))
+        hf.shared_experts.gate_proj.weight.copy_(shared.gate_up_proj[:, :ffn].T)
+        hf.shared_experts.up_proj.weight.copy_(shared.gate_up_proj[:, ffn:].T)
+        hf.shared_experts.down_proj.weight.copy_(shared.down_proj.T)
+    return hf
+
+
+def _time(
+    impls: dict[str, tuple[Callable[[Tensor], Tensor], Tensor]], x: Tensor, repeats: int, device: str
+) -> tuple[dict[str, float], dict[str, int]]:
+    """Host syncs of one forward+backward and the median time of ``repeats`` interleaved ones, per implementation."""
+    syncs: dict[str, int] = {}
+    for name, (fn, g) in impls.items():
+        _step(fn, x, g)  # warm-up (allocator, lazy init)
+        with SyncCounter() as counter:
+            _step(fn, x, g)
+        syncs[name] = counter.num_syncs
+    times: dict[str, list[float]] = {name: [] for name in impls}
+    for _ in range(repeats):
+        for name, (fn, g) in impls.items():  # interleaved: machine noise hits every implementation alike
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            _step(fn, x, g)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}, syncs
+
+
+def _bench_deepseek(
+    num_tokens: int, hidden: int, ffn: int, num_experts: int, top_k: int, num_groups: int, topk_groups: int,
+    repeats: int, device: str,
+) -> dict[str, Any]:  # fmt: skip
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    ours = MoEBlock(
+        hidden, ffn, num_experts, top_k, score="sigmoid", num_groups=num_groups, topk_groups=topk_groups,
+        route_scale=ROUTE_SCALE, num_shared_experts=1, expert_bias=True,
+    ).to(device, dtype)  # fmt: skip
+    with torch.no_grad():
+        ours.router.weight.normal_(std=0.1)  # scores spread out, so the groups and top-k are not near-ties
+        ours.expert_bias.normal_(std=0.01)
+    x = torch.randn(num_tokens, hidden, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(num_tokens, hidden, device=device, dtype=dtype)
+    impls: dict[str, tuple[Callable[[Tensor], Tensor], Tensor]] = {"ours": (ours, grad)}
+    for implementation in ("eager", "grouped_mm"):
+        hf = _hf_deepseek(ours, implementation)
+        if hf is not None:
+            impls[f"hf_{implementation}"] = (lambda t, m=hf: m(t.unsqueeze(0)).squeeze(0), grad)
+    if "hf_eager" in impls:
+        adapted = swap_into(_hf_deepseek(ours, "eager"))
+        impls["hf_swapped_by_our_adapter"] = (lambda t, m=adapted: m(t.unsqueeze(0)).squeeze(0), grad)
+    with torch.no_grad():  # same weights, same function: checked before anything is timed
+        reference = ours(x)
+        tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        max_error = {n: float((fn(x) - reference).abs().max()) for n, (fn, _) in impls.items()}
+        if any(err > tolerance * float(reference.abs().max()) for err in max_error.values()):
+            raise AssertionError(f"implementations disagree: max abs error {max_error}")
+    median_ms, syncs = _time(impls, x, repeats, device)
+    return {
+        "shape": {"T": num_tokens, "H": hidden, "F": ffn, "E": num_experts, "k": top_k, "groups": num_groups,
+                  "topk_groups": topk_groups, "shared": 1},
+        "dtype": str(dtype).removeprefix("torch."),
+        "repeats": repeats,
+        "median_ms": median_ms,
+        "ratio_to_ours": {name: ms / median_ms["ours"] for name, ms in median_ms.items()},
+        "host_syncs_per_step": syncs,
+        "max_abs_error_vs_ours": max_error,
+    }  # fmt: skip
+
+
+def swap_into(block: nn.Module) -> nn.Module:
+    """``block`` swapped for our grouped adapter (in a container, as a model holds it)."""
+    container = nn.Sequential(block)
+    swap_moe_blocks(container)
+    return container[0]
 
 
 def _step(fn: Callable[[Tensor], Tensor], x: Tensor, grad: Tensor) -> None:
@@ -116,23 +232,7 @@ def _bench_shape(
         if hf is not None:
             impls[f"hf_{implementation}"] = (lambda t, m=hf: m(t.unsqueeze(0)).squeeze(0), grad)
 
-    syncs: dict[str, int] = {}
-    for name, (fn, g) in impls.items():
-        _step(fn, x, g)  # warm-up (allocator, lazy init)
-        with SyncCounter() as counter:
-            _step(fn, x, g)
-        syncs[name] = counter.num_syncs
-    times: dict[str, list[float]] = {name: [] for name in impls}
-    for _ in range(repeats):
-        for name, (fn, g) in impls.items():  # interleaved: machine noise hits every implementation alike
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            _step(fn, x, g)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - start)
-    median_ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+    median_ms, syncs = _time(impls, x, repeats, device)
     limit = median_ms["expert_only"]
     ratios = {name: ms / limit for name, ms in median_ms.items()}
     hf_best = min((ratios[n] for n in ratios if n.startswith("hf_")), default=float("inf"))
@@ -161,7 +261,8 @@ def run(
 
     Returns:
         ``{"device", "target_ratio", "results": [per-shape dicts with median_ms, ratio_to_expert_only,
-        host_syncs_per_step, ours_meets_target]}``.
+        host_syncs_per_step, ours_meets_target], "deepseek": [per-shape dicts with median_ms, ratio_to_ours,
+        host_syncs_per_step, max_abs_error_vs_ours]}``.
 
     Example::
 
@@ -173,7 +274,15 @@ def run(
     shapes = QUICK_SHAPES if quick else FULL_SHAPES
     repeats = repeats or (3 if quick else 7)
     results = [_bench_shape(*shape, repeats=repeats, device=device) for shape in shapes]
-    return {"device": device, "threads": torch.get_num_threads(), "target_ratio": TARGET_RATIO, "results": results}
+    deepseek_shapes = DEEPSEEK_QUICK_SHAPES if quick else DEEPSEEK_FULL_SHAPES
+    deepseek = [_bench_deepseek(*shape, repeats=repeats, device=device) for shape in deepseek_shapes]
+    return {
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "target_ratio": TARGET_RATIO,
+        "results": results,
+        "deepseek": deepseek,
+    }
 
 
 def _print(report: dict[str, Any]) -> None:
@@ -185,6 +294,13 @@ def _print(report: dict[str, Any]) -> None:
             ratio = result["ratio_to_expert_only"][name]
             print(f"  {name:<14} {ms:>10.1f} {ratio:>14.3f} {result['host_syncs_per_step'][name]:>11}")
         print(f"  ours meets target (<= {report['target_ratio']}x and faster than HF): {result['ours_meets_target']}")
+    for result in report.get("deepseek", []):
+        shape = ", ".join(f"{k}={v}" for k, v in result["shape"].items())
+        print(f"\nDeepSeek-V3 MoE block fwd+bwd on {report['device']} ({shape}), median of {result['repeats']}:")
+        print(f"  {'implementation':<26} {'ms':>10} {'x ours':>8} {'host syncs':>11}")
+        for name, ms in sorted(result["median_ms"].items(), key=lambda kv: kv[1]):
+            ratio = result["ratio_to_ours"][name]
+            print(f"  {name:<26} {ms:>10.1f} {ratio:>8.3f} {result['host_syncs_per_step'][name]:>11}")
 
 
 def main() -> None:
@@ -195,9 +311,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: unchanged)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--ep", type=int, default=None, help="expert parallelism on this many CPU processes instead")
     args = parser.parse_args()
-    report = run(quick=args.quick, device=args.device, repeats=args.repeats, threads=args.threads)
-    _print(report)
+    if args.ep is not None:
+        from bench_moe_ep import print_report
+        from bench_moe_ep import run as run_ep
+
+        report = run_ep(world=args.ep, quick=args.quick, repeats=args.repeats)
+        print_report(report)
+    else:
+        report = run(quick=args.quick, device=args.device, repeats=args.repeats, threads=args.threads)
+        _print(report)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

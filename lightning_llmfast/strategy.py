@@ -15,7 +15,7 @@ Example::
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
@@ -24,9 +24,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_llmfast._checks import check_bool
-from lightning_llmfast.errors import OffloadError
+from lightning_llmfast._checks import check_bool, check_int
+from lightning_llmfast.errors import ConfigError, OffloadError
 from lightning_llmfast.offload.offloader import ActivationOffloader, resolve_layers, validate_offload_config
+from lightning_llmfast.parallel import expert as expert_parallel
 from lightning_llmfast.sharding import ShardedDataParallelBase
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies.registry import _StrategyRegistry
     from lightning.pytorch.utilities.types import STEP_OUTPUT
     from torch import Tensor
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.optim import Optimizer
 
 __all__ = ["LLMFastStrategy"]
@@ -79,6 +81,10 @@ class LLMFastStrategy(ShardedDataParallelBase):
         recompute: ``None`` or ``"selective"``: the layers that do not offload keep only matmul, attention and
             routing outputs and recompute the cheap rest in backward
             (:mod:`~lightning_llmfast.offload.recompute`).
+        expert_parallel_size: ``N > 1`` splits the experts of every MoE block over groups of ``N`` ranks (a
+            ``("edp", "ep")`` device mesh; :mod:`~lightning_llmfast.parallel.expert`): tokens travel by all-to-all,
+            expert gradients are averaged over the ranks holding the same experts, dense ones by DDP over all, and
+            checkpoints hold the full expert tensors. ``N`` must divide the world size and every block's experts.
         rebuild_gemms: with ``offload_activations=True``, also rebuild the routed experts' gate/up GEMM output in
             backward instead of keeping it (one more grouped GEMM per layer): ``True`` in every layer, an int ``N``
             in the first ``N`` (see :class:`~lightning_llmfast.offload.ActivationOffloader`).
@@ -91,10 +97,13 @@ class LLMFastStrategy(ShardedDataParallelBase):
             other than ``None``, an int ``>= 0`` or ``"auto"``, or a ``recompute`` other than ``None`` or
             ``"selective"``, or a ``rebuild_gemms`` that is neither a bool nor an int ``>= 0``; at :meth:`setup`,
             before any step, when ``layers`` matches nothing.
-        ConfigError: at construction for a ``sharding`` other than ``"ddp"`` or ``"fsdp"``; under ``"fsdp"``, at
-            :meth:`setup` before any step, when ``layers`` matches nothing, the precision has no FSDP2 policy
-            (``"16-mixed"``), or meta-device modules have no ``reset_parameters()``; when resuming from a file that
-            is not a distributed checkpoint.
+        ConfigError: ``expert_parallel_size`` not an int ``>= 1``; at :meth:`setup`, when it does not divide the
+            world size or a block's experts, the model has no grouped MoE block, or the Trainer clips gradients by
+            norm (each rank would see only its own experts' norm; clipping by value works).
+        ConfigError: at construction for a ``sharding`` other than ``"ddp"`` or ``"fsdp"``, or ``"fsdp"`` with
+            ``expert_parallel_size > 1`` (not combined yet); under ``"fsdp"``, at :meth:`setup` before any step,
+            when ``layers`` matches nothing, the precision has no FSDP2 policy (``"16-mixed"``), or meta-device
+            modules have no ``reset_parameters()``; when resuming from a file that is not a distributed checkpoint.
 
     Example::
 
@@ -123,8 +132,15 @@ class LLMFastStrategy(ShardedDataParallelBase):
         offload_layers: int | str | None = None,
         recompute: str | None = None,
         rebuild_gemms: bool | int = False,
+        expert_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
+        check_int(f"{type(self).__name__}: expert_parallel_size", expert_parallel_size, low=1)
+        if sharding == "fsdp" and expert_parallel_size > 1:
+            raise ConfigError(
+                f"{type(self).__name__}: sharding='fsdp' with expert_parallel_size > 1 is not supported yet; use "
+                "sharding='ddp' for expert parallelism"
+            )
         validate_offload_config(
             min_offload_bytes=min_offload_bytes,
             keep_last_layers=keep_last_layers,
@@ -151,6 +167,8 @@ class LLMFastStrategy(ShardedDataParallelBase):
             "recompute": recompute,
             "rebuild_gemms": rebuild_gemms,
         }
+        self.expert_parallel_size = expert_parallel_size
+        self._expert_mesh: DeviceMesh | None = None
         self._offloader: ActivationOffloader | None = None
         self._last_offload_stats: dict[str, int | bool] | None = None
         if not self.offload_activations:
@@ -194,6 +212,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        self._setup_expert_parallel(trainer)
         if self.sharding == "fsdp":
             self._check_fsdp_config(self._layers_spec)  # on every world size, before any step
         if self.sharding == "fsdp" and not self.single_process:
@@ -286,6 +305,72 @@ class LLMFastStrategy(ShardedDataParallelBase):
             self._offloader.close()
             self._offloader = None
         super().teardown()
+
+    # ------------------------------------------------------------------ expert-parallel wiring
+    @property
+    def expert_mesh(self) -> DeviceMesh | None:
+        """The ``("edp", "ep")`` mesh with ``expert_parallel_size > 1`` (after :meth:`setup`), else ``None``."""
+        return self._expert_mesh
+
+    def _setup_expert_parallel(self, trainer: pl.Trainer) -> None:
+        # Before DDP wraps the model and the optimizers are built: both must see the local experts only.
+        if self.expert_parallel_size > 1 and self._expert_mesh is None:
+            assert self.lightning_module is not None
+            if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
+                # Each rank would take the norm over its own experts and clip its dense replica by another factor.
+                raise ConfigError(
+                    f"{type(self).__name__}: gradient clipping by norm is not supported with expert_parallel_size > 1 "
+                    "(the norm would cover each rank's experts only); use gradient_clip_algorithm='value'"
+                )
+            device = "cpu" if self._get_process_group_backend() == "gloo" else self.root_device.type
+            self._expert_mesh = expert_parallel.shard_model_experts(
+                self.lightning_module, self.expert_parallel_size, device
+            )
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        mesh = self._expert_mesh
+        if mesh is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_reduce() -> Any:
+            # Inside the closure: after the step's last backward, before clipping and the optimizer update.
+            result = closure()
+            expert_parallel.reduce_expert_gradients(self.lightning_module, mesh)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        if self._expert_mesh is None:
+            return state
+        return expert_parallel.gather_expert_state_dict(self.lightning_module, state)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._expert_mesh is not None:
+            state = expert_parallel.slice_expert_state_dict(self.lightning_module, checkpoint["state_dict"])
+            checkpoint = {**checkpoint, "state_dict": state}
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        state = super().optimizer_state(optimizer)
+        if self._expert_mesh is None:
+            return state
+        return expert_parallel.gather_expert_optimizer_state(self.lightning_module, optimizer, state)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._expert_mesh is not None:
+            states = [
+                expert_parallel.slice_expert_optimizer_state(self.lightning_module, optimizer, state)
+                for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False)
+            ]
+            checkpoint = {**checkpoint, "optimizer_states": states}
+        super().load_optimizer_state_dict(checkpoint)
 
     # ------------------------------------------------------------------ registry
     @classmethod

@@ -153,6 +153,8 @@ def test_registered_names_and_bad_sharding() -> None:
     for bad in ("zero3", "FSDP", None, 1):
         with pytest.raises(ConfigError, match="sharding must be one of"):
             LLMFastStrategy(sharding=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="expert_parallel_size > 1 is not supported yet"):
+        LLMFastStrategy(sharding="fsdp", expert_parallel_size=2)
 
 
 @pytest.mark.parametrize(

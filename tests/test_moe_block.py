@@ -286,6 +286,8 @@ def test_expert_bias_buffer_updates_only_in_training() -> None:
     assert torch.equal(grouped.expert_bias, torch.zeros(4))
     grouped.train()
     grouped(x)
+    assert torch.equal(grouped.expert_bias, torch.zeros(4))  # bias_update="step": applied by finish_step()
+    grouped.finish_step()
     counts = grouped.last_tokens_per_expert.float()
     torch.testing.assert_close(grouped.expert_bias, 0.1 * torch.sign(counts.mean() - counts))
 

@@ -241,12 +241,14 @@ def test_bad_recompute_mode_is_rejected_at_construction() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- side effects
-def test_expert_bias_updates_once_and_routing_is_not_replayed_with_the_new_bias() -> None:
-    """The bias moves in forward; recomputation must route as the forward did and must not move it again."""
+@pytest.mark.parametrize("bias_update", ["forward", "step"])
+def test_expert_bias_updates_once_and_routing_is_not_replayed_with_the_new_bias(bias_update: str) -> None:
+    """The bias moves in forward (or at the step's end); recomputation must route as the forward did and must not
+    count or move it again."""
 
     def make() -> torch.nn.Module:
         torch.manual_seed(0)
-        block = MoEBlock(16, 24, 4, 2, expert_bias=True, bias_update_rate=0.5, backend="torch")
+        block = MoEBlock(16, 24, 4, 2, expert_bias=True, bias_update_rate=0.5, backend="torch", bias_update=bias_update)
         return torch.nn.Sequential(torch.nn.Linear(16, 16), block)
 
     ref, model = make(), make()
@@ -254,12 +256,16 @@ def test_expert_bias_updates_once_and_routing_is_not_replayed_with_the_new_bias(
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         x = torch.randn(29, 16, generator=g)
-        grads = []
+        grads, counts = [], []
         for m in (ref, model):
             m.zero_grad(set_to_none=True)
             m(x).square().sum().backward()
             grads.append([p.grad.clone() for p in m.parameters()])
+            counts.append(None if m[1]._step_counts is None else m[1]._step_counts.clone())
+            m[1].finish_step()  # the step's update (a no-op for bias_update="forward")
         assert torch.equal(ref[1].expert_bias, model[1].expert_bias)
+        if bias_update == "step":  # counted once, not again by the replay (a doubled count has the same sign)
+            assert torch.equal(counts[0], counts[1]) and int(counts[1].sum()) == 29 * 2
         assert all(torch.equal(a, b) for a, b in zip(*grads))
     assert ref[1].expert_bias.abs().sum() > 0  # the bias did move
     handle.remove()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -64,9 +65,8 @@ def oracle(
     kept_of, dropped_of = pairs_of, [[] for _ in range(num_experts)]
     capacity = None
     if capacity_factor is not None:
-        # The pair count first, as route() computes it: (0.2 * 6) * 5 / 6 rounds to 1.0000000000000002 (ceil 2)
-        # where 0.2 * 30 / 6 is 1.0 (ceil 1). Hypothesis found that float-order disagreement, not a routing bug.
-        capacity = math.ceil(capacity_factor * (num_tokens * top_k) / num_experts)
+        # Exact: the factor is the decimal it prints as (0.2 * 30 / 6 is 1, whatever the float products round to).
+        capacity = math.ceil(Fraction(str(capacity_factor)) * (num_tokens * top_k) / num_experts)
         capacity = min(capacity, num_tokens * top_k)  # documented cap: no expert can get more pairs
         kept_of, dropped_of = [], []
         w = (drop_weights if drop_weights is not None else weights).reshape(-1).tolist()

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpCounter", "SyncCounter", "SYNC_OPS"]
+__all__ = ["HostReadCounter", "OpCounter", "SyncCounter", "SYNC_OPS"]
 
 # ATen ops that force the host to wait for the device (or, on CPU, that would on an accelerator):
 # they produce data-dependent shapes or read a device value into Python.
@@ -137,3 +137,40 @@ class SyncCounter(OpCounter):
             self.syncs["boolean_mask_index"] += 1
         elif _is_device_to_host_copy(name, args, kwargs):
             self.syncs["device_to_host_copy"] += 1
+
+
+class HostReadCounter:
+    """Counts ``Tensor.tolist()`` and ``Tensor.item()`` calls inside the context, on any device.
+
+    On CPU tensors both read the data directly, without an ATen op that :class:`SyncCounter` could see; on an
+    accelerator each is a device-to-host sync. Pair the two to prove that a code path reads nothing on the host.
+
+    Attributes:
+        count: calls seen so far.
+
+    Example::
+
+        with HostReadCounter() as reads, SyncCounter() as syncs:
+            block(x).sum().backward()
+        assert reads.count == syncs.num_syncs == 0
+    """
+
+    _METHODS = ("tolist", "item")
+
+    def __enter__(self) -> HostReadCounter:
+        self.count = 0
+        self._saved = {name: getattr(torch.Tensor, name) for name in self._METHODS}
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, self._counted(original))
+        return self
+
+    def _counted(self, original: Any) -> Any:
+        def counted(tensor: torch.Tensor, *args: Any) -> Any:
+            self.count += 1
+            return original(tensor, *args)
+
+        return counted
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)

@@ -1,4 +1,4 @@
-"""Lightning callbacks: packed-sequence metadata, real-token throughput, expert load."""
+"""Lightning callbacks: packed-sequence metadata, real-token throughput, expert load and balance."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ _LAZY = {
     "SequenceMetadataCallback": "lightning_llmfast.callbacks.seqmeta",
     "TokenThroughputMonitor": "lightning_llmfast.callbacks.throughput",
     "ExpertLoadMonitor": "lightning_llmfast.callbacks.moe",
+    "ExpertBalanceCallback": "lightning_llmfast.callbacks.moe",
 }
 
 __all__ = list(_LAZY)

@@ -1,8 +1,9 @@
-"""Expert-load monitoring: log MoE load balance from the router's counts, and surface non-finite router logits.
+"""Expert-load monitoring (log MoE load balance from the router's counts, surface non-finite router logits) and
+the once-per-optimizer-step expert balancing of the MoE blocks.
 
 Example::
 
-    trainer = L.Trainer(callbacks=[ExpertLoadMonitor(log_every_n_steps=50)])
+    trainer = L.Trainer(callbacks=[ExpertLoadMonitor(log_every_n_steps=50), ExpertBalanceCallback()])
 """
 
 from __future__ import annotations
@@ -11,15 +12,17 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe.metrics import ExpertLoadMetric
 
-__all__ = ["ExpertLoadMonitor"]
+__all__ = ["ExpertBalanceCallback", "ExpertLoadMonitor"]
 
 
 class ExpertLoadMonitor(Callback):
@@ -78,7 +81,9 @@ class ExpertLoadMonitor(Callback):
             if plan is None:
                 metric.update(counts, validate=False)
             else:
-                metric.update(counts, plan.num_dropped, plan.num_tokens * plan.top_k, validate=False)
+                # Masked tokens are no routed pairs: the valid pairs are then exactly the kept plus the dropped ones.
+                num_pairs = plan.num_tokens * plan.top_k if getattr(plan, "token_mask", None) is None else None
+                metric.update(counts, plan.num_dropped, num_pairs, validate=False)
             flag = getattr(block, "last_nonfinite", None)
             if flag is not None:
                 # OR-ed on the device: a NaN in any batch of the window is reported, not only in the last one.
@@ -108,3 +113,42 @@ class ExpertLoadMonitor(Callback):
             pl_module.log(f"moe/{key}", value, on_step=True, on_epoch=False)
         for metric in self._metrics.values():
             metric.reset()
+
+
+class ExpertBalanceCallback(Callback):
+    """Calls ``finish_step()`` of every MoE block once per optimizer step (after all its micro-batches' backward).
+
+    That is where :class:`~lightning_llmfast.moe.MoEBlock` applies its ``bias_update="step"`` expert-bias update
+    from the counts of the step's micro-batches, summed over the data-parallel ranks (one all-reduce of ``E``
+    integers per block, no host sync), and resets the step sums of ``aux_loss="global"``. It runs in
+    ``on_before_optimizer_step``, which Lightning calls once per optimizer step whatever
+    ``accumulate_grad_batches`` is; a second optimizer stepping in the same training step does not repeat it.
+
+    Args:
+        process_group: the data-parallel group to sum over; ``None``: each block's ``dp_group`` (by default the
+            default group, which is the data-parallel group under plain DDP/FSDP).
+
+    Example::
+
+        trainer = L.Trainer(strategy="llmfast", accumulate_grad_batches=4, callbacks=[ExpertBalanceCallback()])
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        self.process_group = process_group
+        self._done_step: int | None = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._done_step = None
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        if self._done_step == trainer.global_step:
+            return
+        self._done_step = trainer.global_step
+        for module in pl_module.modules():
+            finish = getattr(module, "finish_step", None)
+            if callable(finish) and getattr(module, "_llmfast_grouped", False):
+                finish(self.process_group)

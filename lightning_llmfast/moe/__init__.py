@@ -29,23 +29,29 @@ _LAZY: dict[str, str] = {
     "GroupedExperts": "lightning_llmfast.moe.experts",
     "routed_swiglu": "lightning_llmfast.moe.dispatch",
     "MoEBlock": "lightning_llmfast.moe.block",
+    "SharedExperts": "lightning_llmfast.moe.block",
     "register_moe_adapter": "lightning_llmfast.moe.adapters",
     "get_moe_adapter": "lightning_llmfast.moe.adapters",
     "ExpertLoadMetric": "lightning_llmfast.moe.metrics",
+    "ExpertParallelDispatch": "lightning_llmfast.moe.expert_parallel",
+    "shard_experts": "lightning_llmfast.moe.expert_parallel",
 }
 
 __all__ = [
     "ExpertLoadMetric",
+    "ExpertParallelDispatch",
     "GroupedExperts",
     "MoEBlock",
     "NaiveMoEBlock",
     "RoutingPlan",
+    "SharedExperts",
     "SwiGLUExperts",
     "get_moe_adapter",
     "permute",
     "register_moe_adapter",
     "route",
     "routed_swiglu",
+    "shard_experts",
     "unpermute",
     "update_expert_bias",
 ]
@@ -56,8 +62,9 @@ __dir__ = lazy_dir(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from lightning_llmfast.moe.adapters import get_moe_adapter, register_moe_adapter
-    from lightning_llmfast.moe.block import MoEBlock
+    from lightning_llmfast.moe.block import MoEBlock, SharedExperts
     from lightning_llmfast.moe.dispatch import routed_swiglu
+    from lightning_llmfast.moe.expert_parallel import ExpertParallelDispatch, shard_experts
     from lightning_llmfast.moe.experts import GroupedExperts
     from lightning_llmfast.moe.metrics import ExpertLoadMetric
     from lightning_llmfast.moe.naive import NaiveMoEBlock, SwiGLUExperts

@@ -4,9 +4,12 @@ An *adapter* is a callable ``adapter(block) -> nn.Module`` returning a replaceme
 ``Parameter`` objects under the same state-dict keys (no copies: optimizers, checkpoints and tied weights keep
 working) and computes the same function with :func:`~lightning_llmfast.moe.route`, :func:`~lightning_llmfast.moe.
 permute` and grouped expert GEMMs. Built in: this package's :class:`~lightning_llmfast.moe.NaiveMoEBlock` and, when
-``transformers`` is loaded, ``MixtralSparseMoeBlock``, ``Qwen2MoeSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock`` and
-``OlmoeSparseMoeBlock`` (transformers 5 layout: fused 3-D ``experts.gate_up_proj`` ``(E, 2F, H)`` and
-``experts.down_proj`` ``(E, H, F)``, router ``gate.weight`` ``(E, H)``).
+``transformers`` is loaded, the transformers 5 sparse-MoE blocks of Mixtral, MiniMax, Qwen2-MoE, Qwen3-MoE,
+Qwen3-Next, Qwen3-Omni-MoE, OLMoE, FlexOlmo and Mellum (softmax top-k) and of DeepSeek-V3, DeepSeek-V3.2, GLM-4-MoE
+(and -Lite, 4V-MoE, MoE-DSA), dots1, EXAONE-MoE, Kimi-Linear, Solar-Open and Bailing-Hybrid (DeepSeek-V3 routing:
+sigmoid scores, correction bias, group-limited top-k, routed scaling, shared experts). All share the transformers 5
+layout: fused 3-D ``experts.gate_up_proj`` ``(E, 2F, H)`` and ``experts.down_proj`` ``(E, H, F)``, router
+``gate.weight`` ``(E, H)``.
 
 Example::
 
@@ -47,14 +50,40 @@ Adapter = Callable[..., nn.Module]
 
 _ADAPTERS: dict[type, Adapter] = {}
 
-# (module, class) of the transformers blocks we adapt. They are looked up in sys.modules only: a model holding one
-# has imported its module already, and importing transformers ourselves would cost seconds for nothing.
-_HF_BLOCKS: tuple[tuple[str, str], ...] = (
-    ("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock"),
-    ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock"),
-    ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock"),
-    ("transformers.models.olmoe.modeling_olmoe", "OlmoeSparseMoeBlock"),
+# (model, class) of the transformers blocks we adapt, in transformers.models.<model>.modeling_<model>. They are looked
+# up in sys.modules only: a model holding one has imported its module already, and importing transformers ourselves
+# would cost seconds for nothing. Softmax top-k routers (Mixtral, Qwen2/3-MoE, OLMoE and the families whose block,
+# router and experts code is theirs), optionally with a gated shared expert:
+_HF_SOFTMAX_BLOCKS: tuple[tuple[str, str], ...] = (
+    ("mixtral", "MixtralSparseMoeBlock"),
+    ("minimax", "MiniMaxSparseMoeBlock"),
+    ("qwen2_moe", "Qwen2MoeSparseMoeBlock"),
+    ("qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+    ("qwen3_next", "Qwen3NextSparseMoeBlock"),
+    ("qwen3_omni_moe", "Qwen3OmniMoeThinkerTextSparseMoeBlock"),
+    ("qwen3_omni_moe", "Qwen3OmniMoeTalkerTextSparseMoeBlock"),
+    ("qwen4_exp", "Qwen4ExpTextSparseMoeBlock"),
+    ("mellum", "MellumSparseMoeBlock"),
+    ("olmoe", "OlmoeSparseMoeBlock"),
+    ("flex_olmo", "FlexOlmoSparseMoeBlock"),
 )
+# DeepSeek-V3 routers (sigmoid scores, correction bias, group-limited top-k, routed scaling) with shared experts:
+_HF_DEEPSEEK_BLOCKS: tuple[tuple[str, str], ...] = (
+    ("deepseek_v3", "DeepseekV3MoE"),
+    ("deepseek_v32", "DeepseekV32MoE"),
+    ("bailing_hybrid", "BailingHybridMoE"),
+    ("dots1", "Dots1MoE"),
+    ("dots3_note", "Dots3NoteTextMoE"),
+    ("exaone_moe", "ExaoneMoeSparseMoEBlock"),
+    ("glm4_moe", "Glm4MoeMoE"),
+    ("glm4_moe_lite", "Glm4MoeLiteMoE"),
+    ("glm4v_moe", "Glm4vMoeTextMoE"),
+    ("glm_moe_dsa", "GlmMoeDsaMoE"),
+    ("kimi_linear", "KimiLinearMoE"),
+    ("solar_open", "SolarOpenMoE"),
+)
+# DeepSeek-V3 sums each group's 2 best scores (its top_k // topk_groups = 8 // 4); transformers hard-codes the 2.
+_HF_GROUP_TOPK = 2
 
 # Class names of MoE-looking modules we do not know (warned about): sparse-MoE blocks and expert containers.
 _MOE_NAME = re.compile(r"SparseMoe|Mo[Ee](Block|Layer|MLP|FeedForward)|Mo[Ee]$|Experts$")
@@ -193,7 +222,8 @@ def _adapt_naive(block: NaiveMoEBlock, backend: str = "auto") -> MoEBlock:
 class HFGroupedMoeBlock(nn.Module):
     """Grouped, sync-free replacement of a transformers 5 sparse-MoE block, sharing its submodules.
 
-    The block's children (``gate``, ``experts`` and, for Qwen2-MoE, ``shared_expert``/``shared_expert_gate``) are
+    The block's children (``gate``, ``experts`` and, for Qwen2-MoE, ``shared_expert``/``shared_expert_gate``, for
+    DeepSeek-V3 ``shared_experts``) are
     re-registered here in their original order, so the state-dict keys and ``Parameter`` objects are the original
     ones. The fused expert weights are used through transposed views (``(E, 2F, H)`` -> ``(E, H, 2F)``), never
     copied. The router module is still called (its forward hooks record ``output_router_logits``); its top-k is
@@ -204,6 +234,8 @@ class HFGroupedMoeBlock(nn.Module):
             ``down_proj``, ``act_fn``).
         normalize: renormalise the top-k weights (Mixtral always does; the others follow ``gate.norm_topk_prob``).
         backend: routing backend.
+        deepseek: route as DeepSeek-V3's router does, with its ``e_score_correction_bias`` (read at every
+            forward, not updated), ``num_group``/``topk_group`` and ``routed_scaling_factor``.
 
     Attributes:
         last_plan, last_aux_loss, last_z_loss, last_tokens_per_expert, last_router_logits, last_nonfinite: as on
@@ -216,7 +248,7 @@ class HFGroupedMoeBlock(nn.Module):
 
     _llmfast_grouped = True
 
-    def __init__(self, block: nn.Module, *, normalize: bool, backend: str = "auto") -> None:
+    def __init__(self, block: nn.Module, *, normalize: bool, backend: str = "auto", deepseek: bool = False) -> None:
         super().__init__()
         experts = getattr(block, "experts", None)
         gate_up = getattr(experts, "gate_up_proj", None)
@@ -234,6 +266,18 @@ class HFGroupedMoeBlock(nn.Module):
         self.top_k: int = block.gate.top_k
         self.normalize = normalize
         self.backend = backend
+        self.deepseek = deepseek
+        # A tuple: torch.compile specialises its elements (float attributes turn symbolic across compiles).
+        self._deepseek_options: tuple[tuple[str, Any], ...] = ()
+        if deepseek:
+            gate = block.gate
+            self._deepseek_options = (
+                ("score", "sigmoid"),
+                ("num_groups", gate.num_group),
+                ("topk_groups", gate.topk_group),
+                ("group_topk", min(_HF_GROUP_TOPK, gate.weight.shape[0] // gate.num_group)),
+                ("route_scale", gate.routed_scaling_factor),
+            )
         self.jitter_noise: float = getattr(block, "jitter_noise", 0.0)
         act = block.experts.act_fn
         # HF's SiLUActivation and nn.SiLU compute F.silu; passing the function itself selects the fused SwiGLU.
@@ -241,6 +285,8 @@ class HFGroupedMoeBlock(nn.Module):
             F.silu if isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" else act
         )
         self.train(block.training)
+        # The routed experts' call: replaced by an expert-parallel dispatch by shard_experts (moe/expert_parallel.py).
+        self.expert_dispatch: Callable[..., Tensor] = routed_swiglu
         self.last_plan: Any = None
         self.last_aux_loss: Tensor | None = None
         self.last_z_loss: Tensor | None = None
@@ -269,9 +315,11 @@ class HFGroupedMoeBlock(nn.Module):
         # plain F.linear) would each cast x to the same values under autocast and keep their own copy for backward.
         x_compute = compute_copy(x)
         logits = self.gate(x_compute)[0]  # (T, E)
-        plan = route(logits, self.top_k, normalize=self.normalize, validate=False, backend=self.backend)
+        plan = route(
+            logits, self.top_k, normalize=self.normalize, validate=False, backend=self.backend, **self._routing()
+        )
         experts = self.experts
-        out = routed_swiglu(
+        out = self.expert_dispatch(
             x,
             plan,
             experts.gate_up_proj.transpose(1, 2),
@@ -282,8 +330,16 @@ class HFGroupedMoeBlock(nn.Module):
         )
         if hasattr(self, "shared_expert"):
             out = out + F.sigmoid(self.shared_expert_gate(x_compute)) * self.shared_expert(x_compute)
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(x_compute)
         record_plan(self, plan, logits)
         return out.reshape(shape)
+
+    def _routing(self) -> dict[str, Any]:
+        """The DeepSeek-V3 router's options for :func:`~lightning_llmfast.moe.route` (none for softmax routers)."""
+        if not self.deepseek:
+            return {}
+        return {**dict(self._deepseek_options), "expert_bias": self.gate.e_score_correction_bias}
 
 
 def _adapt_hf(block: nn.Module, backend: str = "auto") -> HFGroupedMoeBlock:
@@ -291,11 +347,16 @@ def _adapt_hf(block: nn.Module, backend: str = "auto") -> HFGroupedMoeBlock:
     return HFGroupedMoeBlock(block, normalize=getattr(block.gate, "norm_topk_prob", True), backend=backend)
 
 
+def _adapt_hf_deepseek(block: nn.Module, backend: str = "auto") -> HFGroupedMoeBlock:
+    return HFGroupedMoeBlock(block, normalize=block.gate.norm_topk_prob, backend=backend, deepseek=True)
+
+
 def _register_loaded_hf_adapters() -> None:
-    for module_name, class_name in _HF_BLOCKS:
-        cls = getattr(sys.modules.get(module_name), class_name, None)
-        if cls is not None and cls not in _ADAPTERS:
-            _ADAPTERS[cls] = _adapt_hf
+    for blocks, adapter in ((_HF_SOFTMAX_BLOCKS, _adapt_hf), (_HF_DEEPSEEK_BLOCKS, _adapt_hf_deepseek)):
+        for model, class_name in blocks:
+            cls = getattr(sys.modules.get(f"transformers.models.{model}.modeling_{model}"), class_name, None)
+            if cls is not None and cls not in _ADAPTERS:
+                _ADAPTERS[cls] = adapter
 
 
 register_moe_adapter(NaiveMoEBlock, _adapt_naive)

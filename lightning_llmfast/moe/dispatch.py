@@ -199,7 +199,7 @@ def routed_swiglu(
                 f"got {x_compute.dtype}"
             )
     backend = resolve_backend(backend, x.device)
-    padded = plan.capacity is not None
+    padded = plan.padded
     if x_compute is None:
         x_compute = compute_copy(x)
     gate_up, down = autocast_inputs(x.device, gate_up, down)

@@ -38,7 +38,7 @@ class _PlanIndices(NamedTuple):
     pairs: Tensor  # (R,) int64: flattened pair index of each permuted row
     tokens: Tensor  # (R,) int64: token of each permuted row
     positions: Tensor  # (T, k) int64: permuted row of each pair; clamped into range for dropped pairs
-    num_valid: Tensor | None  # 0-d: offsets[-1] (kept rows) with a capacity limit; None when dropless
+    num_valid: Tensor | None  # 0-d: offsets[-1] (kept rows) for a padded plan; None when every pair is kept
 
 
 def _plan_indices(plan: RoutingPlan) -> _PlanIndices:
@@ -49,8 +49,8 @@ def _plan_indices(plan: RoutingPlan) -> _PlanIndices:
         0, permutation, torch.arange(num_pairs, device=permutation.device)
     )
     num_valid = None
-    if plan.capacity is not None:
-        # Dropped pairs sit beyond the static row count; any in-range row will do, their weight is masked out.
+    if plan.padded:
+        # Dropped (and masked) pairs sit beyond the kept rows; any in-range row will do, their weight is masked out.
         positions = positions.clamp(max=max(num_rows - 1, 0))
         num_valid = plan.offsets[-1]
     return _PlanIndices(pairs, pairs // plan.top_k, positions.view(plan.num_tokens, plan.top_k), num_valid)
@@ -274,7 +274,7 @@ def permute(x: Tensor, plan: RoutingPlan, *, backend: str = "auto") -> Tensor:
         raise RoutingError(f"x must have shape (num_tokens={plan.num_tokens}, hidden), got {tuple(x.shape)}")
     backend = resolve_backend(backend, x.device)
     idx = _plan_indices(plan)
-    pair_mask = plan.kept.to(x.dtype) if plan.capacity is not None else None
+    pair_mask = plan.kept.to(x.dtype) if plan.padded else None
     return _permute_rows(x, idx.tokens, idx.num_valid, idx.positions, pair_mask, backend)
 
 
@@ -304,5 +304,5 @@ def unpermute(rows: Tensor, plan: RoutingPlan, *, backend: str = "auto") -> Tens
         raise RoutingError(f"rows must have shape (plan.num_rows={plan.num_rows}, hidden), got {tuple(rows.shape)}")
     backend = resolve_backend(backend, rows.device)
     idx = _plan_indices(plan)
-    weights = plan.weights if plan.capacity is None else plan.weights * plan.kept.to(plan.weights.dtype)
+    weights = plan.weights * plan.kept.to(plan.weights.dtype) if plan.padded else plan.weights
     return _unpermute_rows(rows, weights, idx.pairs, idx.tokens, idx.positions, backend)

@@ -1,0 +1,92 @@
+"""Differentiable building blocks of the expert-parallel exchange: ``all_to_all_single`` with its reverse as the
+backward, and a masked gather whose backward is the inverse gather (no scatter, no atomics).
+
+Example::
+
+    received = all_to_all(rows, out_splits, in_splits, group)  # gradients travel back by the reverse exchange
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["all_to_all", "comm_device", "masked_gather"]
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` whose backward is the reverse exchange (splits swapped)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: dist.ProcessGroup
+    ) -> Tensor:
+        ctx.splits, ctx.group = (in_splits, out_splits), group
+        rows = x.shape[0] if out_splits is None else sum(out_splits)
+        out = x.new_empty((rows, *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        return _AllToAll.apply(grad.contiguous(), out_splits, in_splits, ctx.group), None, None, None
+
+
+class _MaskedGather(torch.autograd.Function):
+    """``out[i] = x[index[i]]`` where ``mask[i]`` (else 0), for a partial bijection between rows of ``x`` and ``out``.
+
+    The backward is the inverse gather (``inverse``, ``inverse_mask``): no scatter, no atomics, deterministic.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, index: Tensor, mask: Tensor | None, inverse: Tensor, inverse_mask: Tensor | None
+    ) -> Tensor:
+        ctx.save_for_backward(inverse, inverse_mask)
+        return _gather(x, index, mask)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None, None]:
+        inverse, inverse_mask = ctx.saved_tensors
+        return _gather(grad, inverse, inverse_mask), None, None, None, None
+
+
+def _gather(x: Tensor, index: Tensor, mask: Tensor | None) -> Tensor:
+    rows = x.index_select(0, index) if x.shape[0] else x.new_zeros((index.shape[0], *x.shape[1:]))
+    # A select, not a product: masked rows may point at rows whose values are garbage (NaN * 0 is NaN).
+    return rows if mask is None else torch.where(mask.unsqueeze(1), rows, 0)
+
+
+def comm_device(group: dist.ProcessGroup, fallback: torch.device) -> torch.device:
+    """Where tensors of host-side handshakes live: the current CUDA device for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return fallback if fallback.type == "cpu" else torch.device("cpu")
+
+
+def all_to_all(
+    x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: dist.ProcessGroup
+) -> Tensor:
+    """``all_to_all_single`` of the rows of ``x`` (``None`` splits: equal), differentiable (the reverse exchange).
+
+    Example::
+
+        received = all_to_all(rows, [3, 1], [2, 2], group)
+    """
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+def masked_gather(
+    x: Tensor, index: Tensor, mask: Tensor | None, inverse: Tensor, inverse_mask: Tensor | None
+) -> Tensor:
+    """``out[i] = x[index[i]]`` where ``mask[i]`` (else 0); ``inverse``/``inverse_mask`` map the other way (backward).
+
+    Example::
+
+        grouped = masked_gather(rows, order, None, inverse, None)  # a permutation and its inverse
+    """
+    return _MaskedGather.apply(x, index, mask, inverse, inverse_mask)

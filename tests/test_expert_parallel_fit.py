@@ -1,0 +1,106 @@
+"""LLMFastStrategy(expert_parallel_size=2) on 2 gloo processes equals a one-process fit on the same global batches,
+across a checkpoint and resume."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from _distributed import run_distributed
+from torch.utils.data import DataLoader
+
+from lightning_llmfast import ConfigError, LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule
+from lightning_llmfast.data import PackedBatch, pack_documents
+
+VOCAB, SEQ, ROWS, STEPS_PER_EPOCH = 64, 16, 2, 10  # ROWS per rank; two epochs make the 20 steps
+
+
+def _module() -> MoEGPTLightningModule:
+    torch.manual_seed(0)
+    config = MoEGPTConfig(
+        vocab_size=VOCAB, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_size=64, num_experts=4,
+        router_backend="torch",
+    )  # fmt: skip
+    return MoEGPTLightningModule(config, lr=1e-2, warmup_steps=2)
+
+
+def _batches(world: int, rank: int | None) -> list[PackedBatch]:
+    """Per step, ``world * ROWS`` documents of exactly SEQ tokens (one per row, so every rank has as many labels);
+    rank ``r`` gets rows ``r * ROWS ...``, the one-process run (``rank=None``) all of them."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS_PER_EPOCH):
+        docs = [torch.randint(0, VOCAB, (SEQ,), generator=g) for _ in range(world * ROWS)]
+        mine = docs if rank is None else docs[rank * ROWS : (rank + 1) * ROWS]
+        out.extend(pack_documents(mine, SEQ, len(mine)))
+    return out
+
+
+def _trainer(strategy: LLMFastStrategy, devices: int, epochs: int) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=epochs,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+
+
+def _fit_worker(rank: int, world: int, tmp: str) -> None:
+    # Lightning joins the process group that run_distributed created (LightningEnvironment reads these).
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    data = DataLoader(_batches(world, rank), batch_size=None)
+    first = _trainer(LLMFastStrategy(expert_parallel_size=2, process_group_backend="gloo"), world, epochs=1)
+    module = _module()
+    first.fit(module, data)
+    local = module.model.layers[0].ffn.experts.gate_up_proj
+    assert local.shape[0] == 2  # this rank's half of the 4 experts
+    first.save_checkpoint(f"{tmp}/mid.ckpt")
+    second = _trainer(LLMFastStrategy(expert_parallel_size=2, process_group_backend="gloo"), world, epochs=2)
+    second.fit(_module(), data, ckpt_path=f"{tmp}/mid.ckpt")
+    second.save_checkpoint(f"{tmp}/end.ckpt")
+
+
+def _one_process(epochs: int) -> dict[str, torch.Tensor]:
+    module = _module()
+    _trainer(LLMFastStrategy(), 1, epochs).fit(module, DataLoader(_batches(2, None), batch_size=None))
+    return module.state_dict()
+
+
+def _assert_same_state(actual: dict[str, Any], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_expert_parallel_fit_equals_one_process_fit_and_resumes_exactly(tmp_path: Path) -> None:
+    run_distributed(_fit_worker, 2, str(tmp_path), timeout=240)
+    mid = torch.load(tmp_path / "mid.ckpt", weights_only=True)
+    end = torch.load(tmp_path / "end.ckpt", weights_only=True)
+    # The checkpoints hold the full experts: the keys and shapes of a one-process checkpoint.
+    _assert_same_state(mid["state_dict"], _one_process(epochs=1))
+    _assert_same_state(end["state_dict"], _one_process(epochs=2))
+    assert end["global_step"] == 2 * STEPS_PER_EPOCH
+
+
+def test_expert_parallel_size_is_checked() -> None:
+    with pytest.raises(ConfigError, match="expert_parallel_size"):
+        LLMFastStrategy(expert_parallel_size=0)
+    # One process has no expert-parallel group: a clear error before any step.
+    trainer = _trainer(LLMFastStrategy(expert_parallel_size=2), 1, epochs=1)
+    data = DataLoader(_batches(1, None)[:1], batch_size=None)
+    with pytest.raises(ConfigError, match="process group"):
+        trainer.fit(_module(), data)
+    clipped = L.Trainer(strategy=LLMFastStrategy(expert_parallel_size=2), gradient_clip_val=1.0, logger=False)
+    with pytest.raises(ConfigError, match="clipping by norm"):
+        clipped.fit(_module(), data)
