@@ -1,7 +1,8 @@
-"""``strategy="llmfast"``: DDP that skips itself on one device and owns the activation offloader.
+"""``strategy="llmfast"``: DDP or FSDP2 that skips itself on one device and owns the activation offloader.
 
-Importing this module registers two names in Lightning's ``StrategyRegistry``: ``"llmfast"`` (offload off) and
-``"llmfast_offload"`` (offload on). ``import lightning_llmfast`` imports it.
+Importing this module registers four names in Lightning's ``StrategyRegistry``: ``"llmfast"`` (DDP, offload off),
+``"llmfast_offload"`` (DDP, offload on), ``"llmfast_fsdp"`` (FSDP2) and ``"llmfast_fsdp_offload"`` (FSDP2, offload
+on). ``import lightning_llmfast`` imports it.
 
 Example::
 
@@ -17,7 +18,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
@@ -27,6 +28,7 @@ from lightning_llmfast._checks import check_bool, check_int
 from lightning_llmfast.errors import ConfigError, OffloadError
 from lightning_llmfast.offload.offloader import ActivationOffloader, resolve_layers, validate_offload_config
 from lightning_llmfast.parallel import expert as expert_parallel
+from lightning_llmfast.sharding import ShardedDataParallelBase
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -39,8 +41,8 @@ if TYPE_CHECKING:
 __all__ = ["LLMFastStrategy"]
 
 
-class LLMFastStrategy(DDPStrategy):
-    """DDP for LLM training with optional double-buffered activation offload.
+class LLMFastStrategy(ShardedDataParallelBase):
+    """DDP or FSDP2 for LLM training with optional double-buffered activation offload.
 
     With one process on one device it neither wraps the model in ``DistributedDataParallel`` nor creates a
     process group, so no all-reduce is paid for; with several processes (gloo on CPU, NCCL on CUDA, any number of
@@ -49,12 +51,25 @@ class LLMFastStrategy(DDPStrategy):
     :meth:`setup`, runs ``training_step`` inside its pack hooks and the backward inside the same step, and
     releases everything in :meth:`teardown`, also after an exception. The model needs no change.
 
+    With ``sharding="fsdp"`` and several processes it builds a device mesh (:attr:`device_mesh`) and shards the
+    model with FSDP2 instead of wrapping it in DDP: every block of ``layers`` and every top-level child holding other
+    parameters is a ``fully_shard`` group, so parameters, gradients and optimizer state are split over the ranks
+    (:class:`~lightning_llmfast.sharding.ShardedDataParallelBase`, :mod:`~lightning_llmfast.parallel.fsdp`).
+    ``precision="bf16-mixed"`` computes in bf16 and reduces and keeps master weights in fp32. A model built in
+    ``configure_model`` on the meta device is sharded first and then materialised shard by shard through its
+    modules' ``reset_parameters()``. Checkpoints are DCP directories that every rank writes its shards into and
+    that load into any world size (:mod:`~lightning_llmfast.parallel.checkpoint`; ``consolidate_checkpoint``
+    exports one file for inference). One process shards nothing, as with DDP, but reads and writes the same
+    checkpoints.
+
     Args:
+        sharding: ``"ddp"`` (replicated model) or ``"fsdp"`` (FSDP2 sharded data parallel).
         offload_activations: offload saved activations of ``layers`` to pinned host memory. The layers' saved
             RMSNorm outputs (and, under ``precision="bf16-mixed"``, their saved bf16 weight copies) are then rebuilt
             in backward instead of kept, in every layer (``offload_layers=0`` does only that: no copies at all).
-        layers: the layer stack: ``None`` (the largest ``nn.ModuleList`` of identical blocks in the
-            LightningModule), an attribute path such as ``"model.layers"``, or the modules.
+        layers: the layer stack (offloaded, and sharded block by block under ``"fsdp"``): ``None`` (the largest
+            ``nn.ModuleList`` of identical blocks in the LightningModule), an attribute path such as
+            ``"model.layers"``, or the modules.
         min_offload_bytes: storages smaller than this stay on the device.
         keep_last_layers: the last this many layers are not offloaded.
         prefetch_layers: layers prefetched ahead in backward (``prefetch_layers + 1`` device buffer sets).
@@ -85,6 +100,10 @@ class LLMFastStrategy(DDPStrategy):
         ConfigError: ``expert_parallel_size`` not an int ``>= 1``; at :meth:`setup`, when it does not divide the
             world size or a block's experts, the model has no grouped MoE block, or the Trainer clips gradients by
             norm (each rank would see only its own experts' norm; clipping by value works).
+        ConfigError: at construction for a ``sharding`` other than ``"ddp"`` or ``"fsdp"``, or ``"fsdp"`` with
+            ``expert_parallel_size > 1`` (not combined yet); under ``"fsdp"``, at :meth:`setup` before any step,
+            when ``layers`` matches nothing, the precision has no FSDP2 policy (``"16-mixed"``), or meta-device
+            modules have no ``reset_parameters()``; when resuming from a file that is not a distributed checkpoint.
 
     Example::
 
@@ -92,6 +111,9 @@ class LLMFastStrategy(DDPStrategy):
         trainer = L.Trainer(strategy=strategy, accelerator="cuda", devices=1, precision="bf16-mixed")
         trainer.fit(MoEGPTLightningModule(MoEGPTConfig(n_layers=12)), datamodule=dm)
         print(strategy.offload_stats)  # the last step's offload stats, also after fit
+
+        trainer = L.Trainer(strategy="llmfast_fsdp", accelerator="cuda", devices=8, precision="bf16-mixed")
+        trainer.fit(module, datamodule=dm, ckpt_path="ckpts/last.ckpt")  # a DCP directory, any world size
     """
 
     strategy_name = "llmfast"
@@ -99,6 +121,7 @@ class LLMFastStrategy(DDPStrategy):
     def __init__(
         self,
         *args: Any,
+        sharding: str = "ddp",
         offload_activations: bool = False,
         layers: Sequence[nn.Module] | nn.Module | str | None = None,
         min_offload_bytes: int = 1 << 20,
@@ -113,6 +136,11 @@ class LLMFastStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_int(f"{type(self).__name__}: expert_parallel_size", expert_parallel_size, low=1)
+        if sharding == "fsdp" and expert_parallel_size > 1:
+            raise ConfigError(
+                f"{type(self).__name__}: sharding='fsdp' with expert_parallel_size > 1 is not supported yet; use "
+                "sharding='ddp' for expert parallelism"
+            )
         validate_offload_config(
             min_offload_bytes=min_offload_bytes,
             keep_last_layers=keep_last_layers,
@@ -126,7 +154,7 @@ class LLMFastStrategy(DDPStrategy):
         )
         # A string must not pass: bool("no") is True.
         check_bool(f"{type(self).__name__}: offload_activations", offload_activations, error=OffloadError)
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, sharding=sharding, **kwargs)
         self.offload_activations = offload_activations
         self.force_offload = force_offload
         self._layers_spec = layers
@@ -144,7 +172,9 @@ class LLMFastStrategy(DDPStrategy):
         self._offloader: ActivationOffloader | None = None
         self._last_offload_stats: dict[str, int | bool] | None = None
         if not self.offload_activations:
-            ignored = {**self._offload_kwargs, "layers": layers, "force_offload": force_offload}
+            ignored = {**self._offload_kwargs, "force_offload": force_offload}
+            if sharding != "fsdp":  # FSDP shards `layers` block by block
+                ignored["layers"] = layers
             self._warn_unused_offload_settings(ignored)
 
     @property
@@ -183,7 +213,13 @@ class LLMFastStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._setup_expert_parallel(trainer)
-        if self.single_process:
+        if self.sharding == "fsdp":
+            self._check_fsdp_config(self._layers_spec)  # on every world size, before any step
+        if self.sharding == "fsdp" and not self.single_process:
+            self._setup_sharded(trainer, self._layers_spec)
+        elif self.single_process:
+            if self.sharding == "fsdp":
+                self._materialize_single()  # configure_model on the meta device
             # The base setup (device, precision, optimizers) without DDP's wrapper and module-state broadcast.
             Strategy.setup(self, trainer)
             # One replica needs no DistributedSampler; Lightning would inject one (it sees a DDPStrategy) and it
@@ -341,13 +377,17 @@ class LLMFastStrategy(DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         entries = (
-            ("llmfast", False, "LLMFastStrategy: DDP without the wrapper on one device"),
-            ("llmfast_offload", True, "LLMFastStrategy with double-buffered activation offload"),
+            ("llmfast", "ddp", False, "LLMFastStrategy: DDP without the wrapper on one device"),
+            ("llmfast_offload", "ddp", True, "LLMFastStrategy with double-buffered activation offload"),
+            ("llmfast_fsdp", "fsdp", False, "LLMFastStrategy: FSDP2 sharded data parallel"),
+            ("llmfast_fsdp_offload", "fsdp", True, "LLMFastStrategy: FSDP2 with activation offload"),
         )
-        for name, offload, description in entries:
+        for name, sharding, offload, description in entries:
             # Guard: importing twice (or reloading) must not raise "already registered".
             if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, offload_activations=offload)
+                strategy_registry.register(
+                    name, cls, description=description, sharding=sharding, offload_activations=offload
+                )
 
 
 LLMFastStrategy.register_strategies(StrategyRegistry)

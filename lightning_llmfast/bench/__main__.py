@@ -34,7 +34,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         The process exit status (0).
     """
     parser = argparse.ArgumentParser(prog="python -m lightning_llmfast.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", choices=sorted(PROFILES), default="quick", help="quick (CPU), full (GPU)")
+    parser.add_argument(
+        "--profile",
+        choices=sorted([*PROFILES, "fsdp"]),
+        default="quick",
+        help="quick (CPU), full (GPU), fsdp (2 CPU processes: FSDP2 vs DDP vs Lightning's FSDP2 peer)",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", type=Path, help="write the result dictionary here")
     parser.add_argument("--plot", type=Path, help="write a PNG comparing the variants here (needs matplotlib)")
@@ -58,6 +63,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             # default=str: micro-benchmarks may return non-JSON scalars (dtypes, devices); keep them readable.
             args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
 
+    if args.profile == "fsdp":
+        from lightning_llmfast.bench.fsdp import fsdp_markdown, run_fsdp_benchmark
+
+        fsdp_result = run_fsdp_benchmark(
+            repeats=args.repeats, measured_steps=args.steps, log=lambda msg: print(msg, file=sys.stderr, flush=True)
+        )
+        write_json(fsdp_result)
+        print(fsdp_markdown(fsdp_result))
+        return 0
     result = run_benchmark(
         args.profile,
         args.device,

@@ -203,6 +203,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        """Ones: the initialisation after materialising a module built on the meta device."""
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
     @overload
     def forward(self, x: Tensor) -> Tensor: ...
 

@@ -1,0 +1,198 @@
+"""Distributed checkpoints through ``torch.distributed.checkpoint`` (DCP): save, load with resharding, export.
+
+A checkpoint is a directory, laid out as Lightning's ``ModelParallelStrategy`` writes it (so Lightning's own
+``consolidate_checkpoint`` tool reads it too): DCP shards of ``"state_dict"`` (the module) and ``"optimizer_<i>"``
+(each optimizer, keyed by parameter names) written by every rank, plus ``meta.pt``, which rank 0 writes with every
+other entry of Lightning's checkpoint dict (loops, schedulers, callbacks, the datamodule's state, hyper-parameters).
+Loading reshards: a checkpoint written by 2 ranks loads into 1, 2 or 4 (DCP maps saved chunks onto the target's
+placements). Nothing here needs a process group: with one process DCP reads and writes locally.
+
+Example::
+
+    save_distributed_checkpoint(checkpoint_dict, "ckpts/step=100.ckpt", rank=trainer.global_rank)
+    meta = load_distributed_checkpoint("ckpts/step=100.ckpt", module, optimizers)
+    consolidate_checkpoint("ckpts/step=100.ckpt", "model.ckpt")  # one file, for inference
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+from lightning_llmfast.errors import ConfigError
+
+__all__ = [
+    "META_FILENAME",
+    "consolidate_checkpoint",
+    "is_distributed_checkpoint",
+    "load_distributed_checkpoint",
+    "model_state",
+    "optimizer_state",
+    "save_distributed_checkpoint",
+]
+
+META_FILENAME = "meta.pt"
+"""The file of the non-tensor entries (Lightning's ``_METADATA_FILENAME``)."""
+
+_MODEL_KEY = "state_dict"
+_TENSOR_ENTRIES = ("state_dict", "optimizer_states")
+
+
+def _optimizer_key(index: int) -> str:
+    return f"optimizer_{index}"
+
+
+def is_distributed_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a DCP checkpoint directory (it holds DCP's ``.metadata``).
+
+    Example::
+
+        is_distributed_checkpoint("ckpts/epoch=0-step=5.ckpt")  # True for a sharded checkpoint
+    """
+    path = Path(path)
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+def model_state(module: nn.Module) -> dict[str, Any]:
+    """The module's state dict as DCP saves it: sharded DTensors under FSDP2, plain tensors otherwise."""
+    return get_model_state_dict(module)
+
+
+def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter names (sharded like the parameters), so it reshards on load."""
+    return get_optimizer_state_dict(module, optimizer)
+
+
+def save_distributed_checkpoint(checkpoint: dict[str, Any], path: str | Path, *, rank: int) -> None:
+    """Write ``checkpoint`` (Lightning's dict, from :func:`model_state`/:func:`optimizer_state`) to ``path``.
+
+    Every rank calls this with the same ``path``: each writes its own shards; rank 0 also writes
+    :data:`META_FILENAME`. ``checkpoint`` is not modified. An existing file at ``path`` is replaced by the directory
+    (rank 0 removes it, then all ranks meet at a barrier before creating the directory).
+
+    Example::
+
+        save_distributed_checkpoint(trainer._checkpoint_connector.dump_checkpoint(), "last.ckpt", rank=0)
+    """
+    path = Path(path)
+    if rank == 0 and path.is_file():
+        path.unlink()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    path.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, Any] = {_MODEL_KEY: checkpoint.get(_MODEL_KEY, {})}
+    for index, state in enumerate(checkpoint.get("optimizer_states", [])):
+        tensors[_optimizer_key(index)] = state
+    dcp.save(tensors, checkpoint_id=path)
+    if rank == 0:
+        meta = {key: value for key, value in checkpoint.items() if key not in _TENSOR_ENTRIES}
+        torch.save(meta, path / META_FILENAME)
+
+
+def load_distributed_checkpoint(
+    path: str | Path,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer] = (),
+    *,
+    strict: bool = True,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint of :func:`save_distributed_checkpoint` into ``module`` and ``optimizers``, resharding.
+
+    Every rank calls this, after the module is sharded (or not: a single process loads into plain tensors) and the
+    optimizers exist. Optimizer state is matched by parameter names, so the world size may differ from the save.
+
+    Args:
+        path: the checkpoint directory.
+        module: the (sharded) model, with the state dict names it was saved under.
+        optimizers: loaded in order from ``optimizer_0``, ``optimizer_1``...; ``()`` loads weights only.
+        strict: fail on a module key missing from the checkpoint (``False`` loads what is there).
+        weights_only: passed to ``torch.load`` for :data:`META_FILENAME` (``None``: torch's default).
+
+    Returns:
+        The non-tensor entries (loops, schedulers, callbacks, datamodule state...), to be restored by Lightning.
+
+    Raises:
+        ConfigError: ``path`` is not a distributed checkpoint, or it holds fewer optimizers than given.
+
+    Example::
+
+        meta = load_distributed_checkpoint("last.ckpt", module, [optimizer])
+        meta["global_step"]
+    """
+    path = Path(path)
+    if not is_distributed_checkpoint(path):
+        raise ConfigError(f"{path} is not a distributed (DCP) checkpoint directory")
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    missing = [i for i in range(len(optimizers)) if not any(k.startswith(_optimizer_key(i) + ".") for k in saved)]
+    if missing:
+        raise ConfigError(f"{path} holds no state for optimizer(s) {missing}; was it saved with weights only?")
+    state: dict[str, Any] = {_MODEL_KEY: model_state(module)}
+    for index, optimizer in enumerate(optimizers):
+        state[_optimizer_key(index)] = optimizer_state(module, optimizer)
+    dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    set_model_state_dict(module, state[_MODEL_KEY], options=StateDictOptions(strict=strict))
+    for index, optimizer in enumerate(optimizers):
+        set_optimizer_state_dict(module, optimizer, state[_optimizer_key(index)])
+    kwargs = {} if weights_only is None else {"weights_only": weights_only}
+    return torch.load(path / META_FILENAME, map_location="cpu", **kwargs)
+
+
+def consolidate_checkpoint(path: str | Path, output: str | Path, *, weights_only: bool | None = None) -> Path:
+    """Export a distributed checkpoint as one Lightning checkpoint file with the full weights, for inference.
+
+    No process group is needed; the shards are assembled in host memory (the model's full size). The file holds
+    ``state_dict`` and the non-tensor entries (hyper-parameters...), no optimizer state, so
+    ``LightningModule.load_from_checkpoint(output)`` builds the model from it.
+
+    Args:
+        path: the checkpoint directory.
+        output: the file to write (its parent directories are created).
+        weights_only: passed to ``torch.load`` for :data:`META_FILENAME`.
+
+    Returns:
+        ``output`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ConfigError: ``path`` is not a distributed checkpoint.
+
+    Example::
+
+        consolidate_checkpoint("ckpts/last.ckpt", "export/model.ckpt")
+        module = MoEGPTLightningModule.load_from_checkpoint("export/model.ckpt")
+    """
+    path, output = Path(path), Path(output)
+    if not is_distributed_checkpoint(path):
+        raise ConfigError(f"{path} is not a distributed (DCP) checkpoint directory")
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = _MODEL_KEY + "."
+    weights = {
+        key[len(prefix) :]: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in saved.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    dcp.load({_MODEL_KEY: weights}, checkpoint_id=path, no_dist=True)
+    kwargs = {} if weights_only is None else {"weights_only": weights_only}
+    checkpoint = torch.load(path / META_FILENAME, map_location="cpu", **kwargs)
+    checkpoint[_MODEL_KEY] = weights
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".tmp")
+    torch.save(checkpoint, tmp)
+    shutil.move(tmp, output)  # never a half-written export at `output`
+    return output

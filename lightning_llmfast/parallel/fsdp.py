@@ -1,0 +1,282 @@
+"""FSDP2 for the Lightning layer: device meshes, per-block ``fully_shard``, mixed precision, meta materialisation.
+
+Everything here applies ``torch.distributed`` primitives (``init_device_mesh``, ``fully_shard``,
+``MixedPrecisionPolicy``); nothing shards or communicates by itself. The layout follows torchtitan: every block of
+the layer stack is its own FSDP2 group (its parameters are gathered just before it runs and freed after), and every
+top-level child of the LightningModule that still holds parameters (embeddings, final norm, head) is a root group.
+
+Example::
+
+    mesh = build_device_mesh("cuda", world_size=8)           # 1-D mesh, dimension "dp"
+    roots = shard_module(lightning_module, mesh, layers=lightning_module.model.layers,
+                         mp_policy=mixed_precision_policy("bf16-mixed"))
+    materialize_module(lightning_module, torch.device("cuda"))  # only if built on the meta device
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from lightning_llmfast.errors import ConfigError
+
+__all__ = [
+    "DP_DIM",
+    "SHARDINGS",
+    "build_device_mesh",
+    "materialize_module",
+    "mesh_shape",
+    "mixed_precision_policy",
+    "shard_module",
+    "sync_module_states",
+]
+
+SHARDINGS: tuple[str, ...] = ("ddp", "fsdp")
+"""Values of ``LLMFastStrategy(sharding=...)``."""
+
+DP_DIM = "dp"
+"""Name of the data-parallel (sharding) mesh dimension."""
+
+# Lightning precision -> FSDP2 policy: parameters gathered for compute in `param_dtype`, gradients reduced in
+# `reduce_dtype`, sharded master weights and optimizer state stay in the module's dtype (fp32 under "-mixed").
+_POLICIES: dict[str, tuple[torch.dtype, torch.dtype] | None] = {
+    "bf16-mixed": (torch.bfloat16, torch.float32),
+    "32-true": None,
+    "64-true": None,
+    "bf16-true": None,
+    "16-true": None,
+}
+
+
+def mesh_shape(world_size: int, dims: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Resolve the sizes of the named mesh dimensions for ``world_size`` ranks.
+
+    Args:
+        world_size: number of ranks.
+        dims: dimension name -> size, outermost first; at most one size may be ``-1`` (whatever remains).
+            ``None`` is ``{"dp": -1}``: one data-parallel dimension over every rank.
+
+    Returns:
+        Dimension name -> size, whose product is ``world_size``.
+
+    Raises:
+        ConfigError: a size that is not an int ``>= 1`` (or one ``-1``), or sizes whose product does not divide
+            (with ``-1``) or equal ``world_size``.
+
+    Example::
+
+        mesh_shape(8)                       # {"dp": 8}
+        mesh_shape(8, {"dp": -1, "ep": 2})  # {"dp": 4, "ep": 2}
+    """
+    dims = dict(dims) if dims is not None else {DP_DIM: -1}
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"device mesh: world_size must be an int >= 1, got {world_size!r}")
+    if not dims:
+        raise ConfigError("device mesh: needs at least one dimension")
+    for name, size in dims.items():
+        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+            raise ConfigError(f"device mesh: size of {name!r} must be an int >= 1 or -1, got {size!r}")
+    free = [name for name, size in dims.items() if size == -1]
+    if len(free) > 1:
+        raise ConfigError(f"device mesh: at most one dimension may be -1, got {free}")
+    fixed = math.prod(size for size in dims.values() if size != -1)
+    if world_size % fixed or (not free and fixed != world_size):
+        raise ConfigError(
+            f"device mesh {dims} does not divide the world size {world_size} (the product of the sizes must "
+            f"{'divide' if free else 'equal'} it)"
+        )
+    return {name: (world_size // fixed if size == -1 else size) for name, size in dims.items()}
+
+
+def build_device_mesh(device_type: str, world_size: int, dims: Mapping[str, int] | None = None) -> DeviceMesh:
+    """A :class:`~torch.distributed.device_mesh.DeviceMesh` over every rank of the default process group.
+
+    Args:
+        device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
+        world_size: number of ranks (must match the process group).
+        dims: as :func:`mesh_shape`; ``None`` is a 1-D mesh named :data:`DP_DIM`.
+
+    Raises:
+        ConfigError: as :func:`mesh_shape`, before any process group call.
+
+    Example::
+
+        mesh = build_device_mesh("cpu", 4)
+        mesh[DP_DIM].size()  # 4
+    """
+    shape = mesh_shape(world_size, dims)
+    return init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
+    """FSDP2's mixed-precision policy for a Lightning ``precision`` setting.
+
+    ``"bf16-mixed"``: bf16 parameters for compute, fp32 gradient reduction, fp32 sharded master weights and
+    optimizer state. ``"*-true"`` settings need none (Lightning already converted the module's dtype).
+
+    Raises:
+        ConfigError: for a setting FSDP2 cannot honour here, e.g. ``"16-mixed"`` (its gradient scaler does not
+            support sharded gradients; use ``"bf16-mixed"``).
+
+    Example::
+
+        policy = mixed_precision_policy("bf16-mixed")
+        policy.param_dtype  # torch.bfloat16
+    """
+    if precision not in _POLICIES:
+        raise ConfigError(
+            f"sharding='fsdp' supports precision in {sorted(_POLICIES)}, got {precision!r} (fp16 loss scaling is "
+            "not supported with sharded gradients; use 'bf16-mixed')"
+        )
+    dtypes = _POLICIES[precision]
+    return None if dtypes is None else MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1])
+
+
+def shard_module(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    layers: Sequence[nn.Module],
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> list[nn.Module]:
+    """Shard ``module`` in place with ``fully_shard``: each of ``layers``, then each top-level child left over.
+
+    ``module`` itself (the LightningModule) is not wrapped: Lightning calls ``training_step``, not ``forward``, so
+    the roots are its children, whose ``forward`` the step calls. The last layer keeps its parameters gathered
+    after forward (its backward runs next, as in torchtitan). Calling it again on a sharded module does nothing.
+
+    Args:
+        module: the model (a LightningModule or any module whose children are called through ``forward``).
+        mesh: the data-parallel mesh (:func:`build_device_mesh`); checked only by ``fully_shard``, after the
+            arguments above.
+        layers: the blocks of the layer stack, in execution order, all inside ``module``.
+        mp_policy: FSDP2 mixed precision (:func:`mixed_precision_policy`); ``None`` computes in the stored dtype.
+        reshard_after_forward: free gathered parameters after each block's forward (ZeRO-3); ``False`` keeps them
+            until backward (ZeRO-2: more memory, one all-gather fewer per block).
+
+    Returns:
+        The root modules sharded (top-level children of ``module``).
+
+    Raises:
+        ConfigError: ``layers`` is empty or not inside ``module``, or ``module`` holds parameters of its own (they
+            would be neither sharded nor reduced).
+
+    Example::
+
+        roots = shard_module(lightning_module, mesh, lightning_module.model.layers)
+    """
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        return [child for child in module.children() if isinstance(child, FSDPModule)]
+    inside = {id(m) for m in module.modules()}
+    if not layers or any(id(layer) not in inside or layer is module for layer in layers):
+        raise ConfigError(
+            f"sharding='fsdp': the layer stack must be non-empty blocks inside {type(module).__name__}, got "
+            f"{len(layers)} layer(s)"
+        )
+    own = [name for name, _ in module.named_parameters(recurse=False)]
+    if own:
+        raise ConfigError(
+            f"sharding='fsdp': {type(module).__name__} holds parameters directly ({own}); move them into a child "
+            "module so they can be sharded"
+        )
+    kwargs = {"mesh": mesh, "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy()}
+    for index, layer in enumerate(layers):
+        last = index == len(layers) - 1
+        fully_shard(layer, reshard_after_forward=reshard_after_forward and not last, **kwargs)
+    in_blocks = {id(p) for layer in layers for p in layer.parameters()}
+    roots = []
+    for child in module.children():
+        # A child whose every parameter already sits in a block group (the layer stack itself) needs no group.
+        if any(id(p) not in in_blocks for p in child.parameters()):
+            fully_shard(child, reshard_after_forward=reshard_after_forward, **kwargs)
+            roots.append(child)
+    return roots
+
+
+def sync_module_states(module: nn.Module, src: int = 0) -> None:
+    """Broadcast every parameter and buffer of ``module`` from rank ``src``, as DDP does at construction.
+
+    Used before sharding a model that every rank built eagerly, so that the shards come from one model even when
+    the ranks' seeds differ. Already sharded parameters (DTensors) are left alone. A no-op without an initialised
+    process group.
+
+    Example::
+
+        sync_module_states(model)  # every rank now holds rank 0's weights
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if not isinstance(tensor, DTensor):
+                dist.broadcast(tensor, src=src)
+
+
+def _shared_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """``(module, name, first module, its name)`` for every parameter also registered earlier (tied weights)."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    ties = []
+    for m in module.modules():
+        for name, p in m.named_parameters(recurse=False, remove_duplicate=False):
+            if id(p) in first:
+                ties.append((m, name, *first[id(p)]))
+            else:
+                first[id(p)] = (m, name)
+    return ties
+
+
+def materialize_module(module: nn.Module, device: torch.device) -> bool:
+    """Allocate parameters and buffers left on the meta device on ``device`` and initialise them.
+
+    Call after :func:`shard_module`: each rank allocates only its shards. Every module that holds meta tensors is
+    re-initialised through its ``reset_parameters()`` (the convention of ``torch.nn`` layers, Lightning and FSDP).
+    Tied parameters stay tied.
+
+    Returns:
+        Whether anything was on the meta device.
+
+    Raises:
+        ConfigError: a module with meta parameters or buffers has no ``reset_parameters()`` (checked before
+            anything is allocated).
+
+    Example::
+
+        with torch.device("meta"):
+            model = MoEGPT(config)
+        shard_module(model, mesh, model.layers)
+        materialize_module(model, torch.device("cuda"))
+    """
+    meta = [
+        (name, m)
+        for name, m in module.named_modules()
+        if any(t.is_meta for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
+    ]
+    if not meta:
+        return False
+    missing = [
+        f"{name or '<root>'} ({type(m).__name__})"
+        for name, m in meta
+        if not callable(getattr(m, "reset_parameters", None))
+    ]
+    if missing:
+        raise ConfigError(
+            f"sharding='fsdp': modules built on the meta device need reset_parameters() to be initialised; "
+            f"missing on {', '.join(missing)}"
+        )
+    ties = _shared_parameters(module)
+    module.to_empty(device=device)
+    for owner, name, source, source_name in ties:  # plain `to_empty` gives each module a parameter of its own
+        if getattr(owner, name) is not getattr(source, source_name):
+            setattr(owner, name, getattr(source, source_name))
+    with torch.no_grad():
+        for _, m in meta:
+            m.reset_parameters()
+    return True
