@@ -47,6 +47,8 @@ _LAZY: dict[str, str] = {
     "MoEGPTConfig": "lightning_llmfast.models",
     "MoEGPTLightningModule": "lightning_llmfast.models",
     "causal_lm_loss": "lightning_llmfast.losses",
+    "HFCausalLMModule": "lightning_llmfast.hf",
+    "packed_model_inputs": "lightning_llmfast.hf",
     "scale_by_token_share": "lightning_llmfast.losses",
 }
 
@@ -55,6 +57,7 @@ __all__ = [
     "DataError",
     "ExpertLoadMonitor",
     "GroupedRouterMixin",
+    "HFCausalLMModule",
     "LLMFastError",
     "LLMFastStrategy",
     "MetadataError",
@@ -74,6 +77,7 @@ __all__ = [
     "__version__",
     "causal_lm_loss",
     "pack_documents",
+    "packed_model_inputs",
     "register_moe_adapter",
     "scale_by_token_share",
 ]
@@ -90,6 +94,7 @@ if TYPE_CHECKING:
     from lightning_llmfast.callbacks import ExpertLoadMonitor, SequenceMetadataCallback, TokenThroughputMonitor
     from lightning_llmfast.data import PackedBatch, SyntheticCorpus, TextCorpus, pack_documents
     from lightning_llmfast.datamodule import PackedDataModule
+    from lightning_llmfast.hf import HFCausalLMModule, packed_model_inputs
     from lightning_llmfast.losses import causal_lm_loss, scale_by_token_share
     from lightning_llmfast.mixin import GroupedRouterMixin
     from lightning_llmfast.models import MoEGPT, MoEGPTConfig, MoEGPTLightningModule

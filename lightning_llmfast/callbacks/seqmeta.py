@@ -195,9 +195,9 @@ class SequenceMetadataCallback(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._unread_steps:
             warnings.warn(
-                f"SequenceMetadataCallback: in {self._unread_steps} of {self._train_steps} training steps no layer read "
-                "the packed metadata, so the model ignores the document boundaries and may attend across documents; "
-                "read it with active_cache().get(hidden) in the layers, or for transformers models use "
+                f"SequenceMetadataCallback: in {self._unread_steps} of {self._train_steps} training steps no layer "
+                "read the packed metadata, so the model ignores the document boundaries and may attend across "
+                "documents; read it with active_cache().get(hidden) in the layers, or for transformers models use "
                 "lightning_llmfast.HFCausalLMModule / packed_model_inputs(batch, model)",
                 UserWarning,
                 stacklevel=2,

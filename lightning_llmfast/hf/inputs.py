@@ -20,7 +20,7 @@ from lightning_llmfast.data import PackedBatch
 from lightning_llmfast.errors import ConfigError, DataError, MetadataError
 from lightning_llmfast.seqmeta import SequenceMetadata, active_cache
 
-__all__ = ["packed_model_inputs"]
+__all__ = ["block_causal_mask", "packed_model_inputs"]
 
 _MASKED = ("sdpa", "eager")
 

@@ -25,7 +25,7 @@ need no extra argument: ``meta = metadata if metadata is not None else active_ca
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 

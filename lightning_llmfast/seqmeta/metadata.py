@@ -293,9 +293,9 @@ class SequenceMetadata:
         ``cu_seqlens_cpu`` (the collator's host copy) is used when present, so no device value is read; the batch's
         ``max_seqlen`` is checked and kept. transformers' names (``cu_seq_lens_q`` and ``max_length_q``, as
         ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` returns them) stand for ``cu_seqlens`` and
-        ``max_seqlen``. A ``PackedBatch`` is first checked with :meth:`PackedBatch.validate` (once per batch). The metadata's ``num_tokens`` is ``cu_seqlens[-1]``, the number of
-        flattened positions (``B * T``); a ``PackedBatch``'s own ``num_tokens`` counts real tokens only and is a
-        different quantity, so it is not used here.
+        ``max_seqlen``. A ``PackedBatch`` is first checked with :meth:`PackedBatch.validate` (once per batch).
+        The metadata's ``num_tokens`` is ``cu_seqlens[-1]``, the number of flattened positions (``B * T``); a
+        ``PackedBatch``'s own ``num_tokens`` counts real tokens only and is a different quantity.
 
         Args:
             batch: a ``PackedBatch``, a ``SequenceMetadata`` (returned as is), or a mapping/object holding
