@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_llmfast.bench.e2e import E2ESettings, _Batches, _quiet, _StepProbe, loss_agreement, make_batches
+from lightning_llmfast.bench.e2e import E2ESettings, _fit, _quiet, _StepProbe, loss_agreement, make_batches
 from lightning_llmfast.data import PackedBatch
 
 __all__ = ["HF_VARIANTS", "FlattenedBatch", "flatten_like_transformers", "run_hf"]
@@ -142,28 +142,6 @@ def _modules(settings: E2ESettings, variants: tuple[str, ...]) -> dict[str, L.Li
     return out
 
 
-def _fit(variant: str, module: L.LightningModule, batches: list[Any], probe: _StepProbe, device: torch.device) -> None:
-    callbacks: list[L.Callback] = []
-    if variant == "llmfast":
-        from lightning_llmfast.callbacks import SequenceMetadataCallback, TokenThroughputMonitor
-
-        callbacks = [SequenceMetadataCallback(), TokenThroughputMonitor()]
-    trainer = L.Trainer(
-        accelerator=device.type,
-        devices=1,
-        strategy="llmfast" if variant == "llmfast" else "auto",
-        max_steps=len(batches),
-        callbacks=[*callbacks, probe],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    trainer.fit(module, train_dataloaders=_Batches(batches))
-
-
 def run_hf(
     settings: E2ESettings,
     device: str | torch.device = "cpu",
@@ -201,10 +179,11 @@ def run_hf(
     last: dict[str, _StepProbe] = {}
     with _quiet():
         for variant in variants:
-            _fit(variant, modules[variant], data[variant][:1], _StepProbe(warmup=1, count=False), device)
+            first = data[variant][:1]
+            _fit(variant, modules[variant], first, _StepProbe(warmup=1, count=False), settings, device)  # type: ignore[arg-type]
         for variant in variants:
             probe = _StepProbe(settings.warmup_steps, count=True)
-            _fit(variant, modules[variant], data[variant][:count_seg], probe, device)
+            _fit(variant, modules[variant], data[variant][:count_seg], probe, settings, device)  # type: ignore[arg-type]
             counted[variant] = probe
             log(f"[hf] counted {variant}: {probe.syncs / probe.measured:.1f} syncs/step")
         for r in range(settings.repeats):
@@ -213,13 +192,8 @@ def run_hf(
             order = variants[r % len(variants) :] + variants[: r % len(variants)]
             for variant in order:
                 probe = _StepProbe(settings.warmup_steps, count=False)
-                _fit(
-                    variant,
-                    modules[variant],
-                    data[variant][count_seg + r * seg : count_seg + (r + 1) * seg],
-                    probe,
-                    device,
-                )
+                segment = data[variant][count_seg + r * seg : count_seg + (r + 1) * seg]
+                _fit(variant, modules[variant], segment, probe, settings, device)  # type: ignore[arg-type]
                 timed[variant].append(probe.tokens_per_sec)
                 last[variant] = probe
                 log(f"[hf] repeat {r + 1}/{settings.repeats} {variant}: {probe.tokens_per_sec:,.0f} tokens/s")

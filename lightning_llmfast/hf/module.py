@@ -96,16 +96,20 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
 
     @override
     def training_step(self, batch: PackedBatch, batch_idx: int) -> Tensor:
-        ce, loss = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch.batch_size)
-        self.log("train/ce", ce, batch_size=batch.batch_size)
-        return loss
+        return self._logged_loss(batch, "train")
 
     @override
     def validation_step(self, batch: PackedBatch, batch_idx: int) -> Tensor:
-        ce, _ = self._loss(batch)
-        self.log("val/loss", ce, prog_bar=True, batch_size=batch.batch_size, sync_dist=True)
-        return ce
+        return self._logged_loss(batch, "val")
+
+    def _logged_loss(self, batch: PackedBatch, stage: str) -> Tensor:
+        ce, loss = self._loss(batch)
+        size = batch.batch_size
+        if stage == "val":  # the language-model loss only, averaged over ranks
+            self.log("val/loss", ce, prog_bar=True, batch_size=size, sync_dist=True)
+            return ce
+        self.log_dict({"train/loss": loss, "train/ce": ce}, batch_size=size)
+        return loss
 
     @override
     def configure_optimizers(self) -> Any:

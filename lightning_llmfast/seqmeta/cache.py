@@ -34,7 +34,6 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_llmfast.errors import MetadataError
-from lightning_llmfast.seqmeta.consistency import field_versions
 from lightning_llmfast.seqmeta.metadata import SequenceMetadata, _field
 
 __all__ = ["SequenceMetadataCache", "activate_cache", "active_cache"]
@@ -112,7 +111,7 @@ def _same_or_none(a: Any, b: Any) -> bool:
 class _Binding:
     """The metadata of one token tensor: what it is built from, and the tensors whose edits invalidate it."""
 
-    __slots__ = ("guarded", "meta", "source", "stamp", "tokens", "tokens_version")
+    __slots__ = ("guarded", "meta", "source", "tokens", "tokens_version", "versions")
 
     def __init__(self, source: Any, tokens: Tensor | None) -> None:
         self.source = source
@@ -120,7 +119,7 @@ class _Binding:
         self.tokens_version = tokens._version if tokens is not None else 0
         self.meta: SequenceMetadata | None = None
         self.guarded: list[Tensor] = []
-        self.stamp: tuple[tuple[int, int], ...] = ()
+        self.versions: list[int] = []
 
     def matches(self, tokens: Tensor) -> bool:
         return tokens is self.tokens and tokens._version == self.tokens_version
@@ -128,11 +127,11 @@ class _Binding:
     def set_meta(self, meta: SequenceMetadata, used: Sequence[Any]) -> None:
         self.meta = meta
         self.guarded = [t for t in used if isinstance(t, Tensor)]
-        self.stamp = field_versions(self.guarded)
+        self.versions = [t._version for t in self.guarded]
 
     def edited(self) -> bool:
         # Host ints only: each in-place op on a guarded tensor bumps its version counter.
-        return self.meta is not None and field_versions(self.guarded) != self.stamp
+        return self.meta is not None and [t._version for t in self.guarded] != self.versions
 
 
 class SequenceMetadataCache:
@@ -341,18 +340,20 @@ class SequenceMetadataCache:
         """
         if not self._open:
             raise MetadataError("cache: no open version; call begin(batch) (or use `with cache.batch(batch):`) first")
-        binding = self._binding()
+        binding = self._foreign if self._foreign is not None else self._main
         if binding.edited():
             binding.meta = None  # a guarded field changed in place: build (and check the batch) again
         meta = binding.meta
         built = meta is None
         if meta is None:
             meta = self._build(binding, position_ids)
-        target = hidden.device if hidden is not None else device
-        if hidden is not None and check:
-            self._check(meta, hidden)
-        if target is not None and meta.device != torch.device(target):
-            meta = meta.to(target)
+        if hidden is not None:
+            if check:
+                self._check(meta, hidden)
+            if meta.device != hidden.device:
+                meta = meta.to(hidden.device)
+        elif device is not None and meta.device != torch.device(device):
+            meta = meta.to(device)
         # Counted only once checked: a rejected call neither caches nor counts as a reuse.
         self.stats["builds" if built else "hits"] += 1
         self.stats["reads"] += int(read)
@@ -394,7 +395,9 @@ class SequenceMetadataCache:
         source = binding.source
         if source is not None:
             meta = SequenceMetadata.from_batch(source)
-            binding.guarded = [_field(source, name) for name in _GUARDED_FIELDS]
+            # A SequenceMetadata is immutable (and reading its position_ids would build them): nothing to guard.
+            fields = () if isinstance(source, SequenceMetadata) else _GUARDED_FIELDS
+            binding.guarded = [_field(source, name) for name in fields]
         elif position_ids is not None:
             meta = SequenceMetadata.from_position_ids(position_ids)
             binding.guarded = [position_ids]
