@@ -309,3 +309,51 @@ def test_fit_under_gradient_accumulation_and_plain_mean_outside_training(tmp_pat
     logits = module(batch)
     ref = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=-100)
     assert module._loss(batch)[0].item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+def _three_steps(tmp_path: Path, strategy) -> tuple[HFCausalLMModule, L.Trainer]:
+    torch.manual_seed(0)
+    module = HFCausalLMModule(CONFIGS["olmoe"](), lr=1e-2, warmup_steps=1, moe_backend="torch")
+    batches = [_batch(seed=s) for s in range(3)]
+    trainer = L.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=3,
+        accelerator="cpu",
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[SequenceMetadataCallback(), ExpertLoadMonitor(log_every_n_steps=1)],
+    )
+    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+    return module, trainer
+
+
+def test_activation_offload_strategy_trains_the_same_model(tmp_path: Path) -> None:
+    from lightning_llmfast import LLMFastStrategy
+
+    reference, trainer = _three_steps(tmp_path, "llmfast")
+    assert 0 <= float(trainer.logged_metrics["moe/load_imbalance"])
+    strategy = LLMFastStrategy(offload_activations=True, force_offload=True, min_offload_bytes=0)
+    offloaded, _ = _three_steps(tmp_path, strategy)
+    assert strategy.offload_stats is not None and strategy.offload_stats["offloaded_bytes"] > 0
+    for p, q in zip(reference.parameters(), offloaded.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention needs a CUDA device")
+def test_flash_attention_2_keeps_documents_apart_on_cuda() -> None:
+    pytest.importorskip("flash_attn")
+    torch.manual_seed(0)
+    config = CONFIGS["qwen3_moe"]()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="flash_attention_2")
+    model = model.to("cuda", torch.bfloat16)
+    batch = _batch().to("cuda")
+    with SyncCounter() as sc:
+        logits = model(**packed_model_inputs(batch, model)).logits.reshape(-1, VOCAB).float()
+    flat = batch.input_ids.reshape(-1)
+    for s, e in _segments(batch):
+        alone = model(input_ids=flat[s:e][None], use_cache=False).logits[0].float()
+        torch.testing.assert_close(alone, logits[s:e], rtol=2e-2, atol=2e-2)
+    assert sc.syncs.get("nonzero", 0) == 0  # the boundaries came from the host, not from position_ids
