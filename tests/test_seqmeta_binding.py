@@ -186,6 +186,7 @@ def test_inconsistent_fields_raise_at_first_use() -> None:
             "row 1 does not start a segment",
         ),
         (_fields(good, num_tokens=0), "num_tokens: 0 real tokens is impossible"),
+        (_fields(good, cu_seqlens_cpu=shifted), "cu_seqlens and cu_seqlens_cpu hold different boundaries"),
     ]
     for bad, match in cases:
         for use in (bad.validate, lambda b=bad: b.to("cpu"), lambda b=bad: SequenceMetadata.from_batch(b)):

@@ -6,7 +6,8 @@ Claims about speed in this project come only from here. The result dictionary (`
      "e2e": {variant: {"tokens_per_sec", "host_syncs_per_step", "metadata_builds_per_step", "aten_ops_per_step",
                        "peak_mem_bytes", "final_loss"} or {"skipped": reason}},
      "ratios": {"llmfast_vs_before", "llmfast_vs_peer"},   # tokens/sec ratios; None where a variant is missing
-               # (profile "hf": {"llmfast_vs_best_hf"}, variants "hf_eager", "hf_grouped_mm", "llmfast": bench/hf.py)
+               # profile "hf" (bench/hf.py): variants "hf_eager", "hf_grouped_mm", "llmfast";
+               # ratios {"llmfast_vs_best_hf", "llmfast_vs_best_hf_cpu_time"}
      "micro": {name: dict returned by benchmarks/bench_<name>.py's run(), or {"skipped"|"error": reason}},
      "notes": [str, ...]}
 
@@ -313,6 +314,9 @@ def run_benchmark(
         # against the fastest transformers setting: the smallest of the ratios
         peers = [_ratio(e2e, "llmfast", v) for v in HF_VARIANTS if v != "llmfast"]
         ratios = {"llmfast_vs_best_hf": min((r for r in peers if r is not None), default=None)}
+        cpu = [e2e[v].get("tokens_per_cpu_sec") for v in HF_VARIANTS]
+        if all(cpu):
+            ratios["llmfast_vs_best_hf_cpu_time"] = cpu[-1] / max(cpu[:-1])
     else:
         e2e, notes = run_e2e(settings, device, variants, log=log, deadline=start + 0.6 * budget)
         ratios = {

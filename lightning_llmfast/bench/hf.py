@@ -117,6 +117,38 @@ class _TransformersWay(_KeepOptimizer, L.LightningModule):
         return self._kept
 
 
+class _CPUTimeProbe(_StepProbe):
+    """The step probe that also reads this process's CPU time over the measured steps.
+
+    On a shared machine other processes take the cores away between and during steps, so wall-clock tokens/sec
+    swing with their load; the CPU seconds this process spends vary far less. Run with one torch thread
+    (``OMP_NUM_THREADS=1``) so that OpenMP workers spinning on a contended core do not count as work.
+    """
+
+    c0 = c1 = 0.0
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.step == self.warmup:
+            self.c0 = time.process_time()
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self.step == trainer.max_steps:
+            self.c1 = time.process_time()
+
+    @property
+    def tokens_per_cpu_sec(self) -> float:
+        """Real tokens per CPU second of this process over the measured steps."""
+        return self.tokens / (self.c1 - self.c0) if self.c1 > self.c0 else float("nan")
+
+
 def _modules(settings: E2ESettings, variants: tuple[str, ...]) -> dict[str, L.LightningModule]:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -176,6 +208,7 @@ def run_hf(
     data = {v: packed if v == "llmfast" else [flatten_like_transformers(b) for b in packed] for v in variants}
     counted: dict[str, _StepProbe] = {}
     timed: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
     last: dict[str, _StepProbe] = {}
     with _quiet():
         for variant in variants:
@@ -191,10 +224,11 @@ def run_hf(
                 break
             order = variants[r % len(variants) :] + variants[: r % len(variants)]
             for variant in order:
-                probe = _StepProbe(settings.warmup_steps, count=False)
+                probe = _CPUTimeProbe(settings.warmup_steps, count=False)
                 segment = data[variant][count_seg + r * seg : count_seg + (r + 1) * seg]
                 _fit(variant, modules[variant], segment, probe, settings, device)  # type: ignore[arg-type]
                 timed[variant].append(probe.tokens_per_sec)
+                cpu[variant].append(probe.tokens_per_cpu_sec)
                 last[variant] = probe
                 log(f"[hf] repeat {r + 1}/{settings.repeats} {variant}: {probe.tokens_per_sec:,.0f} tokens/s")
     results: dict[str, dict[str, Any]] = {}
@@ -203,6 +237,7 @@ def run_hf(
         c = counted[variant]
         results[variant] = {
             "tokens_per_sec": statistics.median(timed[variant]),
+            "tokens_per_cpu_sec": statistics.median(cpu[variant]),
             "host_syncs_per_step": c.syncs / c.measured,
             "metadata_builds_per_step": c.builds / c.measured,
             "aten_ops_per_step": c.ops / c.measured,
@@ -213,6 +248,17 @@ def run_hf(
             by_op = ", ".join(f"{k}={n / c.measured:g}" for k, n in sorted(c.sync_names.items()))
             notes.append(f"{variant} host syncs per step by op: {by_op}")
     notes.append(f"final loss max relative difference: {loss_agreement(results):.2e}")
+    peers = [v for v in variants if v != "llmfast"]
+    if "llmfast" in variants and peers:
+        # Within one repeat the variants run back to back, so a shared machine's load changes less between them.
+        paired = [timed["llmfast"][r] / max(timed[v][r] for v in peers) for r in range(len(timed["llmfast"]))]
+        shown = ", ".join(f"{x:.2f}" for x in paired)
+        notes.append(
+            f"llmfast / best transformers setting per repeat: {shown} (median {statistics.median(paired):.2f})"
+        )
+        best_cpu = max(results[v]["tokens_per_cpu_sec"] for v in peers)
+        ratio_cpu = results["llmfast"]["tokens_per_cpu_sec"] / best_cpu
+        notes.append(f"llmfast / best transformers setting in tokens per CPU second: {ratio_cpu:.2f}")
     cfg = settings.model
     notes.append(
         f"model: Qwen3-MoE, {cfg.get('num_hidden_layers')} layers, hidden {cfg.get('hidden_size')}, "

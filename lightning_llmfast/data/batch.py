@@ -128,9 +128,12 @@ class PackedBatch:
         stamp = self._stamp()
         if _CHECKED.get(id(self)) == stamp:
             return
-        host = self.cu_seqlens_cpu if self.cu_seqlens_cpu is not None else self.cu_seqlens.cpu()
-        device = self.cu_seqlens if self.cu_seqlens.device.type != "cpu" else None
-        check_packed_fields(host, self.position_ids, self.num_tokens, device_cu_seqlens=device)
+        if self.cu_seqlens_cpu is None:
+            check_packed_fields(self.cu_seqlens.cpu(), self.position_ids, self.num_tokens)
+        else:
+            check_packed_fields(
+                self.cu_seqlens_cpu, self.position_ids, self.num_tokens, cu_seqlens_copy=self.cu_seqlens
+            )
         self._mark_checked(stamp)
 
     def _stamp(self) -> tuple[tuple[int, int], ...]:

@@ -32,7 +32,7 @@ def field_versions(tensors: Sequence[Tensor | None]) -> tuple[tuple[int, int], .
 
 
 def check_packed_fields(
-    cu_seqlens_cpu: Tensor, position_ids: Tensor, num_tokens: int, device_cu_seqlens: Tensor | None = None
+    cu_seqlens_cpu: Tensor, position_ids: Tensor, num_tokens: int, cu_seqlens_copy: Tensor | None = None
 ) -> None:
     """Checks that a packed batch's boundaries, positions and token count describe the same segments.
 
@@ -46,7 +46,8 @@ def check_packed_fields(
         position_ids: ``(B, T)`` integer positions; copied to the host when on an accelerator (a sync: callers do
             this once per batch, when it is first used).
         num_tokens: the batch's number of real tokens.
-        device_cu_seqlens: the device copy of the boundaries, compared with ``cu_seqlens_cpu`` when given (a sync).
+        cu_seqlens_copy: another copy of the boundaries (the batch's ``cu_seqlens`` when it is not
+            ``cu_seqlens_cpu`` itself), compared with ``cu_seqlens_cpu`` (a sync when it lives on an accelerator).
 
     Raises:
         MetadataError: the fields disagree; the message names the first offending index.
@@ -58,11 +59,12 @@ def check_packed_fields(
     rows, seq_len = position_ids.shape
     total = rows * seq_len
     cu = cu_seqlens_cpu.numpy().astype(np.int64)
-    if device_cu_seqlens is not None and device_cu_seqlens is not cu_seqlens_cpu:
-        # NOTE: host sync, only for a batch whose device boundaries were edited in place (version counter moved).
-        device = device_cu_seqlens.detach().cpu().numpy().astype(np.int64)
-        if device.shape != cu.shape or (device != cu).any():
-            raise MetadataError("PackedBatch: cu_seqlens (device) and cu_seqlens_cpu hold different boundaries")
+    if cu_seqlens_copy is not None and cu_seqlens_copy is not cu_seqlens_cpu:
+        # NOTE: host sync on an accelerator; PackedBatch.validate gets here only for a batch not moved by its `to`
+        # (which checks on the host first), or after an in-place edit.
+        copy = cu_seqlens_copy.detach().cpu().numpy().astype(np.int64)
+        if copy.shape != cu.shape or (copy != cu).any():
+            raise MetadataError("PackedBatch: cu_seqlens and cu_seqlens_cpu hold different boundaries")
     if cu.size < 2 or cu[0] != 0 or cu[-1] != total or (np.diff(cu) < 0).any():
         raise MetadataError(
             f"PackedBatch.cu_seqlens: must rise from 0 to B * T = {total}, got {cu[:4].tolist()}...{cu[-2:].tolist()}"
