@@ -342,6 +342,7 @@ def test_activation_offload_strategy_trains_the_same_model(tmp_path: Path) -> No
         assert torch.equal(p, q)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention needs a CUDA device")
 def test_flash_attention_2_keeps_documents_apart_on_cuda() -> None:
     pytest.importorskip("flash_attn")
