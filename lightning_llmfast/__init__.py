@@ -51,6 +51,10 @@ _LAZY: dict[str, str] = {
     "GroupedRouterMixin": "lightning_llmfast.mixin",
     "LLMFastStrategy": "lightning_llmfast.strategy",
     "MoEGPTLightningModule": "lightning_llmfast.models",
+    "causal_lm_loss": "lightning_llmfast.losses",
+    "HFCausalLMModule": "lightning_llmfast.hf",
+    "packed_model_inputs": "lightning_llmfast.hf",
+    "scale_by_token_share": "lightning_llmfast.losses",
 }
 
 _ERRORS = (ConfigError, DataError, LLMFastError, MetadataError, OffloadError, RoutingError)

@@ -9,6 +9,9 @@ Claims about speed in this project come only from here. The result dictionary (`
      "ratios": {"llmfast_vs_before", "llmfast_vs_peer"},   # tokens/sec ratios of the medians; None: a variant missing
      "ratio_ranges": {same names: [low, high] over the repeats, or None},
      "warnings": [str, ...],                                # spreads too wide to trust the ratios (report.py)
+               # profile "hf" (bench/hf.py): variants "hf_eager", "hf_grouped_mm", "llmfast";
+               # ratios {"llmfast_vs_best_hf", "llmfast_vs_best_hf_cpu_time"},
+               # ratio_ranges {"llmfast_vs_hf_eager", "llmfast_vs_hf_grouped_mm"}
      "micro": {name: dict returned by benchmarks/bench_<name>.py's run(), or {"skipped"|"error": reason}},
      "notes": [str, ...]}
 
@@ -95,6 +98,32 @@ PROFILES: dict[str, BenchProfile] = {
             measured_steps=3,
             repeats=5,
             count_steps=2,
+        ),
+        micro_quick=True,
+    ),
+    # transformers Qwen3-MoE trained by HFCausalLMModule vs the transformers way (bench/hf.py); ~1 minute on 2 cores.
+    "hf": BenchProfile(
+        "hf",
+        E2ESettings(
+            model={
+                "vocab_size": 258,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "moe_intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+            },
+            seq_len=256,
+            batch_size=4,
+            mean_doc_len=48,
+            warmup_steps=1,
+            measured_steps=2,
+            repeats=3,
+            count_steps=1,
         ),
         micro_quick=True,
     ),
@@ -255,7 +284,7 @@ def run_benchmark(
     Args:
         profile: a name from :data:`PROFILES` or a :class:`BenchProfile`.
         device: ``"cpu"`` or ``"cuda"``.
-        variants: end-to-end variants to run.
+        variants: end-to-end variants to run (the ``hf`` profile always runs ``bench.hf.HF_VARIANTS``).
         micro: micro-benchmarks to run (empty: none).
         repeats: override of the profile's timed repeats.
         measured_steps: override of the profile's measured steps per segment.
@@ -283,7 +312,21 @@ def run_benchmark(
     settings = profile.e2e.with_overrides(repeats=repeats, measured_steps=measured_steps)
     start = time.perf_counter()
     budget = math.inf if max_seconds is None else max_seconds
-    e2e, notes = run_e2e(settings, device, variants, log=log, deadline=start + 0.6 * budget)
+    if profile.name == "hf":
+        from lightning_llmfast.bench.hf import HF_VARIANTS, run_hf
+
+        e2e, notes = run_hf(settings, device, HF_VARIANTS, log=log, deadline=start + 0.6 * budget)
+        # against the fastest transformers setting: the smallest of the ratios
+        peers = [_ratio(e2e, "llmfast", v) for v in HF_VARIANTS if v != "llmfast"]
+        ranges = {f"llmfast_vs_{v}": ratio_range(e2e, "llmfast", v) for v in HF_VARIANTS if v != "llmfast"}
+        ratios = {"llmfast_vs_best_hf": min((r for r in peers if r is not None), default=None)}
+        cpu = [e2e[v].get("tokens_per_cpu_sec") for v in HF_VARIANTS]
+        if all(cpu):
+            ratios["llmfast_vs_best_hf_cpu_time"] = cpu[-1] / max(cpu[:-1])
+    else:
+        e2e, notes = run_e2e(settings, device, variants, log=log, deadline=start + 0.6 * budget)
+        ratios = {name: _ratio(e2e, num, den) for name, (num, den) in RATIOS.items()}
+        ranges = {name: ratio_range(e2e, num, den) for name, (num, den) in RATIOS.items()}
     result: dict[str, Any] = {
         "profile": profile.name,
         "device": device,
@@ -291,8 +334,8 @@ def run_benchmark(
         "machine": machine(torch.device(device)),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "e2e": e2e,
-        "ratios": {name: _ratio(e2e, num, den) for name, (num, den) in RATIOS.items()},
-        "ratio_ranges": {name: ratio_range(e2e, num, den) for name, (num, den) in RATIOS.items()},
+        "ratios": ratios,
+        "ratio_ranges": ranges,
         "warnings": spread_warnings(e2e),
         "micro": {},
         "notes": notes,

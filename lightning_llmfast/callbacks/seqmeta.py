@@ -5,6 +5,7 @@ The callback owns lifecycles only; building, validating and caching live in :mod
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -77,7 +78,12 @@ class SequenceMetadataCallback(L.Callback):
     with ``active_cache().get(hidden)`` (the reference model does this in ``attention_metadata="cached"`` mode).
     Batches may be a ``PackedBatch``, a mapping or object holding ``cu_seqlens`` (with ``max_seqlen``) or
     ``position_ids``, or a tuple/list holding one; failing those, the metadata is built from the position ids the
-    first layer receives. Logs ``seqmeta/builds_per_step`` (a host integer: no sync).
+    first layer receives. The model's input embeddings are watched (:meth:`SequenceMetadataCache.watch`), so a
+    second forward on other tokens inside one batch (a teacher, a contrastive pair) never reuses this batch's
+    boundaries. Logs ``seqmeta/builds_per_step`` and ``seqmeta/reads_per_step`` (lookups by layers or
+    :func:`~lightning_llmfast.packed_model_inputs`; host integers, no sync) and warns at the end of a fit that ran
+    training steps in which nothing read the metadata: such a model ignores it (a transformers model given
+    ``input_ids``/``position_ids`` directly, for example) and may attend across documents.
 
     Args:
         validate: ``"first_layer"`` checks the first layer's token count against the metadata; ``"every_layer"``
@@ -101,15 +107,23 @@ class SequenceMetadataCallback(L.Callback):
         self.cache = SequenceMetadataCache()
         self._handles: list[RemovableHandle] = []
         self._builds_at_begin = 0
+        self._reads_at_begin = 0
+        self._unread_steps = self._train_steps = 0
 
     @property
     def builds_last_batch(self) -> int:
         """Metadata builds of the most recent (or current) batch."""
         return self.cache.stats["builds"] - self._builds_at_begin
 
+    @property
+    def reads_last_batch(self) -> int:
+        """Metadata lookups by consumers (layers, ``packed_model_inputs``) in the most recent (or current) batch."""
+        return self.cache.stats["reads"] - self._reads_at_begin
+
     def _install_hooks(self, pl_module: L.LightningModule) -> None:
         # At the first batch rather than in setup(): configure_model, which may build the layers, runs after setup.
         found = _find_layers(pl_module, self.layers)
+        self._handles.extend(self.cache.watch(pl_module))
         self._handles.append(found[0].register_forward_pre_hook(self._build_hook, with_kwargs=True))
         if self.validate == "every_layer":
             for layer in found[1:]:
@@ -139,7 +153,7 @@ class SequenceMetadataCallback(L.Callback):
         if not self.cache.is_open:
             return
         hidden, positions = _hidden_and_positions(args, kwargs)
-        self.cache.get(hidden, position_ids=positions, check=self.validate != "off")
+        self.cache.get(hidden, position_ids=positions, check=self.validate != "off", read=False)
 
     def _check_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self.cache.is_open:
@@ -152,6 +166,7 @@ class SequenceMetadataCallback(L.Callback):
         if not self._handles:
             self._install_hooks(pl_module)
         self._builds_at_begin = self.cache.stats["builds"]
+        self._reads_at_begin = self.cache.stats["reads"]
         self.cache.begin(batch)
 
     # Batch hooks: a new version per batch (micro-batch under gradient accumulation), closed at its end.
@@ -166,9 +181,27 @@ class SequenceMetadataCallback(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.cache.end()
-        pl_module.log(
-            "seqmeta/builds_per_step", float(self.builds_last_batch), on_step=True, on_epoch=False, batch_size=1
-        )
+        reads = self.reads_last_batch
+        self._train_steps += 1
+        self._unread_steps += reads == 0
+        for name, value in (("builds", self.builds_last_batch), ("reads", reads)):
+            pl_module.log(f"seqmeta/{name}_per_step", float(value), on_step=True, on_epoch=False, batch_size=1)
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._unread_steps = self._train_steps = 0
+
+    @override
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._unread_steps:
+            warnings.warn(
+                f"SequenceMetadataCallback: in {self._unread_steps} of {self._train_steps} training steps no layer "
+                "read the packed metadata, so the model ignores the document boundaries and may attend across "
+                "documents; read it with active_cache().get(hidden) in the layers, or for transformers models use "
+                "lightning_llmfast.HFCausalLMModule / packed_model_inputs(batch, model)",
+                UserWarning,
+                stacklevel=2,
+            )
 
     @override
     def on_validation_batch_start(

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from lightning_llmfast.errors import DataError
+from lightning_llmfast.seqmeta.consistency import check_packed_fields, field_versions
 
 __all__ = ["PackedBatch"]
+
+# id(batch) -> version stamp of its fields when they were last found consistent (kept off the instance, so that
+# ``vars(batch)`` stays the constructor's keyword arguments).
+_CHECKED: dict[int, tuple[tuple[int, int], ...]] = {}
 
 
 @dataclass
@@ -23,6 +29,8 @@ class PackedBatch:
     The integers ``max_seqlen`` and ``num_tokens`` and the host copy ``cu_seqlens_cpu`` are computed by the packer on
     the CPU; consumers on an accelerator read them instead of the device tensors, so they never sync the host.
     Treat the tensors as read-only: ``cu_seqlens_cpu`` may be the (pinned) source of an in-flight device copy.
+    :meth:`validate` checks the fields against each other on the host once (:meth:`to` does it before a move, so the
+    copy on the device needs no check) and again only after an in-place edit, seen through the version counters.
 
     Lightning moves a ``PackedBatch`` with :meth:`to` (it has a ``to`` method, so
     ``move_data_to_device`` treats it as one transferable object) and a ``DataLoader(pin_memory=True)`` pins it
@@ -101,6 +109,41 @@ class PackedBatch:
         if self.cu_seqlens_cpu is None and self.cu_seqlens.device.type == "cpu":
             self.cu_seqlens_cpu = self.cu_seqlens
 
+    def validate(self) -> None:
+        """Checks ``cu_seqlens``, ``cu_seqlens_cpu``, ``position_ids`` and ``num_tokens`` against each other.
+
+        The check runs once on the host (NumPy); later calls compare the fields' version counters (host ints) and
+        return at once unless a field was edited in place or replaced. A batch built directly on an accelerator,
+        or edited there, is copied to the host for its check (a sync, once); batches moved by :meth:`to` are not.
+
+        Raises:
+            MetadataError: the fields disagree.
+
+        Example::
+
+            batch.validate()
+            batch.cu_seqlens[1] += 1
+            batch.validate()  # MetadataError: position_ids disagree with cu_seqlens
+        """
+        stamp = self._stamp()
+        if _CHECKED.get(id(self)) == stamp:
+            return
+        if self.cu_seqlens_cpu is None:
+            check_packed_fields(self.cu_seqlens.cpu(), self.position_ids, self.num_tokens)
+        else:
+            check_packed_fields(
+                self.cu_seqlens_cpu, self.position_ids, self.num_tokens, cu_seqlens_copy=self.cu_seqlens
+            )
+        self._mark_checked(stamp)
+
+    def _stamp(self) -> tuple[tuple[int, int], ...]:
+        return field_versions([self.cu_seqlens, self.cu_seqlens_cpu, self.position_ids])
+
+    def _mark_checked(self, stamp: tuple[tuple[int, int], ...]) -> None:
+        if id(self) not in _CHECKED:
+            weakref.finalize(self, _CHECKED.pop, id(self), None)
+        _CHECKED[id(self)] = stamp
+
     @property
     def batch_size(self) -> int:
         """Number of rows ``B``."""
@@ -128,6 +171,9 @@ class PackedBatch:
         Returns:
             A new ``PackedBatch``; ``self`` is unchanged.
 
+        Raises:
+            MetadataError: the fields of a batch on the CPU disagree (see :meth:`validate`).
+
         Example::
 
             batch = batch.pin_memory().to("cuda")  # batch.cu_seqlens_cpu is still readable without a sync
@@ -139,7 +185,10 @@ class PackedBatch:
         cu_seqlens_cpu = self.cu_seqlens_cpu
         if cu_seqlens_cpu is None and self.cu_seqlens.device.type == "cpu":
             cu_seqlens_cpu = self.cu_seqlens
-        return PackedBatch(
+        if self.position_ids.device.type == "cpu":
+            self.validate()  # on the host now, so the device copy never needs a sync to be checked
+        checked = _CHECKED.get(id(self)) == self._stamp()
+        moved = PackedBatch(
             input_ids=self.input_ids.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
             position_ids=self.position_ids.to(device, non_blocking=non_blocking),
@@ -148,6 +197,9 @@ class PackedBatch:
             num_tokens=self.num_tokens,
             cu_seqlens_cpu=cu_seqlens_cpu,
         )
+        if checked:
+            moved._mark_checked(moved._stamp())
+        return moved
 
     def pin_memory(self) -> PackedBatch:
         """Return a new batch whose CPU tensors are in page-locked memory, for asynchronous host-to-device copies.
@@ -164,7 +216,8 @@ class PackedBatch:
         """
         cu_seqlens = self.cu_seqlens.pin_memory()
         shared = self.cu_seqlens_cpu is self.cu_seqlens
-        return PackedBatch(
+        checked = _CHECKED.get(id(self)) == self._stamp()
+        pinned = PackedBatch(
             input_ids=self.input_ids.pin_memory(),
             labels=self.labels.pin_memory(),
             position_ids=self.position_ids.pin_memory(),
@@ -173,6 +226,9 @@ class PackedBatch:
             num_tokens=self.num_tokens,
             cu_seqlens_cpu=cu_seqlens if shared else self.cu_seqlens_cpu,
         )
+        if checked:
+            pinned._mark_checked(pinned._stamp())
+        return pinned
 
 
 def _describe(value: object) -> str:

@@ -13,7 +13,9 @@ def to_flash_attention_kwargs(metadata: SequenceMetadata) -> dict[str, Any]:
     """Returns HF transformers' packed-sequence kwargs, so an HF model receives the boundaries once per batch.
 
     With these kwargs HF's flash-attention path skips deriving ``cu_seqlens`` from ``position_ids`` in every layer
-    (a ``nonzero`` and an ``.item()`` per layer).
+    (a ``nonzero`` and an ``.item()`` per layer). Only FlashAttention implementations read them: SDPA and eager
+    attention ignore them and, with transformers' default ``use_cache=True``, attend across documents. Use
+    :func:`lightning_llmfast.packed_model_inputs`, which returns the right arguments for every implementation.
 
     Args:
         metadata: the batch's metadata.
@@ -24,8 +26,8 @@ def to_flash_attention_kwargs(metadata: SequenceMetadata) -> dict[str, Any]:
 
     Example::
 
-        meta = SequenceMetadata.from_batch(batch)
-        logits = hf_model(input_ids=batch.input_ids.view(1, -1), position_ids=meta.position_ids[None],
+        meta = SequenceMetadata.from_batch(batch)  # a model with attn_implementation="flash_attention_2"
+        logits = hf_model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
                           **to_flash_attention_kwargs(meta)).logits
     """
     return {

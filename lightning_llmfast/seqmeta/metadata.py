@@ -236,14 +236,16 @@ class SequenceMetadata:
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor) -> SequenceMetadata:
-        """Builds metadata from per-token positions: a sequence starts wherever the position is 0 and at every row.
+        """Builds metadata from per-token positions: a sequence starts wherever the position is the smallest one
+        (0, or a constant start offset such as RoBERTa's 2) and at every row.
 
         If ``position_ids`` lives on an accelerator, this path syncs once (one device-to-host copy of the positions),
         which is why the collator's ``cu_seqlens`` is preferred; it is still once per batch, not once per layer.
 
         Args:
             position_ids: ``(num_tokens,)`` or ``(batch, seq_len)`` integer positions, counting up by one inside each
-                sequence. The metadata is placed on their device.
+                sequence from a common start value. The metadata is placed on their device; its own
+                :attr:`position_ids` count from 0.
 
         Returns:
             The validated metadata over the ``batch * seq_len`` flattened positions.
@@ -266,7 +268,9 @@ class SequenceMetadata:
         if negative.any():
             i = _first_index(negative)
             raise MetadataError(f"position_ids: must be non-negative; first offending index {i} (value {int(flat[i])})")
-        starts = flat == 0
+        # A constant start offset (every sequence counting from the same value) marks its starts as 0 would.
+        offset = int(flat.min()) if flat.size else 0
+        starts = flat == offset
         if row_len > 0:
             starts[::row_len] = True
         # Inside a sequence the position must count up by one, or boundaries would be silently misread.
@@ -274,7 +278,7 @@ class SequenceMetadata:
         if broken.any():
             i = _first_index(broken) + 1
             raise MetadataError(
-                f"position_ids: must restart at 0 or count up by one; first offending flat index {i} "
+                f"position_ids: must restart at {offset} or count up by one; first offending flat index {i} "
                 f"(value {int(flat[i])} after {int(flat[i - 1])})"
             )
         cu = np.append(np.flatnonzero(starts), flat.size).astype(np.int64)
@@ -287,13 +291,16 @@ class SequenceMetadata:
         """Builds metadata from a ``PackedBatch`` or any mapping/object with ``cu_seqlens`` or ``position_ids``.
 
         ``cu_seqlens_cpu`` (the collator's host copy) is used when present, so no device value is read; the batch's
-        ``max_seqlen`` is checked and kept. The metadata's ``num_tokens`` is ``cu_seqlens[-1]``, the number of
-        flattened positions (``B * T``); a ``PackedBatch``'s own ``num_tokens`` counts real tokens only and is a
-        different quantity, so it is not used here.
+        ``max_seqlen`` is checked and kept. transformers' names (``cu_seq_lens_q`` and ``max_length_q``, as
+        ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` returns them) stand for ``cu_seqlens`` and
+        ``max_seqlen``. A ``PackedBatch`` is first checked with :meth:`PackedBatch.validate` (once per batch).
+        The metadata's ``num_tokens`` is ``cu_seqlens[-1]``, the number of flattened positions (``B * T``); a
+        ``PackedBatch``'s own ``num_tokens`` counts real tokens only and is a different quantity.
 
         Args:
             batch: a ``PackedBatch``, a ``SequenceMetadata`` (returned as is), or a mapping/object holding
-                ``cu_seqlens`` (optionally ``cu_seqlens_cpu`` and ``max_seqlen``) or ``position_ids``.
+                ``cu_seqlens`` (optionally ``cu_seqlens_cpu`` and ``max_seqlen``), ``cu_seq_lens_q`` (optionally
+                ``max_length_q``) or ``position_ids``.
 
         Returns:
             The validated metadata, on the device of the batch's ``cu_seqlens`` (or ``position_ids``).
@@ -303,12 +310,17 @@ class SequenceMetadata:
             for batch in pack_documents(docs, seq_len=256, batch_size=8):
                 meta = SequenceMetadata.from_batch(batch)
         """
+        from lightning_llmfast.data.batch import PackedBatch  # data imports seqmeta: not at module level
+
         if isinstance(batch, SequenceMetadata):
             return batch
-        cu = _field(batch, "cu_seqlens")
+        if isinstance(batch, PackedBatch):
+            batch.validate()
+        cu, max_seqlen = _field(batch, "cu_seqlens"), _field(batch, "max_seqlen")
+        if cu is None:
+            cu, max_seqlen = _field(batch, "cu_seq_lens_q"), _field(batch, "max_length_q")
         if cu is not None:
             cu_cpu = _field(batch, "cu_seqlens_cpu")
-            max_seqlen = _field(batch, "max_seqlen")
             if isinstance(max_seqlen, torch.Tensor):
                 raise MetadataError("max_seqlen: must be a Python int computed on the host, got a tensor")
             if cu_cpu is not None or not isinstance(cu, torch.Tensor):

@@ -1,0 +1,30 @@
+"""transformers causal LMs on packed batches: :func:`packed_model_inputs` and :class:`HFCausalLMModule`.
+
+Example::
+
+    from lightning_llmfast.hf import HFCausalLMModule, packed_model_inputs
+
+    logits = hf_model(**packed_model_inputs(batch, hf_model)).logits  # documents never attend to each other
+    trainer.fit(HFCausalLMModule(hf_model), datamodule=PackedDataModule())
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lightning_llmfast._lazy import lazy_dir, lazy_getattr
+
+_LAZY = {
+    "packed_model_inputs": "lightning_llmfast.hf.inputs",
+    "block_causal_mask": "lightning_llmfast.hf.inputs",
+    "HFCausalLMModule": "lightning_llmfast.hf.module",
+}
+
+__all__ = ["HFCausalLMModule", "block_causal_mask", "packed_model_inputs"]
+
+__getattr__ = lazy_getattr(__name__, _LAZY)
+__dir__ = lazy_dir(__name__, _LAZY)
+
+if TYPE_CHECKING:
+    from lightning_llmfast.hf.inputs import block_causal_mask, packed_model_inputs
+    from lightning_llmfast.hf.module import HFCausalLMModule
