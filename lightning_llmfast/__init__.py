@@ -46,6 +46,8 @@ _LAZY: dict[str, str] = {
     "MoEGPT": "lightning_llmfast.models",
     "MoEGPTConfig": "lightning_llmfast.models",
     "MoEGPTLightningModule": "lightning_llmfast.models",
+    "causal_lm_loss": "lightning_llmfast.losses",
+    "scale_by_token_share": "lightning_llmfast.losses",
 }
 
 __all__ = [
@@ -70,8 +72,10 @@ __all__ = [
     "TextCorpus",
     "TokenThroughputMonitor",
     "__version__",
+    "causal_lm_loss",
     "pack_documents",
     "register_moe_adapter",
+    "scale_by_token_share",
 ]
 
 
@@ -86,6 +90,7 @@ if TYPE_CHECKING:
     from lightning_llmfast.callbacks import ExpertLoadMonitor, SequenceMetadataCallback, TokenThroughputMonitor
     from lightning_llmfast.data import PackedBatch, SyntheticCorpus, TextCorpus, pack_documents
     from lightning_llmfast.datamodule import PackedDataModule
+    from lightning_llmfast.losses import causal_lm_loss, scale_by_token_share
     from lightning_llmfast.mixin import GroupedRouterMixin
     from lightning_llmfast.models import MoEGPT, MoEGPTConfig, MoEGPTLightningModule
     from lightning_llmfast.moe import register_moe_adapter
