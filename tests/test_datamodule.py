@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_llmfast import PackedDataModule
-from lightning_llmfast.data import IGNORE_INDEX, VOCAB_SIZE, PackedBatch, SyntheticCorpus
+from lightning_llmfast.data import IGNORE_INDEX, VOCAB_SIZE, PackedBatch, SyntheticCorpus, pack_documents
 from lightning_llmfast.datamodule import PackedDocumentDataset
 from lightning_llmfast.errors import ConfigError, DataError
 
@@ -22,6 +22,8 @@ def _sequences(batches: list[PackedBatch]) -> list[tuple[int, ...]]:
     """Real (non-padding) sequences of the batches, read from ``cu_seqlens`` and ``labels`` with loops."""
     found = []
     for batch in batches:
+        if batch.documents is not None and all(d < 0 for d in batch.documents):
+            continue  # a filler batch: copies of real sequences, all labels ignored
         ids, labels = batch.input_ids.flatten().tolist(), batch.labels.flatten().tolist()
         cu = batch.cu_seqlens_cpu.tolist()
         for start, end in itertools.pairwise(cu):
@@ -31,35 +33,91 @@ def _sequences(batches: list[PackedBatch]) -> list[tuple[int, ...]]:
     return found
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("num_workers", [1, 2, 3])
-def test_shards_partition_the_corpus(world_size, num_workers):
-    corpus = SyntheticCorpus(53, mean_len=5, seed=0)  # prime: shards of unequal size
-    seen = Counter()
+def _unique_documents(n: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    """``n`` documents of 1..``max_len`` tokens whose first token is unique (pad_id 0 never occurs)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, max_len, (n,), generator=generator).tolist()
+    return [[1 + d, *torch.randint(1, VOCAB_SIZE, (k,), generator=generator).tolist()] for d, k in enumerate(lengths)]
+
+
+def _rank_batches(documents, world_size, num_workers, **kwargs) -> list[list[PackedBatch]]:
+    out = []
     for rank in range(world_size):
         dataset = PackedDocumentDataset(
-            corpus, seq_len=8, batch_size=2, vocab_size=VOCAB_SIZE, shuffle_seed=4, rank=rank, world_size=world_size
+            documents, seq_len=13, batch_size=3, vocab_size=VOCAB_SIZE, rank=rank, world_size=world_size, **kwargs
         )
-        for worker in range(num_workers):
-            seen.update(dataset.shard(worker, num_workers))
-    assert seen == Counter(range(53))
+        out.append(list(DataLoader(dataset, batch_size=None, num_workers=num_workers)))
+    return out
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_worker_and_rank_sharding_covers_every_document_once(num_workers):
-    # Unique documents of length 1..seq_len, each packed whole: the real sequences must be exactly the documents.
-    generator = torch.Generator().manual_seed(0)
-    documents = [
-        [1 + d, *torch.randint(1, VOCAB_SIZE, (int(n),), generator=generator).tolist()]
-        for d, n in enumerate(torch.randint(0, 12, (37,), generator=generator))
-    ]
-    sequences = []
-    for rank in range(2):
-        dataset = PackedDocumentDataset(
-            documents, seq_len=13, batch_size=3, vocab_size=VOCAB_SIZE, shuffle_seed=1, rank=rank, world_size=2
-        )
-        sequences += _sequences(list(DataLoader(dataset, batch_size=None, num_workers=num_workers)))
-    assert Counter(sequences) == Counter(tuple(d) for d in documents)
+@pytest.mark.parametrize("num_docs", [1, 8, 53])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize(("num_workers", "uneven"), [(0, "drop"), (2, "drop"), (2, "fill")])
+def test_every_rank_gets_the_same_number_of_batches_and_no_document_twice(num_docs, world_size, num_workers, uneven):
+    documents = _unique_documents(num_docs, 12, seed=num_docs)  # each fits a row: one sequence per document
+    per_rank = _rank_batches(documents, world_size, num_workers, shuffle_seed=3, uneven=uneven)
+    assert len({len(batches) for batches in per_rank}) == 1
+    real = [b for batches in per_rank for b in batches if any(d >= 0 for d in b.documents)]
+    fillers = [b for batches in per_rank for b in batches if all(d < 0 for d in b.documents)]
+    seen = Counter(_sequences(real))
+    assert all(count == 1 for count in seen.values())  # no document twice
+    assert set(seen) <= {tuple(d) for d in documents}
+    # Reference: the same documents packed by one packer; the global batch count decides what each rank gets.
+    total = len(list(pack_documents(documents, 13, 3, vocab_size=VOCAB_SIZE)))
+    if uneven == "fill":
+        assert seen == Counter(tuple(d) for d in documents) and len(per_rank[0]) == -(-total // world_size)
+        assert len(fillers) == len(per_rank[0]) * world_size - total
+        assert all(bool((b.labels == IGNORE_INDEX).all()) for b in fillers)
+    else:
+        assert len(per_rank[0]) == total // world_size and not fillers
+        missing = sum(len(d) for d in documents) - sum(len(t) for t in seen)
+        assert missing <= (world_size - 1) * 3 * 13  # less than one batch per rank is left out
+        assert len(real) == total - total % world_size
+
+
+def test_limit_batches_is_exact_for_any_number_of_workers():
+    documents = _unique_documents(60, 12)
+    for num_workers in (0, 2):
+        per_rank = _rank_batches(documents, 2, num_workers, limit_batches=4)
+        assert [len(b) for b in per_rank] == [4, 4]
+        unlimited = _rank_batches(documents, 2, 0)
+        for limited, full in zip(per_rank, unlimited):
+            assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(limited, full[:4]))
+
+
+def test_each_epoch_is_a_new_permutation_and_still_a_partition():
+    documents = _unique_documents(40, 12)
+    dataset = PackedDocumentDataset(documents, seq_len=13, batch_size=3, vocab_size=VOCAB_SIZE, shuffle_seed=5,
+                                    uneven="fill")  # fmt: skip
+    orders = []
+    for epoch in (0, 1, 0):
+        dataset.set_epoch(epoch)
+        sequences = _sequences(list(DataLoader(dataset, batch_size=None, num_workers=2)))
+        assert Counter(sequences) == Counter(tuple(d) for d in documents)
+        orders.append([s[0] for s in sequences])
+    assert orders[0] != orders[1] and orders[0] == orders[2]  # new order per epoch, reproducible per (seed, epoch)
+    other = PackedDocumentDataset(documents, seq_len=13, batch_size=3, vocab_size=VOCAB_SIZE, shuffle_seed=6)
+    assert other.order(0) != dataset.order(0)
+    assert sorted(dataset.order(1)) == list(range(40))
+    unshuffled = PackedDocumentDataset(documents, seq_len=13, batch_size=3, vocab_size=VOCAB_SIZE)
+    assert list(unshuffled.order(0)) == list(unshuffled.order(3)) == list(range(40))
+
+
+@pytest.mark.parametrize(("workers_before", "workers_after"), [(0, 0), (2, 2), (2, 0), (0, 2)])
+def test_a_position_resumes_exactly_whatever_the_workers(workers_before, workers_after):
+    corpus = SyntheticCorpus(50, mean_len=20, seed=1)
+
+    def batches(num_workers, epoch, start):
+        dataset = PackedDocumentDataset(corpus, seq_len=16, batch_size=2, vocab_size=VOCAB_SIZE, shuffle_seed=0,
+                                        rank=1, world_size=2)  # fmt: skip
+        dataset.set_position(epoch, start)
+        return list(DataLoader(dataset, batch_size=None, num_workers=num_workers))
+
+    full = batches(workers_before, 1, 0)
+    assert len(full) > 6
+    resumed = batches(workers_after, 1, 5)
+    assert len(resumed) == len(full) - 5
+    assert all(torch.equal(a.input_ids, b.input_ids) and a.documents == b.documents for a, b in zip(resumed, full[5:]))
 
 
 def test_limit_batches_and_tiny_shards():
