@@ -301,3 +301,72 @@ def test_data_module_missing_files_fail_at_setup(tmp_path):
     data = PackedDataModule(corpus="files", paths=[str(tmp_path / "nope")], num_workers=0)
     with pytest.raises(DataError, match="does not exist"):
         data.setup("fit")
+
+
+def _reference_losses(module, batches):
+    """Per-sequence (document, summed token loss, label tokens) from a float64 loop over each segment."""
+    entries = []
+    with torch.no_grad():
+        for batch in batches:
+            logits = module(batch).double().flatten(0, 1)
+            labels, cu = batch.labels.flatten(), batch.cu_seqlens_cpu.tolist()
+            for segment, document in enumerate(batch.documents):
+                if document < 0:
+                    continue
+                terms = [
+                    torch.logsumexp(logits[p], 0) - logits[p, labels[p]]
+                    for p in range(cu[segment], cu[segment + 1])
+                    if labels[p] != IGNORE_INDEX
+                ]
+                entries.append((document, float(sum(terms)) if terms else 0.0, len(terms)))
+    return entries
+
+
+def test_validate_test_and_predict_with_the_reference_module(monkeypatch):
+    from lightning_llmfast import MoEGPTConfig, MoEGPTLightningModule
+
+    torch.manual_seed(0)
+    config = MoEGPTConfig(hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_size=32, num_experts=4)
+    module = MoEGPTLightningModule(config)
+    data = PackedDataModule(corpus="synthetic", synthetic_num_docs=60, synthetic_mean_len=30, seq_len=32,
+                            batch_size=3, num_workers=0, test_fraction=0.2)  # fmt: skip
+    logged: list[str] = []
+    monkeypatch.setattr("lightning_llmfast.datamodule.rank_zero_info", logged.append)
+    trainer = _trainer()
+    (tested,) = trainer.test(module, datamodule=data, verbose=False)
+    predictions = trainer.predict(module, datamodule=data)
+    trainer.validate(module, datamodule=data, verbose=False)
+    module.eval()
+    batches = list(data.test_dataloader())
+    reference = _reference_losses(module, batches)
+    # test/loss is the split's mean token loss (every label token weighs the same, whatever its batch)
+    total, tokens = sum(e[1] for e in reference), sum(e[2] for e in reference)
+    assert tested["test/loss"] == pytest.approx(total / tokens, rel=1e-5)
+    # predict: one entry per sequence, in order, with its document, mean token loss and label tokens
+    got = [(d, float(l), int(n)) for p in predictions for d, l, n in zip(p["documents"], p["loss"], p["tokens"])]
+    assert [g[0] for g in got] == [r[0] for r in reference]
+    assert [g[2] for g in got] == [r[2] for r in reference]
+    for (_, loss, n), (_, ref_sum, _) in zip(got, reference):
+        assert loss == pytest.approx(ref_sum / max(n, 1), rel=1e-4, abs=1e-6)
+    assert sorted({g[0] for g in got}) == list(range(len(data.corpus_for("test"))))  # every test document
+    # what the plan dropped or filled is logged once per split, however often the loaders are built
+    summaries = [line for line in logged if "PackedDataModule test split" in line]
+    assert len(summaries) == 1 and "per rank on 1 rank(s)" in summaries[0]
+
+
+def test_filler_batches_weigh_nothing_in_the_validation_loss():
+    from lightning_llmfast import MoEGPTConfig, MoEGPTLightningModule
+
+    torch.manual_seed(0)
+    module = MoEGPTLightningModule(MoEGPTConfig(hidden_size=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_size=32))
+    corpus = SyntheticCorpus(5, mean_len=20, seed=1)
+    real = PackedDocumentDataset(corpus, seq_len=16, batch_size=2, vocab_size=VOCAB_SIZE, uneven="fill")
+    # rank 1 of 4 sees only filler copies when there are fewer batches than ranks
+    filled = PackedDocumentDataset(corpus, seq_len=16, batch_size=2, vocab_size=VOCAB_SIZE, uneven="fill",
+                                   rank=3, world_size=4)  # fmt: skip
+    assert real.plan(0).per_rank < 4 and all(filler for _, filler in filled.plan(0).rank_batches(3))
+    trainer = _trainer()
+    (alone,) = trainer.validate(module, DataLoader(real, batch_size=None), verbose=False)
+    both = torch.utils.data.ChainDataset([real, filled])
+    (with_fillers,) = _trainer().validate(module, DataLoader(both, batch_size=None), verbose=False)
+    assert with_fillers["val/loss"] == pytest.approx(alone["val/loss"], rel=1e-6)
