@@ -67,7 +67,9 @@ class PackedDataModule(LightningDataModule):
     and the batches every rank has consumed in it (equal on all ranks, so one position; each worker's position
     follows from it), plus what the position is valid for. ``trainer.fit(..., ckpt_path=...)`` then continues with
     exactly the batches the uninterrupted run would have seen. A checkpoint from another corpus, ``seq_len``,
-    ``batch_size``, packing, seed or world size raises :class:`~lightning_llmfast.errors.DataError`.
+    ``batch_size``, packing, seed or world size raises :class:`~lightning_llmfast.errors.DataError`. The training
+    loader starts fresh workers every epoch (they are handed the epoch's position), and the data module counts
+    consumed batches in ``on_before_batch_transfer``, which then calls the LightningModule's own hook.
 
     Args:
         corpus: ``"stdlib"`` (the running Python's standard library sources), ``"synthetic"`` or ``"files"``.
@@ -262,9 +264,12 @@ class PackedDataModule(LightningDataModule):
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         # Called once per batch the training loop consumes (not per batch prefetched): the resume position.
         trainer = self.trainer
-        if trainer is not None and trainer.training:
+        if trainer is None:
+            return batch
+        if trainer.training:
             self._consumed += 1
-        return batch
+        # Lightning calls only the data module's hook when both define one: keep the module's own in the chain.
+        return trainer.lightning_module.on_before_batch_transfer(batch, dataloader_idx)
 
     def _next_position(self) -> tuple[int, int]:
         """``(epoch, start)`` of the training iteration that begins now."""

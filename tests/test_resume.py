@@ -135,3 +135,15 @@ def test_a_checkpoint_from_another_configuration_is_refused(tmp_path: Path) -> N
     with pytest.raises(DataError, match="unreadable data position"):
         _data().load_state_dict({"epoch": 0})
     assert _data().state_dict() == {}  # nothing to save before training
+
+
+def test_the_modules_own_batch_transfer_hook_still_runs() -> None:
+    class _Hooked(_TinyLM):
+        calls = 0
+
+        def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+            type(self).calls += 1
+            return batch
+
+    _fit(_Hooked(), 3)
+    assert _Hooked.calls == 3
