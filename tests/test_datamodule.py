@@ -343,7 +343,7 @@ def test_validate_test_and_predict_with_the_reference_module(monkeypatch):
     total, tokens = sum(e[1] for e in reference), sum(e[2] for e in reference)
     assert tested["test/loss"] == pytest.approx(total / tokens, rel=1e-5)
     # predict: one entry per sequence, in order, with its document, mean token loss and label tokens
-    got = [(d, float(l), int(n)) for p in predictions for d, l, n in zip(p["documents"], p["loss"], p["tokens"])]
+    got = [(d, float(x), int(n)) for p in predictions for d, x, n in zip(p["documents"], p["loss"], p["tokens"])]
     assert [g[0] for g in got] == [r[0] for r in reference]
     assert [g[2] for g in got] == [r[2] for r in reference]
     for (_, loss, n), (_, ref_sum, _) in zip(got, reference):
