@@ -3,9 +3,9 @@
     python examples/train_moe.py fit --config examples/configs/tiny.yaml
 
 The default corpus is the running Python's standard library source (no download). ``fit --help`` lists the model's
-size settings (``--model.config.n_layers`` ...). The run ends with one summary line: real tokens/sec over the whole
-fit (padding excluded; unlike the logged ``train/tokens_per_sec`` it includes the first step and validation) and
-the first and last training loss.
+size settings (``--model.config.n_layers`` ...). The run ends with one summary line, printed by rank 0: real
+tokens/sec of all ranks together over the whole fit (padding excluded; unlike the logged ``train/tokens_per_sec``
+it includes the first step and validation) and the first and last training loss (rank 0's).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+import torch
 from typing_extensions import override
 
 import lightning_llmfast  # noqa: F401  (registers strategy="llmfast")
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
 
 class RunSummary(pl.Callback):
-    """Prints one line at the end of fit: real tokens/sec over the whole fit and the first and last training loss.
+    """Prints one line on rank 0 at the end of fit: global tokens/sec and the first and last training loss.
 
     Losses are kept as device tensors and read once at the end, so the summary adds no per-step host sync.
     """
@@ -55,10 +56,15 @@ class RunSummary(pl.Callback):
         if self._first is None or self._last is None:
             return
         elapsed = time.perf_counter() - self._start
+        # Every rank counted its own tokens: the rate of the run is their sum (one all-reduce, at the end).
+        tokens = trainer.strategy.reduce(torch.tensor(float(self._tokens), device=pl_module.device), reduce_op="sum")
+        if not trainer.is_global_zero:
+            return
+        rate = float(tokens) / elapsed
         print(
-            f"summary: steps={trainer.global_step} tokens/sec={self._tokens / elapsed:,.0f} (real tokens over the "
-            f"whole fit, validation included) first_loss={self._first.item():.3f} last_loss={self._last.item():.3f} "
-            f"time={elapsed:.1f}s"
+            f"summary: steps={trainer.global_step} ranks={trainer.world_size} tokens/sec={rate:,.0f} "
+            f"(real tokens of all ranks over the whole fit, validation included) first_loss={self._first.item():.3f} "
+            f"last_loss={self._last.item():.3f} time={elapsed:.1f}s"
         )
 
 

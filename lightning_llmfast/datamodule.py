@@ -1,16 +1,17 @@
-"""``PackedDataModule``: packed batches built in ``DataLoader`` workers, sharded across workers and ranks, pinned.
+"""``PackedDataModule``: packed batches built in ``DataLoader`` workers, equal on every rank, resumable, pinned.
 
-The Lightning layer only wires things: corpora and packing live in :mod:`lightning_llmfast.data`.
+The Lightning layer only wires things: corpora, packing and the per-epoch plan live in :mod:`lightning_llmfast.data`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from itertools import islice
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_llmfast._checks import check_bool, check_int, check_number
@@ -18,10 +19,10 @@ from lightning_llmfast.data import (
     DEFAULT_LOOKAHEAD,
     VOCAB_SIZE,
     PackedBatch,
+    PackedDocumentDataset,
     SyntheticCorpus,
     TextCorpus,
     check_packing_args,
-    pack_documents,
 )
 from lightning_llmfast.data.corpus import _DISTRIBUTIONS, _MAX_SEED
 from lightning_llmfast.errors import ConfigError, DataError
@@ -29,115 +30,46 @@ from lightning_llmfast.errors import ConfigError, DataError
 __all__ = ["PackedDataModule", "PackedDocumentDataset"]
 
 _CORPORA = ("stdlib", "synthetic", "files")
-# What torch.Generator.manual_seed takes.
-_GENERATOR_SEED_MIN, _GENERATOR_SEED_MAX = -(2**63), 2**64 - 1
+_SPLIT_SEED_OFFSET = {"train": 0, "val": 1, "test": 2}
+_STATE_VERSION = 1
 
 
-class PackedDocumentDataset(IterableDataset[PackedBatch]):
-    """Packs one shard of a corpus per ``DataLoader`` worker and distributed rank; yields :class:`PackedBatch`.
+class _PositionedLoader(DataLoader[PackedBatch]):
+    """A ``DataLoader`` that sets its dataset's ``(epoch, start)`` from ``position()`` at every ``iter()``.
 
-    Documents are dealt round robin over ``world_size * num_workers`` shards (shard ``rank * num_workers +
-    worker``), so within an epoch every document is packed by exactly one worker of one rank. Use it with
-    ``DataLoader(dataset, batch_size=None)``: each item already is a batch.
-
-    Args:
-        corpus: sized, indexable documents (``TextCorpus``, ``SyntheticCorpus``, a list of token lists...).
-        seq_len: tokens per row.
-        batch_size: rows per batch.
-        vocab_size: every token id must lie in ``[0, vocab_size)``.
-        pad_id: token id of padding.
-        lookahead: see :func:`~lightning_llmfast.data.pack_documents`.
-        shuffle_seed: when given, documents are visited in a permutation drawn from this seed (the same on every
-            rank and worker, so the shards still partition the corpus); else in corpus order.
-        rank: this process's global rank.
-        world_size: number of ranks.
-        limit_batches: at most this many batches per rank and epoch, split evenly over the workers.
-
-    Raises:
-        DataError: ``corpus`` is not sized and indexable, or a packing argument is invalid.
-        ConfigError: ``rank``, ``world_size``, ``shuffle_seed`` or ``limit_batches`` is not an int in range.
-
-    Example::
-
-        dataset = PackedDocumentDataset(SyntheticCorpus(64, 40, seed=0), seq_len=32, batch_size=4, vocab_size=258)
-        loader = DataLoader(dataset, batch_size=None, num_workers=2)
+    Workers are not persistent: each iteration pickles the dataset with its position into fresh workers.
     """
 
-    def __init__(
-        self,
-        corpus: Sequence[Sequence[int]],
-        *,
-        seq_len: int,
-        batch_size: int,
-        vocab_size: int,
-        pad_id: int = 0,
-        lookahead: int = DEFAULT_LOOKAHEAD,
-        shuffle_seed: int | None = None,
-        rank: int = 0,
-        world_size: int = 1,
-        limit_batches: int | None = None,
-    ) -> None:
-        check_packing_args(seq_len, batch_size, pad_id=pad_id, vocab_size=vocab_size, lookahead=lookahead)
-        if not (hasattr(corpus, "__len__") and hasattr(corpus, "__getitem__")):
-            raise DataError(f"corpus must be a sized, indexable sequence of documents, got {type(corpus).__name__}")
-        check_int("world_size", world_size, low=1)
-        check_int("rank", rank, low=0)
-        if rank >= world_size:
-            raise ConfigError(f"rank must lie in [0, world_size={world_size}), got {rank}")
-        if shuffle_seed is not None:
-            shuffle_seed = check_int("shuffle_seed", shuffle_seed, low=_GENERATOR_SEED_MIN, high=_GENERATOR_SEED_MAX)
-        if limit_batches is not None:
-            check_int("limit_batches", limit_batches, low=0)
-        self.corpus = corpus
-        self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.vocab_size = vocab_size
-        self.pad_id = pad_id
-        self.lookahead = lookahead
-        self.rank = rank
-        self.world_size = world_size
-        self.limit_batches = limit_batches
-        self.order: list[int] | range = range(len(corpus))
-        if shuffle_seed is not None:
-            generator = torch.Generator().manual_seed(shuffle_seed)
-            self.order = torch.randperm(len(corpus), generator=generator).tolist()
-
-    def shard(self, worker: int, num_workers: int) -> list[int] | range:
-        """Corpus indices packed by ``worker`` (of ``num_workers``) on this rank."""
-        return self.order[self.rank * num_workers + worker :: self.world_size * num_workers]
+    def __init__(self, dataset: PackedDocumentDataset, position: Callable[[], tuple[int, int]], **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+        self.position = position
 
     @override
-    def __iter__(self) -> Iterator[PackedBatch]:
-        info = get_worker_info()
-        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        indices = self.shard(worker, num_workers)
-        limit = None
-        if self.limit_batches is not None:
-            limit = self.limit_batches // num_workers + int(worker < self.limit_batches % num_workers)
-        if not indices or limit == 0:
-            return  # a shard can be empty when there are fewer documents than shards
-        batches = pack_documents(
-            (self.corpus[i] for i in indices),
-            self.seq_len,
-            self.batch_size,
-            pad_id=self.pad_id,
-            vocab_size=self.vocab_size,
-            lookahead=self.lookahead,
-        )
-        yield from islice(batches, limit)
+    def __iter__(self) -> Iterator[PackedBatch]:  # type: ignore[override]
+        assert isinstance(self.dataset, PackedDocumentDataset)
+        self.dataset.set_position(*self.position())
+        return super().__iter__()
 
 
 class PackedDataModule(LightningDataModule):
-    """Packed documents for training and validation, packed in worker processes and shipped in pinned memory.
+    """Packed documents for training, validation, test and predict, packed in worker processes, pinned.
 
     Every init argument is a plain type, so ``LightningCLI`` fills it from YAML (``data: {seq_len: 256, ...}``).
-    Documents are sharded across ``DataLoader`` workers and distributed ranks so that no document is seen twice
-    in an epoch. Batches are :class:`~lightning_llmfast.data.PackedBatch` objects; Lightning moves them to the
-    device with their host-side metadata intact.
+    Each epoch is planned from document lengths on every rank alike (see
+    :class:`~lightning_llmfast.data.PackedDocumentDataset`): every rank gets the same number of batches for any
+    corpus size, ``num_workers`` and ``limit_*``, and no document is packed twice in an epoch. Training drops the
+    last incomplete round of batches (less than one batch per rank); validation, test and predict fill it with
+    batches whose labels are all ignored (``documents`` of ``-1``), so no rank is left without a batch. What is
+    dropped or filled is logged once per split. With ``shuffle=True`` each epoch visits a new permutation seeded by
+    ``(seed, epoch)``.
 
-    Note:
-        Ranks pack different documents, so with several ranks they can run out of batches at different steps;
-        set ``limit_batches`` (smaller than what one rank's share yields) to give every rank the same count.
+    Resuming: :meth:`state_dict` (which Lightning stores in every checkpoint) holds the training position, the epoch
+    and the batches every rank has consumed in it (equal on all ranks, so one position; each worker's position
+    follows from it), plus what the position is valid for. ``trainer.fit(..., ckpt_path=...)`` then continues with
+    exactly the batches the uninterrupted run would have seen. A checkpoint from another corpus, ``seq_len``,
+    ``batch_size``, packing, seed or world size raises :class:`~lightning_llmfast.errors.DataError`. The training
+    loader starts fresh workers every epoch (they are handed the epoch's position), and the data module counts
+    consumed batches in ``on_before_batch_transfer``, which then calls the LightningModule's own hook.
 
     Args:
         corpus: ``"stdlib"`` (the running Python's standard library sources), ``"synthetic"`` or ``"files"``.
@@ -148,21 +80,23 @@ class PackedDataModule(LightningDataModule):
         pin_memory: pin batches when training on an accelerator, for asynchronous host-to-device copies.
         max_docs: use at most this many documents per split.
         val_fraction: share of documents in the validation split.
+        test_fraction: share of documents in the test split (also what ``trainer.predict`` packs).
         synthetic_num_docs: training documents of the synthetic corpus.
         synthetic_mean_len: mean document length of the synthetic corpus.
         synthetic_distribution: length distribution of the synthetic corpus (see ``SyntheticCorpus``).
         seed: seed of the synthetic corpus and of the training document order.
-        shuffle: visit training documents in a seeded random order (validation keeps corpus order).
+        shuffle: visit training documents in a new seeded random order every epoch (evaluation keeps corpus order).
         limit_batches: at most this many training batches per rank and epoch.
         limit_val_batches: at most this many validation batches per rank.
+        limit_test_batches: at most this many test (and predict) batches per rank.
         pad_id: token id of padding.
         lookahead: short pieces the packer may hold back for a better fit.
 
     Raises:
         ConfigError: a bad ``corpus``/``paths`` choice, or ``num_workers``, ``pin_memory``, ``shuffle`` or a
             ``limit_*`` that is not of its type and range.
-        DataError: a bad corpus argument (``max_docs``, ``val_fraction``, ``seed``, ``synthetic_*``) or packing
-            argument (what the corpus or the packer would raise later).
+        DataError: a bad corpus argument (``max_docs``, ``val_fraction``, ``test_fraction``, ``seed``,
+            ``synthetic_*``) or packing argument; a checkpoint position that does not fit this configuration.
 
     Example::
 
@@ -184,6 +118,7 @@ class PackedDataModule(LightningDataModule):
         pin_memory: bool = True,
         max_docs: int | None = None,
         val_fraction: float = 0.05,
+        test_fraction: float = 0.05,
         synthetic_num_docs: int = 2048,
         synthetic_mean_len: float = 512.0,
         synthetic_distribution: str = "lognormal",
@@ -191,6 +126,7 @@ class PackedDataModule(LightningDataModule):
         shuffle: bool = True,
         limit_batches: int | None = None,
         limit_val_batches: int | None = None,
+        limit_test_batches: int | None = None,
         pad_id: int = 0,
         lookahead: int = DEFAULT_LOOKAHEAD,
     ) -> None:
@@ -202,39 +138,40 @@ class PackedDataModule(LightningDataModule):
         check_int("num_workers", num_workers, low=0)
         check_bool("pin_memory", pin_memory)
         check_bool("shuffle", shuffle)
-        for name, value in (("limit_batches", limit_batches), ("limit_val_batches", limit_val_batches)):
+        limits = {"limit_batches": limit_batches, "limit_val_batches": limit_val_batches}
+        for name, value in {**limits, "limit_test_batches": limit_test_batches}.items():
             if value is not None:
                 check_int(name, value, low=1)
         # Corpus arguments: checked here (DataError, as the corpora raise) rather than at the first corpus_for().
         if max_docs is not None:
             check_int("max_docs", max_docs, low=1, error=DataError)
         check_number("val_fraction", val_fraction, low=0, high=1, error=DataError)
+        check_number("test_fraction", test_fraction, low=0, high=1 - val_fraction, error=DataError)
         check_int("synthetic_num_docs", synthetic_num_docs, low=1, error=DataError)
         check_number("synthetic_mean_len", synthetic_mean_len, low=1, error=DataError)
         if synthetic_distribution not in _DISTRIBUTIONS:
             raise DataError(f"synthetic_distribution must be one of {_DISTRIBUTIONS}, got {synthetic_distribution!r}")
-        # The validation corpus uses seed + 1.
-        check_int("seed", seed, low=-_MAX_SEED, high=_MAX_SEED - 1, error=DataError)
+        # The validation and test corpora use seed + 1 and seed + 2.
+        check_int("seed", seed, low=-_MAX_SEED, high=_MAX_SEED - 2, error=DataError)
         check_packing_args(seq_len, batch_size, pad_id=pad_id, vocab_size=VOCAB_SIZE, lookahead=lookahead)
         self.save_hyperparameters()
-        self.corpus = corpus
-        self.paths = paths
-        self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.num_workers = num_workers
-        self.pin_memory = pin_memory
-        self.max_docs = max_docs
-        self.val_fraction = val_fraction
+        self.corpus, self.paths = corpus, paths
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.max_docs, self.val_fraction, self.test_fraction = max_docs, val_fraction, test_fraction
         self.synthetic_num_docs = synthetic_num_docs
         self.synthetic_mean_len = synthetic_mean_len
         self.synthetic_distribution = synthetic_distribution
-        self.seed = seed
-        self.shuffle = shuffle
-        self.limit_batches = limit_batches
-        self.limit_val_batches = limit_val_batches
-        self.pad_id = pad_id
-        self.lookahead = lookahead
+        self.seed, self.shuffle = seed, shuffle
+        self.limits = {"train": limit_batches, "val": limit_val_batches, "test": limit_test_batches}
+        self.pad_id, self.lookahead = pad_id, lookahead
         self._corpora: dict[str, Sequence[Sequence[int]]] = {}
+        self._train: PackedDocumentDataset | None = None
+        self._resume: dict[str, Any] | None = None  # a loaded position, applied at the next training iteration
+        self._position: tuple[int, int] | None = None  # (epoch, start) of the current training iteration
+        self._consumed = 0  # batches of that epoch the training loop has taken
+        self._logged: set[str] = set()
+        self._iterations = 0  # train iterations without a trainer: the epoch
 
     @property
     def vocab_size(self) -> int:
@@ -242,26 +179,28 @@ class PackedDataModule(LightningDataModule):
         return VOCAB_SIZE
 
     def corpus_for(self, split: str) -> Sequence[Sequence[int]]:
-        """The documents of ``split`` (``"train"`` or ``"val"``), built once (file contents are read lazily)."""
+        """The documents of ``split`` (``"train"``, ``"val"`` or ``"test"``), built once (files are read lazily)."""
         if split not in self._corpora:
             if self.corpus == "synthetic":
+                fraction = {"train": None, "val": self.val_fraction, "test": self.test_fraction}[split]
                 num_docs = (
-                    self.synthetic_num_docs
-                    if split == "train"
-                    else max(1, round(self.synthetic_num_docs * self.val_fraction))
+                    self.synthetic_num_docs if fraction is None else max(1, round(self.synthetic_num_docs * fraction))
                 )
                 self._corpora[split] = SyntheticCorpus(
                     num_docs if self.max_docs is None else min(num_docs, self.max_docs),
                     self.synthetic_mean_len,
-                    # A different seed for validation: its documents must not repeat the training ones.
-                    self.seed if split == "train" else self.seed + 1,
+                    # A different seed per split: evaluation documents must not repeat the training ones.
+                    self.seed + _SPLIT_SEED_OFFSET[split],
                     distribution=self.synthetic_distribution,
                     vocab_size=self.vocab_size,
                 )
             else:
-                paths = self.paths if self.corpus == "files" else None
                 self._corpora[split] = TextCorpus(
-                    paths, split=split, val_fraction=self.val_fraction, max_docs=self.max_docs
+                    self.paths if self.corpus == "files" else None,
+                    split=split,
+                    val_fraction=self.val_fraction,
+                    test_fraction=self.test_fraction,
+                    max_docs=self.max_docs,
                 )
         return self._corpora[split]
 
@@ -269,20 +208,101 @@ class PackedDataModule(LightningDataModule):
     def setup(self, stage: str) -> None:
         # Listing files here (not in __init__) keeps construction cheap for LightningCLI's argument parsing;
         # bad paths or an empty split still fail before the first step.
-        if stage in ("fit", "validate"):
-            self.corpus_for("val")
-        if stage == "fit":
-            self.corpus_for("train")
+        splits = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}
+        for split in splits.get(stage, ()):
+            self.corpus_for(split)
 
     @override
     def train_dataloader(self) -> DataLoader[PackedBatch]:
-        return self._loader("train", self.seed if self.shuffle else None, self.limit_batches)
+        dataset = self._dataset("train")
+        self._train = dataset
+        if self._resume is not None:
+            self._check_fingerprint(self._resume["fingerprint"], dataset.fingerprint())
+        return _PositionedLoader(dataset, self._next_position, **self._loader_kwargs(persistent=False))
 
     @override
     def val_dataloader(self) -> DataLoader[PackedBatch]:
-        return self._loader("val", None, self.limit_val_batches)
+        return DataLoader(self._dataset("val"), **self._loader_kwargs(persistent=True))
 
-    def _loader(self, split: str, shuffle_seed: int | None, limit_batches: int | None) -> DataLoader[PackedBatch]:
+    @override
+    def test_dataloader(self) -> DataLoader[PackedBatch]:
+        return DataLoader(self._dataset("test"), **self._loader_kwargs(persistent=True))
+
+    @override
+    def predict_dataloader(self) -> DataLoader[PackedBatch]:
+        return DataLoader(self._dataset("test"), **self._loader_kwargs(persistent=False))
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The training position (epoch, batches consumed per rank) and what it is valid for; ``{}`` before fit."""
+        if self._train is None:
+            return {}
+        if self._position is None:  # loaded, not yet iterated: keep what was loaded
+            return dict(self._resume) if self._resume is not None else {}
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self._position[0],
+            "batches": self._consumed,
+            "fingerprint": self._train.fingerprint(),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from a :meth:`state_dict`; checked against this run's configuration when training starts."""
+        if not state_dict:
+            return
+        keys = {"version", "epoch", "batches", "fingerprint"}
+        if not isinstance(state_dict, dict) or set(state_dict) != keys or state_dict["version"] != _STATE_VERSION:
+            raise DataError(
+                f"PackedDataModule: unreadable data position in the checkpoint (expected version {_STATE_VERSION} "
+                f"with keys {sorted(keys)}), got {state_dict!r}"
+            )
+        self._resume = dict(state_dict)
+        self._position = None
+
+    @override
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # Called once per batch the training loop consumes (not per batch prefetched): the resume position.
+        trainer = self.trainer
+        if trainer is None:
+            return batch
+        if trainer.training:
+            self._consumed += 1
+        # Lightning calls only the data module's hook when both define one: keep the module's own in the chain.
+        return trainer.lightning_module.on_before_batch_transfer(batch, dataloader_idx)
+
+    def _next_position(self) -> tuple[int, int]:
+        """``(epoch, start)`` of the training iteration that begins now."""
+        trainer = self.trainer
+        if trainer is None:
+            epoch, self._iterations = self._iterations, self._iterations + 1
+        else:
+            epoch = trainer.current_epoch
+        resume, self._resume = self._resume, None
+        position = (epoch, 0)
+        if resume is not None and epoch <= resume["epoch"]:
+            assert self._train is not None
+            if resume["batches"] >= self._train.plan(resume["epoch"]).per_rank:
+                # Saved after the epoch's last batch: the next batches are the next epoch's (Lightning may still
+                # count the finished epoch when it asks for them).
+                position = (resume["epoch"] + 1, 0)
+            else:
+                position = (resume["epoch"], resume["batches"])
+        self._position, self._consumed = position, position[1]
+        return position
+
+    @staticmethod
+    def _check_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:
+        differ = [key for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
+        if differ:
+            details = ", ".join(f"{key}: checkpoint {saved.get(key)!r}, now {current.get(key)!r}" for key in differ)
+            raise DataError(
+                f"PackedDataModule: the checkpoint's data position belongs to another configuration ({details}); "
+                "resuming would replay or skip documents. Resume with the same corpus, seq_len, batch_size, packing, "
+                "seed and number of processes, or start a new run."
+            )
+
+    def _dataset(self, split: str) -> PackedDocumentDataset:
         trainer = self.trainer
         rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         dataset = PackedDocumentDataset(
@@ -292,17 +312,24 @@ class PackedDataModule(LightningDataModule):
             vocab_size=self.vocab_size,
             pad_id=self.pad_id,
             lookahead=self.lookahead,
-            shuffle_seed=shuffle_seed,
+            shuffle_seed=self.seed if split == "train" and self.shuffle else None,
             rank=rank,
             world_size=world_size,
-            limit_batches=limit_batches,
+            limit_batches=self.limits[split],
+            uneven="drop" if split == "train" else "fill",
         )
+        if split not in self._logged:
+            self._logged.add(split)
+            rank_zero_info(f"PackedDataModule {split} split, epoch 0: {dataset.plan(0).summary()}")
+        return dataset
+
+    def _loader_kwargs(self, *, persistent: bool) -> dict[str, Any]:
+        trainer = self.trainer
         # Pinning only pays (and only works) when batches go to an accelerator.
         on_accelerator = trainer.strategy.root_device.type != "cpu" if trainer is not None else True
-        return DataLoader(
-            dataset,
-            batch_size=None,  # the dataset yields whole PackedBatch objects
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory and on_accelerator and torch.accelerator.is_available(),
-            persistent_workers=self.num_workers > 0,
-        )
+        return {
+            "batch_size": None,  # the dataset yields whole PackedBatch objects
+            "num_workers": self.num_workers,
+            "pin_memory": self.pin_memory and on_accelerator and torch.accelerator.is_available(),
+            "persistent_workers": persistent and self.num_workers > 0,
+        }

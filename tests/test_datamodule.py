@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_llmfast import PackedDataModule
-from lightning_llmfast.data import IGNORE_INDEX, VOCAB_SIZE, PackedBatch, SyntheticCorpus
+from lightning_llmfast.data import IGNORE_INDEX, VOCAB_SIZE, PackedBatch, SyntheticCorpus, pack_documents
 from lightning_llmfast.datamodule import PackedDocumentDataset
 from lightning_llmfast.errors import ConfigError, DataError
 
@@ -22,6 +22,8 @@ def _sequences(batches: list[PackedBatch]) -> list[tuple[int, ...]]:
     """Real (non-padding) sequences of the batches, read from ``cu_seqlens`` and ``labels`` with loops."""
     found = []
     for batch in batches:
+        if batch.documents is not None and all(d < 0 for d in batch.documents):
+            continue  # a filler batch: copies of real sequences, all labels ignored
         ids, labels = batch.input_ids.flatten().tolist(), batch.labels.flatten().tolist()
         cu = batch.cu_seqlens_cpu.tolist()
         for start, end in itertools.pairwise(cu):
@@ -31,35 +33,91 @@ def _sequences(batches: list[PackedBatch]) -> list[tuple[int, ...]]:
     return found
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("num_workers", [1, 2, 3])
-def test_shards_partition_the_corpus(world_size, num_workers):
-    corpus = SyntheticCorpus(53, mean_len=5, seed=0)  # prime: shards of unequal size
-    seen = Counter()
+def _unique_documents(n: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    """``n`` documents of 1..``max_len`` tokens whose first token is unique (pad_id 0 never occurs)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, max_len, (n,), generator=generator).tolist()
+    return [[1 + d, *torch.randint(1, VOCAB_SIZE, (k,), generator=generator).tolist()] for d, k in enumerate(lengths)]
+
+
+def _rank_batches(documents, world_size, num_workers, **kwargs) -> list[list[PackedBatch]]:
+    out = []
     for rank in range(world_size):
         dataset = PackedDocumentDataset(
-            corpus, seq_len=8, batch_size=2, vocab_size=VOCAB_SIZE, shuffle_seed=4, rank=rank, world_size=world_size
+            documents, seq_len=13, batch_size=3, vocab_size=VOCAB_SIZE, rank=rank, world_size=world_size, **kwargs
         )
-        for worker in range(num_workers):
-            seen.update(dataset.shard(worker, num_workers))
-    assert seen == Counter(range(53))
+        out.append(list(DataLoader(dataset, batch_size=None, num_workers=num_workers)))
+    return out
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_worker_and_rank_sharding_covers_every_document_once(num_workers):
-    # Unique documents of length 1..seq_len, each packed whole: the real sequences must be exactly the documents.
-    generator = torch.Generator().manual_seed(0)
-    documents = [
-        [1 + d, *torch.randint(1, VOCAB_SIZE, (int(n),), generator=generator).tolist()]
-        for d, n in enumerate(torch.randint(0, 12, (37,), generator=generator))
-    ]
-    sequences = []
-    for rank in range(2):
-        dataset = PackedDocumentDataset(
-            documents, seq_len=13, batch_size=3, vocab_size=VOCAB_SIZE, shuffle_seed=1, rank=rank, world_size=2
-        )
-        sequences += _sequences(list(DataLoader(dataset, batch_size=None, num_workers=num_workers)))
-    assert Counter(sequences) == Counter(tuple(d) for d in documents)
+@pytest.mark.parametrize("num_docs", [1, 8, 53])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize(("num_workers", "uneven"), [(0, "drop"), (2, "drop"), (2, "fill")])
+def test_every_rank_gets_the_same_number_of_batches_and_no_document_twice(num_docs, world_size, num_workers, uneven):
+    documents = _unique_documents(num_docs, 12, seed=num_docs)  # each fits a row: one sequence per document
+    per_rank = _rank_batches(documents, world_size, num_workers, shuffle_seed=3, uneven=uneven)
+    assert len({len(batches) for batches in per_rank}) == 1
+    real = [b for batches in per_rank for b in batches if any(d >= 0 for d in b.documents)]
+    fillers = [b for batches in per_rank for b in batches if all(d < 0 for d in b.documents)]
+    seen = Counter(_sequences(real))
+    assert all(count == 1 for count in seen.values())  # no document twice
+    assert set(seen) <= {tuple(d) for d in documents}
+    # Reference: the same documents packed by one packer; the global batch count decides what each rank gets.
+    total = len(list(pack_documents(documents, 13, 3, vocab_size=VOCAB_SIZE)))
+    if uneven == "fill":
+        assert seen == Counter(tuple(d) for d in documents) and len(per_rank[0]) == -(-total // world_size)
+        assert len(fillers) == len(per_rank[0]) * world_size - total
+        assert all(bool((b.labels == IGNORE_INDEX).all()) for b in fillers)
+    else:
+        assert len(per_rank[0]) == total // world_size and not fillers
+        missing = sum(len(d) for d in documents) - sum(len(t) for t in seen)
+        assert missing <= (world_size - 1) * 3 * 13  # less than one batch per rank is left out
+        assert len(real) == total - total % world_size
+
+
+def test_limit_batches_is_exact_for_any_number_of_workers():
+    documents = _unique_documents(60, 12)
+    for num_workers in (0, 2):
+        per_rank = _rank_batches(documents, 2, num_workers, limit_batches=4)
+        assert [len(b) for b in per_rank] == [4, 4]
+        unlimited = _rank_batches(documents, 2, 0)
+        for limited, full in zip(per_rank, unlimited):
+            assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(limited, full[:4]))
+
+
+def test_each_epoch_is_a_new_permutation_and_still_a_partition():
+    documents = _unique_documents(40, 12)
+    dataset = PackedDocumentDataset(documents, seq_len=13, batch_size=3, vocab_size=VOCAB_SIZE, shuffle_seed=5,
+                                    uneven="fill")  # fmt: skip
+    orders = []
+    for epoch in (0, 1, 0):
+        dataset.set_epoch(epoch)
+        sequences = _sequences(list(DataLoader(dataset, batch_size=None, num_workers=2)))
+        assert Counter(sequences) == Counter(tuple(d) for d in documents)
+        orders.append([s[0] for s in sequences])
+    assert orders[0] != orders[1] and orders[0] == orders[2]  # new order per epoch, reproducible per (seed, epoch)
+    other = PackedDocumentDataset(documents, seq_len=13, batch_size=3, vocab_size=VOCAB_SIZE, shuffle_seed=6)
+    assert other.order(0) != dataset.order(0)
+    assert sorted(dataset.order(1)) == list(range(40))
+    unshuffled = PackedDocumentDataset(documents, seq_len=13, batch_size=3, vocab_size=VOCAB_SIZE)
+    assert list(unshuffled.order(0)) == list(unshuffled.order(3)) == list(range(40))
+
+
+@pytest.mark.parametrize(("workers_before", "workers_after"), [(0, 0), (2, 2), (2, 0), (0, 2)])
+def test_a_position_resumes_exactly_whatever_the_workers(workers_before, workers_after):
+    corpus = SyntheticCorpus(50, mean_len=20, seed=1)
+
+    def batches(num_workers, epoch, start):
+        dataset = PackedDocumentDataset(corpus, seq_len=16, batch_size=2, vocab_size=VOCAB_SIZE, shuffle_seed=0,
+                                        rank=1, world_size=2)  # fmt: skip
+        dataset.set_position(epoch, start)
+        return list(DataLoader(dataset, batch_size=None, num_workers=num_workers))
+
+    full = batches(workers_before, 1, 0)
+    assert len(full) > 6
+    resumed = batches(workers_after, 1, 5)
+    assert len(resumed) == len(full) - 5
+    assert all(torch.equal(a.input_ids, b.input_ids) and a.documents == b.documents for a, b in zip(resumed, full[5:]))
 
 
 def test_limit_batches_and_tiny_shards():
@@ -243,3 +301,72 @@ def test_data_module_missing_files_fail_at_setup(tmp_path):
     data = PackedDataModule(corpus="files", paths=[str(tmp_path / "nope")], num_workers=0)
     with pytest.raises(DataError, match="does not exist"):
         data.setup("fit")
+
+
+def _reference_losses(module, batches):
+    """Per-sequence (document, summed token loss, label tokens) from a float64 loop over each segment."""
+    entries = []
+    with torch.no_grad():
+        for batch in batches:
+            logits = module(batch).double().flatten(0, 1)
+            labels, cu = batch.labels.flatten(), batch.cu_seqlens_cpu.tolist()
+            for segment, document in enumerate(batch.documents):
+                if document < 0:
+                    continue
+                terms = [
+                    torch.logsumexp(logits[p], 0) - logits[p, labels[p]]
+                    for p in range(cu[segment], cu[segment + 1])
+                    if labels[p] != IGNORE_INDEX
+                ]
+                entries.append((document, float(sum(terms)) if terms else 0.0, len(terms)))
+    return entries
+
+
+def test_validate_test_and_predict_with_the_reference_module(monkeypatch):
+    from lightning_llmfast import MoEGPTConfig, MoEGPTLightningModule
+
+    torch.manual_seed(0)
+    config = MoEGPTConfig(hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_size=32, num_experts=4)
+    module = MoEGPTLightningModule(config)
+    data = PackedDataModule(corpus="synthetic", synthetic_num_docs=60, synthetic_mean_len=30, seq_len=32,
+                            batch_size=3, num_workers=0, test_fraction=0.2)  # fmt: skip
+    logged: list[str] = []
+    monkeypatch.setattr("lightning_llmfast.datamodule.rank_zero_info", logged.append)
+    trainer = _trainer()
+    (tested,) = trainer.test(module, datamodule=data, verbose=False)
+    predictions = trainer.predict(module, datamodule=data)
+    trainer.validate(module, datamodule=data, verbose=False)
+    module.eval()
+    batches = list(data.test_dataloader())
+    reference = _reference_losses(module, batches)
+    # test/loss is the split's mean token loss (every label token weighs the same, whatever its batch)
+    total, tokens = sum(e[1] for e in reference), sum(e[2] for e in reference)
+    assert tested["test/loss"] == pytest.approx(total / tokens, rel=1e-5)
+    # predict: one entry per sequence, in order, with its document, mean token loss and label tokens
+    got = [(d, float(x), int(n)) for p in predictions for d, x, n in zip(p["documents"], p["loss"], p["tokens"])]
+    assert [g[0] for g in got] == [r[0] for r in reference]
+    assert [g[2] for g in got] == [r[2] for r in reference]
+    for (_, loss, n), (_, ref_sum, _) in zip(got, reference):
+        assert loss == pytest.approx(ref_sum / max(n, 1), rel=1e-4, abs=1e-6)
+    assert sorted({g[0] for g in got}) == list(range(len(data.corpus_for("test"))))  # every test document
+    # what the plan dropped or filled is logged once per split, however often the loaders are built
+    summaries = [line for line in logged if "PackedDataModule test split" in line]
+    assert len(summaries) == 1 and "per rank on 1 rank(s)" in summaries[0]
+
+
+def test_filler_batches_weigh_nothing_in_the_validation_loss():
+    from lightning_llmfast import MoEGPTConfig, MoEGPTLightningModule
+
+    torch.manual_seed(0)
+    module = MoEGPTLightningModule(MoEGPTConfig(hidden_size=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_size=32))
+    corpus = SyntheticCorpus(5, mean_len=20, seed=1)
+    real = PackedDocumentDataset(corpus, seq_len=16, batch_size=2, vocab_size=VOCAB_SIZE, uneven="fill")
+    # rank 1 of 4 sees only filler copies when there are fewer batches than ranks
+    filled = PackedDocumentDataset(corpus, seq_len=16, batch_size=2, vocab_size=VOCAB_SIZE, uneven="fill",
+                                   rank=3, world_size=4)  # fmt: skip
+    assert real.plan(0).per_rank < 4 and all(filler for _, filler in filled.plan(0).rank_batches(3))
+    trainer = _trainer()
+    (alone,) = trainer.validate(module, DataLoader(real, batch_size=None), verbose=False)
+    both = torch.utils.data.ChainDataset([real, filled])
+    (with_fillers,) = _trainer().validate(module, DataLoader(both, batch_size=None), verbose=False)
+    assert with_fillers["val/loss"] == pytest.approx(alone["val/loss"], rel=1e-6)

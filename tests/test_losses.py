@@ -166,3 +166,33 @@ def test_accumulate_two_equals_one_step_on_both_batches_together() -> None:
     for a, b in zip(accumulated.parameters(), joint.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert not torch.allclose(accumulated.head.weight, _NoAux().head.weight)  # training moved the weights
+
+
+def test_the_weighting_adds_no_host_sync() -> None:
+    from types import SimpleNamespace
+
+    from lightning_llmfast.bench.counters import SyncCounter
+    from lightning_llmfast.losses import _StepTokenWeighting
+
+    g = torch.Generator().manual_seed(3)
+    param = nn.Parameter(torch.randn(V, generator=g))
+    weighting = _StepTokenWeighting()
+    module = SimpleNamespace()  # stands in for the LightningModule: only the trainer's numbers are read
+    trainer = SimpleNamespace(strategy=SimpleNamespace(reduce=lambda t, reduce_op: t), world_size=2,
+                              accumulate_grad_batches=3)  # fmt: skip
+    seen = []
+    with SyncCounter() as counter:
+        for _ in range(2):
+            weighting.on_train_batch_start(trainer, module, None, 0)  # type: ignore[arg-type]
+            seen.append(_labels((4, 5), g))
+            weighting.count_micro_batch((seen[-1] != -100).sum())
+            weighting.count_micro_batch((seen[-1] != -100).sum())  # a second loss of the same micro-batch
+            logits = param.expand(4, 5, V)
+            nn.functional.cross_entropy(logits.flatten(0, 1), seen[-1].flatten(), reduction="sum").backward()
+        before = param.grad.clone()
+        optimizer = SimpleNamespace(param_groups=[{"params": [param]}])
+        weighting.on_before_optimizer_step(trainer, module, optimizer)  # type: ignore[arg-type]
+    assert counter.num_syncs == 0, counter.syncs
+    # the gradient sums are rescaled by world_size * accumulate / label tokens of the step, each counted once
+    total = sum(int((labels != -100).sum()) for labels in seen)
+    torch.testing.assert_close(param.grad, before * (2 * 3 / total))

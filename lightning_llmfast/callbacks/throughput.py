@@ -180,11 +180,14 @@ class TokenThroughputMonitor(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"total_tokens": self.total_tokens}
+        # The global count is what train/tokens shows: saved so that it continues after ckpt_path= resumes.
+        return {"total_tokens": self.total_tokens, "global_tokens": self._global_tokens}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.total_tokens = state_dict["total_tokens"]
+        # Checkpoints written before the global count was saved hold only this rank's count.
+        self._global_tokens = state_dict.get("global_tokens", 0)
 
 
 def _compute_dtype(trainer: pl.Trainer) -> torch.dtype:

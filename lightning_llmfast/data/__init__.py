@@ -13,15 +13,18 @@ from __future__ import annotations
 
 from lightning_llmfast.data.batch import PackedBatch
 from lightning_llmfast.data.corpus import BOS_ID, EOS_ID, VOCAB_SIZE, SyntheticCorpus, TextCorpus, decode, encode
+from lightning_llmfast.data.dataset import EpochPlan, PackedDocumentDataset
 from lightning_llmfast.data.packing import DEFAULT_LOOKAHEAD, IGNORE_INDEX, check_packing_args, pack_documents
 
 __all__ = [
     "BOS_ID",
     "DEFAULT_LOOKAHEAD",
     "EOS_ID",
+    "EpochPlan",
     "IGNORE_INDEX",
     "VOCAB_SIZE",
     "PackedBatch",
+    "PackedDocumentDataset",
     "SyntheticCorpus",
     "TextCorpus",
     "check_packing_args",

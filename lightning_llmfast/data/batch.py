@@ -48,6 +48,9 @@ class PackedBatch:
         num_tokens: number of real (non-padding) tokens, a Python int.
         cu_seqlens_cpu: ``(N + 1,)`` int32 host copy of ``cu_seqlens``. Set automatically when ``cu_seqlens`` is
             built on the CPU, and kept by :meth:`to`, so boundaries stay readable on the host after the move.
+        documents: host list with the document of every ``cu_seqlens`` segment (the stream index for
+            :func:`~lightning_llmfast.data.pack_documents`, the corpus index for ``PackedDocumentDataset``), ``-1``
+            for padding tails and for every segment of a filler batch (labels all ignored); ``None`` if unknown.
 
     Example::
 
@@ -70,6 +73,7 @@ class PackedBatch:
     max_seqlen: int
     num_tokens: int
     cu_seqlens_cpu: Tensor | None = None
+    documents: list[int] | None = None
 
     def __post_init__(self) -> None:
         # Shapes, dtypes and devices only: reading tensor values here would sync when a batch is rebuilt on a
@@ -106,6 +110,10 @@ class PackedBatch:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise DataError(f"PackedBatch.{name} must be a Python int in [{low}, {high}], got {value!r}")
+        if self.documents is not None and len(self.documents) != self.cu_seqlens.numel() - 1:
+            raise DataError(
+                f"PackedBatch.documents has {len(self.documents)} entries for {self.cu_seqlens.numel() - 1} segments"
+            )
         if self.cu_seqlens_cpu is None and self.cu_seqlens.device.type == "cpu":
             self.cu_seqlens_cpu = self.cu_seqlens
 
@@ -196,6 +204,7 @@ class PackedBatch:
             max_seqlen=self.max_seqlen,
             num_tokens=self.num_tokens,
             cu_seqlens_cpu=cu_seqlens_cpu,
+            documents=self.documents,
         )
         if checked:
             moved._mark_checked(moved._stamp())
@@ -225,6 +234,7 @@ class PackedBatch:
             max_seqlen=self.max_seqlen,
             num_tokens=self.num_tokens,
             cu_seqlens_cpu=cu_seqlens if shared else self.cu_seqlens_cpu,
+            documents=self.documents,
         )
         if checked:
             pinned._mark_checked(pinned._stamp())

@@ -36,7 +36,7 @@ EOS_ID = 257
 VOCAB_SIZE = 258
 """Byte tokenizer vocabulary: 256 byte values, ``BOS_ID`` and ``EOS_ID``."""
 
-_SPLITS = ("train", "val")
+_SPLITS = ("train", "val", "test")
 _DISTRIBUTIONS = ("lognormal", "uniform", "fixed", "exponential")
 _MAX_DOC_LEN = 2**31 - 1
 """Longest synthetic document: a drawn length above it (an absurd ``mean_len`` or ``sigma``) is an error."""
@@ -105,11 +105,15 @@ def _stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _in_split(relative: str, split: str, val_fraction: float) -> bool:
+def _in_split(relative: str, split: str, val_fraction: float, test_fraction: float) -> bool:
     # A stable hash of the path (not Python's randomised hash) puts each file in the same split on every run and
     # keeps the split of a file unchanged when other files are added or removed.
-    is_val = zlib.crc32(relative.encode("utf-8")) % 1_000_000 < val_fraction * 1_000_000
-    return is_val == (split == "val")
+    bucket = zlib.crc32(relative.encode("utf-8")) % 1_000_000
+    if bucket < val_fraction * 1_000_000:
+        return split == "val"
+    if bucket < (val_fraction + test_fraction) * 1_000_000:
+        return split == "test"
+    return split == "train"
 
 
 class TextCorpus(Sequence[list[int]]):
@@ -117,13 +121,15 @@ class TextCorpus(Sequence[list[int]]):
 
     With no ``paths`` it uses the ``.py`` sources of the running Python's standard library (present on every
     machine, so nothing is downloaded), excluding installed third-party packages. Files are listed in sorted order
-    and split deterministically (by a stable hash of each file's path) into ``"train"`` and ``"val"``. Empty files
+    and split deterministically (by a stable hash of each file's path) into ``"train"``, ``"val"`` and ``"test"``
+    (the test split is empty unless ``test_fraction > 0``; it never changes the validation split). Empty files
     are left out. Each document is ``[BOS_ID, *bytes, EOS_ID]``.
 
     Args:
         paths: files and/or directories (walked recursively for all files); ``None`` for the stdlib sources.
-        split: ``"train"`` or ``"val"``.
+        split: ``"train"``, ``"val"`` or ``"test"``.
         val_fraction: share of the files in the validation split, in ``[0, 1]``.
+        test_fraction: share of the files in the test split, in ``[0, 1 - val_fraction]``.
         max_docs: keep only the first ``max_docs`` files of the split.
 
     Raises:
@@ -147,10 +153,12 @@ class TextCorpus(Sequence[list[int]]):
         split: str = "train",
         val_fraction: float = 0.05,
         max_docs: int | None = None,
+        test_fraction: float = 0.0,
     ) -> None:
         if split not in _SPLITS:
             raise DataError(f"split must be one of {_SPLITS}, got {split!r}")
         check_number("val_fraction", val_fraction, low=0, high=1, error=DataError)
+        check_number("test_fraction", test_fraction, low=0, high=1 - val_fraction, error=DataError)
         if max_docs is not None:
             check_int("max_docs", max_docs, low=1, error=DataError)
         if isinstance(paths, (str, os.PathLike)):
@@ -159,12 +167,16 @@ class TextCorpus(Sequence[list[int]]):
         files = self._stdlib_files() if paths is None else self._listed_files([Path(p) for p in paths])
         roots = [str(_stdlib_root())] if paths is None else [str(p) for p in paths]
         self.files: list[Path] = [
-            path for relative, path in files if path.stat().st_size > 0 and _in_split(relative, split, val_fraction)
+            path
+            for relative, path in files
+            if path.stat().st_size > 0 and _in_split(relative, split, val_fraction, test_fraction)
         ][:max_docs]
         if not self.files:
             raise DataError(
-                f"empty corpus: no non-empty file in the {split!r} split (val_fraction={val_fraction}) under {roots}"
+                f"empty corpus: no non-empty file in the {split!r} split (val_fraction={val_fraction}, "
+                f"test_fraction={test_fraction}) under {roots}"
             )
+        self._lengths: list[int] | None = None
 
     @staticmethod
     def _stdlib_files() -> list[tuple[str, Path]]:
@@ -193,6 +205,13 @@ class TextCorpus(Sequence[list[int]]):
 
     def __len__(self) -> int:
         return len(self.files)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Token count of every document (file size + 2 framing tokens), from the file system: nothing is read."""
+        if self._lengths is None:
+            self._lengths = [path.stat().st_size + 2 for path in self.files]
+        return self._lengths
 
     def __getitem__(self, index: int) -> list[int]:  # type: ignore[override]
         """Read file ``index`` now: ``[BOS_ID, *bytes, EOS_ID]``."""

@@ -21,7 +21,17 @@ from torch import Tensor
 from lightning_llmfast.data.batch import PackedBatch
 from lightning_llmfast.errors import DataError
 
-__all__ = ["DEFAULT_LOOKAHEAD", "IGNORE_INDEX", "check_packing_args", "pack_documents"]
+__all__ = [
+    "DEFAULT_LOOKAHEAD",
+    "IGNORE_INDEX",
+    "Piece",
+    "check_packing_args",
+    "make_batch",
+    "pack_documents",
+    "plan_batches",
+    "plan_rows",
+    "segment_documents",
+]
 
 IGNORE_INDEX = -100
 """Label of positions that have no next token: each sequence's last token and padding (cross-entropy's default)."""
@@ -157,11 +167,15 @@ def _as_tokens(document: Any, index: int, vocab_size: int | None) -> Tensor:
     return tokens
 
 
+Piece = tuple[int, int, int]
+"""``(document, start, length)``: tokens ``[start, start + length)`` of document ``document`` (its stream index)."""
+
+
 class _Waiting:
     """Pieces shorter than ``seq_len`` waiting for a row: oldest-first and longest-that-fits lookups."""
 
     def __init__(self) -> None:
-        self._pieces: dict[int, Tensor] = {}
+        self._pieces: dict[int, Piece] = {}
         self._order: deque[int] = deque()  # arrival order; ids of pieces already taken are skipped lazily
         # (length, -id): the last entry with length <= space is the longest fitting piece, oldest among equals.
         self._by_length: list[tuple[int, int]] = []
@@ -170,75 +184,119 @@ class _Waiting:
     def __len__(self) -> int:
         return len(self._pieces)
 
-    def add(self, piece: Tensor) -> None:
+    def add(self, piece: Piece) -> None:
         self._pieces[self._next_id] = piece
         self._order.append(self._next_id)
-        bisect.insort(self._by_length, (piece.numel(), -self._next_id))
+        bisect.insort(self._by_length, (piece[2], -self._next_id))
         self._next_id += 1
 
-    def take_row(self, seq_len: int) -> list[Tensor]:
+    def take_row(self, seq_len: int) -> list[Piece]:
         while self._order[0] not in self._pieces:
             self._order.popleft()
         oldest = self._order.popleft()
-        row = [self._remove(oldest, bisect.bisect_left(self._by_length, (self._pieces[oldest].numel(), -oldest)))]
-        space = seq_len - row[0].numel()
+        row = [self._remove(oldest, bisect.bisect_left(self._by_length, (self._pieces[oldest][2], -oldest)))]
+        space = seq_len - row[0][2]
         while space > 0 and self._by_length:
             at = bisect.bisect_right(self._by_length, (space, math.inf)) - 1
             if at < 0:
                 break
             row.append(self._remove(-self._by_length[at][1], at))
-            space -= row[-1].numel()
+            space -= row[-1][2]
         return row
 
-    def _remove(self, piece_id: int, at: int) -> Tensor:
+    def _remove(self, piece_id: int, at: int) -> Piece:
         del self._by_length[at]
         return self._pieces.pop(piece_id)
 
 
-def _pack(
-    documents: Iterator[Any],
-    seq_len: int,
-    batch_size: int,
-    pad_id: int,
-    vocab_size: int | None,
-    drop_last: bool,
-    lookahead: int,
-) -> Iterator[PackedBatch]:
-    rows: list[list[Tensor]] = []
+def plan_rows(lengths: Iterable[int], seq_len: int, lookahead: int = DEFAULT_LOOKAHEAD) -> Iterator[list[Piece]]:
+    """The rows :func:`pack_documents` builds, as pieces, from document lengths alone (no token is read).
+
+    Rows come out in the order ``pack_documents`` puts them into batches, as soon as they are final, so a consumer
+    can stream. Document ``i`` is the ``i``-th length.
+
+    Raises:
+        DataError: no length at all, or only zeros (an empty corpus).
+
+    Example::
+
+        >>> list(plan_rows([5, 2], seq_len=4, lookahead=1))
+        [[(0, 0, 4)], [(0, 4, 1), (1, 0, 2)]]
+    """
     waiting = _Waiting()
-    positions = torch.arange(seq_len, dtype=torch.int64)
     num_documents = num_tokens = 0
-    for index, document in enumerate(documents):
+    for document, length in enumerate(lengths):
         num_documents += 1
-        tokens = _as_tokens(document, index, vocab_size)
-        num_tokens += tokens.numel()
+        num_tokens += length
         # Full chunks become rows at once, before the document's remainder can: chunks keep document order.
-        full = tokens.numel() // seq_len * seq_len
-        if full:  # (split() of an empty tensor would give one empty chunk)
-            rows.extend([chunk] for chunk in tokens[:full].split(seq_len))
-        if full < tokens.numel():
-            waiting.add(tokens[full:])
+        full = length // seq_len * seq_len
+        for start in range(0, full, seq_len):
+            yield [(document, start, seq_len)]
+        if full < length:
+            waiting.add((document, full, length - full))
         while len(waiting) > lookahead:
-            rows.append(waiting.take_row(seq_len))
-        while len(rows) >= batch_size:
-            yield _make_batch(rows[:batch_size], seq_len, pad_id, positions)
-            del rows[:batch_size]
+            yield waiting.take_row(seq_len)
     if num_documents == 0:
         raise DataError("empty corpus: the documents iterable yielded no document")
     if num_tokens == 0:
         raise DataError(f"empty corpus: all {num_documents} documents are empty")
     while len(waiting):
-        rows.append(waiting.take_row(seq_len))
-    for start in range(0, len(rows), batch_size):
-        if len(rows) - start < batch_size and drop_last:
-            break
-        yield _make_batch(rows[start : start + batch_size], seq_len, pad_id, positions)
+        yield waiting.take_row(seq_len)
 
 
-def _make_batch(rows: list[list[Tensor]], seq_len: int, pad_id: int, positions: Tensor) -> PackedBatch:
+def plan_batches(
+    lengths: Iterable[int],
+    seq_len: int,
+    batch_size: int,
+    *,
+    drop_last: bool = False,
+    lookahead: int = DEFAULT_LOOKAHEAD,
+) -> Iterator[list[list[Piece]]]:
+    """:func:`plan_rows` grouped into batches of ``batch_size`` rows (the last one may be shorter).
+
+    Example::
+
+        >>> [len(batch) for batch in plan_batches([9, 3, 3], seq_len=4, batch_size=2, lookahead=1)]
+        [2, 2]
+    """
+    rows: list[list[Piece]] = []
+    for row in plan_rows(lengths, seq_len, lookahead):
+        rows.append(row)
+        if len(rows) == batch_size:
+            yield rows
+            rows = []
+    if rows and not drop_last:
+        yield rows
+
+
+def segment_documents(rows: list[list[Piece]], seq_len: int) -> list[int]:
+    """The document of every ``cu_seqlens`` segment of a batch of ``rows``: ``-1`` for each padding tail.
+
+    Example::
+
+        >>> segment_documents([[(3, 0, 2), (5, 0, 1)], [(4, 0, 4)]], seq_len=4)
+        [3, 5, -1, 4]
+    """
+    documents = []
+    for row in rows:
+        documents.extend(d for d, _, _ in row)
+        if sum(n for _, _, n in row) < seq_len:
+            documents.append(-1)
+    return documents
+
+
+def make_batch(rows: list[list[Tensor]], seq_len: int, pad_id: int, documents: list[int] | None = None) -> PackedBatch:
+    """A :class:`PackedBatch` of ``rows`` (each a list of 1-D int64 token pieces of total length <= ``seq_len``).
+
+    Example::
+
+        >>> make_batch([[torch.tensor([5, 6]), torch.tensor([7])]], seq_len=4, pad_id=0).labels
+        tensor([[   6, -100, -100, -100]])
+    """
     input_ids = torch.full((len(rows), seq_len), pad_id, dtype=torch.int64)
     labels = torch.full((len(rows), seq_len), IGNORE_INDEX, dtype=torch.int64)
     position_ids = torch.empty((len(rows), seq_len), dtype=torch.int64)
+    positions = torch.arange(seq_len, dtype=torch.int64)
     boundaries = [0]
     max_seqlen = num_tokens = 0
     for r, row in enumerate(rows):
@@ -264,4 +322,37 @@ def _make_batch(rows: list[list[Tensor]], seq_len: int, pad_id: int, positions: 
         cu_seqlens=torch.tensor(boundaries, dtype=torch.int32),
         max_seqlen=max_seqlen,
         num_tokens=num_tokens,
+        documents=documents,
     )
+
+
+def _pack(
+    documents: Iterator[Any],
+    seq_len: int,
+    batch_size: int,
+    pad_id: int,
+    vocab_size: int | None,
+    drop_last: bool,
+    lookahead: int,
+) -> Iterator[PackedBatch]:
+    # Documents are read (and checked) as the planner asks for their lengths and kept until their last piece is
+    # packed, so memory stays bounded by the look-ahead.
+    tokens: dict[int, Tensor] = {}
+    left: dict[int, int] = {}
+
+    def lengths() -> Iterator[int]:
+        for index, document in enumerate(documents):
+            piece = _as_tokens(document, index, vocab_size)
+            if piece.numel():
+                tokens[index], left[index] = piece, piece.numel()
+            yield piece.numel()
+
+    for rows in plan_batches(lengths(), seq_len, batch_size, drop_last=drop_last, lookahead=lookahead):
+        pieces = []
+        for row in rows:
+            pieces.append([tokens[d][start : start + n] for d, start, n in row])
+            for d, _, n in row:
+                left[d] -= n
+                if not left[d]:
+                    del tokens[d], left[d]
+        yield make_batch(pieces, seq_len, pad_id, segment_documents(rows, seq_len))

@@ -7,9 +7,12 @@ from typing import TYPE_CHECKING, Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torchmetrics import Metric
 from typing_extensions import override
 
+from lightning_llmfast.data.packing import IGNORE_INDEX
 from lightning_llmfast.errors import MetadataError
+from lightning_llmfast.losses import causal_lm_loss, scale_by_token_share
 from lightning_llmfast.models.model import MoEGPT, MoEGPTConfig
 
 if TYPE_CHECKING:
@@ -28,6 +31,11 @@ _DEFAULT_CONFIG = MoEGPTConfig()  # never used itself: each module gets a fresh 
 
 class MoEGPTLightningModule(L.LightningModule):
     """Trains :class:`MoEGPT` with cross-entropy over ``labels`` plus the router's load-balancing loss.
+
+    Both are token-weighted over the optimizer step (:func:`~lightning_llmfast.causal_lm_loss`,
+    :func:`~lightning_llmfast.scale_by_token_share`), so ``N`` ranks with gradient accumulation compute the
+    gradients of one process on all their batches. ``val/loss`` and ``test/loss`` are the token-weighted cross
+    entropy over the whole split and all ranks; :meth:`predict_step` returns per-sequence losses.
 
     Args:
         config: the model's hyper-parameters (LightningCLI: ``model.config`` in YAML, ``--model.config.n_layers``
@@ -58,6 +66,7 @@ class MoEGPTLightningModule(L.LightningModule):
         self.model = MoEGPT(self.config)
         self.lr, self.weight_decay = lr, weight_decay
         self.aux_loss_coef, self.warmup_steps = aux_loss_coef, warmup_steps
+        self.val_ce, self.test_ce = _TokenMean(), _TokenMean()
 
     @override
     def forward(self, batch: PackedBatch) -> Tensor:
@@ -65,10 +74,11 @@ class MoEGPTLightningModule(L.LightningModule):
 
     def _loss(self, batch: PackedBatch) -> tuple[Tensor, Tensor]:
         logits = self(batch)
-        # ignore_index drops padding and each document's last token; the mean divides by the count on the device,
-        # so no host sync is needed here.
-        ce = F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=-100)
-        return ce, ce + self.aux_loss_coef * self.model.aux_loss()
+        # Token-weighted over the optimizer step (all ranks, all accumulated micro-batches), and so is the router's
+        # aux loss; counts stay on the device, so no host sync is needed here.
+        ce = causal_lm_loss(logits, batch.labels, module=self, ignore_index=IGNORE_INDEX)
+        aux = scale_by_token_share(self.model.aux_loss(), batch.labels, module=self, ignore_index=IGNORE_INDEX)
+        return ce, ce + self.aux_loss_coef * aux
 
     @override
     def training_step(self, batch: PackedBatch, batch_idx: int) -> Tensor:
@@ -79,9 +89,53 @@ class MoEGPTLightningModule(L.LightningModule):
 
     @override
     def validation_step(self, batch: PackedBatch, batch_idx: int) -> Tensor:
+        return self._evaluate(batch, self.val_ce, "val/loss")
+
+    @override
+    def test_step(self, batch: PackedBatch, batch_idx: int) -> Tensor:
+        return self._evaluate(batch, self.test_ce, "test/loss")
+
+    def _evaluate(self, batch: PackedBatch, metric: _TokenMean, name: str) -> Tensor:
+        """Cross entropy of ``batch``; the logged value is token-weighted over the whole split and all ranks."""
         ce, _ = self._loss(batch)
-        self.log("val/loss", ce, prog_bar=True, batch_size=batch.batch_size, sync_dist=True)
+        # Weighted by label tokens: filler batches (all labels ignored) weigh nothing, and the epoch value is the
+        # split's mean token loss, not a mean of per-batch or per-rank means.
+        metric.update(ce, (batch.labels != IGNORE_INDEX).sum())
+        self.log(name, metric, prog_bar=True, batch_size=batch.batch_size)
         return ce
+
+    @override
+    def predict_step(self, batch: PackedBatch, batch_idx: int) -> dict[str, Any]:
+        """Per-sequence losses: ``{"documents": list[int], "loss": (S,), "tokens": (S,)}``.
+
+        One entry per real sequence of the batch (padding tails and filler batches are left out): its corpus
+        document (``batch.documents``), its mean token cross entropy and its number of label tokens. A document
+        longer than ``seq_len`` comes as several entries (its chunks); its loss is
+        ``sum(loss * tokens) / sum(tokens)`` over them. ``trainer.predict`` returns one such dict per batch.
+
+        Raises:
+            MetadataError: the batch has no host-side ``documents`` or ``cu_seqlens_cpu``.
+        """
+        if batch.documents is None or batch.cu_seqlens_cpu is None:
+            raise MetadataError("predict_step needs batches with host-side documents and cu_seqlens_cpu")
+        logits = self(batch)
+        token_losses = F.cross_entropy(
+            logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+        )
+        cu = batch.cu_seqlens_cpu
+        segments = torch.repeat_interleave(torch.arange(cu.numel() - 1), (cu[1:] - cu[:-1]).long())
+        segments = segments.to(logits.device, non_blocking=True)
+        count = torch.zeros(cu.numel() - 1, device=logits.device).index_add_(
+            0, segments, (batch.labels.flatten() != IGNORE_INDEX).float()
+        )
+        total = torch.zeros_like(count).index_add_(0, segments, token_losses)
+        real = [i for i, document in enumerate(batch.documents) if document >= 0]
+        keep = torch.tensor(real, dtype=torch.long).to(logits.device, non_blocking=True)
+        return {
+            "documents": [batch.documents[i] for i in real],
+            "loss": total[keep] / count[keep].clamp_min(1),
+            "tokens": count[keep],
+        }
 
     def flops_per_batch(self, batch: PackedBatch) -> int:
         """Training FLOPs of ``batch``, from its host-side boundaries (no device sync); used for MFU."""
@@ -103,3 +157,26 @@ class MoEGPTLightningModule(L.LightningModule):
         warmup = max(1, self.warmup_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class _TokenMean(Metric):
+    """Mean of per-batch means weighted by their label tokens, summed over ranks (no host sync per update).
+
+    torchmetrics' ``MeanMetric`` checks every update for NaN with a host sync, and ignores weights without the check.
+    """
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    @override
+    def update(self, mean: Tensor, count: Tensor) -> None:
+        self.total += mean.detach().double() * count
+        self.count += count
+
+    @override
+    def compute(self) -> Tensor:
+        return (self.total / self.count.clamp_min(1)).float()
