@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_llmfast.errors import MetadataError
+from lightning_llmfast.seqmeta.consistency import tensor_version
 from lightning_llmfast.seqmeta.metadata import SequenceMetadata, _field
 
 __all__ = ["SequenceMetadataCache", "activate_cache", "active_cache"]
@@ -116,13 +117,13 @@ class _Binding:
     def __init__(self, source: Any, tokens: Tensor | None) -> None:
         self.source = source
         self.tokens = tokens
-        self.tokens_version = tokens._version if tokens is not None else 0
+        self.tokens_version = tensor_version(tokens) if tokens is not None else 0
         self.meta: SequenceMetadata | None = None
         self.guarded: list[Tensor] = []
         self.versions: list[int] = []
 
     def matches(self, tokens: Tensor) -> bool:
-        return tokens is self.tokens and tokens._version == self.tokens_version
+        return tokens is self.tokens and tensor_version(tokens) == self.tokens_version
 
     def set_meta(self, meta: SequenceMetadata, used: Sequence[Any]) -> None:
         self.meta = meta
@@ -263,7 +264,7 @@ class SequenceMetadataCache:
         main = self._main
         if main.tokens is None and self._foreign is None and _same_or_none(source, main.source):
             # The version's source named no tokens: the first forward's are the batch's.
-            main.tokens, main.tokens_version = tokens, tokens._version
+            main.tokens, main.tokens_version = tokens, tensor_version(tokens)
             main.source = main.source if source is None else source
         if main.matches(tokens):
             self._foreign = None

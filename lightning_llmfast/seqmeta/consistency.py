@@ -16,7 +16,7 @@ from torch import Tensor
 
 from lightning_llmfast.errors import MetadataError
 
-__all__ = ["check_packed_fields", "field_versions"]
+__all__ = ["check_packed_fields", "field_versions", "tensor_version"]
 
 
 def field_versions(tensors: Sequence[Tensor | None]) -> tuple[tuple[int, int], ...]:
@@ -28,7 +28,13 @@ def field_versions(tensors: Sequence[Tensor | None]) -> tuple[tuple[int, int], .
         batch.cu_seqlens[1] += 1
         assert field_versions([batch.cu_seqlens, batch.position_ids]) != stamp
     """
-    return tuple((id(t), t._version) if t is not None else (0, 0) for t in tensors)
+    return tuple((0, 0) if t is None else (id(t), tensor_version(t)) for t in tensors)
+
+
+def tensor_version(tensor: Tensor) -> int:
+    """The tensor's version counter; ``-1`` for inference tensors (made under ``torch.inference_mode``, as evaluation
+    loops do), which keep none: outside inference mode they cannot be edited in place, so identity is the stamp."""
+    return -1 if tensor.is_inference() else tensor._version
 
 
 def check_packed_fields(
