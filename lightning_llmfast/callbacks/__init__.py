@@ -1,4 +1,4 @@
-"""Lightning callbacks: packed-sequence metadata, real-token throughput, expert load."""
+"""Lightning callbacks: packed-sequence metadata, real-token throughput, expert load, activation offload."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ _LAZY = {
     "SequenceMetadataCallback": "lightning_llmfast.callbacks.seqmeta",
     "TokenThroughputMonitor": "lightning_llmfast.callbacks.throughput",
     "ExpertLoadMonitor": "lightning_llmfast.callbacks.moe",
+    "ActivationOffload": "lightning_llmfast.callbacks.offload",
 }
 
 __all__ = list(_LAZY)
