@@ -55,7 +55,8 @@ _SCRIPT = textwrap.dedent(
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 12)) for _ in range(3))
+            block = lambda: nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 12))  # noqa: E731
+            self.layers = nn.ModuleList(block() for _ in range(3))
             self.head = nn.Linear(12, 1)
             self.grads = []
 
