@@ -125,10 +125,8 @@ class LLMFastStrategy(DDPStrategy):
             "rebuild_gemms": rebuild_gemms,
         }
         changed = self._changed_offload_settings(settings)
-        # Only the settings given count next to a config (which then raises): the defaults build the same config.
-        given = {
-            ("force" if k == "force_offload" else k): v for k, v in settings.items() if offload is None or k in changed
-        }
+        # Only the settings given count (next to a config they raise): the defaults are OffloadConfig's.
+        given = {("force" if k == "force_offload" else k): settings[k] for k in changed}
         self.offload_config = OffloadConfig.from_kwargs(offload, owner=type(self).__name__, **given)
         super().__init__(*args, **kwargs)
         self.offload_activations = offload_activations or offload is not None

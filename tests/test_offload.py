@@ -1101,7 +1101,7 @@ class _TrackWeightCasts(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten._to_copy.default and out.dtype == torch.bfloat16 and out.dim() == 2:
-            self.refs.append(weakref.ref(out))
+            self.refs.append(weakref.ref(out.untyped_storage()))  # the memory, whichever tensor object holds it
         return out
 
 

@@ -147,7 +147,6 @@ class ActivationOffloader(Packer, Reloader):
         self._set_owner: list[int] = [-1] * self._num_sets
         self._copier: Copier | None = None
         self._recomputed: list[RecomputeHandle] = []
-        self._handles = [h for i, layer in enumerate(self.layers) for h in self._hook_layer(i, layer)]
         self._residents = Residents(self.layers)
         self._packing = False
         self._hot = False  # whether the pack hook looks at saved tensors at all (see _wants_pack)
@@ -171,6 +170,7 @@ class ActivationOffloader(Packer, Reloader):
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._weak_self = weakref.ref(self)
         self._pack_hook, self._unpack_hook = _hooks(self._weak_self)
+        self._handles = [h for i, layer in enumerate(self.layers) for h in self._hook_layer(i, layer)]
 
     # The older attribute names, read by callers of the keyword-argument constructor.
     @property
@@ -200,15 +200,10 @@ class ActivationOffloader(Packer, Reloader):
 
     # ------------------------------------------------------------------ lifecycle
     def _hook_layer(self, index: int, layer: nn.Module) -> list[Any]:
-        def pre(_module: nn.Module, args: Any, kwargs: Any) -> None:
-            self._layer_begins(index, (args, kwargs))
-
-        def post(_module: nn.Module, _args: Any, output: Any) -> None:
-            self._layer_ends(output)
-
+        # The hooks hold the offloader weakly: an offloader dropped without close() is not kept alive by the model.
         return [
-            layer.register_forward_pre_hook(pre, with_kwargs=True),
-            layer.register_forward_hook(post, always_call=True),
+            layer.register_forward_pre_hook(functools.partial(_layer_pre, self._weak_self, index), with_kwargs=True),
+            layer.register_forward_hook(functools.partial(_layer_post, self._weak_self), always_call=True),
         ]
 
     def _device(self) -> torch.device:
@@ -489,6 +484,18 @@ def _hooks(offloader: weakref.ref[ActivationOffloader]) -> tuple[Callable[..., A
         return saved
 
     return pack, unpack
+
+
+def _layer_pre(offloader: weakref.ref[ActivationOffloader], index: int, _module: Any, args: Any, kwargs: Any) -> None:
+    live = offloader()
+    if live is not None:
+        live._layer_begins(index, (args, kwargs))
+
+
+def _layer_post(offloader: weakref.ref[ActivationOffloader], _module: Any, _args: Any, output: Any) -> None:
+    live = offloader()
+    if live is not None:
+        live._layer_ends(output)
 
 
 def _backward_begins(offloader: weakref.ref[ActivationOffloader], seg_index: int, _grads: Any) -> None:

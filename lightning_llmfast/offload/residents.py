@@ -29,6 +29,15 @@ def _bump(*_args: Any) -> None:
     _EPOCH[0] += 1
 
 
+def _release() -> None:
+    with _LOCK:
+        _OPEN[0] -= 1
+        if not _OPEN[0]:
+            for handle in _HOOKS:
+                handle.remove()
+            _HOOKS.clear()
+
+
 class Residents:
     """Parameters and buffers of ``layers``; :meth:`close` releases the global hooks when it is the last one.
 
@@ -54,6 +63,8 @@ class Residents:
                     )
                 )
             _OPEN[0] += 1
+        # Released at close(), or when collected without one (an offloader dropped after an error).
+        self._release = weakref.finalize(self, _release)
 
     def tensors(self) -> list[torch.Tensor]:
         """The layers' parameters and buffers now (modules held weakly: a deleted submodule is not kept alive)."""
@@ -70,12 +81,7 @@ class Residents:
             return
         self._open = False
         self._modules = None
-        with _LOCK:
-            _OPEN[0] -= 1
-            if not _OPEN[0]:
-                for handle in _HOOKS:
-                    handle.remove()
-                _HOOKS.clear()
+        self._release()
 
     @staticmethod
     def hooks_installed() -> bool:
