@@ -93,7 +93,8 @@ class Segment:
     unsent: list[Block] = field(default_factory=list)  # offloaded in this call, device-to-host copy not issued yet
     prefetched: bool = False
     # "auto" measuring step only: what this call would offload and when its forward started and ended.
-    seen: set[tuple[int, int]] = field(default_factory=set)
+    # (storage ptr, version) -> weakref of that storage: an address freed and reused since is a new storage
+    seen: dict[tuple[int, int], Any] = field(default_factory=dict)
     # (storage ptr, version) of a dropped storage -> (weakref of the tensor its handles rebuild, their Shared)
     rebuilt: dict[tuple[int, int], tuple[Any, Shared]] = field(default_factory=dict)
     candidate_bytes: int = 0

@@ -192,8 +192,9 @@ class Packer:
         # The "auto" measuring step counts what offloading would copy, deduplicated as `_offload` does.
         storage = t.untyped_storage()
         key = (storage.data_ptr(), t._version)
-        if key not in seg.seen:
-            seg.seen.add(key)
+        known = seg.seen.get(key)
+        if known is None or known() is None:
+            seg.seen[key] = weakref.ref(storage)
             seg.candidate_bytes += storage.nbytes()
 
     def _offload(self, saved: Saved, seg: Segment) -> bool:
