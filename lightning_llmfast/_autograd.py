@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from lightning_llmfast.errors import OffloadError
 
 __all__ = ["eager_custom_op", "in_backward", "mark_rebuildable"]
 
@@ -29,59 +26,6 @@ def in_backward() -> bool:
             update_running_state()
     """
     return torch._C._current_autograd_node() is not None
-
-
-def mark_rebuildable(
-    ctx: Any, output: torch.Tensor, rebuild: Callable[..., torch.Tensor] | None = None, *, gemm: bool = False
-) -> None:
-    """Record, in a custom Function's ``forward`` (or a custom op's ``setup_context``), that ``output`` can be rebuilt
-    from the tensors it saved, and what such a rebuild must check.
-
-    :class:`~lightning_llmfast.offload.ActivationOffloader` then drops saved copies of ``output`` and calls
-    ``rebuild(ctx, *saved_tensors)`` in backward instead; only if the offloader's own hooks packed those saved tensors
-    (not ``torch.utils.checkpoint``'s, whose tensors may be unpacked once only) and the output has not been changed
-    in place (a rebuild would give the values before the change). The rebuild must give the same bits as the forward.
-
-    Args:
-        ctx: the Function's context, after ``save_for_backward``.
-        output: the output that ``rebuild`` gives (of a Function with several, the others are never rebuilt).
-        rebuild: ``(ctx, *saved_tensors) -> output``; ``None``: the Function's ``llmfast_rebuild`` static method.
-        gemm: the rebuild runs a matrix multiplication (not an elementwise pass): the offloader only runs it when
-            asked to (``rebuild_gemms``), as it costs compute time in backward.
-
-    Raises:
-        OffloadError: ``rebuild`` is ``None`` and the Function declares no ``llmfast_rebuild``.
-
-    Example::
-
-        ctx.save_for_backward(x, weight, rstd)
-        out = normalize(x, weight, rstd)
-        mark_rebuildable(ctx, out)  # RMSNormFunction.llmfast_rebuild(ctx, x, weight, rstd) gives `out` again
-        return out
-    """
-    if torch.compiler.is_compiling():
-        return  # traced: the compiled graph saves for backward its own way (and Dynamo cannot trace the query below)
-    if output.is_inference():
-        return  # made under inference_mode (Trainer.validate/test/predict): no backward, and no version counter
-    if rebuild is None:
-        rebuild = getattr(getattr(type(ctx), "_forward_cls", None), "llmfast_rebuild", None)
-        if rebuild is None:
-            raise OffloadError(
-                "mark_rebuildable: pass rebuild=(ctx, *saved_tensors) -> output, or declare llmfast_rebuild on the "
-                f"Function ({type(ctx).__name__} has none)"
-            )
-    # Private but stable since torch 2.0 (torch.utils.checkpoint uses it); without it nothing is ever rebuilt.
-    try:
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    except (AttributeError, RuntimeError, TypeError):
-        hooks = None
-    ctx.llmfast_pack_hook = hooks[0] if hooks else None
-    ctx.llmfast_output = weakref.ref(output)
-    # Not always 0: kernels that write their output in parts (CPU grouped_mm, one write per group) bump it, and the
-    # count differs between a custom op's registered path and its eager one (eager_custom_op).
-    ctx.llmfast_output_version = output._version
-    ctx.llmfast_rebuild = rebuild
-    ctx.llmfast_gemm = gemm
 
 
 def eager_custom_op(op: Any) -> Callable[..., Any]:
@@ -215,3 +159,8 @@ def _autograd_function(op: Any) -> type[torch.autograd.Function] | None:
 
 # id(op) -> ((impl, setup_context, backward), Function); custom ops live as long as the process.
 _FUNCTIONS: dict[int, tuple[tuple[Any, Any, Any], type[torch.autograd.Function]]] = {}
+
+
+# The rebuild protocol lives with the offloader that reads it; re-exported here for the Functions that mark outputs.
+# Imported last: importing the offload package imports in_backward from this module.
+from lightning_llmfast.offload.rebuild import mark_rebuildable  # noqa: E402

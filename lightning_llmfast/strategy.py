@@ -25,8 +25,9 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_llmfast._checks import check_bool, check_int
+from lightning_llmfast.callbacks.offload import ActivationOffload
 from lightning_llmfast.errors import ConfigError, OffloadError
-from lightning_llmfast.offload.offloader import ActivationOffloader, resolve_layers, validate_offload_config
+from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 from lightning_llmfast.parallel import expert as expert_parallel
 from lightning_llmfast.sharding import ShardedDataParallelBase
 
@@ -49,7 +50,9 @@ class LLMFastStrategy(ShardedDataParallelBase):
     nodes through Lightning's launchers) it is plain DDP. With ``offload_activations=True`` it creates an
     :class:`~lightning_llmfast.offload.ActivationOffloader` (copy streams, pinned pool, device buffer sets) in
     :meth:`setup`, runs ``training_step`` inside its pack hooks and the backward inside the same step, and
-    releases everything in :meth:`teardown`, also after an exception. The model needs no change.
+    releases everything in :meth:`teardown`, also after an exception: the machinery of the
+    :class:`~lightning_llmfast.callbacks.ActivationOffload` callback, which does the same under any strategy.
+    The model needs no change.
 
     With ``sharding="fsdp"`` and several processes it builds a device mesh (:attr:`device_mesh`) and shards the
     model with FSDP2 instead of wrapping it in DDP: every block of ``layers`` and every top-level child holding other
@@ -64,6 +67,8 @@ class LLMFastStrategy(ShardedDataParallelBase):
 
     Args:
         sharding: ``"ddp"`` (replicated model) or ``"fsdp"`` (FSDP2 sharded data parallel).
+        offload: the offload settings (:class:`~lightning_llmfast.offload.OffloadConfig`); implies
+            ``offload_activations=True``. Instead of it, the keyword arguments below build one.
         offload_activations: offload saved activations of ``layers`` to pinned host memory. The layers' saved
             RMSNorm outputs (and, under ``precision="bf16-mixed"``, their saved bf16 weight copies) are then rebuilt
             in backward instead of kept, in every layer (``offload_layers=0`` does only that: no copies at all).
@@ -85,9 +90,11 @@ class LLMFastStrategy(ShardedDataParallelBase):
             ``("edp", "ep")`` device mesh; :mod:`~lightning_llmfast.parallel.expert`): tokens travel by all-to-all,
             expert gradients are averaged over the ranks holding the same experts, dense ones by DDP over all, and
             checkpoints hold the full expert tensors. ``N`` must divide the world size and every block's experts.
-        rebuild_gemms: with ``offload_activations=True``, also rebuild the routed experts' gate/up GEMM output in
-            backward instead of keeping it (one more grouped GEMM per layer): ``True`` in every layer, an int ``N``
-            in the first ``N`` (see :class:`~lightning_llmfast.offload.ActivationOffloader`).
+        rebuild: ``"norms"`` (the default), ``"norms+gemms"`` (also the routed experts' gate/up GEMM output: one
+            more grouped GEMM per layer in backward) or ``None``
+            (see :class:`~lightning_llmfast.offload.OffloadConfig`).
+        rebuild_gemms: the older spelling of ``rebuild="norms+gemms"``: ``True`` in every layer, an int ``N`` in the
+            first ``N``.
         *args: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and on to DDP).
 
@@ -122,6 +129,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
         self,
         *args: Any,
         sharding: str = "ddp",
+        offload: OffloadConfig | None = None,
         offload_activations: bool = False,
         layers: Sequence[nn.Module] | nn.Module | str | None = None,
         min_offload_bytes: int = 1 << 20,
@@ -131,6 +139,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
         force_offload: bool = False,
         offload_layers: int | str | None = None,
         recompute: str | None = None,
+        rebuild: str | None = "norms",
         rebuild_gemms: bool | int = False,
         expert_parallel_size: int = 1,
         **kwargs: Any,
@@ -141,52 +150,49 @@ class LLMFastStrategy(ShardedDataParallelBase):
                 f"{type(self).__name__}: sharding='fsdp' with expert_parallel_size > 1 is not supported yet; use "
                 "sharding='ddp' for expert parallelism"
             )
-        validate_offload_config(
-            min_offload_bytes=min_offload_bytes,
-            keep_last_layers=keep_last_layers,
-            prefetch_layers=prefetch_layers,
-            pool_headroom=pool_headroom,
-            owner=type(self).__name__,
-            offload_layers=offload_layers,
-            recompute=recompute,
-            rebuild_gemms=rebuild_gemms,
-            force=force_offload,
-        )
         # A string must not pass: bool("no") is True.
         check_bool(f"{type(self).__name__}: offload_activations", offload_activations, error=OffloadError)
-        super().__init__(*args, sharding=sharding, **kwargs)
-        self.offload_activations = offload_activations
-        self.force_offload = force_offload
-        self._layers_spec = layers
-        self._offload_kwargs: dict[str, Any] = {
+        settings: dict[str, Any] = {
             "min_offload_bytes": min_offload_bytes,
             "keep_last_layers": keep_last_layers,
             "prefetch_layers": prefetch_layers,
             "pool_headroom": pool_headroom,
+            "force_offload": force_offload,
             "offload_layers": offload_layers,
             "recompute": recompute,
+            "rebuild": rebuild,
             "rebuild_gemms": rebuild_gemms,
         }
+        changed = self._changed_offload_settings(settings)
+        # Only the settings given count (next to a config they raise): the defaults are OffloadConfig's.
+        given = {("force" if k == "force_offload" else k): settings[k] for k in changed}
+        self.offload_config = OffloadConfig.from_kwargs(offload, owner=type(self).__name__, **given)
+        super().__init__(*args, sharding=sharding, **kwargs)
+        self.offload_activations = offload_activations or offload is not None
+        self.force_offload = self.offload_config.force
+        self._layers_spec = layers
         self.expert_parallel_size = expert_parallel_size
         self._expert_mesh: DeviceMesh | None = None
-        self._offloader: ActivationOffloader | None = None
-        self._last_offload_stats: dict[str, int | bool] | None = None
+        self._offload = ActivationOffload(self.offload_config, layers=layers) if self.offload_activations else None
         if not self.offload_activations:
-            ignored = {**self._offload_kwargs, "force_offload": force_offload}
-            if sharding != "fsdp":  # FSDP shards `layers` block by block
-                ignored["layers"] = layers
-            self._warn_unused_offload_settings(ignored)
+            # FSDP shards `layers` block by block: there the argument is used without offload too.
+            unused = changed | ({"layers"} if layers is not None and sharding != "fsdp" else set())
+            if unused:
+                rank_zero_warn(
+                    f"LLMFastStrategy: offload settings do nothing without offload_activations=True "
+                    f"(or strategy='llmfast_offload'): {', '.join(sorted(unused))}"
+                )
 
     @property
     def offloader(self) -> ActivationOffloader | None:
-        """The activation offloader while fitting with ``offload_activations=True``, else ``None``."""
-        return self._offloader
+        """The activation offloader while fitting with offload on, else ``None``."""
+        return self._offload.offloader if self._offload is not None else None
 
     @property
     def offload_stats(self) -> dict[str, int | bool] | None:
         """:attr:`ActivationOffloader.stats <lightning_llmfast.offload.ActivationOffloader.stats>` of the last step:
         while fitting, and after :meth:`teardown` released the offloader (``None`` before any offloading fit)."""
-        return self._offloader.stats if self._offloader is not None else self._last_offload_stats
+        return self._offload.stats if self._offload is not None else None
 
     @property
     def single_process(self) -> bool:
@@ -229,8 +235,9 @@ class LLMFastStrategy(ShardedDataParallelBase):
                 connector.use_distributed_sampler = False
         else:
             super().setup(trainer)
-        if self.offload_activations and trainer.state.fn == TrainerFn.FITTING:
-            self._setup_offloader()
+        if self._offload is not None and trainer.state.fn == TrainerFn.FITTING:
+            assert self.lightning_module is not None
+            self._offload.on_fit_start(trainer, self.lightning_module)
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
@@ -238,72 +245,53 @@ class LLMFastStrategy(ShardedDataParallelBase):
 
     # ------------------------------------------------------------------ offload wiring
     @staticmethod
-    def _warn_unused_offload_settings(settings: dict[str, Any]) -> None:
+    def _changed_offload_settings(settings: dict[str, Any]) -> set[str]:
+        """The names of the offload keyword arguments given with a value other than their default."""
         defaults = {name: p.default for name, p in inspect.signature(LLMFastStrategy.__init__).parameters.items()}
-        # `is not None` for the None defaults: `layers` may be modules (or anything), whose `!=` is not a bool.
-        changed = sorted(
-            name
-            for name, value in settings.items()
-            if (value is not None if defaults[name] is None else value != defaults[name])
-        )
-        if changed:
-            rank_zero_warn(
-                f"LLMFastStrategy: offload settings do nothing without offload_activations=True "
-                f"(or strategy='llmfast_offload'): {', '.join(changed)}"
-            )
-
-    def _setup_offloader(self) -> None:
-        assert self.lightning_module is not None
-        layers = resolve_layers(self.lightning_module, self._layers_spec)  # raises before any step runs
-        if self.root_device.type != "cuda" and not self.force_offload:
-            rank_zero_warn(
-                f"{type(self).__name__}: offload_activations needs a CUDA device; it is off on "
-                f"{self.root_device.type} (pass force_offload=True to run the mechanism anyway)"
-            )
-            return
-        self._offloader = ActivationOffloader(layers, force=self.force_offload, **self._offload_kwargs)
+        return {name for name, value in settings.items() if value != defaults[name]}
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        offloader = self._offloader
-        if offloader is None:
+        offload, trainer = self._offload, self.lightning_module.trainer if self.lightning_module else None
+        if offload is None or offload.offloader is None or trainer is None:
             return super().training_step(*args, **kwargs)
-        offloader.begin_step()
-        with offloader.forward_context():
-            output = super().training_step(*args, **kwargs)
         assert self.lightning_module is not None
+        offload.on_train_batch_start(trainer, self.lightning_module, None, 0)
+        try:
+            output = super().training_step(*args, **kwargs)
+        finally:
+            offload.on_before_backward(trainer, self.lightning_module, None)
         # Automatic optimization runs backward next (see `backward`); manual optimization already did it inside
         # training_step, and a `None` output means Lightning skips backward.
         if output is None or not self.lightning_module.automatic_optimization:
-            offloader.end_step()
+            offload.on_train_batch_end(trainer, self.lightning_module, output, None, 0)
         return output
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        offloader = self._offloader
-        assert self.lightning_module is not None
-        if offloader is None or not self.lightning_module.automatic_optimization:
+        offload = self._offload
+        module = self.lightning_module
+        assert module is not None
+        if offload is None or offload.offloader is None or not module.automatic_optimization:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         try:
             result = super().backward(closure_loss, optimizer, *args, **kwargs)
-        except BaseException:
-            offloader.end_step(failed=True)
+        except BaseException as err:
+            offload.on_exception(module.trainer, module, err)
             raise
-        offloader.end_step()
+        offload.on_after_backward(module.trainer, module)
         return result
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        if self._offloader is not None:
-            self._offloader.end_step(failed=True)
+        if self._offload is not None and self.lightning_module is not None:
+            self._offload.on_exception(self.lightning_module.trainer, self.lightning_module, exception)
 
     @override
     def teardown(self) -> None:
-        if self._offloader is not None:
-            self._last_offload_stats = self._offloader.stats  # kept for offload_stats: the offloader is released
-            self._offloader.close()
-            self._offloader = None
+        if self._offload is not None and self.lightning_module is not None:
+            self._offload.teardown(self.lightning_module.trainer, self.lightning_module, "fit")
         super().teardown()
 
     # ------------------------------------------------------------------ expert-parallel wiring

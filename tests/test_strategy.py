@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 import lightning_llmfast
 from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule, OffloadError
 from lightning_llmfast.data import SyntheticCorpus, pack_documents
-from lightning_llmfast.offload.offloader import _Copier
+from lightning_llmfast.offload.copier import CpuCopier as _Copier
 
 VOCAB = 64
 

@@ -1,5 +1,5 @@
-"""Lightning callbacks: packed-sequence metadata, real-token throughput, expert load (and its torchmetrics metric) and
-expert balance."""
+"""Lightning callbacks: packed-sequence metadata, real-token throughput, expert load (and its torchmetrics metric),
+expert balance and activation offload."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ _LAZY = {
     "ExpertLoadMonitor": "lightning_llmfast.callbacks.moe",
     "ExpertBalanceCallback": "lightning_llmfast.callbacks.moe",
     "ExpertLoadMetric": "lightning_llmfast.callbacks.expert_metric",
+    "ActivationOffload": "lightning_llmfast.callbacks.offload",
 }
 
 __all__ = list(_LAZY)

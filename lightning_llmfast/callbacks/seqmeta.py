@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from lightning_llmfast._layers import resolve_layers
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.seqmeta import SequenceMetadataCache
 
@@ -22,39 +23,6 @@ __all__ = ["SequenceMetadataCallback"]
 
 Validate = Literal["first_layer", "every_layer", "off"]
 _VALIDATE = ("first_layer", "every_layer", "off")
-
-
-def _find_layers(root: nn.Module, layers: nn.ModuleList | Sequence[nn.Module] | str | None) -> list[nn.Module]:
-    """Resolves the transformer layers: an explicit list, a dotted attribute path, or the largest ``ModuleList``
-    whose children all share one class."""
-    if isinstance(layers, str):
-        found: Any = root
-        for part in layers.split("."):
-            if not hasattr(found, part):
-                raise ConfigError(f"layers: {type(root).__name__} has no attribute path {layers!r} (missing {part!r})")
-            found = getattr(found, part)
-        layers = found
-    if layers is not None:
-        if not isinstance(layers, (nn.Module, Sequence)):
-            raise ConfigError(f"layers: expected a module list, an attribute path or None, got {layers!r}")
-        if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
-            raise ConfigError(f"layers: expected a module list or sequence of modules, got {type(layers).__name__}")
-        result = list(layers)
-        if not result or not all(isinstance(m, nn.Module) for m in result):
-            raise ConfigError("layers: must be a non-empty list of nn.Module transformer layers")
-        return result
-    best: list[nn.Module] = []
-    for module in root.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > len(best):
-            children = list(module)
-            if len({type(child) for child in children}) == 1:
-                best = children
-    if not best:
-        raise ConfigError(
-            f"layers: no nn.ModuleList of identical blocks found in {type(root).__name__}; "
-            "pass SequenceMetadataCallback(layers=...) (a module list or an attribute path such as 'model.layers')"
-        )
-    return best
 
 
 def _hidden_and_positions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
@@ -122,7 +90,7 @@ class SequenceMetadataCallback(L.Callback):
 
     def _install_hooks(self, pl_module: L.LightningModule) -> None:
         # At the first batch rather than in setup(): configure_model, which may build the layers, runs after setup.
-        found = _find_layers(pl_module, self.layers)
+        found = resolve_layers(pl_module, self.layers, hint="SequenceMetadataCallback(layers=...)")
         self._handles.extend(self.cache.watch(pl_module))
         self._handles.append(found[0].register_forward_pre_hook(self._build_hook, with_kwargs=True))
         if self.validate == "every_layer":

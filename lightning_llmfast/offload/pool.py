@@ -4,7 +4,9 @@ The host allocator behind ``pin_memory`` rounds every request up to a power of t
 fresh pinned memory per step is slow and the rounding makes memory grow by up to 2x. :class:`PinnedBufferPool`
 instead hands out flat ``uint8`` buffers from free lists keyed by a *size class* with four classes per octave
 (at most 25% rounding waste), sizes itself from the first step's measured need times a headroom factor, and
-afterwards only grows (with a warning) when a step needs more than it has.
+afterwards only grows when a step needs more than it has: by a buffer of the size class of the request times the
+headroom, so that the next larger requests (MoE layers' sizes vary per step) reuse it instead of growing again. The
+growth is counted, and reported once by :meth:`PinnedBufferPool.warn_growth` (the offloader calls it when it closes).
 
 Example::
 
@@ -90,6 +92,7 @@ class PinnedBufferPool:
         self.out_bytes = 0
         self.peak_out_bytes = 0
         self.grow_events = 0
+        self.grown_bytes = 0
 
     def _allocate(self, capacity: int) -> torch.Tensor:
         if self.pinned:
@@ -110,7 +113,7 @@ class PinnedBufferPool:
 
         Prefers a free buffer of the exact size class, then the smallest free larger buffer (varying MoE sizes
         then reuse what the pool has), and only then allocates; after the pool has been sized that allocation
-        is a growth and warns.
+        is counted as growth (see :meth:`warn_growth`).
 
         Args:
             nbytes: bytes needed.
@@ -128,13 +131,9 @@ class PinnedBufferPool:
                 buf = self._free[cls].pop()
             else:
                 if self._sized:
+                    cls = size_class(math.ceil(cls * self.headroom))
                     self.grow_events += 1
-                    warnings.warn(
-                        f"PinnedBufferPool: grew by {cls} bytes to {self.pool_bytes + cls} bytes after it was sized; "
-                        "raise pool_headroom if this repeats",
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
+                    self.grown_bytes += cls
                 buf = self._allocate(cls)
         self._out[buf.data_ptr()] = buf
         self._out_per_class[cls] += 1
@@ -166,6 +165,23 @@ class PinnedBufferPool:
                 self._free[cls].append(self._allocate(cls))
         self._sized = True
 
+    def warn_growth(self, owner: str = "PinnedBufferPool") -> bool:
+        """Warn once about the growth since the pool was sized (if any), with its total, and reset the count.
+
+        Returns:
+            Whether it warned.
+        """
+        if not self.grow_events:
+            return False
+        warnings.warn(
+            f"{owner}: the pinned pool grew {self.grow_events} times by {self.grown_bytes} bytes in total after it was "
+            f"sized (to {self.pool_bytes} bytes); raise pool_headroom (now {self.headroom:g}) to size it once",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self.grow_events = self.grown_bytes = 0
+        return True
+
     def reset_peak(self) -> None:
         """Start a new measurement window for :attr:`peak_out_bytes` (per step)."""
         self.peak_out_bytes = self.out_bytes
@@ -186,11 +202,13 @@ class PinnedBufferPool:
         self.pool_bytes = self.out_bytes = self.peak_out_bytes = 0
 
     def stats(self) -> dict[str, int | bool]:
-        """Pool counters: ``pool_bytes``, ``checked_out``, ``pool_buffers``, ``pool_grow_events``, ``pinned``."""
+        """Pool counters: ``pool_bytes``, ``checked_out``, ``pool_buffers``, ``pool_grow_events`` and
+        ``pool_grown_bytes`` (growth after sizing, not yet reported by :meth:`warn_growth`), ``pinned``."""
         return {
             "pool_bytes": self.pool_bytes,
             "checked_out": self.checked_out,
             "pool_buffers": sum(self._count.values()),
             "pool_grow_events": self.grow_events,
+            "pool_grown_bytes": self.grown_bytes,
             "pinned": self.pinned,
         }

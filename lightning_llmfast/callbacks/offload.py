@@ -1,0 +1,127 @@
+"""``ActivationOffload``: activation offload as a callback, usable under any Lightning strategy.
+
+It owns the :class:`~lightning_llmfast.offload.ActivationOffloader`'s lifecycle only: created at ``on_fit_start``
+(after the strategy has wrapped or sharded the model), its pack hooks active from ``on_train_batch_start`` until
+``on_before_backward`` (the forward), its step ended at ``on_after_backward`` (or at the batch's end when no backward
+ran), released at ``teardown``, also after an exception. ``strategy="llmfast_offload"`` uses it too.
+
+Example::
+
+    trainer = L.Trainer(strategy="fsdp", callbacks=[ActivationOffload(OffloadConfig(offload_layers="auto"))])
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_llmfast._layers import LayersSpec
+from lightning_llmfast.offload import ActivationOffloader, OffloadConfig, resolve_layers
+
+__all__ = ["ActivationOffload"]
+
+
+class ActivationOffload(L.Callback):
+    """Offload saved activations of the model's layer stack to pinned host memory while fitting.
+
+    Works under ``DDPStrategy``, ``FSDPStrategy``, ``ModelParallelStrategy`` (FSDP2: the unsharded parameters are
+    never offloaded) and :class:`~lightning_llmfast.LLMFastStrategy`; the model needs no change.
+
+    Args:
+        config: the settings (:class:`~lightning_llmfast.offload.OffloadConfig`).
+        layers: the layer stack: ``None`` (the largest ``nn.ModuleList`` of identical blocks in the LightningModule),
+            an attribute path such as ``"model.layers"``, or the modules.
+        **settings: instead of ``config``, its fields as keyword arguments.
+
+    Raises:
+        OffloadError: at construction for a bad setting; at ``on_fit_start``, before any step, when ``layers``
+            matches nothing.
+
+    Example::
+
+        offload = ActivationOffload(offload_layers="auto", rebuild="norms+gemms")
+        trainer = L.Trainer(strategy="ddp", callbacks=[offload])
+        trainer.fit(module)
+        print(offload.stats)
+    """
+
+    def __init__(self, config: OffloadConfig | None = None, *, layers: LayersSpec = None, **settings: Any) -> None:
+        self.config = OffloadConfig.from_kwargs(config, owner=type(self).__name__, **settings)
+        self.layers = layers
+        self._offloader: ActivationOffloader | None = None
+        self._forward: contextlib.ExitStack | None = None
+        self._last_stats: dict[str, int | bool] | None = None
+
+    @property
+    def offloader(self) -> ActivationOffloader | None:
+        """The offloader while fitting (``None`` when offload is off on this device)."""
+        return self._offloader
+
+    @property
+    def stats(self) -> dict[str, int | bool] | None:
+        """:attr:`ActivationOffloader.stats <lightning_llmfast.offload.ActivationOffloader.stats>` of the last step,
+        while fitting and after it (``None`` before any offloading fit)."""
+        return self._offloader.stats if self._offloader is not None else self._last_stats
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        layers = resolve_layers(pl_module, self.layers)  # raises before any step runs
+        device = trainer.strategy.root_device
+        if device.type != "cuda" and not self.config.force:
+            rank_zero_warn(
+                f"{type(self).__name__}: activation offload needs a CUDA device; it is off on {device.type} "
+                "(force=True runs the mechanism anyway)"
+            )
+            return
+        self._offloader = ActivationOffloader(layers, self.config)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._offloader is None:
+            return
+        self._offloader.begin_step()
+        self._forward = contextlib.ExitStack()
+        self._forward.enter_context(self._offloader.forward_context())
+
+    @override
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
+        self._end_forward()
+
+    @override
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._offloader is not None and pl_module.automatic_optimization:
+            self._offloader.end_step()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Manual optimization runs its backward(s) inside training_step; a None output skips backward.
+        self._end_forward()
+        if self._offloader is not None and self._offloader.in_step:
+            self._offloader.end_step()
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._end_forward()
+        if self._offloader is not None:
+            self._offloader.end_step(failed=True)
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._end_forward()
+        if self._offloader is not None:
+            self._last_stats = self._offloader.stats  # kept for `stats`: the offloader is released
+            self._offloader.close()
+            self._offloader = None
+
+    def _end_forward(self) -> None:
+        if self._forward is not None:
+            forward, self._forward = self._forward, None
+            forward.close()

@@ -1,0 +1,137 @@
+"""``OffloadConfig``: every activation-offload setting in one frozen, self-validating record.
+
+:class:`~lightning_llmfast.offload.ActivationOffloader`, the
+:class:`~lightning_llmfast.callbacks.ActivationOffload` callback and
+:class:`~lightning_llmfast.LLMFastStrategy` all take one; their keyword arguments build one.
+
+Example::
+
+    config = OffloadConfig(offload_layers="auto", rebuild="norms+gemms")
+    rebuild_only = OffloadConfig(offload_layers=0)  # copies nothing; norms and weight copies are still rebuilt
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from lightning_llmfast._checks import check_bool, check_int, check_number
+from lightning_llmfast.errors import OffloadError
+from lightning_llmfast.offload.pool import MAX_HEADROOM
+from lightning_llmfast.offload.recompute import RECOMPUTE_MODES
+
+__all__ = ["REBUILD_MODES", "OffloadConfig"]
+
+REBUILD_MODES = (None, "norms", "norms+gemms")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Activation-offload settings, checked at construction.
+
+    Args:
+        min_offload_bytes: storages smaller than this stay on the device.
+        keep_last_layers: the last this many layers are not offloaded (their backward runs first).
+        prefetch_layers: how many layers ahead backward prefetches; ``prefetch_layers + 1`` device buffer sets.
+        pool_headroom: the pinned host pool is sized after the first offloading step to its peak need times this,
+            and grows by this factor when a later step needs more (1 to 16).
+        force: run the mechanism on CPU too (synchronous copies, plain memory if pinning is unavailable).
+        offload_layers: which layers copy their saved activations to the host. ``None``: all but the last
+            ``keep_last_layers``; an int ``N``: only the first ``N`` of those (``0``: nothing is copied);
+            ``"auto"``: measure the first step, then offload as many leading layers as the copies can hide behind
+            compute (:func:`~lightning_llmfast.offload.plan_offload`).
+        recompute: ``None``, or ``"selective"``: every layer that does not offload keeps only matmul, attention and
+            routing outputs and recomputes the cheap rest in backward (:mod:`~lightning_llmfast.offload.recompute`).
+        rebuild: what is dropped in forward and rebuilt in backward in every layer, whether or not it offloads:
+            ``"norms"`` (saved low-precision weight copies and outputs of Functions marked with
+            :func:`~lightning_llmfast.offload.mark_rebuildable`, such as the RMSNorm's), ``"norms+gemms"`` (also
+            outputs marked as a GEMM's: the routed experts' gate/up projection, one more grouped GEMM per layer in
+            backward), or ``None`` (nothing; kept or offloaded like any activation).
+        rebuild_gemm_layers: with ``"norms+gemms"``, only the first this many layers rebuild GEMM outputs (each takes
+            the same share off the forward's peak, so it trades memory for backward time linearly); ``None``: all.
+
+    Raises:
+        OffloadError: naming the field, the rule and the value.
+
+    Example::
+
+        OffloadConfig(min_offload_bytes=1 << 20, offload_layers=4, rebuild="norms+gemms", rebuild_gemm_layers=2)
+    """
+
+    min_offload_bytes: int = 1 << 20
+    keep_last_layers: int = 1
+    prefetch_layers: int = 1
+    pool_headroom: float = 1.5
+    force: bool = False
+    offload_layers: int | Literal["auto"] | None = None
+    recompute: Literal["selective"] | None = None
+    rebuild: Literal["norms", "norms+gemms"] | None = "norms"
+    rebuild_gemm_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("min_offload_bytes", "keep_last_layers", "prefetch_layers"):
+            check_int(f"OffloadConfig: {name}", getattr(self, name), low=0, error=OffloadError)
+        check_number("OffloadConfig: pool_headroom", self.pool_headroom, low=1, high=MAX_HEADROOM, error=OffloadError)
+        check_bool("OffloadConfig: force", self.force, error=OffloadError)
+        layers = self.offload_layers
+        if (
+            layers is not None
+            and layers != "auto"
+            and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 0)
+        ):
+            raise OffloadError(f"OffloadConfig: offload_layers must be None, an int >= 0 or 'auto', got {layers!r}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise OffloadError(f"OffloadConfig: recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+        if self.rebuild not in REBUILD_MODES:
+            raise OffloadError(f"OffloadConfig: rebuild must be one of {REBUILD_MODES}, got {self.rebuild!r}")
+        if self.rebuild_gemm_layers is not None:
+            check_int("OffloadConfig: rebuild_gemm_layers", self.rebuild_gemm_layers, low=0, error=OffloadError)
+            if self.rebuild != "norms+gemms":
+                raise OffloadError(
+                    f"OffloadConfig: rebuild_gemm_layers={self.rebuild_gemm_layers} needs rebuild='norms+gemms', "
+                    f"got rebuild={self.rebuild!r}"
+                )
+
+    @classmethod
+    def from_kwargs(cls, config: OffloadConfig | None = None, *, owner: str, **kwargs: Any) -> OffloadConfig:
+        """``config``, or one built from keyword arguments (also the older ``rebuild_gemms``: ``True`` is
+        ``rebuild="norms+gemms"``, an int ``N`` also ``rebuild_gemm_layers=N``).
+
+        Raises:
+            OffloadError: both a config and keyword arguments, an unknown keyword, or a bad value.
+        """
+        if config is not None:
+            if not isinstance(config, OffloadConfig):
+                raise OffloadError(f"{owner}: config must be an OffloadConfig, got {type(config).__name__}")
+            if kwargs:
+                raise OffloadError(
+                    f"{owner}: pass either an OffloadConfig or keyword arguments, not both: {sorted(kwargs)}"
+                )
+            return config
+        gemms = kwargs.pop("rebuild_gemms", False)
+        if isinstance(gemms, bool) or not isinstance(gemms, int):
+            check_bool(f"{owner}: rebuild_gemms (a bool or an int >= 0)", gemms, error=OffloadError)
+        elif gemms < 0:
+            raise OffloadError(f"{owner}: rebuild_gemms must be a bool or an int >= 0, got {gemms!r}")
+        if gemms is not False and gemms != 0:
+            if "rebuild" in kwargs or "rebuild_gemm_layers" in kwargs:
+                raise OffloadError(f"{owner}: rebuild_gemms is the older spelling of rebuild='norms+gemms'; pass one")
+            kwargs["rebuild"] = "norms+gemms"
+            kwargs["rebuild_gemm_layers"] = None if gemms is True else int(gemms)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise OffloadError(f"{owner}: unknown offload settings {unknown}")
+        return cls(**kwargs)
+
+    def rebuilds_gemms(self, layer_index: int) -> bool:
+        """Whether layer ``layer_index`` rebuilds GEMM outputs."""
+        if self.rebuild != "norms+gemms":
+            return False
+        return self.rebuild_gemm_layers is None or layer_index < self.rebuild_gemm_layers
+
+    @property
+    def copies(self) -> bool:
+        """Whether any layer may copy to the host (``offload_layers`` is not 0)."""
+        return self.offload_layers != 0

@@ -1,0 +1,199 @@
+"""The copy engine: the only place where CUDA (side streams, events) and the CPU path (synchronous copies) differ.
+
+:class:`Copier` is the interface the offloader drives; :class:`CudaStreamCopier` copies on one device-to-host and one
+host-to-device stream with an event per batch of copies, :class:`CpuCopier` copies synchronously (``force=True`` on
+CPU: the tests prove the bookkeeping with it, or with a subclass that defers every copy until something waits).
+
+Example::
+
+    copier = make_copier(torch.device("cpu"))
+    event = copier.copy([(host_buf[:n], source)], to_host=True)
+    copier.compute_waits(event)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from typing_extensions import override
+
+__all__ = ["Copier", "CpuCopier", "CudaStreamCopier", "make_copier"]
+
+# Copy pairs: (destination, source) flat uint8 views.
+Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+class Copier(ABC):
+    """What the offloader needs from a copy engine. ``copy`` returns an event, or ``None`` when the copies have
+    completed by the time it returns; every method accepts ``None`` where it takes an event."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+
+    @abstractmethod
+    def mark_compute(self) -> Any:
+        """An event on the compute stream: copies issued after waiting on it see all prior compute."""
+
+    @abstractmethod
+    def copy(self, pairs: Pairs, to_host: bool, after: Sequence[Any] = ()) -> Any:
+        """Copy every ``(dst, src)`` in order on one stream after ``after``; one event marks them all done.
+
+        One layer's copies go in one call: a stream switch, one wait per event and one event per layer instead of
+        per tensor (each is a driver call on a forward that is often launch-bound).
+        """
+
+    @abstractmethod
+    def compute_waits(self, event: Any) -> None:
+        """Make the compute stream wait for ``event``."""
+
+    @abstractmethod
+    def done(self, event: Any) -> bool:
+        """Whether ``event`` has completed, without blocking."""
+
+    @abstractmethod
+    def wait_host(self, event: Any) -> None:
+        """Block the host until ``event`` has completed (step boundaries, errors and teardown only)."""
+
+    @abstractmethod
+    def timestamp(self) -> Any:
+        """A point on the compute stream, for the ``"auto"`` plan's timings."""
+
+    @abstractmethod
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Milliseconds between two :meth:`timestamp` points."""
+
+    @abstractmethod
+    def allocated(self) -> int | None:
+        """Device bytes handed out now (a host-side counter, no sync); ``None`` where there is no such count."""
+
+    def protect(self, tensor: torch.Tensor) -> None:  # noqa: B027 (a no-op unless copies are asynchronous)
+        """Keep the allocator from reusing ``tensor`` (written by host-to-device copies) before they are done."""
+
+    def bandwidth(self, nbytes: int, host: torch.Tensor) -> float:
+        """Copy bandwidth in bytes/ms of the slower direction between the device and ``host`` (``(>= nbytes,)``).
+
+        Best of four timed copies per direction (the first one doubles as the warm-up).
+        """
+        device_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        best = {True: float("inf"), False: float("inf")}
+        for to_host in (True, False) * 4:
+            dst, src = (host[:nbytes], device_buf) if to_host else (device_buf, host[:nbytes])
+            with self._on_stream(to_host):
+                start = self.timestamp()
+                dst.copy_(src, non_blocking=self.is_cuda)
+                best[to_host] = min(best[to_host], self.elapsed_ms(start, self.timestamp()))
+        # A copy too short for the clock would read as infinitely fast; floor it at one microsecond.
+        return nbytes / max(max(best.values()), 1e-3)
+
+    def _on_stream(self, to_host: bool) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+
+class CpuCopier(Copier):
+    """Synchronous copies: an event is ``None``, a copy has completed when :meth:`copy` returns."""
+
+    @override
+    def mark_compute(self) -> None:
+        return None
+
+    @override
+    def copy(self, pairs: Pairs, to_host: bool, after: Sequence[Any] = ()) -> Any:
+        for dst, src in pairs:
+            dst.copy_(src)
+        return None
+
+    @override
+    def compute_waits(self, event: Any) -> None:
+        pass
+
+    @override
+    def done(self, event: Any) -> bool:
+        return True
+
+    @override
+    def wait_host(self, event: Any) -> None:
+        pass
+
+    @override
+    def timestamp(self) -> float:
+        return time.perf_counter()
+
+    @override
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return (end - start) * 1e3
+
+    @override
+    def allocated(self) -> int | None:
+        return None
+
+
+class CudaStreamCopier(Copier):
+    """Copies on a device-to-host and a host-to-device side stream, ordered against compute by events."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+
+    @override
+    def mark_compute(self) -> torch.cuda.Event:
+        return torch.cuda.current_stream(self.device).record_event()
+
+    @override
+    def copy(self, pairs: Pairs, to_host: bool, after: Sequence[Any] = ()) -> torch.cuda.Event:
+        stream = self.d2h if to_host else self.h2d
+        with torch.cuda.stream(stream):
+            for event in after:
+                if event is not None:
+                    stream.wait_event(event)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            return stream.record_event()
+
+    @override
+    def compute_waits(self, event: Any) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    @override
+    def done(self, event: Any) -> bool:
+        return event is None or event.query()  # asks the driver without blocking; not a host sync
+
+    @override
+    def wait_host(self, event: Any) -> None:
+        if event is not None:
+            event.synchronize()  # NOTE: host sync; only at step boundaries and on error/teardown paths.
+
+    @override
+    def timestamp(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    @override
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        end.synchronize()  # NOTE: host sync; once, when the "auto" plan is made after the first step.
+        return float(start.elapsed_time(end))
+
+    @override
+    def allocated(self) -> int | None:
+        return torch.cuda.memory_allocated(self.device)
+
+    @override
+    def protect(self, tensor: torch.Tensor) -> None:
+        tensor.record_stream(self.h2d)
+
+    @override
+    def _on_stream(self, to_host: bool) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(self.d2h if to_host else self.h2d)
+
+
+def make_copier(device: torch.device) -> Copier:
+    """The copy engine for ``device``: CUDA streams on a CUDA device, synchronous copies elsewhere."""
+    return CudaStreamCopier(device) if device.type == "cuda" else CpuCopier(device)

@@ -1,0 +1,112 @@
+"""Measuring the ``"auto"`` step: turn one step's per-layer timings, bytes and memory counts into a plan.
+
+The offloader records, in its measuring step, each layer call's forward start and end, the start of its backward, the
+bytes it would offload and the device memory allocated when its backward started (:class:`~.handles.Segment`); this
+module adds a bandwidth probe and hands the numbers to :func:`~lightning_llmfast.offload.plan_offload`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_llmfast.offload.copier import Copier
+from lightning_llmfast.offload.handles import Segment
+from lightning_llmfast.offload.plan import AUTO_MARGIN, plan_offload, plan_partial_bytes
+
+__all__ = ["auto_plan", "measured_freed"]
+
+# The bandwidth probe copies the largest layer's bytes, within these bounds (long enough to time, short).
+_PROBE_MIN_BYTES = 1 << 20
+_PROBE_MAX_BYTES = 64 << 20
+
+
+def auto_plan(
+    segments: list[Segment],
+    num_layers: int,
+    copier: Copier,
+    *,
+    eligible: int,
+    partial: bool,
+    pinned: bool,
+    backward_end: Any,
+) -> dict[str, Any]:
+    """The ``"auto"`` plan from a measuring step's layer calls.
+
+    Args:
+        segments: the step's layer calls, in forward order.
+        num_layers: how many layers are tracked.
+        copier: the copy engine that took the timestamps (and probes the bandwidth).
+        eligible: the most layers that may offload (all but ``keep_last_layers``).
+        partial: whether the layer after the planned ones may offload part of its bytes.
+        pinned: probe through pinned host memory, as the pool's buffers are.
+        backward_end: a timestamp at the end of the step's backward.
+
+    Returns:
+        The measured numbers and the plan: ``offload_layers``, ``partial_bytes``, ``prefetch_layers``.
+    """
+    compute_ms = [0.0] * num_layers
+    backward: list[float] | None = [0.0] * num_layers
+    bytes_per_layer = [0] * num_layers
+    for seg in segments:  # a layer called several times adds up its calls
+        if seg.ended is not None:
+            compute_ms[seg.layer_index] += copier.elapsed_ms(seg.started, seg.ended)
+        bytes_per_layer[seg.layer_index] += seg.candidate_bytes
+        # A call's backward runs from its start until the previous call's backward starts (the step's end for
+        # the first call); a call whose output needed no grad leaves the estimate to the forward times.
+        after = segments[seg.index - 1].backward_started if seg.index > 0 else backward_end
+        if backward is not None and seg.backward_started is not None and after is not None:
+            backward[seg.layer_index] += copier.elapsed_ms(seg.backward_started, after)
+        else:
+            backward = None
+    freed = measured_freed(segments, num_layers)
+    probe = min(max(max(bytes_per_layer), _PROBE_MIN_BYTES), _PROBE_MAX_BYTES)
+    # A temporary buffer, pinned like the pool's: through the pool it would count towards the pool's sizing.
+    bandwidth = copier.bandwidth(probe, torch.empty(probe, dtype=torch.uint8, pin_memory=pinned))
+    chosen, depth = plan_offload(
+        compute_ms, bytes_per_layer, bandwidth, margin=AUTO_MARGIN, backward_ms=backward, freed_bytes=freed
+    )
+    planned = min(chosen, eligible)
+    partial_bytes = 0
+    if planned < eligible and partial:
+        partial_bytes = plan_partial_bytes(
+            compute_ms,
+            bytes_per_layer,
+            bandwidth,
+            margin=AUTO_MARGIN,
+            offload_layers=planned,
+            prefetch_layers=depth,
+            backward_ms=backward,
+            freed_bytes=freed,
+        )
+    return {
+        "compute_ms": compute_ms,
+        "backward_ms": backward,
+        "bytes_per_layer": bytes_per_layer,
+        "freed_bytes": freed,
+        "bandwidth_bytes_per_ms": bandwidth,
+        "margin": AUTO_MARGIN,
+        "offload_layers": planned,
+        "partial_bytes": partial_bytes,
+        "prefetch_layers": depth,
+    }
+
+
+def measured_freed(segments: list[Segment], num_layers: int) -> list[int] | None:
+    """``(L,)`` device bytes freed between the start of the backward and the start of each layer's backward, from
+    the allocator's counts in the measuring step; ``None`` unless every layer ran once and was counted.
+
+    Backward frees saved activations but also allocates the weight gradients meanwhile, so this can be much less
+    than what the later layers saved.
+    """
+    counts = [s.backward_allocated for s in segments]
+    if len(segments) != num_layers or any(c is None for c in counts):
+        return None
+    top = counts[-1]  # the last call's backward starts first
+    assert top is not None
+    freed = [0] * num_layers
+    for seg, count in zip(segments, counts):
+        assert count is not None
+        freed[seg.layer_index] = max(top - count, 0)
+    return freed

@@ -1,0 +1,233 @@
+"""The pack hook: for each tensor autograd saves inside the tracked layers, decide what is kept, offloaded, recast
+from a parameter or rebuilt in backward, and return the handle (:mod:`~lightning_llmfast.offload.handles`).
+
+A mixin of :class:`~lightning_llmfast.offload.ActivationOffloader`: it reads the offloader's per-step state.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from lightning_llmfast._autograd import in_backward
+from lightning_llmfast.offload.config import OffloadConfig
+from lightning_llmfast.offload.copier import Copier
+from lightning_llmfast.offload.handles import Block, Rebuilt, Recast, Saved, Segment, Shared, kept, view_of
+from lightning_llmfast.offload.pool import PinnedBufferPool
+from lightning_llmfast.offload.rebuild import RebuildRecord, rebuild_origin, rebuild_record
+
+__all__ = ["Packer"]
+
+
+class Packer:
+    """What the offloader's pack hook decides; the attributes are the offloader's per-step state."""
+
+    config: OffloadConfig
+    pool: PinnedBufferPool
+    _copier: Copier | None
+    _hot: bool  # whether saved tensors need a look at all now
+    _current: Segment | None
+    _segments: list[Segment]
+    _unassigned: list[Saved]
+    _measuring: bool
+    _autocast_caches: bool
+    _param_ptrs: set[int]
+    _param_shapes: set[torch.Size]
+    _shared_inputs: set[int]
+    _counters: dict[str, int]
+    _pack_hook: Any  # the hook installed for this offloader: a Function's tensors packed by it may be rebuilt
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if not self._hot:
+            return kept(t)
+        base = t._base  # read once: 0.3 us, for each of the ~50 tensors a layer saves
+        if base is None:
+            base = t
+        fn = base.grad_fn
+        source = None  # a cast's input, read once: (node, output_nr)
+        cast = fn is not None and fn.name() == "ToCopyBackward0"
+        if cast:
+            inputs = fn.next_functions
+            source = inputs[0] if inputs else None
+        rebuilds = self.config.rebuild is not None
+        copies_param = rebuilds and source is not None and base.shape in self._param_shapes  # _cast_source decides
+        origin = rebuild_origin(fn, source) if rebuilds and fn is not None and not copies_param else None
+        seg = self._current
+        if seg is not None and seg.keeps and not copies_param:
+            # A layer that keeps what it saves drops only parameters' copies and marked Functions' outputs (and
+            # copies of them), GEMM outputs only where asked to; everything else returns here, before the checks
+            # below: half the host time per tensor in a CPU forward, and a launch-bound GPU forward pays host time
+            # as step time.
+            if origin is None or (_record(origin).gemm and not self.config.rebuilds_gemms(seg.layer_index)):
+                return kept(t)
+        if (
+            self._copier is None
+            or in_backward()
+            or type(t) is not torch.Tensor  # parameters, tensor subclasses (fake/functional/distributed)
+            or t.layout != torch.strided
+            or t.device != self._copier.device
+        ):
+            return kept(t)
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if storage.nbytes() < self.config.min_offload_bytes or ptr in self._param_ptrs or ptr in self._shared_inputs:
+            return kept(t)
+        if seg is None and not self._segments:
+            return kept(t)  # before the first layer: outside the layers
+        # A view that reinterprets its base (view_as_complex) cannot be rebuilt with as_strided: kept or offloaded.
+        if fn is not None and t.dtype == base.dtype:
+            param = self._cast_source(base, source) if copies_param else None
+            if param is not None:
+                return self._keep_or_recast(t, base, param)
+            if copies_param:
+                origin = rebuild_origin(fn, source)  # a copy of something else of a parameter's shape
+            if seg is not None and origin is not None:
+                rebuilt = self._rebuildable(t, base, origin, cast, seg)
+                if rebuilt is not None:
+                    return rebuilt
+        if seg is not None and not seg.offload:
+            if self._measuring:
+                self._measure(t, seg)
+            return kept(t)  # a layer that keeps what it saves
+        saved = Saved(tensor=kept(t))
+        if seg is None:
+            self._unassigned.append(saved)  # between layers: decided when the next one starts (kept after the last)
+        elif not self._offload(saved, seg):
+            return kept(t)  # over the partial layer's budget: stays on the device
+        return saved
+
+    def _cast_source(self, base: torch.Tensor, source: tuple[Any, int]) -> torch.Tensor | None:
+        """The parameter of the layers that ``base`` (made by a ``ToCopyBackward0`` whose input comes from
+        ``source``, a ``(node, output_nr)`` pair; of a parameter's shape) is a copy of, such as autocast's bf16 weight.
+
+        Only a contiguous copy of a contiguous parameter counts (what ``param.to(dtype)`` gives), so that the rebuilt
+        copy is the same tensor; one with another memory format stays an ordinary activation.
+        """
+        if base._version:
+            return None  # changed in place since the cast: a recast would give other bits
+        leaf = getattr(source[0], "variable", None)  # AccumulateGrad of the cast's source
+        if leaf is None or leaf.device != base.device or leaf.untyped_storage().data_ptr() not in self._param_ptrs:
+            return None  # a parameter kept elsewhere (host) would be copied over the bus again: not cheaper
+        if base.shape != leaf.shape or not (base.is_contiguous() and leaf.is_contiguous()) or base.storage_offset():
+            return None
+        return leaf
+
+    def _rebuildable(
+        self, t: torch.Tensor, base: torch.Tensor, origin: tuple[Any, int], cast: bool, seg: Segment
+    ) -> Rebuilt | None:
+        """A recipe for ``t`` (a view of ``base``; ``cast``: ``base`` is a ``ToCopyBackward0``'s copy) if ``origin``
+        (the node that made ``base``, or the output it copied) can rebuild it.
+
+        Only whole contiguous outputs count, so that ``as_strided`` on the rebuilt tensor gives back the very view.
+        """
+        if not base.is_contiguous() or base.storage_offset():
+            return None
+        if cast and base._version:
+            return None  # the copy changed in place since it was made: a rebuild would give the values before
+        node, output_nr = origin
+        if not cast:
+            output_nr = base.output_nr
+        record = _record(origin)
+        if not record.packed_by(self._pack_hook):
+            return None  # its saved tensors belong to other hooks (checkpoint: one unpack only)
+        if record.gemm and not self.config.rebuilds_gemms(seg.layer_index):
+            return None  # a GEMM's output: kept unless rebuilding GEMMs was asked for (it costs backward time)
+        output = record.output()
+        if output is None or output.output_nr != output_nr:
+            return None  # gone (so unknown), or another output of the Function than the one its rebuild gives
+        if output._version != record.output_version:
+            return None  # changed in place since forward: a rebuild would give the values before the change
+        self._counters["rebuilt_tensors"] += 1
+        shared, new_storage = self._share(base, seg)
+        if new_storage:
+            self._counters["rebuilt_bytes"] += base.untyped_storage().nbytes()
+        return Rebuilt(
+            node=weakref.ref(node),
+            function=record.rebuild,
+            copy_to=(base.device, base.dtype) if cast else None,
+            shape=tuple(base.shape),
+            view=view_of(t, base),
+            shared=shared,
+        )
+
+    @staticmethod
+    def _share(base: torch.Tensor, seg: Segment) -> tuple[Shared, bool]:
+        """The :class:`Shared` of the handles on the very tensor ``base`` in ``seg`` (the layer call, while it runs),
+        counting one more handle; and whether ``base``'s (storage address, version) was unknown in ``seg`` or its
+        entry dead (then its bytes count as new)."""
+        storage = base.untyped_storage()
+        key = (storage.data_ptr(), base._version)
+        entry = seg.rebuilt.get(key)
+        known = entry[0]() if entry is not None else None  # None: a dead entry, the address freed and reused since
+        if known is base:
+            shared = entry[1]
+        else:
+            # Only the very tensor is shared: another one on the storage (an alias) may want another recipe.
+            shared = Shared()
+            if known is None:
+                seg.rebuilt[key] = (weakref.ref(base), shared)
+        shared.pending += 1
+        return shared, known is None
+
+    def _keep_or_recast(self, t: torch.Tensor, base: torch.Tensor, param: torch.Tensor) -> torch.Tensor | Recast:
+        """Keep a parameter's saved copy (``t``, a view of ``base``) while autocast's cache holds it, else rebuild it
+        in backward.
+
+        With the cache (``torch.autocast``'s default) the copy lives until the autocast region ends, after the
+        forward: dropping or copying it frees nothing at the forward's peak. Without it (Lightning's mixed precision
+        uses ``cache_enabled=False``) the saved copy is the only reference, so rebuilding it in backward frees it at
+        once (23.4% of what a reference-model layer saves at hidden 1024 under bf16) for one cast kernel and no copy.
+        """
+        if self._autocast_caches:
+            self._counters["kept_casts"] += 1
+            return kept(t)
+        self._counters["recast_casts"] += 1
+        self._counters["recast_bytes"] += t.untyped_storage().nbytes()
+        return Recast(param=param, version=param._version, dtype=t.dtype, view=view_of(t, base))
+
+    @staticmethod
+    def _measure(t: torch.Tensor, seg: Segment) -> None:
+        # The "auto" measuring step counts what offloading would copy, deduplicated as `_offload` does.
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t._version)
+        known = seg.seen.get(key)
+        if known is None or known() is None:
+            seg.seen[key] = weakref.ref(storage)
+            seg.candidate_bytes += storage.nbytes()
+
+    def _offload(self, saved: Saved, seg: Segment) -> bool:
+        """Offload ``saved`` into ``seg``; ``False`` (and nothing changes) when it would exceed ``seg``'s budget."""
+        t = saved.tensor
+        assert t is not None and self._copier is not None
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t._version)
+        block = seg.dedup.get(key)
+        if block is None:
+            nbytes = storage.nbytes()
+            if seg.budget is not None and seg.offloaded + nbytes > seg.budget:
+                return False
+            seg.offloaded += nbytes
+            source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            block = Block(nbytes=nbytes, segment=seg.index, host=self.pool.acquire(nbytes), source=source)
+            seg.blocks.append(block)
+            seg.unsent.append(block)
+            seg.dedup[key] = block
+            self._counters["offloaded_bytes"] += nbytes
+        else:
+            self._counters["dedup_hits"] += 1
+        self._counters["offloaded_tensors"] += 1
+        saved.block = block
+        saved.dtype = t.dtype
+        saved.size = tuple(t.shape)
+        saved.stride = t.stride()
+        saved.storage_offset = t.storage_offset()
+        saved.tensor = None
+        return True
+
+
+def _record(origin: tuple[Any, int]) -> RebuildRecord:
+    record = rebuild_record(origin[0])
+    assert record is not None  # rebuild_origin only returns nodes with a record
+    return record
