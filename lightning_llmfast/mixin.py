@@ -49,7 +49,9 @@ class GroupedRouterMixin:
         """Replace, in place, every recognised MoE block of this module with the grouped one.
 
         Recognised: :class:`~lightning_llmfast.moe.NaiveMoEBlock`, the transformers Mixtral/Qwen2-MoE/Qwen3-MoE/
-        OLMoE sparse blocks, and classes registered with :func:`~lightning_llmfast.register_moe_adapter`. Unknown
+        OLMoE/DeepSeek-V3 blocks and the other transformers 5 families with their layout (listed in
+        :mod:`~lightning_llmfast.moe.adapters`), and classes registered with
+        :func:`~lightning_llmfast.register_moe_adapter`. Unknown
         modules that look like MoE blocks get a ``UserWarning`` naming their class.
 
         Args:

@@ -3,6 +3,8 @@ masks, the three aux losses, the per-step expert-bias update, and one fullgraph 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -194,3 +196,23 @@ def test_compile_fullgraph_with_every_option() -> None:
             block.finish_step()
         assert not torch.equal(eager.expert_bias, _block(**options).expert_bias)  # the step did move it
         torch.testing.assert_close(compiled_block.expert_bias, eager.expert_bias)
+
+
+def test_a_step_bias_that_never_sees_finish_step_warns_once() -> None:
+    from lightning_llmfast.moe.block import _UNFINISHED_FORWARDS
+
+    block = MoEBlock(8, 16, 4, 2, expert_bias=True, backend="torch")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(_UNFINISHED_FORWARDS + 5):
+            block(torch.randn(5, 8))
+    assert sum("finish_step" in str(w.message) for w in seen) == 1
+    assert torch.equal(block.expert_bias, torch.zeros(4))  # nothing moved it: what the warning is about
+    finished = MoEBlock(8, 16, 4, 2, expert_bias=True, backend="torch")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(_UNFINISHED_FORWARDS + 5):
+            finished(torch.randn(5, 8))
+            finished.finish_step()
+    assert not any("finish_step" in str(w.message) for w in seen)
+    assert not torch.equal(finished.expert_bias, torch.zeros(4))

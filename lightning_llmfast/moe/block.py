@@ -9,6 +9,7 @@ the host.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -30,6 +31,9 @@ from lightning_llmfast.seqmeta.cache import active_cache
 from lightning_llmfast.seqmeta.metadata import SequenceMetadata
 
 __all__ = ["AUX_LOSSES", "BIAS_UPDATES", "MoEBlock", "SharedExperts", "check_block_routing_args", "record_plan"]
+
+# Training forwards with bias_update="step" after which a block that never saw finish_step() warns (once).
+_UNFINISHED_FORWARDS = 256
 
 
 def check_block_routing_args(capacity_factor: float | None, backend: str, drop_policy: str) -> None:
@@ -213,6 +217,7 @@ class MoEBlock(nn.Module):
         self.register_buffer("_step_counts", _zero_counts(num_experts, counts_for_bias), persistent=False)
         self.register_buffer("_global_counts", _zero_counts(num_experts, aux_loss == "global"), persistent=False)
         self._documents: dict[tuple[int, int, torch.device], SequenceMetadata] = {}
+        self._forwards_since_finish = 0
         self.last_plan: RoutingPlan | None = None
         self.last_aux_loss: Tensor | None = None
         self.last_z_loss: Tensor | None = None
@@ -315,6 +320,7 @@ class MoEBlock(nn.Module):
         for counts in (self._step_counts, self._global_counts):
             if counts is not None:
                 counts.zero_()
+        self._forwards_since_finish = 0
 
     def _aux_loss(self, plan: RoutingPlan, counting: bool, metadata: SequenceMetadata | None, shape: Size) -> Tensor:
         if self.aux_loss == "sequence":
@@ -349,6 +355,21 @@ class MoEBlock(nn.Module):
             update_expert_bias(self.expert_bias, plan.routed_per_expert, self.bias_update_rate, group=self.dp_group)
         else:
             self._step_counts += plan.routed_per_expert
+            self._warn_if_never_finished()
+
+    def _warn_if_never_finished(self) -> None:
+        # A host-side count (skipped while tracing, where an int attribute would force recompiles): a bias that is
+        # never updated is silent otherwise.
+        if torch.compiler.is_compiling():
+            return
+        self._forwards_since_finish += 1
+        if self._forwards_since_finish == _UNFINISHED_FORWARDS:
+            warnings.warn(
+                f"MoEBlock: {_UNFINISHED_FORWARDS} training forwards without finish_step(): with expert_bias=True and "
+                "bias_update='step' the bias moves only in finish_step(); add ExpertBalanceCallback to the Trainer "
+                "or call block.finish_step() after each optimizer step (bias_update='forward' updates every forward)",
+                stacklevel=3,
+            )
 
     def extra_repr(self) -> str:
         return (
