@@ -1,6 +1,6 @@
 """``ActivationOffload`` under Lightning's strategies: bit-identical gradients with and without offload (one process,
-and 2 gloo processes under DDPStrategy, FSDPStrategy and ModelParallelStrategy); under FSDP2 the unsharded
-parameters are never offloaded."""
+and 2 gloo processes under DDPStrategy, FSDPStrategy, ModelParallelStrategy and ``LLMFastStrategy(sharding="fsdp")``
+with its own offload); under FSDP2 the unsharded parameters are never offloaded."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ _SCRIPT = textwrap.dedent(
     from torch import nn
     from torch.utils.data import DataLoader
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+    from lightning_llmfast import LLMFastStrategy
     from lightning_llmfast.callbacks import ActivationOffload
     from lightning_llmfast.offload import ActivationOffloader, CpuCopier
 
@@ -95,18 +96,25 @@ _SCRIPT = textwrap.dedent(
         "ddp": lambda: DDPStrategy(process_group_backend="gloo", timeout=timeout),
         "fsdp": lambda: FSDPStrategy(process_group_backend="gloo", timeout=timeout),
         "model_parallel": lambda: ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=timeout),
+        # ours: the strategy shards with FSDP2 and drives the same offload machinery itself
+        "llmfast_fsdp": lambda: LLMFastStrategy(
+            sharding="fsdp", layers="layers", process_group_backend="gloo", timeout=timeout,
+            offload_activations=offload, force_offload=True, min_offload_bytes=0, keep_last_layers=0,
+        ),
     }[kind]()
     callback = ActivationOffload(force=True, min_offload_bytes=0, keep_last_layers=0, layers="layers")
+    use_callback = offload and kind != "llmfast_fsdp"
     model = Toy()
     trainer = L.Trainer(
         accelerator="cpu", devices=1 if kind == "single" else 2, strategy=strategy, max_steps=STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[callback] if offload else [],
+        callbacks=[callback] if use_callback else [],
     )
     trainer.fit(model)
     with open(f"{out}.{trainer.global_rank}", "w") as f:
         json.dump({
-            "grads": model.grads, "stats": callback.stats, "sources": len(sources),
+            "grads": model.grads, "sources": len(sources),
+            "stats": trainer.strategy.offload_stats if kind == "llmfast_fsdp" else callback.stats,
             "overlap": len(overlap), "unsharded": len(unsharded),
         }, f)
     """
@@ -133,6 +141,7 @@ def _run(tmp_path: Path, kind: str, offload: bool) -> list[dict]:
         "ddp",
         pytest.param("fsdp", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDPStrategy needs CUDA")),
         "model_parallel",
+        "llmfast_fsdp",
     ],
 )
 def test_gradients_bit_identical_with_and_without_the_callback(tmp_path: Path, kind: str) -> None:
