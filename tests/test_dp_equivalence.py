@@ -81,7 +81,8 @@ def test_accumulating_two_micro_batches_equals_one_step_on_both_together() -> No
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_uneven_corpus_on_two_ranks_fits_and_validates_with_equal_batches(tmp_path: Path, workers: int) -> None:
-    # 40 documents, one validation document for two ranks: it used to crash (fit) and hang (validation).
+    # 40 documents, one validation document for two ranks: uneven training shards, and a rank with no validation
+    # document of its own (a DDP crash and a validation hang without equal batch counts).
     ranks = _run(tmp_path, "uneven", "--devices", "2", "--workers", str(workers), "--docs", "40",
                  "--val-fraction", "0.025", "--max-epochs", "2", "--validate")  # fmt: skip
     summaries: list[dict[str, Any]] = [rank[-1]["summary"] for rank in ranks]
