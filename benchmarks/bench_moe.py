@@ -52,7 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_llmfast.bench.counters import SyncCounter
-from lightning_llmfast.moe import MoEBlock, NaiveMoEBlock, permute, route
+from lightning_llmfast.moe import MoEBlock, MoEConfig, NaiveMoEBlock, permute, route
 from lightning_llmfast.moe.adapters import swap_moe_blocks
 from lightning_llmfast.moe.experts import grouped_swiglu
 
@@ -152,10 +152,10 @@ def _bench_deepseek(
 ) -> dict[str, Any]:  # fmt: skip
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    ours = MoEBlock(
+    ours = MoEBlock(MoEConfig.build(
         hidden, ffn, num_experts, top_k, score="sigmoid", num_groups=num_groups, topk_groups=topk_groups,
         route_scale=ROUTE_SCALE, num_shared_experts=1, expert_bias=True,
-    ).to(device, dtype)  # fmt: skip
+    )).to(device, dtype)  # fmt: skip
     with torch.no_grad():
         ours.router.weight.normal_(std=0.1)  # scores spread out, so the groups and top-k are not near-ties
         ours.expert_bias.normal_(std=0.01)
@@ -206,7 +206,7 @@ def _bench_shape(
     torch.manual_seed(0)
     # bfloat16 on GPUs (what training uses, and grouped_mm's CUDA dtype); float32 on CPU.
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    ours = MoEBlock(hidden, ffn, num_experts, top_k).to(device, dtype)
+    ours = MoEBlock(MoEConfig.build(hidden, ffn, num_experts, top_k)).to(device, dtype)
     naive = NaiveMoEBlock(hidden, ffn, num_experts, top_k).to(device, dtype)
     naive.load_state_dict(ours.state_dict())
     x = torch.randn(num_tokens, hidden, device=device, dtype=dtype, requires_grad=True)

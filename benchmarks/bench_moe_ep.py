@@ -53,7 +53,7 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from lightning_llmfast.bench.counters import HostReadCounter, SyncCounter
-from lightning_llmfast.moe import MoEBlock
+from lightning_llmfast.moe import MoEBlock, MoEConfig
 from lightning_llmfast.moe._exchange import all_to_all
 from lightning_llmfast.moe.expert_parallel import shard_experts
 from lightning_llmfast.moe.experts import grouped_swiglu
@@ -67,7 +67,7 @@ class TitanStyleDispatch(nn.Module):
     def __init__(self, block: MoEBlock) -> None:
         super().__init__()
         self.block = block
-        self.dispatch = block.expert_dispatch
+        self.dispatch = block.dispatcher
         self.host_reads = 0
 
     def forward(self, x: Tensor) -> Tensor:
@@ -111,9 +111,11 @@ def _worker(rank: int, world: int, port: int, shape: tuple[int, ...], repeats: i
     )
     tokens, hidden, ffn, experts, top_k, factor = shape
     torch.manual_seed(0)
-    dropless = shard_experts(MoEBlock(hidden, ffn, experts, top_k, backend="torch"))
+    dropless = shard_experts(MoEBlock(MoEConfig.build(hidden, ffn, experts, top_k, backend="torch")))
     torch.manual_seed(0)
-    capacity = shard_experts(MoEBlock(hidden, ffn, experts, top_k, capacity_factor=factor, backend="torch"))
+    capacity = shard_experts(
+        MoEBlock(MoEConfig.build(hidden, ffn, experts, top_k, capacity_factor=factor, backend="torch"))
+    )
     impls: dict[str, Callable[[Tensor], Tensor]] = {
         "titan_style": TitanStyleDispatch(dropless),
         "ours_dropless": dropless,
@@ -138,7 +140,7 @@ def _worker(rank: int, world: int, port: int, shape: tuple[int, ...], repeats: i
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
             times[name].append(float(elapsed))
     limit = tokens * top_k * hidden * x.element_size()
-    sent = {name: block.expert_dispatch.last_send_rows * hidden * x.element_size() for name, block in
+    sent = {name: block.dispatcher.send_rows * hidden * x.element_size() for name, block in
             (("ours_dropless", dropless), ("ours_capacity", capacity))}  # fmt: skip
     sent["titan_style"] = sent["ours_dropless"]  # the same rows travel; only the host handling differs
     if rank == 0:

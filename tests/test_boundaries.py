@@ -39,7 +39,7 @@ _PLAIN_PYTORCH_RUN = textwrap.dedent(
 
     import lightning_llmfast
     from lightning_llmfast.data import pack_documents
-    from lightning_llmfast.moe import MoEBlock, permute, route, unpermute
+    from lightning_llmfast.moe import MoEBlock, MoEConfig, permute, route, unpermute
     from lightning_llmfast.offload import ActivationOffloader
     from lightning_llmfast.seqmeta import SequenceMetadata
 
@@ -64,7 +64,8 @@ _PLAIN_PYTORCH_RUN = textwrap.dedent(
 
     # offload: gradients through offloaded layers equal those without the offloader
     torch.manual_seed(0)
-    layers = torch.nn.ModuleList([MoEBlock(hidden_size=8, ffn_size=16, num_experts=3, top_k=2) for _ in range(3)])
+    config = MoEConfig.build(hidden_size=8, ffn_size=16, num_experts=3, top_k=2)
+    layers = torch.nn.ModuleList([MoEBlock(config) for _ in range(3)])
     inp = torch.randn(2, 5, 8)
 
     def grads(offloader):
@@ -154,9 +155,13 @@ def test_a_broken_import_inside_the_package_is_not_taken_for_missing_lightning(m
         lightning_llmfast._register_strategies()
 
 
-def test_expert_load_metric_keeps_its_import_paths() -> None:
-    from lightning_llmfast.callbacks import ExpertLoadMetric
-    from lightning_llmfast.moe import ExpertLoadMetric as from_moe
-    from lightning_llmfast.moe.metrics import ExpertLoadMetric as from_module
+def test_expert_load_metric_lives_in_the_lightning_layer_only() -> None:
+    import importlib
 
-    assert ExpertLoadMetric is from_moe is from_module
+    import lightning_llmfast.moe as moe
+    from lightning_llmfast.callbacks import ExpertLoadMetric
+
+    assert ExpertLoadMetric.__module__ == "lightning_llmfast.callbacks.expert_metric"
+    assert not hasattr(moe, "ExpertLoadMetric") and "ExpertLoadMetric" not in moe.__all__
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("lightning_llmfast.moe.metrics")

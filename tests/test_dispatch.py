@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_llmfast.errors import RoutingError
-from lightning_llmfast.moe import MoEBlock, permute, route, unpermute
+from lightning_llmfast.moe import MoEBlock, MoEConfig, permute, route, unpermute
 from lightning_llmfast.moe.dispatch import _permute_grouped_mm, compute_copy, routed_swiglu
 from lightning_llmfast.moe.experts import _grouped_mm, _swiglu_down, grouped_swiglu
 from lightning_llmfast.moe.permute import _pair_values_to_rows, _plan_indices
@@ -161,7 +161,7 @@ def test_routed_swiglu_matches_unfused_and_float64(
 def test_moe_block_keeps_no_row_tensors_for_backward() -> None:
     """Under bf16 autocast a block saves one (T, H) bf16 copy (router and experts share it) and no (T*k, H) rows."""
     torch.manual_seed(0)
-    block = MoEBlock(H, FFN, num_experts=4, top_k=2, backend="torch")
+    block = MoEBlock(MoEConfig.build(H, FFN, num_experts=4, top_k=2, backend="torch"))
     x = torch.randn(13, H, requires_grad=True)
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -243,7 +243,7 @@ def test_create_graph_backward_through_moe_block() -> None:
     """A first-order ``create_graph`` backward (as gradient penalties use) gives the plain backward's gradient: the
     row scaling leaves its in-place ``out=`` path when its inputs require grad."""
     torch.manual_seed(0)
-    block = MoEBlock(H, FFN, num_experts=4, top_k=2, backend="torch")
+    block = MoEBlock(MoEConfig.build(H, FFN, num_experts=4, top_k=2, backend="torch"))
     x = torch.randn(9, H, requires_grad=True)
     g = torch.randn(9, H)
     (expected,) = torch.autograd.grad((block(x) * g).sum(), x)

@@ -14,8 +14,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_llmfast.bench.counters import HostReadCounter, SyncCounter
 from lightning_llmfast.errors import ConfigError, RoutingError
-from lightning_llmfast.moe import MoEBlock
-from lightning_llmfast.moe.expert_parallel import ExpertParallelDispatch, shard_experts
+from lightning_llmfast.moe import MoEBlock, MoEConfig
+from lightning_llmfast.moe.expert_parallel import AllToAllDispatcher, shard_experts
 from lightning_llmfast.parallel.expert import (
     gather_expert_optimizer_state,
     gather_expert_state_dict,
@@ -36,7 +36,9 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float)
 
 def _blocks(world: int, experts: int, top_k: int, dtype: torch.dtype, **kwargs: Any) -> tuple[MoEBlock, MoEBlock]:
     torch.manual_seed(1234)  # same weights on every rank
-    block = MoEBlock(8, 12 if dtype == torch.float64 else 16, experts, top_k, backend="torch", **kwargs).to(dtype)
+    block = MoEBlock(
+        MoEConfig.build(8, 12 if dtype == torch.float64 else 16, experts, top_k, backend="torch", **kwargs)
+    ).to(dtype)
     reference = copy.deepcopy(block)
     shard_experts(block, dist.group.WORLD)
     return block, reference
@@ -62,23 +64,23 @@ def _check_against_reference(
     mine = slice(rank * tokens, (rank + 1) * tokens)
     xs = x[mine].clone().requires_grad_()
     out = block(xs)
-    (out * g[mine]).sum().add(AUX * block.last_aux_loss).backward()
-    aux = block.last_aux_loss.detach().clone()
+    (out * g[mine]).sum().add(AUX * block.stats.aux_loss).backward()
+    aux = block.stats.aux_loss.detach().clone()
     dist.all_reduce(aux)
     xr = x.clone().requires_grad_()
-    if block.capacity_factor is None:
+    if block.config.routing.capacity_factor is None:
         ref_out = reference(xr)
     else:
         ref_outs = []
         for r in range(world):
             ref_outs.append(reference(xr[r * tokens : (r + 1) * tokens]))
             if r == rank:
-                ref_plan = reference.last_plan
-        assert int(block.last_plan.num_dropped) == int(ref_plan.num_dropped)
-        assert torch.equal(block.last_plan.kept, ref_plan.kept)
+                ref_plan = reference.stats.plan
+        assert int(block.stats.plan.num_dropped) == int(ref_plan.num_dropped)
+        assert torch.equal(block.stats.plan.kept, ref_plan.kept)
         ref_out = torch.cat(ref_outs)
         reference(xr)  # the aux loss of the whole batch (it counts the pairs before the capacity limit)
-    ref_aux = reference.last_aux_loss
+    ref_aux = reference.stats.aux_loss
     (ref_out * g).sum().add(AUX * world * ref_aux).backward()
     _close(aux / world, ref_aux.detach(), "aux loss (mean over ranks)", 1e-6)
     router_grad = block.router.weight.grad.clone()
@@ -86,7 +88,7 @@ def _check_against_reference(
     _close(router_grad, reference.router.weight.grad, "router gradient (summed over ranks)", rtol)
     _close(out, ref_out[mine], "output", rtol)
     _close(xs.grad, xr.grad[mine], "input gradient", rtol)
-    local = block.expert_dispatch.local_experts
+    local = block.dispatcher.local_experts
     for name in ("gate_up_proj", "down_proj"):
         expected = getattr(reference.experts, name).grad[local.start : local.stop]
         _close(getattr(block.experts, name).grad, expected, f"{name} gradient", rtol)
@@ -109,9 +111,9 @@ def _dropless_cases(rank: int, world: int) -> None:
                 x = x.abs()
             _check_against_reference(rank, world, block, reference, x, g, 1e-6)
             if routing == "one" and rank:
-                assert block.expert_dispatch.last_recv_rows == 0
+                assert block.dispatcher.recv_rows == 0
             # Exactly one host read per layer and forward; the combine and the backward reuse its splits.
-            assert block.expert_dispatch.host_syncs == 1
+            assert block.dispatcher.host_syncs == 1
     # Sigmoid scores: the batch-wide aux loss normalises them per token, as route() does.
     block, reference = _blocks(world, 2 * world, 2, torch.float32, score="sigmoid")
     _check_against_reference(rank, world, block, reference, *_inputs(world, 6, 8, torch.float32, 50), 1e-6)
@@ -125,11 +127,11 @@ def _capacity_cases(rank: int, world: int) -> None:
         # Steady state: a second step on fresh inputs of the same size reads nothing on the host.
         x, g = _inputs(world, 9, 8, torch.float32, 200 + seed)
         xs = x[rank * 9 : (rank + 1) * 9].clone().requires_grad_()
-        before = block.expert_dispatch.host_syncs
+        before = block.dispatcher.host_syncs
         with HostReadCounter() as reads, SyncCounter() as counter:
-            (block(xs) * g[rank * 9 : (rank + 1) * 9]).sum().add(block.last_aux_loss).backward()
+            (block(xs) * g[rank * 9 : (rank + 1) * 9]).sum().add(block.stats.aux_loss).backward()
         assert counter.num_syncs == 0, counter.syncs
-        assert reads.count == 0 and block.expert_dispatch.host_syncs == before
+        assert reads.count == 0 and block.dispatcher.host_syncs == before
 
 
 def _hf_case(rank: int, world: int) -> None:
@@ -156,7 +158,7 @@ def _hf_case(rank: int, world: int) -> None:
     (ref_out * g).sum().backward()
     _close(out, ref_out[mine], "HF block output", 1e-6)
     _close(xs.grad, xr.grad[mine], "HF block input gradient", 1e-6)
-    local = block.expert_dispatch.local_experts
+    local = block.dispatcher.local_experts
     for name in ("gate_up_proj", "down_proj"):
         expected = getattr(reference.experts, name).grad[local.start : local.stop]
         _close(getattr(block.experts, name).grad, expected, f"HF {name} gradient", 1e-6)
@@ -165,7 +167,7 @@ def _hf_case(rank: int, world: int) -> None:
 def _error_cases(rank: int, world: int) -> None:
     torch.manual_seed(0)
     with pytest.raises(ConfigError, match="must divide the number of experts"):
-        shard_experts(MoEBlock(8, 16, 2 * world + 1, 1), dist.group.WORLD)
+        shard_experts(MoEBlock(MoEConfig.build(8, 16, 2 * world + 1, 1)), dist.group.WORLD)
     # A rank with another dtype (autocast on one rank only): every rank raises, none hangs.
     block, _ = _blocks(world, 2 * world, 2, torch.float32)
     x = torch.randn(4, 8)
@@ -180,7 +182,7 @@ def _error_cases(rank: int, world: int) -> None:
     with pytest.raises(ConfigError, match="no grouped MoE block"):
         shard_model_experts(torch.nn.Linear(2, 2), world)
     with pytest.raises(ConfigError, match="must divide the world size"):
-        shard_model_experts(MoEBlock(8, 16, 12, 1), world + 1)
+        shard_model_experts(MoEBlock(MoEConfig.build(8, 16, 12, 1)), world + 1)
     dist.barrier()
 
 
@@ -188,17 +190,17 @@ def _mesh_case(rank: int, world: int) -> None:
     """Experts over "ep" groups of 2, replicated over "edp": DDP for the dense gradients, ours for the experts, and
     checkpoints with the full experts, all equal to the one-process model on the global batch."""
     torch.manual_seed(3)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), MoEBlock(8, 16, 4, 2, backend="torch"))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), MoEBlock(MoEConfig.build(8, 16, 4, 2, backend="torch")))
     reference = copy.deepcopy(model)
     mesh = shard_model_experts(model, 2)
     assert mesh["ep"].size() == 2 and mesh["edp"].size() == world // 2
     ddp = DistributedDataParallel(model)
     x, g = _inputs(world, 5, 8, torch.float32, 9)
     mine = slice(rank * 5, (rank + 1) * 5)
-    (ddp(x[mine]) * g[mine]).sum().add(AUX * model[1].last_aux_loss).backward()
+    (ddp(x[mine]) * g[mine]).sum().add(AUX * model[1].stats.aux_loss).backward()
     reduce_expert_gradients(model, mesh)
-    (reference(x) * g).sum().div(world).add(AUX * reference[1].last_aux_loss).backward()
-    local = model[1].expert_dispatch.local_experts
+    (reference(x) * g).sum().div(world).add(AUX * reference[1].stats.aux_loss).backward()
+    local = model[1].dispatcher.local_experts
     for name, param in reference.named_parameters():
         expected = param.grad[local.start : local.stop] if ".experts." in name else param.grad
         _close(model.get_parameter(name).grad, expected, f"{name} gradient", 1e-6)
@@ -234,5 +236,5 @@ def test_expert_parallel_block_equals_one_process_block(world: int) -> None:
 
 def test_shard_experts_needs_a_process_group_and_a_grouped_block() -> None:
     with pytest.raises(ConfigError, match="initialised"):
-        shard_experts(MoEBlock(8, 16, 4, 2))
-    assert not isinstance(MoEBlock(8, 16, 4, 2).expert_dispatch, ExpertParallelDispatch)
+        shard_experts(MoEBlock(MoEConfig.build(8, 16, 4, 2)))
+    assert not isinstance(MoEBlock(MoEConfig.build(8, 16, 4, 2)).dispatcher, AllToAllDispatcher)

@@ -109,8 +109,8 @@ def test_block_swap_same_parameters_outputs_grads(
     for name in before[2]:
         torch.testing.assert_close(after[2][name], before[2][name], rtol=1e-5, atol=1e-5, msg=name)
     logits = x.reshape(-1, H) @ swapped.gate.weight.detach().T
-    torch.testing.assert_close(swapped.last_router_logits.detach(), logits)
-    assert swapped.last_tokens_per_expert.sum() == 2 * num_tokens * K
+    torch.testing.assert_close(swapped.stats.router_logits.detach(), logits)
+    assert swapped.stats.tokens_per_expert.sum() == 2 * num_tokens * K
     assert swap_moe_blocks(container) == 0  # idempotent
 
 

@@ -105,7 +105,7 @@ def test_swap_keeps_parameters_outputs_and_gradients(module: object, block_name:
     assert counter.num_syncs == 0, counter.syncs
     for a, b in zip(after, before, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert int(swapped.last_tokens_per_expert.sum()) == 14 * 2
+    assert int(swapped.stats.tokens_per_expert.sum()) == 14 * 2
 
 
 @pytest.mark.parametrize(

@@ -166,7 +166,7 @@ def test_combine_rows_and_pair_dots_match_loops(
     dtype, num_tokens, top_k, hidden, weighted, chunk_elements, monkeypatch
 ):
     if chunk_elements is not None:
-        monkeypatch.setattr(kernels, "_CHUNK_ELEMENTS", chunk_elements)
+        monkeypatch.setattr(kernels.rows, "_CHUNK_ELEMENTS", chunk_elements)
     gen = torch.Generator().manual_seed(num_tokens * 31 + hidden)
     num_rows = max(num_tokens * top_k, 1)
     rows = torch.randn(num_rows, hidden, generator=gen).to(dtype)
@@ -198,7 +198,7 @@ def test_combine_rows_and_pair_dots_match_loops(
 @pytest.mark.parametrize("chunk_elements", [None, 700])  # None: one chunk; 700: many, the last one ragged
 def test_combine_rows_backward_matches_loops(dtype, num_tokens, top_k, hidden, chunk_elements, monkeypatch):
     if chunk_elements is not None:
-        monkeypatch.setattr(kernels, "_CHUNK_ELEMENTS", chunk_elements)
+        monkeypatch.setattr(kernels.rows, "_CHUNK_ELEMENTS", chunk_elements)
     gen = torch.Generator().manual_seed(num_tokens * 17 + top_k)
     num_rows = num_tokens * top_k
     # A consistent layout, as a plan makes one: row r holds pair perm[r], positions is the inverse.

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_llmfast import ExpertLoadMonitor, GroupedRouterMixin, RoutingError, register_moe_adapter
 from lightning_llmfast.errors import ConfigError
-from lightning_llmfast.moe import MoEBlock, NaiveMoEBlock
+from lightning_llmfast.moe import MoEBlock, MoEConfig, NaiveMoEBlock
 
 H = 8
 
@@ -85,7 +85,9 @@ def test_register_moe_adapter_for_a_user_class() -> None:
 
     def adapter(block: nn.Module, backend: str = "auto") -> nn.Module:
         calls.append(backend)
-        grouped = MoEBlock(block.hidden_size, block.ffn_size, block.num_experts, block.top_k, backend=backend)
+        grouped = MoEBlock(
+            MoEConfig.build(block.hidden_size, block.ffn_size, block.num_experts, block.top_k, backend=backend)
+        )
         grouped.router, grouped.experts.gate_up_proj = block.router, block.experts.gate_up_proj
         grouped.experts.down_proj = block.experts.down_proj
         return grouped

@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_llmfast.bench.counters import SyncCounter
+from lightning_llmfast.callbacks import ExpertLoadMetric
 from lightning_llmfast.errors import ConfigError, RoutingError
-from lightning_llmfast.moe import ExpertLoadMetric, GroupedExperts, MoEBlock, NaiveMoEBlock, SwiGLUExperts
+from lightning_llmfast.moe import GroupedExperts, MoEBlock, MoEConfig, NaiveMoEBlock, SwiGLUExperts
 from lightning_llmfast.moe.experts import (
     _grouped_mm,
     _silu_glu,
@@ -28,22 +29,28 @@ def _pair(num_experts: int, top_k: int, *, seed: int = 0, **kwargs: object) -> t
     # Larger weights than the 0.02 init, so that outputs and gradients are far from zero and comparisons bite.
     for p in naive.parameters():
         torch.nn.init.normal_(p, std=0.5)
-    grouped = MoEBlock(H, FFN, num_experts, top_k, **kwargs)
+    grouped = MoEBlock(MoEConfig.build(H, FFN, num_experts, top_k, **kwargs))
     grouped.load_state_dict(naive.state_dict(), strict=False)  # expert_bias, if any, stays zero
     return naive, grouped
+
+
+def _build(block_cls: type, *args: int) -> torch.nn.Module:
+    """``block_cls`` (the naive or the grouped block) from its sizes."""
+    return block_cls(*args) if block_cls is NaiveMoEBlock else MoEBlock(MoEConfig.build(*args))
 
 
 def _reference(block: torch.nn.Module, x: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
     """Float64 per-token, per-slot loop over the block's parameters: the independent oracle."""
     w_router = block.router.weight.double()
+    top_k = block.top_k if isinstance(block, NaiveMoEBlock) else block.config.routing.top_k
     gate_up, down = block.experts.gate_up_proj.double(), block.experts.down_proj.double()
     x = x.double().reshape(-1, w_router.shape[1])
     probs = (x @ w_router.T).softmax(-1)
-    top_w, top_i = probs.topk(block.top_k, dim=-1)
+    top_w, top_i = probs.topk(top_k, dim=-1)
     top_w = top_w / top_w.sum(-1, keepdim=True)
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
-        for s in range(block.top_k):
+        for s in range(top_k):
             if kept is not None and not kept[t, s]:
                 continue
             e = int(top_i[t, s])
@@ -76,24 +83,24 @@ def test_grouped_matches_naive_and_reference(
     torch.testing.assert_close(b[0].double(), ref, rtol=1e-5, atol=1e-5)
     for ga, gb in zip(a[1:], b[1:]):
         torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(naive.last_router_logits, grouped.last_router_logits)
-    assert torch.equal(naive.last_tokens_per_expert, grouped.last_tokens_per_expert)
-    torch.testing.assert_close(naive.last_aux_loss, grouped.last_aux_loss)
-    torch.testing.assert_close(naive.last_z_loss, grouped.last_z_loss)
-    assert grouped.last_tokens_per_expert.sum() == num_tokens * top_k
-    assert not grouped.last_nonfinite
+    torch.testing.assert_close(naive.stats.router_logits, grouped.stats.router_logits)
+    assert torch.equal(naive.stats.tokens_per_expert, grouped.stats.tokens_per_expert)
+    torch.testing.assert_close(naive.stats.aux_loss, grouped.stats.aux_loss)
+    torch.testing.assert_close(naive.stats.z_loss, grouped.stats.z_loss)
+    assert grouped.stats.tokens_per_expert.sum() == num_tokens * top_k
+    assert not grouped.stats.nonfinite
 
 
 @pytest.mark.parametrize("normalize", [True, False])
 def test_sigmoid_scores_match_naive(normalize: bool) -> None:
     torch.manual_seed(5)
     naive = NaiveMoEBlock(H, FFN, 6, 3, score="sigmoid", normalize=normalize)
-    grouped = MoEBlock(H, FFN, 6, 3, score="sigmoid", normalize=normalize, backend="torch")
+    grouped = MoEBlock(MoEConfig.build(H, FFN, 6, 3, score="sigmoid", normalize=normalize, backend="torch"))
     grouped.load_state_dict(naive.state_dict())
     x, g = torch.randn(11, H), torch.randn(11, H)
     for a, b in zip(_grads(naive, x, g), _grads(grouped, x, g)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(naive.last_aux_loss, grouped.last_aux_loss)
+    torch.testing.assert_close(naive.stats.aux_loss, grouped.stats.aux_loss)
 
 
 def test_one_expert_gets_everything_and_leading_dims() -> None:
@@ -108,7 +115,7 @@ def test_one_expert_gets_everything_and_leading_dims() -> None:
     y_naive, y_grouped = naive(x), grouped(x)
     assert y_grouped.shape == x.shape
     torch.testing.assert_close(y_grouped, y_naive, rtol=1e-5, atol=1e-5)
-    assert grouped.last_tokens_per_expert.tolist() == [0, 0, 15, 0, 15, 0]
+    assert grouped.stats.tokens_per_expert.tolist() == [0, 0, 15, 0, 15, 0]
     torch.testing.assert_close(y_grouped.reshape(-1, H).double(), _reference(naive, x), rtol=1e-5, atol=1e-5)
 
 
@@ -117,9 +124,9 @@ def test_empty_input_forward_backward() -> None:
     x = torch.randn(0, H, requires_grad=True)
     y = grouped(x)
     assert y.shape == (0, H)
-    assert grouped.last_tokens_per_expert.tolist() == [0, 0, 0, 0]
-    assert grouped.last_aux_loss == 0
-    (y.sum() + grouped.last_aux_loss + grouped.last_z_loss).backward()
+    assert grouped.stats.tokens_per_expert.tolist() == [0, 0, 0, 0]
+    assert grouped.stats.aux_loss == 0
+    (y.sum() + grouped.stats.aux_loss + grouped.stats.z_loss).backward()
     assert x.grad.shape == (0, H)
     assert torch.equal(grouped.experts.gate_up_proj.grad, torch.zeros_like(grouped.experts.gate_up_proj))
 
@@ -144,7 +151,7 @@ def test_capacity_matches_reference_over_kept_pairs(drop_policy: str) -> None:
     _, grouped = _pair(4, 2, backend="torch", capacity_factor=0.5, drop_policy=drop_policy)
     x = torch.randn(19, H, requires_grad=True)
     y = grouped(x)
-    plan = grouped.last_plan
+    plan = grouped.stats.plan
     assert int(plan.num_dropped) > 0
     torch.testing.assert_close(y.double(), _reference(grouped, x, plan.kept), rtol=1e-5, atol=1e-5)
     y.square().sum().backward()
@@ -157,7 +164,7 @@ def test_forward_backward_has_no_host_sync(kwargs: dict[str, object]) -> None:
     x = torch.randn(2, 11, H, requires_grad=True)
     with SyncCounter() as counter:
         y = grouped(x)
-        (y.square().mean() + grouped.last_aux_loss + grouped.last_z_loss).backward()
+        (y.square().mean() + grouped.stats.aux_loss + grouped.stats.z_loss).backward()
     assert counter.num_syncs == 0, counter.syncs
     # The counter is live: the naive baseline is caught syncing.
     naive, _ = _pair(8, 2)
@@ -179,7 +186,7 @@ def test_torch_compile_fullgraph_forward_backward(capacity_factor: float | None)
     compiled = torch.compile(grouped, fullgraph=True, backend="aot_eager")
     g = torch.randn(9, H)
     eager = _grads(grouped, x, g)
-    kept = grouped.last_plan.kept
+    kept = grouped.stats.plan.kept
     assert capacity_factor is None or not kept.all()
     torch.testing.assert_close(eager[0].double(), _reference(grouped, x, kept), rtol=1e-5, atol=1e-5)
     if capacity_factor is None:
@@ -288,7 +295,7 @@ def test_expert_bias_buffer_updates_only_in_training() -> None:
     grouped(x)
     assert torch.equal(grouped.expert_bias, torch.zeros(4))  # bias_update="step": applied by finish_step()
     grouped.finish_step()
-    counts = grouped.last_tokens_per_expert.float()
+    counts = grouped.stats.tokens_per_expert.float()
     torch.testing.assert_close(grouped.expert_bias, 0.1 * torch.sign(counts.mean() - counts))
 
 
@@ -297,9 +304,9 @@ def test_nonfinite_logits_are_recorded_not_raised() -> None:
     x = torch.randn(5, H)
     x[2, 0] = float("nan")
     grouped(x)
-    assert bool(grouped.last_nonfinite)
+    assert bool(grouped.stats.nonfinite)
     with pytest.raises(RoutingError, match="NaN"):
-        grouped.last_plan.check_finite()
+        grouped.stats.plan.check_finite()
 
 
 @pytest.mark.parametrize(
@@ -312,7 +319,7 @@ def test_nonfinite_logits_are_recorded_not_raised() -> None:
         ({"capacity_factor": 0.0}, "capacity_factor"),
         ({"backend": "cuda"}, "backend"),
         ({"drop_policy": "random"}, "drop_policy"),
-        ({"top_k": True}, r"top_k must be an int in \[1, num_experts=4\], got True"),
+        ({"top_k": True}, r"top_k must be an int (>= 1|in \[1, num_experts=4\]), got True"),
         ({"hidden_size": True}, "hidden_size must be an int >= 1, got True"),
         ({"num_experts": 2.0}, "num_experts must be an int >= 1, got 2.0"),
         ({"capacity_factor": float("inf")}, "capacity_factor must be a finite number > 0, got inf"),
@@ -326,7 +333,7 @@ def test_nonfinite_logits_are_recorded_not_raised() -> None:
 def test_bad_config_raises(kwargs: dict[str, object], match: str) -> None:
     args = {"hidden_size": H, "ffn_size": FFN, "num_experts": 4, "top_k": 2, **kwargs}
     with pytest.raises(ConfigError, match=match):
-        MoEBlock(**args)
+        MoEBlock(MoEConfig.build(**args))
     if set(kwargs) <= {"top_k", "hidden_size", "score"}:
         with pytest.raises(ConfigError, match=match):
             NaiveMoEBlock(**args)
@@ -364,7 +371,7 @@ def test_experts_reject_bad_sizes(cls: type, args: tuple, match: str) -> None:
 )
 def test_block_rejects_bad_x(block_cls: type, x: torch.Tensor, match: str) -> None:
     """The last dim used to be reshaped into more or fewer tokens silently; another dtype failed inside nn.Linear."""
-    block = block_cls(H, FFN, 4, 2)
+    block = _build(block_cls, H, FFN, 4, 2)
     with pytest.raises(RoutingError, match=match):
         block(x)
 
@@ -372,7 +379,7 @@ def test_block_rejects_bad_x(block_cls: type, x: torch.Tensor, match: str) -> No
 @pytest.mark.parametrize("block_cls", [MoEBlock, NaiveMoEBlock])
 def test_block_takes_16_bit_x_under_autocast(block_cls: type) -> None:
     """Under autocast the compute dtype is autocast's whatever x's is, and the output keeps x's dtype."""
-    block = block_cls(H, FFN, 4, 2)
+    block = _build(block_cls, H, FFN, 4, 2)
     x = torch.randn(2, 5, H).to(torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = block(x)
@@ -569,7 +576,7 @@ def test_autocast_bf16_is_sync_free_and_matches_naive() -> None:
 def test_cuda_bf16_matches_naive_and_is_sync_free() -> None:
     torch.manual_seed(0)
     naive = NaiveMoEBlock(64, 128, 8, 2).cuda().bfloat16()
-    grouped = MoEBlock(64, 128, 8, 2, backend="auto").cuda().bfloat16()
+    grouped = MoEBlock(MoEConfig.build(64, 128, 8, 2, backend="auto")).cuda().bfloat16()
     grouped.load_state_dict(naive.state_dict())
     x = torch.randn(4, 33, 64, device="cuda", dtype=torch.bfloat16)
     y_naive = naive(x)
@@ -581,4 +588,4 @@ def test_cuda_bf16_matches_naive_and_is_sync_free() -> None:
     if grouped_mm_supported(rows, grouped.experts.gate_up_proj, grouped.experts.down_proj):
         assert counter.num_syncs == 0, counter.syncs
     torch.testing.assert_close(y.float(), y_naive.float(), rtol=2e-2, atol=2e-2)
-    assert torch.equal(grouped.last_tokens_per_expert.cpu(), naive.last_tokens_per_expert.cpu())
+    assert torch.equal(grouped.stats.tokens_per_expert.cpu(), naive.stats.tokens_per_expert.cpu())

@@ -11,16 +11,14 @@ import torch.nn.functional as F
 
 from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.errors import ConfigError, RoutingError
-from lightning_llmfast.moe.block import MoEBlock
-from lightning_llmfast.seqmeta import SequenceMetadataCache, activate_cache
-from lightning_llmfast.seqmeta.metadata import SequenceMetadata
+from lightning_llmfast.moe import MoEBlock, MoEConfig, SequenceBoundaries
 
 H, FFN, E = 12, 8, 8  # multiples of 4: float32 grouped_mm (the sync-free CPU path) takes them
 
 
 def _block(**kwargs: object) -> MoEBlock:
     torch.manual_seed(0)
-    block = MoEBlock(H, FFN, E, kwargs.pop("top_k", 2), **kwargs)
+    block = MoEBlock(MoEConfig.build(H, FFN, E, kwargs.pop("top_k", 2), **kwargs))
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.5)
     if block.expert_bias is not None:
@@ -32,23 +30,25 @@ def _loop(block: MoEBlock, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-token float64 loop: DeepSeek-V3 group-limited sigmoid routing, scaled weights, plus the shared SwiGLU."""
     scores = (x.double() @ block.router.weight.double().T).sigmoid()
     sel = scores + (block.expert_bias.double() if block.expert_bias is not None else 0.0)
-    size = E // block.num_groups
-    per_group = max(1, block.top_k // block.topk_groups)
+    size = E // block.config.routing.num_groups
+    per_group = max(1, block.config.routing.top_k // block.config.routing.topk_groups)
     out = []
     for t in range(x.shape[0]):
         y = torch.zeros(H, dtype=torch.float64)
         if mask[t]:
             group_score = [
                 sel[t, g * size : (g + 1) * size].sort(descending=True).values[:per_group].sum()
-                for g in range(block.num_groups)
+                for g in range(block.config.routing.num_groups)
             ]
-            best = sorted(range(block.num_groups), key=lambda g: -float(group_score[g].detach()))[: block.topk_groups]
+            best = sorted(range(block.config.routing.num_groups), key=lambda g: -float(group_score[g].detach()))[
+                : block.config.routing.topk_groups
+            ]
             allowed = [e for e in range(E) if e // size in best]
-            chosen = sorted(allowed, key=lambda e: -float(sel[t, e].detach()))[: block.top_k]
+            chosen = sorted(allowed, key=lambda e: -float(sel[t, e].detach()))[: block.config.routing.top_k]
             total = sum(scores[t, e] for e in chosen) + 1e-20
             for e in chosen:
                 gate, up = (x[t].double() @ block.experts.gate_up_proj[e].double()).chunk(2)
-                y = y + block.route_scale * scores[t, e] / total * (
+                y = y + block.config.routing.route_scale * scores[t, e] / total * (
                     (F.silu(gate) * up) @ block.experts.down_proj[e].double()
                 )
         shared = block.shared_experts
@@ -88,7 +88,7 @@ def test_shared_experts_groups_scale_and_mask_match_a_float64_loop(kernel_backen
         torch.testing.assert_close(
             got.double(), exp.double() if exp is not None else torch.zeros_like(got.double()), rtol=1e-4, atol=1e-5
         )
-    assert int(block.last_tokens_per_expert.sum()) == int(mask.sum()) * 2
+    assert int(block.stats.tokens_per_expert.sum()) == int(mask.sum()) * 2
 
 
 def test_global_aux_loss_accumulates_over_the_step() -> None:
@@ -97,33 +97,32 @@ def test_global_aux_loss_accumulates_over_the_step() -> None:
     for size in (5, 7, 3):
         x = torch.randn(size, H)
         block(x)
-        plan = block.last_plan
+        plan = block.stats.plan
         counts += plan.routed_per_expert.long()
         probs = (x.double() @ block.router.weight.double().T).softmax(-1).mean(0)
         want = E * sum(float(counts[e]) / float(counts.sum()) * probs[e] for e in range(E))
-        torch.testing.assert_close(block.last_aux_loss.double(), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(block.stats.aux_loss.double(), want, rtol=1e-5, atol=1e-6)
     block.finish_step()
     block(torch.randn(4, H))
-    torch.testing.assert_close(block.last_aux_loss, block.last_plan.aux_loss)  # a fresh step: this batch only
+    torch.testing.assert_close(block.stats.aux_loss, block.stats.plan.aux_loss)  # a fresh step: this batch only
     block.eval()(torch.randn(4, H))
-    assert block.last_aux_loss is block.last_plan.aux_loss
+    assert block.stats.aux_loss is block.stats.plan.aux_loss
 
 
-def test_sequence_aux_loss_uses_metadata_cache_or_rows() -> None:
+def _documents(lengths: list[int]) -> SequenceBoundaries:
+    return SequenceBoundaries(torch.arange(len(lengths)).repeat_interleave(torch.tensor(lengths)), len(lengths))
+
+
+def test_sequence_aux_loss_uses_the_given_boundaries_or_rows() -> None:
     block = _block(aux_loss="sequence", score="sigmoid")
     x = torch.randn(2, 6, H)
     block(x)
-    by_rows = block.last_plan.sequence_aux_loss(SequenceMetadata.from_lengths([6, 6]))
-    torch.testing.assert_close(block.last_aux_loss, by_rows)
-    meta = SequenceMetadata.from_lengths([2, 7, 3])
-    block(x, sequence_metadata=meta)
-    torch.testing.assert_close(block.last_aux_loss, block.last_plan.sequence_aux_loss(meta))
-    cache = SequenceMetadataCache()
-    with cache.batch({"cu_seqlens": torch.tensor([0, 5, 12], dtype=torch.int32)}), activate_cache(cache):
-        block(x)
-    torch.testing.assert_close(
-        block.last_aux_loss, block.last_plan.sequence_aux_loss(SequenceMetadata.from_lengths([5, 7]))
-    )
+    by_rows = block.stats.plan.sequence_aux_loss(_documents([6, 6]))
+    torch.testing.assert_close(block.stats.aux_loss, by_rows)
+    documents = _documents([2, 7, 3])
+    block(x, boundaries=documents)
+    torch.testing.assert_close(block.stats.aux_loss, block.stats.plan.sequence_aux_loss(documents))
+    assert not torch.allclose(block.stats.aux_loss, by_rows)  # the boundaries did change the loss
 
 
 def test_bias_updates_once_per_step_from_pre_capacity_counts() -> None:
@@ -143,7 +142,7 @@ def test_bias_updates_once_per_step_from_pre_capacity_counts() -> None:
     per_forward = _block(expert_bias=True, bias_update_rate=0.1, bias_update="forward").train()
     before = per_forward.expert_bias.clone()
     per_forward(torch.randn(5, H))
-    load = per_forward.last_plan.routed_per_expert.double()
+    load = per_forward.stats.plan.routed_per_expert.double()
     torch.testing.assert_close(per_forward.expert_bias.double(), before.double() + 0.1 * torch.sign(load.mean() - load))
 
 
@@ -161,7 +160,7 @@ def test_bias_updates_once_per_step_from_pre_capacity_counts() -> None:
 )
 def test_bad_options_fail_at_construction(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        MoEBlock(H, FFN, E, 2, **kwargs)
+        MoEBlock(MoEConfig.build(H, FFN, E, 2, **kwargs))
 
 
 def test_bad_token_mask_is_a_routing_error() -> None:
@@ -179,7 +178,7 @@ def test_compile_fullgraph_with_every_option() -> None:
     x = torch.randn(2, 5, H)
     mask = torch.ones(2, 5, dtype=torch.bool)
     mask[1, 3:] = False
-    meta = SequenceMetadata.from_lengths([4, 6])
+    meta = _documents([4, 6])
     for aux_loss, capacity_factor, route_scale in (("sequence", 1.25, 1.5), ("global", 1.5, 2.0)):
         options = dict(kwargs, aux_loss=aux_loss, capacity_factor=capacity_factor, route_scale=route_scale)
         eager, compiled_block = _block(**options), _block(**options)
@@ -187,9 +186,9 @@ def test_compile_fullgraph_with_every_option() -> None:
         results = []
         for block, call in ((eager, eager), (compiled_block, compiled)):
             xi = x.clone().requires_grad_()
-            y = call(xi, token_mask=mask, sequence_metadata=meta)
-            (y.square().sum() + block.last_aux_loss).backward()
-            results.append((y.detach(), xi.grad, block.last_aux_loss.detach(), *(p.grad for p in block.parameters())))
+            y = call(xi, token_mask=mask, boundaries=meta)
+            (y.square().sum() + block.stats.aux_loss).backward()
+            results.append((y.detach(), xi.grad, block.stats.aux_loss.detach(), *(p.grad for p in block.parameters())))
         for a, b in zip(*results, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         for block in (eager, compiled_block):
@@ -201,14 +200,14 @@ def test_compile_fullgraph_with_every_option() -> None:
 def test_a_step_bias_that_never_sees_finish_step_warns_once() -> None:
     from lightning_llmfast.moe.block import _UNFINISHED_FORWARDS
 
-    block = MoEBlock(8, 16, 4, 2, expert_bias=True, backend="torch")
+    block = MoEBlock(MoEConfig.build(8, 16, 4, 2, expert_bias=True, backend="torch"))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for _ in range(_UNFINISHED_FORWARDS + 5):
             block(torch.randn(5, 8))
     assert sum("finish_step" in str(w.message) for w in seen) == 1
     assert torch.equal(block.expert_bias, torch.zeros(4))  # nothing moved it: what the warning is about
-    finished = MoEBlock(8, 16, 4, 2, expert_bias=True, backend="torch")
+    finished = MoEBlock(MoEConfig.build(8, 16, 4, 2, expert_bias=True, backend="torch"))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for _ in range(_UNFINISHED_FORWARDS + 5):

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
-from lightning_llmfast.moe import MoEBlock
+from lightning_llmfast.moe import MoEBlock, MoEConfig, SequenceBoundaries
 from lightning_llmfast.moe.adapters import swap_moe_blocks
 from lightning_llmfast.moe.kernels import triton_available
 
@@ -32,26 +32,18 @@ H, FFN, E = 16, 32, 8
 # The API seam: the only lines that follow the block's construction and per-forward record.
 def _block(top_k: int = 2, **options: object) -> MoEBlock:
     options.setdefault("backend", "torch")
-    return MoEBlock(H, FFN, E, top_k, **options)
+    return MoEBlock(MoEConfig.build(H, FFN, E, top_k, **options))
 
 
 def _stats(block: nn.Module) -> dict[str, Tensor]:
     """aux loss, z loss, counts and dropped pairs of the block's last forward."""
-    plan = block.last_plan
-    return {
-        "aux": block.last_aux_loss,
-        "z": block.last_z_loss,
-        "counts": block.last_tokens_per_expert,
-        "dropped": plan.num_dropped,
-    }
+    stats = block.stats
+    return {"aux": stats.aux_loss, "z": stats.z_loss, "counts": stats.tokens_per_expert, "dropped": stats.num_dropped}
 
 
 def _documents(document_ids: Tensor, count: int) -> dict[str, object]:
     """The forward keywords giving the block packed-document boundaries."""
-    from lightning_llmfast.seqmeta import SequenceMetadata
-
-    lengths = torch.bincount(document_ids, minlength=count).tolist()
-    return {"sequence_metadata": SequenceMetadata.from_lengths(lengths)}
+    return {"boundaries": SequenceBoundaries(document_ids, count)}
 
 
 def _results(module: nn.Module, y: Tensor, x: Tensor, extra: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -21,7 +21,7 @@ _SCRIPT = textwrap.dedent(
     import torch
     from torch.utils.data import DataLoader
     from lightning_llmfast.callbacks import ExpertBalanceCallback
-    from lightning_llmfast.moe import MoEBlock
+    from lightning_llmfast.moe import MoEBlock, MoEConfig
 
     devices, out = int(sys.argv[1]), sys.argv[2]
     H, E, K, STEPS, ACCUMULATE, MICRO_BATCH, RATE = {H}, {E}, {K}, {STEPS}, {ACCUMULATE}, {MICRO_BATCH}, {RATE}
@@ -30,15 +30,15 @@ _SCRIPT = textwrap.dedent(
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            self.block = MoEBlock(
+            self.block = MoEBlock(MoEConfig.build(
                 H, 8, E, K, expert_bias=True, bias_update_rate=RATE, aux_loss="global", backend="torch"
-            )
+            ))
             self.aux = []
             self.block.router.requires_grad_(False)  # routing depends on the data and the bias only: exact
 
         def training_step(self, batch, batch_idx):
             out = self.block(batch).square().mean()
-            self.aux.append(float(self.block.last_aux_loss))
+            self.aux.append(float(self.block.stats.aux_loss))
             return out
 
         def configure_optimizers(self):

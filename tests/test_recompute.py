@@ -19,7 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from lightning_llmfast import LLMFastStrategy
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
-from lightning_llmfast.moe import MoEBlock
+from lightning_llmfast.moe import MoEBlock, MoEConfig
 from lightning_llmfast.offload import ActivationOffloader, recompute
 from lightning_llmfast.offload.recompute import recompute_layer, recompute_policy
 from lightning_llmfast.seqmeta import SequenceMetadata, SequenceMetadataCache
@@ -248,7 +248,11 @@ def test_expert_bias_updates_once_and_routing_is_not_replayed_with_the_new_bias(
 
     def make() -> torch.nn.Module:
         torch.manual_seed(0)
-        block = MoEBlock(16, 24, 4, 2, expert_bias=True, bias_update_rate=0.5, backend="torch", bias_update=bias_update)
+        block = MoEBlock(
+            MoEConfig.build(
+                16, 24, 4, 2, expert_bias=True, bias_update_rate=0.5, backend="torch", bias_update=bias_update
+            )
+        )
         return torch.nn.Sequential(torch.nn.Linear(16, 16), block)
 
     ref, model = make(), make()

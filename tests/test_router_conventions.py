@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from lightning_llmfast.errors import RoutingError
+from lightning_llmfast.moe.losses import SequenceBoundaries
 from lightning_llmfast.moe.routing import route
 from lightning_llmfast.moe.selection import expert_capacity
-from lightning_llmfast.seqmeta.metadata import SequenceMetadata
 
 
 def _logits(num_tokens: int, num_experts: int, seed: int) -> torch.Tensor:
@@ -295,7 +295,8 @@ def test_sequence_aux_loss_matches_deepseek_v3(lengths: list[int], num_experts: 
     if case == "one_expert":
         bias[2] = 100.0
     plan = route(logits, top_k, score="sigmoid", expert_bias=bias, token_mask=mask, capacity_factor=1.0)
-    loss = plan.sequence_aux_loss(SequenceMetadata.from_lengths(lengths))
+    documents = torch.arange(len(lengths)).repeat_interleave(torch.tensor(lengths))
+    loss = plan.sequence_aux_loss(SequenceBoundaries(documents, len(lengths)))
     ids, _, _ = _oracle_route(logits.detach(), top_k, "sigmoid", bias, None, 1.0)
     normalised = logits.double().sigmoid() / logits.double().sigmoid().sum(-1, keepdim=True)
     want = _oracle_sequence_loss(ids, normalised, lengths, mask.tolist(), top_k)
@@ -307,11 +308,15 @@ def test_sequence_aux_loss_matches_deepseek_v3(lengths: list[int], num_experts: 
     torch.testing.assert_close(got.double(), expected.double(), rtol=1e-4, atol=1e-7)
 
 
-def test_sequence_aux_loss_rejects_foreign_metadata() -> None:
+def test_sequence_aux_loss_rejects_foreign_boundaries() -> None:
     plan = route(_logits(6, 4, 0), 2)
-    with pytest.raises(RoutingError, match="metadata describes 5 tokens but the plan routed 6"):
-        plan.sequence_aux_loss(SequenceMetadata.from_lengths([2, 3]))
-    with pytest.raises(RoutingError, match="metadata must be a SequenceMetadata"):
+    with pytest.raises(
+        RoutingError, match=r"must be a \(6,\) integer tensor \(one per token\), got torch.int64 of shape \(5,\)"
+    ):
+        plan.sequence_aux_loss(SequenceBoundaries(torch.tensor([0, 0, 1, 1, 1]), 2))
+    with pytest.raises(RoutingError, match="integer tensor"):
+        plan.sequence_aux_loss(SequenceBoundaries(torch.zeros(6), 1))
+    with pytest.raises(RoutingError, match="boundaries must be SequenceBoundaries"):
         plan.sequence_aux_loss([6])
 
 

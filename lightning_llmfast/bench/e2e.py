@@ -50,6 +50,7 @@ from lightning_llmfast.data import PackedBatch, SyntheticCorpus, TextCorpus, pac
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.models import MoEGPTConfig, MoEGPTLightningModule
 from lightning_llmfast.models import model as model_module
+from lightning_llmfast.moe.stats import MoELayer, MoEStats
 from lightning_llmfast.seqmeta import SequenceMetadataCache
 
 if TYPE_CHECKING:
@@ -198,15 +199,16 @@ class HFMixtralFFN(nn.Module):
     """transformers' ``MixtralSparseMoeBlock`` (``grouped_mm`` experts) as the reference model's feed-forward.
 
     The block itself is transformers' code, unchanged. This wrapper only exposes what the reference model reads
-    after every forward: ``last_aux_loss``, computed with transformers' own ``load_balancing_loss_func`` from the
-    router logits (as ``MixtralForCausalLM`` does when it trains with router logits).
+    after every forward: an :class:`~lightning_llmfast.moe.MoEStats` record whose ``aux_loss`` is computed with
+    transformers' own ``load_balancing_loss_func`` from the router logits (as ``MixtralForCausalLM`` does when it
+    trains with router logits); it counts nothing else.
 
     Args:
         block: a ``MixtralSparseMoeBlock``.
 
     Attributes:
         moe: the wrapped block.
-        last_aux_loss: 0-d load-balancing loss of the last forward.
+        stats: the last forward's record (``aux_loss`` and ``router_logits`` only).
 
     Example::
 
@@ -221,7 +223,7 @@ class HFMixtralFFN(nn.Module):
         self.moe = block
         self._loss_fn = load_balancing_loss_func
         self._router_logits: Tensor | None = None
-        self.last_aux_loss: Tensor | None = None
+        self.stats: MoEStats | None = None
         # The block drops its router logits; a hook on its router keeps them for the loss.
         block.gate.register_forward_hook(self._keep_router_logits)
 
@@ -265,8 +267,12 @@ class HFMixtralFFN(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """``x`` ``(B, T, H)`` to ``(B, T, H)``."""
         y = self.moe(x)
-        self.last_aux_loss = self._loss_fn((self._router_logits,), self.moe.experts.num_experts, self.moe.top_k)
+        aux = self._loss_fn((self._router_logits,), self.moe.experts.num_experts, self.moe.top_k)
+        self.stats = MoEStats(None, aux, None, None, None, None, self._router_logits, None)
         return y
+
+    def finish_step(self, group: object = None) -> None:
+        """Nothing to close (part of the MoE layer contract)."""
 
 
 def build_variants(
@@ -300,7 +306,7 @@ def build_variants(
         if name == "peer":
             try:
                 for layer in module.model.layers:
-                    if not isinstance(layer.ffn, model_module.DenseSwiGLU):
+                    if isinstance(layer.ffn, MoELayer):
                         layer.ffn = HFMixtralFFN.from_naive(layer.ffn)
             except ImportError as err:
                 reason = "transformers not installed" if isinstance(err, ModuleNotFoundError) else str(err)

@@ -14,13 +14,14 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_llmfast._checks import check_int
 from lightning_llmfast.callbacks.expert_metric import ExpertLoadMetric
 from lightning_llmfast.errors import RoutingError
+from lightning_llmfast.moe.stats import MoELayer
 
 __all__ = ["ExpertBalanceCallback", "ExpertLoadMonitor"]
 
@@ -28,12 +29,12 @@ __all__ = ["ExpertBalanceCallback", "ExpertLoadMonitor"]
 class ExpertLoadMonitor(Callback):
     """Logs ``moe/load_imbalance``, ``moe/dropped_fraction`` and ``moe/load_entropy`` during training.
 
-    Every module with a ``last_tokens_per_expert`` attribute counts as an MoE block (this package's blocks and the
-    adapted transformers blocks). After each training batch its counts are added to one
+    Every :class:`~lightning_llmfast.moe.MoELayer` counts as an MoE block (this package's blocks, the adapted
+    transformers blocks, the naive baseline). After each training batch its ``stats`` counts are added to one
     :class:`~lightning_llmfast.callbacks.ExpertLoadMetric` per block, on the device, without a host sync. Every
     ``log_every_n_steps`` batches the metrics are computed, averaged over the blocks, logged and reset. At that
     point, where the host reads device values anyway, a non-finite router-logit flag recorded since the last log
-    (``last_nonfinite``, set by routing with ``validate=False``) raises :class:`~lightning_llmfast.RoutingError`
+    (``stats.nonfinite``, set by routing with ``validate=False``) raises :class:`~lightning_llmfast.RoutingError`
     naming the blocks.
 
     Args:
@@ -52,7 +53,7 @@ class ExpertLoadMonitor(Callback):
         if log_every_n_steps is not None:
             check_int("log_every_n_steps", log_every_n_steps, low=1)
         self.log_every_n_steps = log_every_n_steps
-        self._blocks: dict[str, nn.Module] = {}
+        self._blocks: dict[str, MoELayer] = {}
         self._metrics: dict[str, ExpertLoadMetric] = {}
         self._nonfinite: dict[str, Tensor] = {}
         self._batches = 0
@@ -60,7 +61,7 @@ class ExpertLoadMonitor(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Here rather than in setup(): configure_model (and GroupedRouterMixin's block swap) runs after setup.
-        self._blocks = {name: m for name, m in pl_module.named_modules() if hasattr(m, "last_tokens_per_expert")}
+        self._blocks = {name: m for name, m in pl_module.named_modules() if isinstance(m, MoELayer)}
         self._metrics = {}
         self._nonfinite = {}
         self._batches = 0
@@ -70,21 +71,17 @@ class ExpertLoadMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         for name, block in self._blocks.items():
-            counts = block.last_tokens_per_expert
-            if counts is None:
+            stats = block.stats
+            if stats is None or stats.tokens_per_expert is None:
                 continue
+            counts = stats.tokens_per_expert
             metric = self._metrics.get(name)
             if metric is None:
                 metric = self._metrics[name] = ExpertLoadMetric(counts.numel()).to(counts.device)
-            plan = getattr(block, "last_plan", None)
-            # validate=False: no host sync per batch (the counts come from the router).
-            if plan is None:
-                metric.update(counts, validate=False)
-            else:
-                # Masked tokens are no routed pairs: the valid pairs are then exactly the kept plus the dropped ones.
-                num_pairs = plan.num_tokens * plan.top_k if getattr(plan, "token_mask", None) is None else None
-                metric.update(counts, plan.num_dropped, num_pairs, validate=False)
-            flag = getattr(block, "last_nonfinite", None)
+            # validate=False: no host sync per batch (the counts come from the router). Without num_pairs (a token
+            # mask) the valid pairs are exactly the kept plus the dropped ones.
+            metric.update(counts, stats.num_dropped, stats.num_pairs, validate=False)
+            flag = stats.nonfinite
             if flag is not None:
                 # OR-ed on the device: a NaN in any batch of the window is reported, not only in the last one.
                 seen = self._nonfinite.get(name)
@@ -149,6 +146,5 @@ class ExpertBalanceCallback(Callback):
             return
         self._done_step = trainer.global_step
         for module in pl_module.modules():
-            finish = getattr(module, "finish_step", None)
-            if callable(finish) and getattr(module, "_llmfast_grouped", False):
-                finish(self.process_group)
+            if isinstance(module, MoELayer):
+                module.finish_step(self.process_group)

@@ -15,6 +15,7 @@ from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.hf.inputs import packed_model_inputs
 from lightning_llmfast.losses import causal_lm_loss, scale_by_token_share
 from lightning_llmfast.mixin import GroupedRouterMixin
+from lightning_llmfast.moe.stats import MoELayer
 
 if TYPE_CHECKING:
     from lightning_llmfast.data import PackedBatch
@@ -84,7 +85,8 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
 
     def aux_loss(self) -> Tensor | None:
         """Sum of the load-balancing losses of the grouped MoE blocks' last forward, or ``None`` without any."""
-        losses = [m.last_aux_loss for m in self.model.modules() if getattr(m, "last_aux_loss", None) is not None]
+        moe = (m for m in self.model.modules() if isinstance(m, MoELayer) and m.stats is not None)
+        losses = [m.stats.aux_loss for m in moe]
         return torch.stack(losses).sum() if losses else None
 
     def _loss(self, batch: PackedBatch) -> tuple[Tensor, Tensor]:

@@ -29,8 +29,9 @@ from torch import Tensor, nn
 from lightning_llmfast._checks import check_bool, check_int, check_number
 from lightning_llmfast.data import VOCAB_SIZE
 from lightning_llmfast.errors import ConfigError, DataError, MetadataError
+from lightning_llmfast.models.ffn import make_ffn, sequence_boundaries
 from lightning_llmfast.models.rmsnorm import RMSNorm
-from lightning_llmfast.moe import MoEBlock, NaiveMoEBlock
+from lightning_llmfast.moe import MoEBlock, MoELayer
 from lightning_llmfast.seqmeta import SequenceMetadata, active_cache, varlen_attention
 
 if TYPE_CHECKING:
@@ -226,30 +227,6 @@ class Attention(nn.Module):
         return self.proj(out.reshape(b, t, self.n_heads * self.head_dim))
 
 
-class DenseSwiGLU(nn.Module):
-    def __init__(self, hidden_size: int, ffn_size: int) -> None:
-        super().__init__()
-        self.gate_up = nn.Linear(hidden_size, 2 * ffn_size, bias=False)
-        self.down = nn.Linear(ffn_size, hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
-
-
-def _make_ffn(config: MoEGPTConfig, layer_idx: int) -> nn.Module:
-    if layer_idx in config.dense_layers:
-        return DenseSwiGLU(config.hidden_size, config.ffn_size)
-    args = (config.hidden_size, config.ffn_size, config.num_experts, config.top_k)
-    if config.router_backend == "naive":
-        if config.capacity_factor is not None:
-            raise ConfigError(
-                "MoEGPTConfig.router_backend='naive' is dropless; capacity_factor needs a grouped backend"
-            )
-        return NaiveMoEBlock(*args)
-    return MoEBlock(*args, capacity_factor=config.capacity_factor, backend=config.router_backend)
-
-
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + ffn(norm(x))``; ``x`` is ``(B, T, H)``."""
 
@@ -258,7 +235,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.attn = Attention(config)
         self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.ffn = _make_ffn(config, layer_idx)
+        self.ffn = make_ffn(config, layer_idx)
 
     def forward(
         self,
@@ -270,6 +247,9 @@ class Block(nn.Module):
         # x + attn(...) fused into the second norm: it keeps the bf16 attention output for backward, not the fp32 sum
         # (x itself is kept by the first norm anyway).
         normed, x = self.ffn_norm(self.attn(self.attn_norm(x), rope, position_ids, metadata), residual=x)
+        if isinstance(self.ffn, MoEBlock) and self.ffn.config.aux_loss == "sequence":
+            # The model owns the sequence metadata: the block gets the document boundaries as an argument.
+            return x + self.ffn(normed, boundaries=sequence_boundaries(metadata, normed))
         return x + self.ffn(normed)
 
 
@@ -326,27 +306,8 @@ class MoEGPT(nn.Module):
                 (:func:`~lightning_llmfast.data.pack_documents` with ``vocab_size``).
             MetadataError: ``position_ids`` is not an integer tensor of ``input_ids``' shape (or ``(1, T)``).
         """
-        # Shapes and dtypes only: free, no device read.
-        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in _ID_DTYPES:
-            got = (
-                f"{input_ids.dtype} of shape {tuple(input_ids.shape)}"
-                if isinstance(input_ids, Tensor)
-                else type(input_ids).__name__
-            )
-            raise DataError(f"input_ids: must be a (B, T) int64 or int32 tensor of token ids, got {got}")
+        _check_inputs(input_ids, position_ids)
         b, t = input_ids.shape
-        if position_ids is not None and (
-            not isinstance(position_ids, Tensor)
-            or position_ids.shape not in ((b, t), (1, t))  # (1, T): the same positions for every row, as in HF
-            or position_ids.dtype not in _POSITION_DTYPES
-        ):
-            got = (
-                f"{position_ids.dtype} of shape {tuple(position_ids.shape)}"
-                if isinstance(position_ids, Tensor)
-                else type(position_ids).__name__
-            )
-            shapes = f"{(b, t)}" if b == 1 else f"{(b, t)} (or (1, {t}))"
-            raise MetadataError(f"position_ids: must be an integer tensor of input_ids' shape {shapes}, got {got}")
         if position_ids is None:
             position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
         elif position_ids.shape[0] != b:
@@ -373,13 +334,13 @@ class MoEGPT(nn.Module):
             x = layer(x, rope, position_ids, layer_meta)
         return self.lm_head(self.norm(x))
 
-    def moe_blocks(self) -> Iterator[nn.Module]:
+    def moe_blocks(self) -> Iterator[MoELayer]:
         """The MoE feed-forward blocks (dense layers excluded)."""
-        return (layer.ffn for layer in self.layers if not isinstance(layer.ffn, DenseSwiGLU))
+        return (layer.ffn for layer in self.layers if isinstance(layer.ffn, MoELayer))
 
     def aux_loss(self) -> Tensor:
         """Sum of the load-balancing losses of every MoE block's last forward (0-d)."""
-        losses = [block.last_aux_loss for block in self.moe_blocks()]
+        losses = [block.stats.aux_loss for block in self.moe_blocks() if block.stats is not None]
         return torch.stack(losses).sum() if losses else self.lm_head.weight.new_zeros(())
 
     @functools.cached_property
@@ -406,3 +367,23 @@ class MoEGPT(nn.Module):
         tokens = sum(lengths)
         attention = 6 * c.n_layers * c.head_dim * c.n_heads * sum(n * n for n in lengths)
         return 6 * self.num_active_params * tokens + attention
+
+
+def _check_inputs(input_ids: Tensor, position_ids: Tensor | None) -> None:
+    """Shapes and dtypes of :meth:`MoEGPT.forward`'s inputs only: free, no device read."""
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in _ID_DTYPES:
+        got = _describe(input_ids)
+        raise DataError(f"input_ids: must be a (B, T) int64 or int32 tensor of token ids, got {got}")
+    b, t = input_ids.shape
+    if position_ids is not None and (
+        not isinstance(position_ids, Tensor)
+        or position_ids.shape not in ((b, t), (1, t))  # (1, T): the same positions for every row, as in HF
+        or position_ids.dtype not in _POSITION_DTYPES
+    ):
+        shapes = f"{(b, t)}" if b == 1 else f"{(b, t)} (or (1, {t}))"
+        got = _describe(position_ids)
+        raise MetadataError(f"position_ids: must be an integer tensor of input_ids' shape {shapes}, got {got}")
+
+
+def _describe(value: object) -> str:
+    return f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__

@@ -2,10 +2,10 @@
 
 Example::
 
-    from lightning_llmfast.moe import MoEBlock
+    from lightning_llmfast.moe import MoEBlock, MoEConfig
 
-    block = MoEBlock(hidden_size=64, ffn_size=128, num_experts=8, top_k=2)
-    y = block(torch.randn(2, 16, 64))  # (2, 16, 64); block.last_aux_loss, block.last_tokens_per_expert
+    block = MoEBlock(MoEConfig.build(hidden_size=64, ffn_size=128, num_experts=8, top_k=2))
+    y = block(torch.randn(2, 16, 64))  # (2, 16, 64); block.stats.aux_loss, block.stats.tokens_per_expert
 """
 
 from __future__ import annotations
@@ -24,28 +24,50 @@ _LAZY: dict[str, str] = {
     "route": "lightning_llmfast.moe.routing",
     "RoutingPlan": "lightning_llmfast.moe.routing",
     "update_expert_bias": "lightning_llmfast.moe.routing",
+    "MoEConfig": "lightning_llmfast.moe.config",
+    "RoutingConfig": "lightning_llmfast.moe.config",
+    "MoEStats": "lightning_llmfast.moe.stats",
+    "MoELayer": "lightning_llmfast.moe.stats",
+    "SequenceBoundaries": "lightning_llmfast.moe.losses",
     "SwiGLUExperts": "lightning_llmfast.moe.naive",
     "NaiveMoEBlock": "lightning_llmfast.moe.naive",
     "GroupedExperts": "lightning_llmfast.moe.experts",
+    "TokenDispatcher": "lightning_llmfast.moe.dispatcher",
+    "ExpertRows": "lightning_llmfast.moe.dispatcher",
+    "LocalDispatcher": "lightning_llmfast.moe.dispatch",
+    "expert_swiglu": "lightning_llmfast.moe.dispatch",
     "routed_swiglu": "lightning_llmfast.moe.dispatch",
+    "GroupedMoE": "lightning_llmfast.moe.block",
     "MoEBlock": "lightning_llmfast.moe.block",
     "SharedExperts": "lightning_llmfast.moe.block",
     "register_moe_adapter": "lightning_llmfast.moe.adapters",
     "get_moe_adapter": "lightning_llmfast.moe.adapters",
-    "ExpertLoadMetric": "lightning_llmfast.callbacks.expert_metric",  # needs torchmetrics (Lightning layer)
-    "ExpertParallelDispatch": "lightning_llmfast.moe.expert_parallel",
+    "AllToAllDispatcher": "lightning_llmfast.moe.alltoall",
+    "AllToAllDroplessDispatcher": "lightning_llmfast.moe.alltoall",
+    "AllToAllCapacityDispatcher": "lightning_llmfast.moe.alltoall",
     "shard_experts": "lightning_llmfast.moe.expert_parallel",
 }
 
 __all__ = [
-    "ExpertLoadMetric",
-    "ExpertParallelDispatch",
+    "AllToAllCapacityDispatcher",
+    "AllToAllDispatcher",
+    "AllToAllDroplessDispatcher",
+    "ExpertRows",
     "GroupedExperts",
+    "GroupedMoE",
+    "LocalDispatcher",
     "MoEBlock",
+    "MoEConfig",
+    "MoELayer",
+    "MoEStats",
     "NaiveMoEBlock",
+    "RoutingConfig",
     "RoutingPlan",
+    "SequenceBoundaries",
     "SharedExperts",
     "SwiGLUExperts",
+    "TokenDispatcher",
+    "expert_swiglu",
     "get_moe_adapter",
     "permute",
     "register_moe_adapter",
@@ -61,11 +83,19 @@ __getattr__ = lazy_getattr(__name__, _LAZY)
 __dir__ = lazy_dir(__name__, _LAZY)
 
 if TYPE_CHECKING:
-    from lightning_llmfast.callbacks.expert_metric import ExpertLoadMetric
     from lightning_llmfast.moe.adapters import get_moe_adapter, register_moe_adapter
-    from lightning_llmfast.moe.block import MoEBlock, SharedExperts
-    from lightning_llmfast.moe.dispatch import routed_swiglu
-    from lightning_llmfast.moe.expert_parallel import ExpertParallelDispatch, shard_experts
+    from lightning_llmfast.moe.alltoall import (
+        AllToAllCapacityDispatcher,
+        AllToAllDispatcher,
+        AllToAllDroplessDispatcher,
+    )
+    from lightning_llmfast.moe.block import GroupedMoE, MoEBlock, SharedExperts
+    from lightning_llmfast.moe.config import MoEConfig, RoutingConfig
+    from lightning_llmfast.moe.dispatch import LocalDispatcher, expert_swiglu, routed_swiglu
+    from lightning_llmfast.moe.dispatcher import ExpertRows, TokenDispatcher
+    from lightning_llmfast.moe.expert_parallel import shard_experts
     from lightning_llmfast.moe.experts import GroupedExperts
+    from lightning_llmfast.moe.losses import SequenceBoundaries
     from lightning_llmfast.moe.naive import NaiveMoEBlock, SwiGLUExperts
     from lightning_llmfast.moe.routing import RoutingPlan, route, update_expert_bias
+    from lightning_llmfast.moe.stats import MoELayer, MoEStats

@@ -25,18 +25,20 @@ import inspect
 import re
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_llmfast.errors import ConfigError
-from lightning_llmfast.moe.block import MoEBlock, check_block_routing_args, record_plan
-from lightning_llmfast.moe.dispatch import compute_copy, routed_swiglu
-from lightning_llmfast.moe.naive import NaiveMoEBlock, check_block_input
-from lightning_llmfast.moe.routing import route
+from lightning_llmfast.moe.block import GroupedMoE, MoEBlock
+from lightning_llmfast.moe.checks import check_block_input
+from lightning_llmfast.moe.config import MoEConfig, RoutingConfig
+from lightning_llmfast.moe.dispatcher import TokenDispatcher
+from lightning_llmfast.moe.kernels import BACKENDS
+from lightning_llmfast.moe.naive import NaiveMoEBlock
 
 __all__ = [
     "HFGroupedMoeBlock",
@@ -49,6 +51,8 @@ __all__ = [
 Adapter = Callable[..., nn.Module]
 
 _ADAPTERS: dict[type, Adapter] = {}
+# Replacements made by swap_moe_blocks (user adapters' included): a second pass neither swaps nor warns about them.
+_SWAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 # (model, class) of the transformers blocks we adapt, in transformers.models.<model>.modeling_<model>. They are looked
 # up in sys.modules only: a model holding one has imported its module already, and importing transformers ourselves
@@ -156,7 +160,8 @@ def swap_moe_blocks(model: nn.Module, backend: str = "auto") -> int:
         model = MoEGPT(MoEGPTConfig(router_backend="naive"))
         swap_moe_blocks(model)  # == number of MoE layers
     """
-    check_block_routing_args(None, backend, "position")
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
     return _swap_children(model, backend)
 
 
@@ -164,13 +169,12 @@ def _swap_children(parent: nn.Module, backend: str, prefix: str = "") -> int:
     swapped = 0
     for name, child in list(parent.named_children()):
         path = f"{prefix}{name}"
-        if getattr(child, "_llmfast_grouped", False):
+        if isinstance(child, GroupedMoE) or child in _SWAPPED:
             continue
         adapter = get_moe_adapter(child)
         if adapter is not None:
             replacement = adapter(child, backend=backend) if _takes_backend(adapter) else adapter(child)
-            # Marks user adapters' replacements too, so a second pass neither swaps nor warns about them.
-            replacement._llmfast_grouped = True
+            _SWAPPED.add(replacement)
             setattr(parent, name, replacement)
             swapped += 1
         elif looks_like_moe(child):
@@ -201,17 +205,10 @@ def _takes_backend(adapter: Adapter) -> bool:
 
 def _adapt_naive(block: NaiveMoEBlock, backend: str = "auto") -> MoEBlock:
     """:class:`NaiveMoEBlock` -> :class:`MoEBlock` holding the same router and expert ``Parameter`` objects."""
+    routing = RoutingConfig(top_k=block.top_k, score=block.score, normalize=block.normalize, backend=backend)
     # Built on the meta device: its own parameters are discarded at once, so they must not allocate.
     with torch.device("meta"):
-        grouped = MoEBlock(
-            block.hidden_size,
-            block.ffn_size,
-            block.num_experts,
-            block.top_k,
-            backend=backend,
-            normalize=block.normalize,
-            score=block.score,
-        )
+        grouped = MoEBlock(MoEConfig(block.hidden_size, block.ffn_size, block.num_experts, routing))
     grouped.router = block.router
     grouped.experts.gate_up_proj = block.experts.gate_up_proj
     grouped.experts.down_proj = block.experts.down_proj
@@ -219,15 +216,16 @@ def _adapt_naive(block: NaiveMoEBlock, backend: str = "auto") -> MoEBlock:
     return grouped
 
 
-class HFGroupedMoeBlock(nn.Module):
+class HFGroupedMoeBlock(GroupedMoE):
     """Grouped, sync-free replacement of a transformers 5 sparse-MoE block, sharing its submodules.
 
-    The block's children (``gate``, ``experts`` and, for Qwen2-MoE, ``shared_expert``/``shared_expert_gate``, for
-    DeepSeek-V3 ``shared_experts``) are
-    re-registered here in their original order, so the state-dict keys and ``Parameter`` objects are the original
-    ones. The fused expert weights are used through transposed views (``(E, 2F, H)`` -> ``(E, H, 2F)``), never
-    copied. The router module is still called (its forward hooks record ``output_router_logits``); its top-k is
-    recomputed by :func:`~lightning_llmfast.moe.route`, which costs one ``(T, E)`` softmax, far below the GEMMs.
+    The same route -> dispatch -> record path as :class:`~lightning_llmfast.moe.MoEBlock`, over the transformers
+    weights. The block's children (``gate``, ``experts`` and, for Qwen2-MoE, ``shared_expert``/``shared_expert_gate``,
+    for DeepSeek-V3 ``shared_experts``) are re-registered here in their original order, so the state-dict keys and
+    ``Parameter`` objects are the original ones. The fused expert weights are used through transposed views
+    (``(E, 2F, H)`` -> ``(E, H, 2F)``), never copied. The router module is still called (its forward hooks record
+    ``output_router_logits``); its top-k is recomputed by :func:`~lightning_llmfast.moe.route`, which costs one
+    ``(T, E)`` softmax, far below the GEMMs.
 
     Args:
         block: the transformers block (``gate`` with ``weight``/``top_k``, ``experts`` with ``gate_up_proj``,
@@ -236,48 +234,36 @@ class HFGroupedMoeBlock(nn.Module):
         backend: routing backend.
         deepseek: route as DeepSeek-V3's router does, with its ``e_score_correction_bias`` (read at every
             forward, not updated), ``num_group``/``topk_group`` and ``routed_scaling_factor``.
+        dispatcher: how tokens reach the experts (default: all experts local).
 
     Attributes:
-        last_plan, last_aux_loss, last_z_loss, last_tokens_per_expert, last_router_logits, last_nonfinite: as on
-            :class:`~lightning_llmfast.moe.MoEBlock`.
+        stats: the last forward's :class:`~lightning_llmfast.moe.MoEStats`.
+
+    Raises:
+        ConfigError: not transformers>=5 fused experts, or routing options our router cannot take.
 
     Example::
 
         block = HFGroupedMoeBlock(model.model.layers[0].mlp, normalize=True)
     """
 
-    _llmfast_grouped = True
-
-    def __init__(self, block: nn.Module, *, normalize: bool, backend: str = "auto", deepseek: bool = False) -> None:
-        super().__init__()
-        experts = getattr(block, "experts", None)
-        gate_up = getattr(experts, "gate_up_proj", None)
-        if not isinstance(gate_up, Tensor) or gate_up.dim() != 3 or getattr(experts, "has_bias", False):
-            raise ConfigError(
-                f"{type(block).__qualname__}: expected transformers>=5 fused experts (3-D experts.gate_up_proj, "
-                "no expert biases)"
-            )
+    def __init__(
+        self,
+        block: nn.Module,
+        *,
+        normalize: bool,
+        backend: str = "auto",
+        deepseek: bool = False,
+        dispatcher: TokenDispatcher | None = None,
+    ) -> None:
+        super().__init__(_hf_config(block, normalize, backend, deepseek), dispatcher)
         for name, child in block.named_children():
             self.add_module(name, child)
         for name, param in block.named_parameters(recurse=False):
             self.register_parameter(name, param)
         for name, buf in block.named_buffers(recurse=False):
             self.register_buffer(name, buf)
-        self.top_k: int = block.gate.top_k
-        self.normalize = normalize
-        self.backend = backend
         self.deepseek = deepseek
-        # A tuple: torch.compile specialises its elements (float attributes turn symbolic across compiles).
-        self._deepseek_options: tuple[tuple[str, Any], ...] = ()
-        if deepseek:
-            gate = block.gate
-            self._deepseek_options = (
-                ("score", "sigmoid"),
-                ("num_groups", gate.num_group),
-                ("topk_groups", gate.topk_group),
-                ("group_topk", min(_HF_GROUP_TOPK, gate.weight.shape[0] // gate.num_group)),
-                ("route_scale", gate.routed_scaling_factor),
-            )
         self.jitter_noise: float = getattr(block, "jitter_noise", 0.0)
         act = block.experts.act_fn
         # HF's SiLUActivation and nn.SiLU compute F.silu; passing the function itself selects the fused SwiGLU.
@@ -285,14 +271,6 @@ class HFGroupedMoeBlock(nn.Module):
             F.silu if isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" else act
         )
         self.train(block.training)
-        # The routed experts' call: replaced by an expert-parallel dispatch by shard_experts (moe/expert_parallel.py).
-        self.expert_dispatch: Callable[..., Tensor] = routed_swiglu
-        self.last_plan: Any = None
-        self.last_aux_loss: Tensor | None = None
-        self.last_z_loss: Tensor | None = None
-        self.last_tokens_per_expert: Tensor | None = None
-        self.last_router_logits: Tensor | None = None
-        self.last_nonfinite: Tensor | None = None
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         """Same contract as the transformers block.
@@ -310,36 +288,47 @@ class HFGroupedMoeBlock(nn.Module):
             # Mixtral's multiplicative router jitter, drawn exactly as the original block draws it.
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
-        x = hidden_states.reshape(-1, shape[-1])
-        # One compute-dtype copy for router, experts and shared expert: their matmuls (transformers' routers are a
-        # plain F.linear) would each cast x to the same values under autocast and keep their own copy for backward.
-        x_compute = compute_copy(x)
-        logits = self.gate(x_compute)[0]  # (T, E)
-        plan = route(
-            logits, self.top_k, normalize=self.normalize, validate=False, backend=self.backend, **self._routing()
-        )
-        experts = self.experts
-        out = self.expert_dispatch(
-            x,
-            plan,
-            experts.gate_up_proj.transpose(1, 2),
-            experts.down_proj.transpose(1, 2),
-            self._act,
-            x_compute=x_compute,
-            backend=self.backend,
-        )
-        if hasattr(self, "shared_expert"):
-            out = out + F.sigmoid(self.shared_expert_gate(x_compute)) * self.shared_expert(x_compute)
-        if hasattr(self, "shared_experts"):
-            out = out + self.shared_experts(x_compute)
-        record_plan(self, plan, logits)
-        return out.reshape(shape)
+        return self._moe(hidden_states.reshape(-1, shape[-1]), None, None, shape).reshape(shape)
 
-    def _routing(self) -> dict[str, Any]:
-        """The DeepSeek-V3 router's options for :func:`~lightning_llmfast.moe.route` (none for softmax routers)."""
-        if not self.deepseek:
-            return {}
-        return {**dict(self._deepseek_options), "expert_bias": self.gate.e_score_correction_bias}
+    def _router_logits(self, x_compute: Tensor) -> Tensor:
+        return self.gate(x_compute)[0]
+
+    def _selection_bias(self) -> Tensor | None:
+        return self.gate.e_score_correction_bias if self.deepseek else None
+
+    def _expert_weights(self) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+        return self.experts.gate_up_proj.transpose(1, 2), self.experts.down_proj.transpose(1, 2), self._act
+
+    def _shared_output(self, x_compute: Tensor) -> Tensor | None:
+        if hasattr(self, "shared_expert"):
+            return F.sigmoid(self.shared_expert_gate(x_compute)) * self.shared_expert(x_compute)
+        if hasattr(self, "shared_experts"):
+            return self.shared_experts(x_compute)
+        return None
+
+
+def _hf_config(block: nn.Module, normalize: bool, backend: str, deepseek: bool) -> MoEConfig:
+    """The :class:`MoEConfig` of a transformers block (checked to have the fused 3-D expert layout)."""
+    experts = getattr(block, "experts", None)
+    gate_up = getattr(experts, "gate_up_proj", None)
+    if not isinstance(gate_up, Tensor) or gate_up.dim() != 3 or getattr(experts, "has_bias", False):
+        raise ConfigError(
+            f"{type(block).__qualname__}: expected transformers>=5 fused experts (3-D experts.gate_up_proj, "
+            "no expert biases)"
+        )
+    gate = block.gate
+    num_experts, hidden = gate.weight.shape
+    options = {}
+    if deepseek:
+        options = {
+            "score": "sigmoid",
+            "num_groups": gate.num_group,
+            "topk_groups": gate.topk_group,
+            "group_topk": min(_HF_GROUP_TOPK, num_experts // gate.num_group),
+            "route_scale": gate.routed_scaling_factor,
+        }
+    routing = RoutingConfig(top_k=gate.top_k, normalize=normalize, backend=backend, **options)
+    return MoEConfig(hidden, gate_up.shape[1] // 2, num_experts, routing)
 
 
 def _adapt_hf(block: nn.Module, backend: str = "auto") -> HFGroupedMoeBlock:

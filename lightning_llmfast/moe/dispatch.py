@@ -29,27 +29,27 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_llmfast._autograd import eager_custom_op, mark_rebuildable
-from lightning_llmfast.errors import RoutingError
+from lightning_llmfast.errors import ConfigError, RoutingError
+from lightning_llmfast.moe.checks import check_swiglu_inputs
+from lightning_llmfast.moe.dispatcher import ExpertRows, RowGather, TokenDispatcher
 from lightning_llmfast.moe.experts import (
     _grouped_mm,
     _swiglu_down,
     autocast_inputs,
-    check_swiglu_inputs,
     grouped_mm_supported,
     grouped_swiglu,
 )
-from lightning_llmfast.moe.kernels import gather_rows, resolve_backend
+from lightning_llmfast.moe.kernels import BACKENDS, gather_rows, resolve_backend
 from lightning_llmfast.moe.permute import (
     _combine_rows,
     _pair_values_to_rows,
+    _permute_rows,
     _plan_indices,
     _sum_rows,
-    permute,
-    unpermute,
 )
 from lightning_llmfast.moe.routing import RoutingPlan
 
-__all__ = ["compute_copy", "routed_swiglu"]
+__all__ = ["LocalDispatcher", "compute_copy", "expert_swiglu", "routed_swiglu"]
 
 
 @torch.library.custom_op("lightning_llmfast::permute_grouped_mm", mutates_args=())
@@ -143,6 +143,102 @@ _permute_grouped_mm.register_autograd(_permute_grouped_mm_backward, setup_contex
 _permute_grouped_mm = eager_custom_op(_permute_grouped_mm)
 
 
+class LocalDispatcher(TokenDispatcher):
+    """Every expert on this rank: a fused gather into the first expert GEMM, weights in the second's epilogue.
+
+    :meth:`dispatch` materialises no rows: it hands the experts the token activations with the gather indices and
+    each row's combine weight; :meth:`combine` is a plain sum over each token's rows that keeps no rows for
+    backward (module docstring).
+
+    Args:
+        backend: gather/combine kernels: ``"auto"`` (Triton on CUDA), ``"torch"`` or ``"triton"``.
+
+    Example::
+
+        dispatcher = LocalDispatcher()
+        rows, ctx = dispatcher.dispatch(x, plan)
+        y = dispatcher.combine(expert_swiglu(rows, gate_up, down), ctx)
+    """
+
+    def __init__(self, backend: str = "auto") -> None:
+        if backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+        self.backend = backend
+
+    def dispatch(self, x: Tensor, plan: RoutingPlan, *, x_compute: Tensor | None = None) -> tuple[ExpertRows, Any]:
+        _check_tokens(x, plan, x_compute)
+        backend = resolve_backend(self.backend, x.device)
+        idx = _plan_indices(plan)
+        kept = plan.kept if plan.padded else None
+        pair_mask = kept.to(x.dtype) if kept is not None else None
+        weights = plan.weights if kept is None else plan.weights * kept.to(plan.weights.dtype)
+        row_weights = _pair_values_to_rows(weights, idx.pairs, idx.positions, kept)
+        # x_compute is not detached: its grad_fn (a cast of the norm's output) lets the offloader rebuild it.
+        gather = RowGather(x, idx.tokens, idx.positions, pair_mask, idx.num_valid, backend)
+        rows = ExpertRows(compute_copy(x) if x_compute is None else x_compute, plan.offsets, plan.padded, gather)
+        return rows._replace(row_weights=row_weights), gather
+
+    def combine(self, rows: Tensor, ctx: RowGather) -> Tensor:
+        return _sum_rows(rows, ctx.positions, ctx.pair_mask, ctx.tokens, ctx.num_valid, ctx.backend)
+
+    def __repr__(self) -> str:
+        return f"LocalDispatcher(backend={self.backend!r})"
+
+
+def expert_swiglu(rows: ExpertRows, gate_up: Tensor, down: Tensor, act: Callable[[Tensor], Tensor] = F.silu) -> Tensor:
+    """SwiGLU experts over dispatched rows: ``(M, H)`` outputs, times ``rows.row_weights`` when given.
+
+    A fused gather (``rows.gather``) goes into the first grouped GEMM and the row weights into the second's
+    epilogue; where ``grouped_mm`` does not take the inputs (float64, odd sizes, older GPUs) or ``act`` is not
+    ``F.silu``, the rows are gathered first and weighted after the experts. Padding rows come back as zeros.
+
+    Args:
+        rows: a dispatcher's :class:`~lightning_llmfast.moe.dispatcher.ExpertRows`.
+        gate_up: ``(E_local, H, 2F)`` expert weights (any strides), gate half first.
+        down: ``(E_local, F, H)`` expert weights (any strides).
+        act: activation of the gate half.
+
+    Returns:
+        ``(M, H)`` in the compute dtype.
+
+    Example::
+
+        rows, ctx = dispatcher.dispatch(x, plan)
+        y = dispatcher.combine(expert_swiglu(rows, experts.gate_up_proj, experts.down_proj), ctx)
+    """
+    gather = rows.gather
+    if gather is None:
+        out = grouped_swiglu(rows.rows, rows.offsets, gate_up, down, act, padded=rows.padded, validate=False)
+        return out if rows.row_weights is None else out * rows.row_weights.unsqueeze(1).to(out.dtype)
+    x_compute = rows.rows
+    check_swiglu_inputs(x_compute, gate_up, down)
+    gate_up, down = autocast_inputs(x_compute.device, gate_up, down)
+    if act is not F.silu or not grouped_mm_supported(x_compute, gate_up, down):
+        g = gather
+        permuted = _permute_rows(g.x, g.tokens, g.num_valid, g.positions, g.pair_mask, g.backend)
+        return expert_swiglu(
+            ExpertRows(permuted, rows.offsets, rows.padded, None, rows.row_weights), gate_up, down, act
+        )
+    ends = rows.offsets[1:].to(torch.int32)  # grouped_mm's `offs`: the group ends
+    hidden = _permute_grouped_mm(
+        gather.x,
+        x_compute,
+        gather.tokens,
+        gather.num_valid,
+        gather.positions,
+        gather.pair_mask,
+        gate_up,
+        ends,
+        gather.backend,
+    )
+    out = _swiglu_down(hidden, down, ends, rows.row_weights, gather.backend)
+    if gather.num_valid is not None:
+        # grouped_mm leaves the padding rows unwritten: zero them (a select: garbage * 0 may be NaN).
+        valid = torch.arange(out.shape[0], device=out.device) < gather.num_valid
+        out = torch.where(valid.unsqueeze(1), out, 0)
+    return out
+
+
 def routed_swiglu(
     x: Tensor,
     plan: RoutingPlan,
@@ -155,9 +251,9 @@ def routed_swiglu(
 ) -> Tensor:
     """``out[t] = sum_s weights[t, s] * expert_{e(t, s)}(x[t])`` over kept pairs, for SwiGLU experts.
 
-    The same function as ``unpermute(grouped_swiglu(permute(x, plan), ...), plan)``, without keeping the permuted
-    input or output rows for backward (module docstring). Where ``grouped_mm`` does not take the inputs (float64,
-    odd sizes, older GPUs) or ``act`` is not ``F.silu``, it is that composition.
+    :class:`LocalDispatcher` and :func:`expert_swiglu` in one call: the same function as
+    ``unpermute(grouped_swiglu(permute(x, plan), ...), plan)``, without keeping the permuted input or output rows
+    for backward (module docstring).
 
     Args:
         x: ``(T, H)`` token activations.
@@ -179,17 +275,22 @@ def routed_swiglu(
 
     Example::
 
-        x_compute = x.to(torch.bfloat16)  # under bf16 autocast
-        plan = route(router(x_compute), top_k=2, validate=False)
-        y = routed_swiglu(x, plan, experts.gate_up_proj, experts.down_proj, x_compute=x_compute)
+        plan = route(router(x), 2, validate=False)
+        y = routed_swiglu(x, plan, experts.gate_up_proj, experts.down_proj)
     """
-    if x.dim() != 2 or x.shape[0] != plan.num_tokens:
-        raise RoutingError(f"x must have shape (num_tokens={plan.num_tokens}, hidden), got {tuple(x.shape)}")
+    dispatcher = LocalDispatcher(backend)
+    rows, ctx = dispatcher.dispatch(x, plan, x_compute=x_compute)
     check_swiglu_inputs(x, gate_up, down)
     if gate_up.shape[0] != plan.num_experts:
         raise RoutingError(
             f"gate_up and down must have E=plan.num_experts={plan.num_experts} experts, got {gate_up.shape[0]}"
         )
+    return dispatcher.combine(expert_swiglu(rows, gate_up, down, act), ctx)
+
+
+def _check_tokens(x: Tensor, plan: RoutingPlan, x_compute: Tensor | None) -> None:
+    if x.dim() != 2 or x.shape[0] != plan.num_tokens:
+        raise RoutingError(f"x must have shape (num_tokens={plan.num_tokens}, hidden), got {tuple(x.shape)}")
     if x_compute is not None:
         if x_compute.shape != x.shape:
             raise RoutingError(f"x_compute must have the shape of x {tuple(x.shape)}, got {tuple(x_compute.shape)}")
@@ -198,31 +299,6 @@ def routed_swiglu(
                 f"x_compute must have dtype {_compute_dtype(x)} (compute_copy(x): x's, or autocast's), "
                 f"got {x_compute.dtype}"
             )
-    backend = resolve_backend(backend, x.device)
-    padded = plan.padded
-    if x_compute is None:
-        x_compute = compute_copy(x)
-    gate_up, down = autocast_inputs(x.device, gate_up, down)
-    if act is not F.silu or not grouped_mm_supported(x_compute, gate_up, down):
-        rows = permute(x, plan, backend=backend)
-        hidden = grouped_swiglu(rows, plan.offsets, gate_up, down, act, padded=padded, validate=False)
-        return unpermute(hidden, plan, backend=backend)
-    idx = _plan_indices(plan)
-    kept = plan.kept if padded else None
-    pair_mask = kept.to(x.dtype) if kept is not None else None
-    ends = plan.offsets[1:].to(torch.int32)  # grouped_mm's `offs`: the group ends
-    weights = plan.weights if kept is None else plan.weights * kept.to(plan.weights.dtype)
-    row_weights = _pair_values_to_rows(weights, idx.pairs, idx.positions, kept)
-    # x_compute is not detached: its grad_fn (a cast of the norm's output) lets the offloader rebuild it in backward.
-    hidden = _permute_grouped_mm(
-        x, x_compute, idx.tokens, idx.num_valid, idx.positions, pair_mask, gate_up, ends, backend
-    )
-    rows = _swiglu_down(hidden, down, ends, row_weights, backend)
-    if idx.num_valid is not None:
-        # grouped_mm leaves the padding rows unwritten: zero them (a select: garbage * 0 may be NaN).
-        valid = torch.arange(rows.shape[0], device=rows.device) < idx.num_valid
-        rows = torch.where(valid.unsqueeze(1), rows, 0)
-    return _sum_rows(rows, idx.positions, pair_mask, idx.tokens, idx.num_valid, backend)
 
 
 def compute_copy(x: Tensor) -> Tensor:

@@ -24,19 +24,20 @@ is sync-free but materialises ``(M, H, 2F)`` weights, so it loses at any useful 
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import pairwise
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_llmfast._autograd import eager_custom_op
+from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import RoutingError
-from lightning_llmfast.moe.kernels import _scale_rows_, pair_dots
-from lightning_llmfast.moe.naive import SwiGLUExperts
+from lightning_llmfast.moe.checks import check_offsets_meta, check_offsets_values, check_swiglu_inputs
+from lightning_llmfast.moe.kernels import pair_dots
+from lightning_llmfast.moe.kernels.rows import _scale_rows_
 
-__all__ = ["GroupedExperts", "autocast_inputs", "check_swiglu_inputs", "grouped_swiglu", "grouped_mm_supported"]
+__all__ = ["GroupedExperts", "autocast_inputs", "grouped_swiglu", "grouped_mm_supported"]
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -236,65 +237,6 @@ def autocast_inputs(device: torch.device, *tensors: Tensor) -> tuple[Tensor, ...
     return tuple(t.to(dtype) for t in tensors)
 
 
-def check_swiglu_inputs(x: Tensor, gate_up: Tensor, down: Tensor) -> None:
-    """Check the shapes of SwiGLU experts' inputs: ``x`` ``(M, H)``, ``gate_up`` ``(E, H, 2F)``, ``down`` ``(E, F, H)``.
-
-    Metadata only (shapes, dtypes, devices): no device value is read, so it costs no sync.
-
-    Raises:
-        RoutingError: naming the tensor and the shape it should have.
-    """
-    for name, value in (("x", x), ("gate_up", gate_up), ("down", down)):
-        if not isinstance(value, Tensor):
-            raise RoutingError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-        if not value.is_floating_point():
-            raise RoutingError(f"{name} must be floating point, got {value.dtype}")
-    x_shape, gate_up_shape = x.shape, gate_up.shape
-    if len(x_shape) != 2:
-        raise RoutingError(f"x must be 2-D (M, H), got shape {tuple(x_shape)}")
-    hidden = x_shape[1]
-    if len(gate_up_shape) != 3 or gate_up_shape[1] != hidden:
-        raise RoutingError(f"gate_up must have shape (E, H={hidden}, 2F), got {tuple(gate_up_shape)}")
-    num_experts, ffn2 = gate_up_shape[0], gate_up_shape[2]
-    if ffn2 % 2:
-        raise RoutingError(f"gate_up's last dim must be even (2F: the gate half, then the up half), got {ffn2}")
-    if down.shape != (num_experts, ffn2 // 2, hidden):
-        raise RoutingError(
-            f"down must have shape (E={num_experts}, F={ffn2 // 2}, H={hidden}) to match gate_up "
-            f"{tuple(gate_up.shape)}, got {tuple(down.shape)}"
-        )
-    if not x.device == gate_up.device == down.device:
-        devices = f"{x.device}, {gate_up.device}, {down.device}"
-        raise RoutingError(f"x, gate_up and down must be on one device, got {devices}")
-
-
-def _check_offsets_meta(offsets: Tensor, num_experts: int) -> None:
-    if not isinstance(offsets, Tensor):
-        raise RoutingError(f"offsets must be a torch.Tensor, got {type(offsets).__name__}")
-    if offsets.is_floating_point() or offsets.is_complex() or offsets.dtype == torch.bool:
-        raise RoutingError(f"offsets must be an integer tensor, got {offsets.dtype}")
-    if tuple(offsets.shape) != (num_experts + 1,):
-        raise RoutingError(
-            f"offsets must have shape (E+1,) = ({num_experts + 1},) for E={num_experts} experts, "
-            f"got {tuple(offsets.shape)}"
-        )
-
-
-def _check_offsets_values(bounds: list[int], num_rows: int, padded: bool) -> None:
-    if bounds[0] != 0:
-        raise RoutingError(f"offsets must start at 0, got offsets[0]={bounds[0]}")
-    for e, (start, end) in enumerate(pairwise(bounds)):
-        if end < start:
-            raise RoutingError(f"offsets must be non-decreasing, got offsets[{e}]={start} > offsets[{e + 1}]={end}")
-    if padded and bounds[-1] > num_rows:
-        raise RoutingError(f"offsets[-1] must be <= M={num_rows} (the number of rows), got offsets[-1]={bounds[-1]}")
-    if not padded and bounds[-1] != num_rows:
-        raise RoutingError(
-            f"offsets must end at M={num_rows} (the number of rows), got offsets[-1]={bounds[-1]} "
-            "(pass padded=True if the rows from offsets[-1] on are padding)"
-        )
-
-
 def grouped_swiglu(
     x: Tensor,
     offsets: Tensor,
@@ -339,7 +281,7 @@ def grouped_swiglu(
         y = grouped_swiglu(torch.randn(6, 8), offsets, experts.gate_up_proj, experts.down_proj)  # (6, 8)
     """
     check_swiglu_inputs(x, gate_up, down)
-    _check_offsets_meta(offsets, gate_up.shape[0])
+    check_offsets_meta(offsets, gate_up.shape[0])
     x, gate_up, down = autocast_inputs(x.device, x, gate_up, down)
     if not x.dtype == gate_up.dtype == down.dtype:
         raise RoutingError(
@@ -352,7 +294,7 @@ def grouped_swiglu(
         # NOTE: host sync: the offsets read on the host (one .tolist()), to check them (validate=True) or
         # because the per-expert fallback slices rows with them.
         bounds = offsets.tolist()
-        _check_offsets_values(bounds, x.shape[0], padded)
+        check_offsets_values(bounds, x.shape[0], padded)
     if grouped:
         # grouped_mm takes the group ends (offsets[1:]) as its int32 `offs`, on x's device.
         ends = offsets[1:].to(device=x.device, dtype=torch.int32)
@@ -375,11 +317,25 @@ def grouped_swiglu(
     return out
 
 
-class GroupedExperts(SwiGLUExperts):
-    """:class:`SwiGLUExperts` applied to rows grouped by expert, all experts in one grouped GEMM per projection.
+class GroupedExperts(nn.Module):
+    """SwiGLU experts applied to rows grouped by expert, all experts in one grouped GEMM per projection.
 
-    Same parameters (``gate_up_proj`` ``(E, H, 2F)``, ``down_proj`` ``(E, F, H)``) and state-dict keys as
-    :class:`SwiGLUExperts`, so weights move between the naive and the grouped block unchanged.
+    Expert ``e`` computes ``(silu(x @ W_gate) * (x @ W_up)) @ W_down`` with ``W_gate = gate_up_proj[e, :, :F]``,
+    ``W_up = gate_up_proj[e, :, F:]`` and ``W_down = down_proj[e]``: the ``[in, out]`` layout ``grouped_mm`` consumes
+    without a transpose. The parameters and state-dict keys are those of the naive baseline's
+    :class:`~lightning_llmfast.moe.SwiGLUExperts`, so weights move between the two blocks unchanged.
+
+    Args:
+        num_experts: ``E``.
+        hidden_size: ``H``.
+        ffn_size: ``F``, the intermediate size of one expert.
+
+    Raises:
+        ConfigError: a size that is not an int >= 1.
+
+    Attributes:
+        gate_up_proj: ``(E, H, 2F)`` parameter, initialised ``N(0, 0.02)``.
+        down_proj: ``(E, F, H)`` parameter, initialised ``N(0, 0.02)``.
 
     Example::
 
@@ -387,6 +343,18 @@ class GroupedExperts(SwiGLUExperts):
         offsets = torch.tensor([0, 2, 2, 5, 6], dtype=torch.int32)
         y = experts(torch.randn(6, 8), offsets)  # (6, 8)
     """
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_size: int) -> None:
+        super().__init__()
+        for name, value in (("num_experts", num_experts), ("hidden_size", hidden_size), ("ffn_size", ffn_size)):
+            check_int(name, value, low=1)
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.ffn_size = ffn_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * ffn_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, ffn_size, hidden_size))
+        nn.init.normal_(self.gate_up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
 
     def forward(self, x: Tensor, offsets: Tensor, *, padded: bool = False, validate: bool = True) -> Tensor:
         """Apply expert ``e`` to rows ``offsets[e]:offsets[e+1]``.
@@ -404,3 +372,6 @@ class GroupedExperts(SwiGLUExperts):
             RoutingError: as :func:`grouped_swiglu`.
         """
         return grouped_swiglu(x, offsets, self.gate_up_proj, self.down_proj, padded=padded, validate=validate)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, ffn_size={self.ffn_size}"

@@ -8,18 +8,49 @@ for perfectly uniform routing.
 Example::
 
     plan = route(logits, top_k=2, token_mask=mask)
-    loss = plan.aux_loss + plan.sequence_aux_loss(metadata) + 1e-3 * plan.z_loss
+    loss = plan.aux_loss + plan.sequence_aux_loss(SequenceBoundaries(document_ids, 2)) + 1e-3 * plan.z_loss
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from lightning_llmfast.errors import RoutingError
-from lightning_llmfast.seqmeta.metadata import SequenceMetadata
 
-__all__ = ["balance_loss", "masked_probs", "sequence_balance_loss", "z_loss"]
+__all__ = ["SequenceBoundaries", "balance_loss", "masked_probs", "sequence_balance_loss", "z_loss"]
+
+
+class SequenceBoundaries(NamedTuple):
+    """The packed documents of ``T`` routed tokens, for the sequence-wise balance loss.
+
+    The caller owns the sequence metadata (e.g. :class:`~lightning_llmfast.seqmeta.SequenceMetadata`) and passes its
+    boundaries down: ``SequenceBoundaries(metadata.document_ids, metadata.num_sequences)``.
+
+    Attributes:
+        document_ids: ``(T,)`` integer document index of every token, in ``[0, num_documents)``.
+        num_documents: the number of documents (a host int: it sizes the per-document counts).
+
+    Example::
+
+        boundaries = SequenceBoundaries(torch.tensor([0, 0, 0, 1, 1]), 2)
+    """
+
+    document_ids: Tensor
+    num_documents: int
+
+    @classmethod
+    def rows(cls, num_rows: int, length: int, device: torch.device) -> SequenceBoundaries:
+        """Each of ``num_rows`` rows of ``length`` tokens as one document.
+
+        Example::
+
+            SequenceBoundaries.rows(2, 3, torch.device("cpu")).document_ids  # tensor([0, 0, 0, 1, 1, 1])
+        """
+        ids = torch.arange(num_rows, device=device).repeat_interleave(length)
+        return cls(ids, num_rows)
 
 
 def masked_probs(probs: Tensor, token_mask: Tensor | None) -> Tensor:
@@ -61,7 +92,7 @@ def z_loss(logits: Tensor, token_mask: Tensor | None) -> Tensor:
 
 
 def sequence_balance_loss(
-    probs: Tensor, expert_ids: Tensor, token_mask: Tensor | None, metadata: SequenceMetadata
+    probs: Tensor, expert_ids: Tensor, token_mask: Tensor | None, boundaries: SequenceBoundaries
 ) -> Tensor:
     """DeepSeek-V3's sequence-wise balance loss, averaged over the documents with a valid token.
 
@@ -73,22 +104,28 @@ def sequence_balance_loss(
         probs: ``(T, E)`` float32 normalised router probabilities ``p'``, differentiable.
         expert_ids: ``(T, k)`` selected experts (before any capacity limit).
         token_mask: ``(T,)`` bool or ``None``.
-        metadata: the packed document boundaries of the ``T`` tokens.
+        boundaries: the packed documents of the ``T`` tokens.
 
     Returns:
         0-d float32 (0 when no token is valid).
 
     Raises:
-        RoutingError: ``metadata`` not a :class:`~lightning_llmfast.seqmeta.SequenceMetadata` of ``T`` tokens.
+        RoutingError: ``boundaries`` not :class:`SequenceBoundaries` of ``T`` tokens on the probabilities' device.
     """
     num_tokens, num_experts = probs.shape
     top_k = expert_ids.shape[1]
-    if not isinstance(metadata, SequenceMetadata):
-        raise RoutingError(f"metadata must be a SequenceMetadata, got {type(metadata).__name__}")
-    if metadata.num_tokens != num_tokens:
-        raise RoutingError(f"metadata describes {metadata.num_tokens} tokens but the plan routed {num_tokens}")
-    num_docs = max(metadata.num_sequences, 1)
-    doc = metadata.to(probs.device).document_ids  # (T,) int64, memoised
+    if not isinstance(boundaries, SequenceBoundaries):
+        raise RoutingError(f"boundaries must be SequenceBoundaries, got {type(boundaries).__name__}")
+    doc = boundaries.document_ids
+    if not isinstance(doc, Tensor) or tuple(doc.shape) != (num_tokens,) or doc.is_floating_point():
+        got = f"{doc.dtype} of shape {tuple(doc.shape)}" if isinstance(doc, Tensor) else type(doc).__name__
+        raise RoutingError(
+            f"boundaries.document_ids must be a ({num_tokens},) integer tensor (one per token), got {got}"
+        )
+    if doc.device != probs.device:
+        raise RoutingError(f"boundaries.document_ids is on {doc.device} but the router's tokens are on {probs.device}")
+    num_docs = max(boundaries.num_documents, 1)
+    doc = doc.long()
     valid = torch.ones(num_tokens, dtype=torch.int64, device=probs.device) if token_mask is None else token_mask.long()
     keys = (doc.unsqueeze(1) * num_experts + expert_ids.long()).reshape(-1)
     counts = torch.zeros(num_docs * num_experts, dtype=torch.int64, device=probs.device)

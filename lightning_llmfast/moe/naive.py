@@ -15,10 +15,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_llmfast._checks import check_int
-from lightning_llmfast.errors import ConfigError, RoutingError
-from lightning_llmfast.moe.routing import SCORES
+from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.moe.checks import check_block_input
+from lightning_llmfast.moe.config import SCORES
+from lightning_llmfast.moe.stats import MoEStats
 
-__all__ = ["SwiGLUExperts", "NaiveMoEBlock", "check_block_input", "check_moe_args", "router_scores", "router_losses"]
+__all__ = ["SwiGLUExperts", "NaiveMoEBlock", "check_moe_args", "router_scores", "router_losses"]
 
 
 def check_moe_args(hidden_size: int, ffn_size: int, num_experts: int, top_k: int, score: str) -> None:
@@ -33,35 +35,6 @@ def check_moe_args(hidden_size: int, ffn_size: int, num_experts: int, top_k: int
         raise ConfigError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
     if score not in SCORES:
         raise ConfigError(f"score must be one of {sorted(SCORES)}, got {score!r}")
-
-
-def check_block_input(x: Tensor, hidden_size: int, *weights: Tensor, name: str = "x") -> None:
-    """Validate an MoE block's input against its configuration and weights (metadata only: no sync).
-
-    ``x`` (called ``name`` in the errors) must be a float ``(..., hidden_size)`` tensor on the weights' device, in the
-    weights' dtype unless autocast is on for that device and ``x`` is not float64 (autocast then picks the compute
-    dtype).
-
-    Raises:
-        RoutingError: naming the mismatch.
-    """
-    if not isinstance(x, Tensor):
-        raise RoutingError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() == 0 or x.shape[-1] != hidden_size:
-        raise RoutingError(f"{name} must have shape (..., hidden_size={hidden_size}), got {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise RoutingError(f"{name} must be floating point, got {x.dtype}")
-    for weight in weights:
-        if x.device != weight.device:
-            raise RoutingError(f"{name} is on {x.device} but the block's weights are on {weight.device}")
-        # Autocast casts float32/16-bit matmul inputs (never float64) to its dtype: those may differ from the block.
-        # (Asked only on a mismatch: the autocast query costs more than the other checks together.)
-        if x.dtype != weight.dtype and (x.dtype == torch.float64 or not torch.is_autocast_enabled(x.device.type)):
-            hint = "" if x.dtype == torch.float64 else ", or run under torch.autocast"
-            raise RoutingError(
-                f"{name} has dtype {x.dtype} but the block's weights are {weight.dtype}: cast {name} or the block "
-                f"(block.to(dtype)){hint}"
-            )
 
 
 def router_scores(logits: Tensor, score: str) -> Tensor:
@@ -165,7 +138,8 @@ class SwiGLUExperts(nn.Module):
 class NaiveMoEBlock(nn.Module):
     """Baseline top-k MoE block: ``bincount`` counting and a Python loop over experts (HF ``eager``-like).
 
-    Maps ``[..., H]`` to ``[..., H]``. After every forward it stores the router outputs for losses and metrics.
+    Maps ``[..., H]`` to ``[..., H]``. After every forward it stores one :class:`~lightning_llmfast.moe.MoEStats`
+    record in ``stats``.
 
     Args:
         hidden_size: ``H``.
@@ -178,16 +152,13 @@ class NaiveMoEBlock(nn.Module):
     Attributes:
         router: ``nn.Linear(H, E, bias=False)``; ``router.weight`` is ``(E, H)``.
         experts: :class:`SwiGLUExperts`.
-        last_aux_loss: 0-d differentiable load-balancing loss of the last forward.
-        last_z_loss: 0-d differentiable router z-loss of the last forward.
-        last_tokens_per_expert: ``(E,)`` int32 pair counts of the last forward.
-        last_router_logits: ``(T, E)`` router logits of the last forward (``T`` = number of tokens).
+        stats: the last forward's :class:`~lightning_llmfast.moe.MoEStats` (counts, losses, router logits; no plan).
 
     Example::
 
         block = NaiveMoEBlock(hidden_size=64, ffn_size=128, num_experts=8, top_k=2)
         y = block(torch.randn(2, 10, 64))  # (2, 10, 64)
-        loss = y.square().mean() + 0.01 * block.last_aux_loss
+        loss = y.square().mean() + 0.01 * block.stats.aux_loss
     """
 
     def __init__(
@@ -210,10 +181,7 @@ class NaiveMoEBlock(nn.Module):
         self.score = score
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = SwiGLUExperts(num_experts, hidden_size, ffn_size)
-        self.last_aux_loss: Tensor | None = None
-        self.last_z_loss: Tensor | None = None
-        self.last_tokens_per_expert: Tensor | None = None
-        self.last_router_logits: Tensor | None = None
+        self.stats: MoEStats | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         """Route every token to its top-k experts and combine their outputs.
@@ -246,11 +214,13 @@ class NaiveMoEBlock(nn.Module):
             out = out.index_add(0, token, (y * top_w[token, slot, None]).to(x.dtype))
         probs = scores if self.score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
         aux, z = router_losses(logits, probs, counts, self.top_k)
-        self.last_aux_loss = aux
-        self.last_z_loss = z
-        self.last_tokens_per_expert = counts.to(torch.int32)
-        self.last_router_logits = logits
+        num_pairs = logits.shape[0] * self.top_k
+        # Dropless: no dropped pairs to count, no plan.
+        self.stats = MoEStats(counts.to(torch.int32), aux, z, None, num_pairs, None, logits, None)
         return out.reshape(shape)
+
+    def finish_step(self, group: object = None) -> None:
+        """Nothing to close: the baseline keeps no per-step state (part of the MoE layer contract)."""
 
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, normalize={self.normalize}, score={self.score!r}"

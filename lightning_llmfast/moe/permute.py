@@ -20,13 +20,8 @@ from torch import Tensor
 
 from lightning_llmfast._autograd import eager_custom_op
 from lightning_llmfast.errors import RoutingError
-from lightning_llmfast.moe.kernels import (
-    _acc_dtype,
-    combine_rows,
-    combine_rows_backward,
-    gather_rows,
-    resolve_backend,
-)
+from lightning_llmfast.moe.kernels import combine_rows, combine_rows_backward, gather_rows, resolve_backend
+from lightning_llmfast.moe.kernels.rows import _acc_dtype
 from lightning_llmfast.moe.routing import RoutingPlan
 
 __all__ = ["permute", "unpermute"]

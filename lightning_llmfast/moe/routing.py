@@ -9,7 +9,7 @@ there is no ``(tokens, experts)`` one-hot mask.
 Example::
 
     logits = router(x)  # (num_tokens, num_experts)
-    plan = route(logits, top_k=2, validate=False)
+    plan = route(logits, RoutingConfig(top_k=2), validate=False)
     y = unpermute(experts(permute(x, plan), plan.offsets), plan)
     loss = loss + 0.01 * plan.aux_loss + 0.001 * plan.z_loss
 """
@@ -17,26 +17,19 @@ Example::
 from __future__ import annotations
 
 import math
-from numbers import Integral
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from lightning_llmfast._checks import check_number
-from lightning_llmfast.errors import RoutingError
+from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.moe.balance import update_expert_bias
+from lightning_llmfast.moe.config import RoutingConfig
 from lightning_llmfast.moe.kernels import resolve_backend, stable_counting_sort
-from lightning_llmfast.moe.losses import balance_loss, sequence_balance_loss, z_loss
-from lightning_llmfast.moe.selection import apply_capacity, check_groups, expert_capacity, select_experts
+from lightning_llmfast.moe.losses import SequenceBoundaries, balance_loss, sequence_balance_loss, z_loss
+from lightning_llmfast.moe.selection import apply_capacity, expert_capacity, select_experts
 
-if TYPE_CHECKING:
-    from lightning_llmfast.seqmeta.metadata import SequenceMetadata
-
-__all__ = ["DROP_POLICIES", "SCORES", "RoutingPlan", "route", "update_expert_bias"]
-
-SCORES: frozenset[str] = frozenset({"softmax", "sigmoid"})
-DROP_POLICIES: frozenset[str] = frozenset({"position", "score"})
+__all__ = ["RoutingPlan", "route", "update_expert_bias"]
 
 # Added to sums of sigmoid scores before dividing by them (as DeepSeek-V3 does): they can all underflow to zero.
 # Softmax sums need none: the top-k softmax scores sum to at least 1 / E.
@@ -125,7 +118,7 @@ class RoutingPlan(NamedTuple):
         padding and ``kept`` must be honoured."""
         return self.capacity is not None or self.token_mask is not None
 
-    def sequence_aux_loss(self, metadata: SequenceMetadata) -> Tensor:
+    def sequence_aux_loss(self, boundaries: SequenceBoundaries) -> Tensor:
         """DeepSeek-V3's sequence-wise balance loss over the packed documents of ``metadata``, sync-free.
 
         Per document ``d`` of ``L_d`` valid tokens, ``sum_e f_e * P_e`` with ``f_e = E / (k * L_d) * (tokens of d
@@ -133,19 +126,19 @@ class RoutingPlan(NamedTuple):
         valid token (1 for uniform routing). Selections are counted before the capacity limit.
 
         Args:
-            metadata: :class:`~lightning_llmfast.seqmeta.SequenceMetadata` of the ``T`` routed tokens.
+            boundaries: the packed documents of the ``T`` routed tokens.
 
         Returns:
             0-d float32, differentiable through ``router_probs``.
 
         Raises:
-            RoutingError: ``metadata`` is not a ``SequenceMetadata`` of ``T`` tokens.
+            RoutingError: ``boundaries`` are not :class:`SequenceBoundaries` of ``T`` tokens.
 
         Example::
 
-            loss = plan.sequence_aux_loss(SequenceMetadata.from_lengths([3, 5]))
+            loss = plan.sequence_aux_loss(SequenceBoundaries(torch.tensor([0, 0, 0, 1, 1, 1, 1, 1]), 2))
         """
-        return sequence_balance_loss(self.router_probs, self.expert_ids, self.token_mask, metadata)
+        return sequence_balance_loss(self.router_probs, self.expert_ids, self.token_mask, boundaries)
 
     def global_aux_loss(self, counts: Tensor) -> Tensor:
         """The balance loss with ``f_e`` from ``counts`` (e.g. summed over a step's micro-batches and the ranks).
@@ -181,29 +174,16 @@ class RoutingPlan(NamedTuple):
             raise RoutingError("router logits contain NaN or infinite values (recorded by route(validate=False))")
 
 
-def _check_arguments(
-    logits: Tensor,
-    top_k: int,
-    score: str,
-    capacity_factor: float | None,
-    drop_policy: str,
-    expert_bias: Tensor | None,
-) -> None:
+def _check_tensors(logits: Tensor, routing: RoutingConfig, expert_bias: Tensor | None, mask: Tensor | None) -> None:
+    """Host-side checks of route()'s tensors (shapes, dtypes, devices): no device value is read."""
     if not isinstance(logits, Tensor):
         raise RoutingError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
     if logits.dim() != 2:
         raise RoutingError(f"logits must be 2-D (num_tokens, num_experts), got shape {tuple(logits.shape)}")
     if not logits.is_floating_point():
         raise RoutingError(f"logits must be floating point, got {logits.dtype}")
-    num_experts = logits.shape[1]
-    if isinstance(top_k, bool) or not isinstance(top_k, Integral) or not 1 <= top_k <= num_experts:  # NumPy ints too
-        raise RoutingError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
-    if score not in SCORES:
-        raise RoutingError(f"score must be one of {sorted(SCORES)}, got {score!r}")
-    if drop_policy not in DROP_POLICIES:
-        raise RoutingError(f"drop_policy must be one of {sorted(DROP_POLICIES)}, got {drop_policy!r}")
-    if capacity_factor is not None:
-        check_number("capacity_factor", capacity_factor, low=0, low_open=True, error=RoutingError)
+    num_tokens, num_experts = logits.shape
+    routing.check_experts(num_experts, error=RoutingError)
     if expert_bias is not None:
         if not isinstance(expert_bias, Tensor) or tuple(expert_bias.shape) != (num_experts,):
             shape = tuple(expert_bias.shape) if isinstance(expert_bias, Tensor) else type(expert_bias).__name__
@@ -212,6 +192,14 @@ def _check_arguments(
             raise RoutingError(f"expert_bias must be a floating-point tensor, got {expert_bias.dtype}")
         if expert_bias.device != logits.device:
             raise RoutingError(f"expert_bias is on {expert_bias.device} but logits are on {logits.device}")
+    if mask is not None:
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+            got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+            raise RoutingError(f"token_mask must be a bool tensor, got {got}")
+        if tuple(mask.shape) != (num_tokens,):
+            raise RoutingError(f"token_mask must have shape (num_tokens={num_tokens},), got {tuple(mask.shape)}")
+        if mask.device != logits.device:
+            raise RoutingError(f"token_mask is on {mask.device} but logits are on {logits.device}")
 
 
 def _nonfinite_flag(logits: Tensor) -> Tensor:
@@ -230,138 +218,147 @@ def _raise_nonfinite(logits: Tensor) -> None:
     raise RoutingError(f"router logits must be finite; found {value} at (token {bad[0]}, expert {bad[1]})")
 
 
-def _check_extras(
-    logits: Tensor,
-    route_scale: float,
-    capacity_factor: float | None,
-    min_capacity: int | None,
-    token_mask: Tensor | None,
-) -> None:
-    check_number("route_scale", route_scale, low=0, low_open=True, error=RoutingError)
-    if min_capacity is not None and capacity_factor is None:
-        raise RoutingError("min_capacity needs a capacity_factor (dropless routing has no capacity)")
-    if token_mask is not None:
-        if not isinstance(token_mask, Tensor) or token_mask.dtype != torch.bool:
-            got = token_mask.dtype if isinstance(token_mask, Tensor) else type(token_mask).__name__
-            raise RoutingError(f"token_mask must be a bool tensor, got {got}")
-        if tuple(token_mask.shape) != (logits.shape[0],):
+def _routing_config(routing: RoutingConfig | int | None, options: dict[str, Any]) -> RoutingConfig:
+    """``routing`` itself, or the config of the keyword form ``route(logits, top_k, score=..., ...)``."""
+    if routing is None and "top_k" in options:
+        routing = options.pop("top_k")
+    if isinstance(routing, RoutingConfig):
+        if options:
             raise RoutingError(
-                f"token_mask must have shape (num_tokens={logits.shape[0]},), got {tuple(token_mask.shape)}"
+                f"pass the routing options in the RoutingConfig or as keywords, not both: {sorted(options)}"
             )
-        if token_mask.device != logits.device:
-            raise RoutingError(f"token_mask is on {token_mask.device} but logits are on {logits.device}")
+        return routing
+    try:
+        return RoutingConfig.from_options(routing, **options)
+    except ConfigError as err:  # the keyword form reports bad routing arguments as routing errors
+        raise RoutingError(str(err)) from None
+
+
+def _select(logits32: Tensor, routing: RoutingConfig, expert_bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Scores, the top-k experts of each token (by the biased scores) and their combine weights."""
+    probs = logits32.softmax(dim=-1) if routing.score == "softmax" else logits32.sigmoid()
+    selection = probs.detach() if expert_bias is None else probs.detach() + expert_bias.detach().float()
+    expert_ids = select_experts(
+        selection,
+        routing.top_k,
+        num_groups=routing.num_groups,
+        topk_groups=routing.topk_groups,
+        group_topk=routing.group_topk,
+    )  # (T, k) int64
+    weights = probs.gather(1, expert_ids)
+    if routing.normalize:
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total if routing.score == "softmax" else total + _NORM_EPS)
+    _, route_scale = routing.floats
+    if route_scale != 1.0:
+        weights = weights * route_scale
+    return probs, expert_ids, weights
+
+
+def _count(
+    expert_ids: Tensor,
+    weights: Tensor,
+    num_experts: int,
+    routing: RoutingConfig,
+    capacity: int | None,
+    token_mask: Tensor | None,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The one counting pass: ``(routed, tokens_per_expert, kept, permutation)``.
+
+    ``routed`` counts the valid pairs per expert before the capacity limit (what the losses and the bias update
+    count); the other three are after it. Masked tokens' pairs get the extra key ``E``: they sort after every
+    expert's pairs and are never kept.
+    """
+    keys = expert_ids.reshape(-1)
+    num_bins = num_experts
+    if token_mask is not None:
+        keys = torch.where(token_mask.repeat_interleave(routing.top_k), keys, num_experts)
+        num_bins += 1
+    counts, dest, order = stable_counting_sort(keys, num_bins, backend=backend, validate=False)
+    routed = counts[:num_experts]
+    if capacity is None:
+        return routed, routed, keys < num_experts, order
+    kept_counts, kept, permutation = apply_capacity(
+        keys, weights.detach().reshape(-1), counts, dest, capacity, num_experts, routing.drop_policy, backend
+    )
+    return routed, kept_counts, kept, permutation
 
 
 def route(
     logits: Tensor,
-    top_k: int,
+    routing: RoutingConfig | int | None = None,
     *,
-    score: str = "softmax",
-    normalize: bool = True,
-    capacity_factor: float | None = None,
-    drop_policy: str = "position",
     expert_bias: Tensor | None = None,
-    validate: bool = True,
-    backend: str = "auto",
-    num_groups: int | None = None,
-    topk_groups: int | None = None,
-    group_topk: int | None = None,
-    route_scale: float = 1.0,
-    min_capacity: int | None = None,
     token_mask: Tensor | None = None,
+    validate: bool = True,
+    **options: Any,
 ) -> RoutingPlan:
     """Routes every token to its top-k experts and builds the stable, grouped, sync-free dispatch plan.
 
     Args:
         logits: ``(num_tokens, num_experts)`` router logits (any float dtype; routing runs in float32).
-        top_k: experts per token, ``1 <= top_k <= num_experts``.
-        score: ``"softmax"`` (over experts) or ``"sigmoid"`` (independent per expert, DeepSeek-V3 style).
-        normalize: renormalise the k selected weights of each token to sum to one.
-        capacity_factor: ``None`` for dropless routing; otherwise each expert keeps at most ``capacity =
-            min(max(ceil(capacity_factor * num_tokens * top_k / num_experts), min_capacity), num_tokens * top_k)``
-            pairs, in exact arithmetic (:func:`~lightning_llmfast.moe.selection.expert_capacity`; a float factor
-            counts as the decimal it prints as). ``num_tokens`` counts masked tokens too (a host-side size).
-        drop_policy: which overflow pairs are dropped: ``"position"`` drops later tokens first, ``"score"`` drops
-            the lowest weights first (ties: later pairs first).
+        routing: the :class:`~lightning_llmfast.moe.RoutingConfig`, or ``top_k`` with the config's fields as
+            keywords (``route(logits, 2, capacity_factor=1.0)``; ``top_k=2`` as a keyword too). ``num_tokens`` in
+            the capacity counts masked tokens too (a host-side size).
         expert_bias: optional ``(num_experts,)`` floating-point aux-loss-free balancing bias (DeepSeek-V3): added
             to the scores for the selection only; the weights come from the unbiased scores. Not differentiated.
+        token_mask: ``(num_tokens,)`` bool; False tokens (padding) are routed nowhere and count in no loss,
+            count or metric.
         validate: check the logits (and ``expert_bias``) for NaN/inf eagerly and raise. This costs one host sync
             on an accelerator. With ``False`` only host-side checks run, the logits' finding is stored in
             ``plan.nonfinite`` and the bias values are not checked.
-        backend: ``"auto"`` (the Triton kernels for CUDA logits, the PyTorch reference elsewhere), ``"torch"`` or
-            ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``).
-        num_groups: group-limited routing (DeepSeek-V3): the experts form ``num_groups`` equal groups of
-            consecutive experts; ``None`` (with ``topk_groups``) for plain top-k.
-        topk_groups: groups each token may route to, chosen by the sum of their ``group_topk`` best (biased)
-            selection scores.
-        group_topk: scores summed per group; default ``max(1, top_k // topk_groups)`` (the DeepSeek-V3 paper).
-        route_scale: factor applied to the weights after the normalisation (DeepSeek-V3's routed scaling factor).
-        min_capacity: floor of the capacity (needs ``capacity_factor``).
-        token_mask: ``(num_tokens,)`` bool; False tokens (padding) are routed nowhere and count in no loss,
-            count or metric.
+        options: the keyword form's routing options (only with an int ``routing``).
 
     Returns:
         The :class:`RoutingPlan`.
 
     Raises:
-        RoutingError: logits not a 2-D float tensor, ``top_k`` out of range, unknown ``score``/``drop_policy``/
-            ``backend``, ``capacity_factor`` not a finite number > 0, ``expert_bias`` not a float tensor of shape
-            ``(num_experts,)``, bad group options, ``route_scale`` not a finite number > 0, ``min_capacity``
-            without ``capacity_factor`` or not an int >= 0, ``token_mask`` not a ``(num_tokens,)`` bool tensor on
-            the logits' device, or (``validate=True``) non-finite logits or ``expert_bias``.
+        RoutingError: logits not a 2-D float tensor, ``top_k`` out of range, bad routing options (keyword form),
+            group options that do not fit the experts, ``expert_bias`` not a float tensor of shape
+            ``(num_experts,)``, ``token_mask`` not a ``(num_tokens,)`` bool tensor on the logits' device, or
+            (``validate=True``) non-finite logits or ``expert_bias``.
 
     Example::
 
-        plan = route(torch.randn(6, 4), top_k=2, capacity_factor=1.0)
+        plan = route(torch.randn(6, 4), RoutingConfig(top_k=2, capacity_factor=1.0))
         plan.tokens_per_expert.sum() + plan.num_dropped  # == 12
     """
-    _check_arguments(logits, top_k, score, capacity_factor, drop_policy, expert_bias)
-    _check_extras(logits, route_scale, capacity_factor, min_capacity, token_mask)
-    check_groups(logits.shape[1], top_k, num_groups, topk_groups, group_topk)
-    backend = resolve_backend(backend, logits.device)
+    routing = _routing_config(routing, options)
+    _check_tensors(logits, routing, expert_bias, token_mask)
     num_tokens, num_experts = logits.shape
-    num_pairs = num_tokens * top_k
+    capacity_factor, _ = routing.floats  # (capacity_factor, route_scale), specialised under torch.compile
     capacity = None
     if capacity_factor is not None:
-        capacity = expert_capacity(capacity_factor, num_pairs, num_experts, min_capacity)
+        capacity = expert_capacity(capacity_factor, num_tokens * routing.top_k, num_experts, routing.min_capacity)
     logits32 = logits.float()
     if token_mask is not None:
         # Masked tokens (padding) may hold anything: zeroed first, they reach no NaN check, loss or gradient.
         logits32 = logits32.masked_fill(~token_mask.unsqueeze(1), 0.0)
     nonfinite = _check_finite(logits32, expert_bias) if validate else _nonfinite_flag(logits32)
+    probs, expert_ids, weights = _select(logits32, routing, expert_bias)
+    backend = resolve_backend(routing.backend, logits.device)
+    counted = _count(expert_ids, weights, num_experts, routing, capacity, token_mask, backend)
+    return _plan(logits32, probs, expert_ids, weights, counted, routing.score, capacity, nonfinite, token_mask)
 
-    probs = logits32.softmax(dim=-1) if score == "softmax" else logits32.sigmoid()
-    selection = probs.detach() if expert_bias is None else probs.detach() + expert_bias.detach().float()
-    expert_ids = select_experts(
-        selection, top_k, num_groups=num_groups, topk_groups=topk_groups, group_topk=group_topk
-    )  # (T, k) int64
-    weights = probs.gather(1, expert_ids)
-    if normalize:
-        total = weights.sum(dim=-1, keepdim=True)
-        weights = weights / (total if score == "softmax" else total + _NORM_EPS)
-    if route_scale != 1.0:
-        weights = weights * route_scale
 
-    # The one counting pass: pairs per key and each pair's position in the key-grouped stable order. Masked
-    # tokens' pairs get the extra key E: they sort after every expert's pairs and are never kept.
-    keys = expert_ids.reshape(-1)
-    num_bins = num_experts
-    if token_mask is not None:
-        keys = torch.where(token_mask.repeat_interleave(top_k), keys, num_experts)
-        num_bins += 1
-    counts, dest, order = stable_counting_sort(keys, num_bins, backend=backend, validate=False)
-    routed = counts[:num_experts]
-    if capacity is None:
-        tokens_per_expert, kept, permutation = routed, keys < num_experts, order
-    else:
-        tokens_per_expert, kept, permutation = apply_capacity(
-            keys, weights.detach().reshape(-1), counts, dest, capacity, num_experts, drop_policy, backend
-        )
+def _plan(
+    logits32: Tensor,
+    probs: Tensor,
+    expert_ids: Tensor,
+    weights: Tensor,
+    counted: tuple[Tensor, Tensor, Tensor, Tensor],
+    score: str,
+    capacity: int | None,
+    nonfinite: Tensor | None,
+    token_mask: Tensor | None,
+) -> RoutingPlan:
+    """The :class:`RoutingPlan` of the counted selection, with the losses from the same counts."""
+    routed, tokens_per_expert, kept, permutation = counted
+    num_tokens, top_k = expert_ids.shape
     offsets = torch.nn.functional.pad(tokens_per_expert.cumsum(0), (1, 0))
-
-    # Losses share the counts above.
     router_probs = probs if score == "softmax" else probs / (probs.sum(dim=-1, keepdim=True) + _NORM_EPS)
-    valid_pairs = num_pairs if token_mask is None else routed.sum()
+    valid_pairs = num_tokens * top_k if token_mask is None else routed.sum()
     return RoutingPlan(
         expert_ids=expert_ids.to(torch.int32),
         weights=weights,
@@ -374,7 +371,7 @@ def route(
         z_loss=z_loss(logits32, token_mask),
         nonfinite=nonfinite,
         capacity=capacity,
-        num_experts=num_experts,
+        num_experts=probs.shape[1],
         top_k=top_k,
         routed_per_expert=routed.to(torch.int32),
         router_probs=router_probs,

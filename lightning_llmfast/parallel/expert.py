@@ -30,7 +30,9 @@ from torch.optim import Optimizer
 
 from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import ConfigError
-from lightning_llmfast.moe.expert_parallel import ExpertParallelDispatch, shard_experts
+from lightning_llmfast.moe.alltoall import AllToAllDispatcher
+from lightning_llmfast.moe.block import GroupedMoE
+from lightning_llmfast.moe.expert_parallel import shard_experts
 
 __all__ = [
     "expert_parameters",
@@ -97,10 +99,10 @@ def shard_model_experts(module: nn.Module, expert_parallel_size: int, device_typ
 
 
 def _is_grouped_moe(module: nn.Module) -> bool:
-    return getattr(module, "_llmfast_grouped", False) and hasattr(module, "expert_dispatch")
+    return isinstance(module, GroupedMoE)
 
 
-def expert_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter, ExpertParallelDispatch]]:
+def expert_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter, AllToAllDispatcher]]:
     """``(name, parameter, dispatch)`` of every sharded expert parameter of ``module``, in ``named_modules`` order.
 
     Example::
@@ -108,8 +110,8 @@ def expert_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter, Ex
         names = [name for name, _, _ in expert_parameters(model)]
     """
     for prefix, block in module.named_modules():
-        dispatch = getattr(block, "expert_dispatch", None)
-        if isinstance(dispatch, ExpertParallelDispatch):
+        dispatch = block.dispatcher if isinstance(block, GroupedMoE) else None
+        if isinstance(dispatch, AllToAllDispatcher):
             for name, param in block.experts.named_parameters(recurse=False):
                 yield f"{prefix}.experts.{name}" if prefix else f"experts.{name}", param, dispatch
 
@@ -137,13 +139,13 @@ def reduce_expert_gradients(module: nn.Module, mesh: DeviceMesh) -> None:
         param.grad = chunk.view_as(param).to(param.dtype)
 
 
-def _gather(local: Tensor, dispatch: ExpertParallelDispatch) -> Tensor:
+def _gather(local: Tensor, dispatch: AllToAllDispatcher) -> Tensor:
     parts = [torch.empty_like(local) for _ in range(dispatch.world)]
     dist.all_gather(parts, local.contiguous(), group=dispatch.group)
     return torch.cat(parts)
 
 
-def _local(full: Tensor, dispatch: ExpertParallelDispatch) -> Tensor:
+def _local(full: Tensor, dispatch: AllToAllDispatcher) -> Tensor:
     experts = dispatch.local_experts
     return full[experts.start : experts.stop].clone()
 
@@ -176,7 +178,7 @@ def slice_expert_state_dict(module: nn.Module, state_dict: Mapping[str, Any]) ->
 
 def _expert_state_tensors(
     module: nn.Module, optimizer: Optimizer, state: Mapping[str, Any]
-) -> Iterator[tuple[dict[str, Any], str, nn.Parameter, ExpertParallelDispatch]]:
+) -> Iterator[tuple[dict[str, Any], str, nn.Parameter, AllToAllDispatcher]]:
     """``(param_state, key, param, dispatch)`` of every per-expert tensor in an optimizer ``state_dict()``."""
     experts = {id(param): (param, dispatch) for _, param, dispatch in expert_parameters(module)}
     params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -1,0 +1,59 @@
+"""Feed-forward layers of the reference MoE GPT: the dense SwiGLU, the choice of MoE block, and the document
+boundaries the model passes to an MoE block's sequence aux loss.
+
+Example::
+
+    ffn = make_ffn(MoEGPTConfig(), layer_idx=0)  # an MoEBlock with the config's experts
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.moe import MoEBlock, MoEConfig, NaiveMoEBlock, SequenceBoundaries
+from lightning_llmfast.seqmeta import SequenceMetadata, active_cache
+
+if TYPE_CHECKING:
+    from lightning_llmfast.models.model import MoEGPTConfig
+
+__all__ = ["DenseSwiGLU", "make_ffn", "sequence_boundaries"]
+
+
+class DenseSwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``, the dense feed-forward of the layers in ``MoEGPTConfig.dense_layers``."""
+
+    def __init__(self, hidden_size: int, ffn_size: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(hidden_size, 2 * ffn_size, bias=False)
+        self.down = nn.Linear(ffn_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+def make_ffn(config: MoEGPTConfig, layer_idx: int) -> nn.Module:
+    """Layer ``layer_idx``'s feed-forward: dense, the naive baseline MoE or the grouped :class:`MoEBlock`."""
+    if layer_idx in config.dense_layers:
+        return DenseSwiGLU(config.hidden_size, config.ffn_size)
+    args = (config.hidden_size, config.ffn_size, config.num_experts, config.top_k)
+    if config.router_backend == "naive":
+        if config.capacity_factor is not None:
+            raise ConfigError(
+                "MoEGPTConfig.router_backend='naive' is dropless; capacity_factor needs a grouped backend"
+            )
+        return NaiveMoEBlock(*args)
+    return MoEBlock(MoEConfig.build(*args, capacity_factor=config.capacity_factor, backend=config.router_backend))
+
+
+def sequence_boundaries(metadata: SequenceMetadata | Tensor | None, hidden: Tensor) -> SequenceBoundaries | None:
+    """The packed documents of ``hidden``'s tokens for an MoE block's sequence aux loss, from the batch's metadata
+    (passed in, or the active cache's); ``None`` without any (the block then treats each row as a document)."""
+    if not isinstance(metadata, SequenceMetadata):
+        cache = active_cache()
+        metadata = cache.get(hidden) if cache is not None else None
+    return None if metadata is None else SequenceBoundaries(metadata.document_ids, metadata.num_sequences)

@@ -1,0 +1,293 @@
+"""The all-to-all token dispatchers of expert parallelism (built by
+:func:`~lightning_llmfast.moe.expert_parallel.shard_experts`, which describes the two modes), and the batch-wide
+load-balancing loss they feed.
+
+Example::
+
+    dispatcher = AllToAllDroplessDispatcher(group, num_experts=8)
+    block.set_dispatcher(dispatcher)  # what shard_experts does, after keeping this rank's experts only
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_llmfast.errors import RoutingError
+from lightning_llmfast.moe._exchange import all_to_all, comm_device, masked_gather
+from lightning_llmfast.moe.dispatcher import ExpertRows, TokenDispatcher
+from lightning_llmfast.moe.permute import permute, unpermute
+from lightning_llmfast.moe.routing import RoutingPlan
+
+__all__ = ["AllToAllCapacityDispatcher", "AllToAllDispatcher", "AllToAllDroplessDispatcher", "global_aux_loss"]
+
+# Wire codes of the activation dtypes in the size signature (ranks must agree on the bytes per row).
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class _Return(NamedTuple):
+    """What an all-to-all combine needs: the plan, and the row maps and splits of the return exchange."""
+
+    plan: RoutingPlan
+    maps: tuple[Tensor, ...]
+    in_splits: list[int] | None
+    out_splits: list[int] | None
+
+
+class AllToAllDispatcher(TokenDispatcher):
+    """Experts spread over a process group; tokens travel to their holders by ``all_to_all_single`` and back.
+
+    The base of :class:`AllToAllDroplessDispatcher` and :class:`AllToAllCapacityDispatcher` (built by
+    :func:`shard_experts`). Holds no parameters; buffers whose contents depend only on sizes are built once per size.
+    The combine weights never travel: outputs come back in the order they were sent and are weighted at home.
+
+    Args:
+        group: the expert-parallel process group.
+        num_experts: ``E`` (global).
+        loss_group: the ranks whose tokens form one batch for :func:`global_aux_loss` (default: the world).
+        backend: permutation kernels (``"auto"``, ``"torch"``, ``"triton"``).
+
+    Attributes:
+        host_syncs: host reads of device values so far (dropless: one per forward; capacity: one per size change).
+        send_rows: rows this rank sent in the last forward's dispatch exchange (its combine sends back what it
+            received; each backward exchange mirrors a forward one).
+        recv_rows: rows this rank received in the last forward's dispatch exchange.
+        global_stats: dropless: ``(E + 1,)`` int64 pairs per expert and tokens of the last forward, summed over the
+            group (device tensor); ``None`` with a capacity limit.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_experts: int,
+        loss_group: dist.ProcessGroup | None = None,
+        backend: str = "auto",
+    ) -> None:
+        self.group = group
+        self.loss_group = dist.group.WORLD if loss_group is None else loss_group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.num_experts = num_experts
+        self.num_local = num_experts // self.world
+        self.backend = backend
+        self.host_syncs = 0
+        self.send_rows = 0
+        self.recv_rows = 0
+        self.global_stats: Tensor | None = None
+        self._checked_sizes: tuple[int, ...] | None = None
+        self._static: dict[tuple[Any, ...], Tensor] = {}
+
+    @property
+    def local_experts(self) -> range:
+        """Global indices of the experts this rank holds."""
+        return range(self.rank * self.num_local, (self.rank + 1) * self.num_local)
+
+    def batch_aux_loss(self, plan: RoutingPlan) -> Tensor:
+        """This rank's share of the balance loss of the whole batch over ``loss_group`` (:func:`global_aux_loss`)."""
+        # The dispatch's exchanged counts cover the loss's batch when its group is the whole loss group.
+        covered = dist.get_world_size(self.loss_group) == self.world
+        return global_aux_loss(plan, self.loss_group, self.global_stats if covered else None)
+
+    def _start(self, x: Tensor, plan: RoutingPlan, x_compute: Tensor | None) -> Tensor:
+        if x.dim() != 2 or x.shape[0] != plan.num_tokens:
+            raise RoutingError(f"x must have shape (num_tokens={plan.num_tokens}, hidden), got {tuple(x.shape)}")
+        if plan.num_experts != self.num_experts:
+            raise RoutingError(f"expected a plan over {self.num_experts} experts, got {plan.num_experts}")
+        self.global_stats = None
+        return x if x_compute is None else x_compute
+
+    def _signature(self, rows: Tensor) -> list[int]:
+        if rows.dtype not in _DTYPES:
+            raise RoutingError(f"expert parallelism exchanges {_DTYPES} activations, got {rows.dtype}")
+        return [_DTYPES.index(rows.dtype), rows.shape[1]]
+
+    def _raise_disagreement(self, kind: str, theirs: list[list[int]]) -> None:
+        raise RoutingError(
+            f"expert-parallel ranks disagree on the {kind} of their all-to-all exchange (per rank of the group, "
+            f"rank {self.rank} of {self.world} sees {theirs}): every rank must run the same block with the same "
+            "dtype and hidden size (and, with capacity_factor, the same number of tokens)"
+        )
+
+    def _cached(self, key: tuple[Any, ...], build: Callable[[], Tensor]) -> Tensor:
+        if key not in self._static:
+            self._static[key] = build()
+        return self._static[key]
+
+    def __repr__(self) -> str:
+        experts = self.local_experts
+        span = f"[{experts.start}, {experts.stop})"
+        return f"{type(self).__name__}(world={self.world}, rank={self.rank}, local_experts={span})"
+
+
+class AllToAllDroplessDispatcher(AllToAllDispatcher):
+    """Dropless expert parallelism: the receive splits come from one exchange of the counts (one host read).
+
+    Example::
+
+        shard_experts(MoEBlock(MoEConfig.build(64, 128, 8, 2)), group)  # installs this dispatcher
+    """
+
+    def dispatch(self, x: Tensor, plan: RoutingPlan, *, x_compute: Tensor | None = None) -> tuple[ExpertRows, Any]:
+        source = self._start(x, plan, x_compute)
+        if plan.capacity is not None:
+            raise RoutingError("AllToAllDroplessDispatcher needs a dropless plan; use AllToAllCapacityDispatcher")
+        world, local, num_experts = self.world, self.num_local, self.num_experts
+        signature = self._signature(source)
+        counts = plan.tokens_per_expert.to(torch.int64)
+        # Every rank gets every source's full counts and token count (W * (E + 3) integers, not W * E_l): its own
+        # experts' receive splits, and the batch-wide counts of the load-balancing loss without an all-reduce.
+        header = torch.tensor([plan.num_tokens, *signature], dtype=torch.int64, device=counts.device)
+        send = torch.cat([counts, header]).expand(world, -1).contiguous()
+        recv = torch.empty_like(send)
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        # Queued before the host waits: the permutation and the send splits need no received value.
+        rows = permute(source, plan, backend=self.backend)
+        send_rows = counts.view(world, local).sum(dim=1)
+        work.wait()
+        mine = recv[:, self.rank * local : (self.rank + 1) * local]
+        # NOTE: host sync, the one of dropless expert parallelism (once per layer and forward; every later
+        # exchange of this layer, in forward and backward, reuses these splits).
+        host = torch.cat([send_rows, mine.sum(dim=1), recv[:, num_experts + 1 :].flatten()]).tolist()
+        self.host_syncs += 1
+        in_splits, out_splits, theirs = host[:world], host[world : 2 * world], host[2 * world :]
+        received = [theirs[2 * i : 2 * i + 2] for i in range(world)]
+        if any(r != signature for r in received):
+            self._raise_disagreement("dtype or hidden size", received)
+        self.global_stats = recv[:, : num_experts + 1].sum(dim=0)
+        self.send_rows, self.recv_rows = sum(in_splits), sum(out_splits)
+        recv_rows = all_to_all(rows, out_splits, in_splits, self.group)
+        # Received rows are grouped by (source rank, local expert); the grouped GEMM wants (local expert, source).
+        order, inverse = self._expert_major(mine, self.recv_rows)
+        grouped = masked_gather(recv_rows, order, None, inverse, None)
+        offsets = F.pad(mine.sum(dim=0).cumsum(0), (1, 0)).to(torch.int32)
+        return ExpertRows(grouped, offsets, False), _Return(plan, (inverse, order), in_splits, out_splits)
+
+    def combine(self, rows: Tensor, ctx: _Return) -> Tensor:
+        """Send the experts' outputs back to their tokens' ranks and weight them at home: ``(T, H)``."""
+        inverse, order = ctx.maps
+        back = all_to_all(masked_gather(rows, inverse, None, order, None), ctx.in_splits, ctx.out_splits, self.group)
+        return unpermute(back, ctx.plan, backend=self.backend)
+
+    @staticmethod
+    def _expert_major(by_source: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+        """``order`` (expert-major row -> source-major row) and its inverse, on the device, without a sync."""
+        flat, expert_major = by_source.flatten(), by_source.t().flatten()
+        src_end = flat.cumsum(0)
+        src_start = src_end - flat
+        dst_start = (expert_major.cumsum(0) - expert_major).view(by_source.shape[1], -1).t().flatten()
+        row = torch.arange(num_rows, device=by_source.device)
+        block = torch.searchsorted(src_end, row, right=True)
+        inverse = dst_start[block] + row - src_start[block]  # source-major row -> expert-major row
+        order = torch.empty_like(inverse).scatter_(0, inverse, row)
+        return order, inverse
+
+
+class AllToAllCapacityDispatcher(AllToAllDispatcher):
+    """Capacity-limited expert parallelism: fixed, equal splits of ``capacity`` rows per expert; no host read.
+
+    Example::
+
+        shard_experts(MoEBlock(MoEConfig.build(64, 128, 8, 2, capacity_factor=1.25)), group)  # installs this one
+    """
+
+    def dispatch(self, x: Tensor, plan: RoutingPlan, *, x_compute: Tensor | None = None) -> tuple[ExpertRows, Any]:
+        source = self._start(x, plan, x_compute)
+        capacity = plan.capacity
+        if capacity is None:
+            raise RoutingError("AllToAllCapacityDispatcher needs a plan with a capacity; use the dropless one")
+        world, local = self.world, self.num_local
+        rows = permute(source, plan, backend=self.backend)
+        self._check_sizes([plan.num_tokens, capacity, *self._signature(rows)], rows.device)
+        slot_src, slot_valid, row_slot, row_valid = self._slot_maps(plan, rows.device)
+        send = masked_gather(rows, slot_src, slot_valid, row_slot, row_valid)  # (E * C, H)
+        self.send_rows = self.recv_rows = send.shape[0]
+        recv = all_to_all(send, None, None, self.group)  # (W * E_l * C, H): source, local expert, slot
+        hidden_size = recv.shape[1]
+        grouped = recv.view(world, local, capacity, hidden_size).transpose(0, 1).reshape(-1, hidden_size)
+        # Every local expert owns W * C rows; the free slots are zero rows, whose outputs and gradients are zero.
+        group_rows = world * capacity
+        offsets = self._cached(
+            ("offsets", group_rows, rows.device),
+            lambda: torch.arange(local + 1, device=rows.device, dtype=torch.int32) * group_rows,
+        )
+        ctx = _Return(plan, (row_slot, row_valid, slot_src, slot_valid), None, None)
+        return ExpertRows(grouped, offsets, False), ctx
+
+    def combine(self, rows: Tensor, ctx: _Return) -> Tensor:
+        """Send the experts' outputs back to their slots' ranks and weight them at home: ``(T, H)``."""
+        capacity, hidden_size = ctx.plan.capacity, rows.shape[1]
+        back = rows.view(self.num_local, self.world, capacity, hidden_size).transpose(0, 1).reshape(-1, hidden_size)
+        slots = all_to_all(back, None, None, self.group)
+        row_slot, row_valid, slot_src, slot_valid = ctx.maps
+        return unpermute(
+            masked_gather(slots, row_slot, row_valid, slot_src, slot_valid), ctx.plan, backend=self.backend
+        )
+
+    def _slot_maps(self, plan: RoutingPlan, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Kept permuted rows <-> fixed slots ``expert * C + rank_in_expert``, both ways, from the plan's offsets."""
+        capacity, num_rows, num_experts = plan.capacity, plan.num_rows, self.num_experts
+        assert capacity is not None
+        offsets = plan.offsets.to(torch.int64)
+        slot = self._cached(("arange", capacity, device), lambda: torch.arange(capacity, device=device))
+        slot_src = (offsets[:-1, None] + slot).flatten().clamp(max=max(num_rows - 1, 0))
+        slot_valid = (slot < plan.tokens_per_expert.to(torch.int64)[:, None]).flatten()
+        row = self._cached(("arange", num_rows, device), lambda: torch.arange(num_rows, device=device))
+        row_valid = row < offsets[-1]
+        expert = torch.searchsorted(offsets[1:], row, right=True).clamp(max=num_experts - 1)
+        row_slot = (expert * capacity + row - offsets[expert]).clamp(0, max(num_experts * capacity - 1, 0))
+        return slot_src, slot_valid, row_slot, row_valid
+
+    def _check_sizes(self, sizes: list[int], device: torch.device) -> None:
+        """All ranks agree on ``sizes``: checked collectively when this rank's own sizes change (one host read)."""
+        if tuple(sizes) == self._checked_sizes:
+            return
+        mine = torch.tensor(sizes, dtype=torch.int64, device=comm_device(self.group, device))
+        everyone = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(everyone, mine, group=self.group)
+        # NOTE: host sync, only when this rank's sizes change (the steady state reads nothing).
+        theirs = torch.stack(everyone).tolist()
+        self.host_syncs += 1
+        if any(t != sizes for t in theirs):
+            self._raise_disagreement("tokens, capacity, dtype or hidden size", theirs)
+        self._checked_sizes = tuple(sizes)
+        self._static.clear()  # the size-derived buffers of the old sizes are not needed again
+
+
+def global_aux_loss(plan: RoutingPlan, group: dist.ProcessGroup | None = None, stats: Tensor | None = None) -> Tensor:
+    """This rank's share of the load-balancing loss of the whole batch (all ranks of ``group``), from one forward.
+
+    The Switch loss ``E * sum_e f_e * P_e`` of :func:`~lightning_llmfast.moe.route` is not a mean of per-rank losses:
+    ``f`` must count the pairs of every rank. The pairs per expert (before the capacity limit) and the token count
+    are summed over ``group`` with one all-reduce of ``E + 1`` integers (queued, no host read); the result is scaled
+    so that the mean over the ranks of the returned values, and of their gradients (what DDP averages), is the
+    one-process loss of the concatenated batch.
+
+    Args:
+        plan: this rank's routing plan (its ``router_probs``: softmax, or sigmoid normalised per token).
+        group: the ranks whose tokens form the batch (default: the whole world).
+        stats: ``(E + 1,)`` int64 pairs per expert and tokens, already summed over ``group`` (the dropless dispatch
+            exchanges them with its counts); ``None``: all-reduced here.
+
+    Returns:
+        0-d float32, differentiable with respect to the router logits.
+
+    Example::
+
+        loss = global_aux_loss(block.stats.plan)
+    """
+    group = dist.group.WORLD if group is None else group
+    num_experts, top_k = plan.num_experts, plan.top_k
+    if stats is None:
+        ids = plan.expert_ids.reshape(-1).to(torch.int64)
+        stats = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+        stats.scatter_add_(0, ids, torch.ones_like(ids))  # integer adds: order-free, deterministic
+        stats[num_experts] = plan.num_tokens
+        dist.all_reduce(stats, group=group, async_op=True).wait()
+    tokens = stats[num_experts].clamp(min=1).to(torch.float32)
+    scale = dist.get_world_size(group) * num_experts / (tokens * tokens * top_k)
+    return torch.dot(stats[:num_experts].to(torch.float32), plan.router_probs.sum(dim=0)) * scale
