@@ -24,7 +24,7 @@ from lightning_llmfast.data import (
     TextCorpus,
     check_packing_args,
 )
-from lightning_llmfast.data.corpus import _DISTRIBUTIONS, _MAX_SEED
+from lightning_llmfast.data.corpus import DISTRIBUTIONS, MAX_SEED
 from lightning_llmfast.errors import ConfigError, DataError
 
 __all__ = ["PackedDataModule", "PackedDocumentDataset"]
@@ -149,10 +149,10 @@ class PackedDataModule(LightningDataModule):
         check_number("test_fraction", test_fraction, low=0, high=1 - val_fraction, error=DataError)
         check_int("synthetic_num_docs", synthetic_num_docs, low=1, error=DataError)
         check_number("synthetic_mean_len", synthetic_mean_len, low=1, error=DataError)
-        if synthetic_distribution not in _DISTRIBUTIONS:
-            raise DataError(f"synthetic_distribution must be one of {_DISTRIBUTIONS}, got {synthetic_distribution!r}")
+        if synthetic_distribution not in DISTRIBUTIONS:
+            raise DataError(f"synthetic_distribution must be one of {DISTRIBUTIONS}, got {synthetic_distribution!r}")
         # The validation and test corpora use seed + 1 and seed + 2.
-        check_int("seed", seed, low=-_MAX_SEED, high=_MAX_SEED - 2, error=DataError)
+        check_int("seed", seed, low=-MAX_SEED, high=MAX_SEED - 2, error=DataError)
         check_packing_args(seq_len, batch_size, pad_id=pad_id, vocab_size=VOCAB_SIZE, lookahead=lookahead)
         self.save_hyperparameters()
         self.corpus, self.paths = corpus, paths

@@ -37,11 +37,12 @@ VOCAB_SIZE = 258
 """Byte tokenizer vocabulary: 256 byte values, ``BOS_ID`` and ``EOS_ID``."""
 
 _SPLITS = ("train", "val", "test")
-_DISTRIBUTIONS = ("lognormal", "uniform", "fixed", "exponential")
+DISTRIBUTIONS = ("lognormal", "uniform", "fixed", "exponential")
+"""Document-length distributions of :class:`SyntheticCorpus`."""
 _MAX_DOC_LEN = 2**31 - 1
 """Longest synthetic document: a drawn length above it (an absurd ``mean_len`` or ``sigma``) is an error."""
 _DOC_SEED_STRIDE = 1_000_003
-_MAX_SEED = 2**63 // _DOC_SEED_STRIDE
+MAX_SEED = 2**63 // _DOC_SEED_STRIDE
 """Bound of ``abs(seed)`` in :class:`SyntheticCorpus`: each document seed ``seed * stride + index`` must fit."""
 
 
@@ -265,11 +266,11 @@ class SyntheticCorpus(Sequence[list[int]]):
         check_int("min_len", min_len, low=1, error=DataError)
         check_int("vocab_size", vocab_size, low=1, high=2**63 - 1, error=DataError)
         check_number("mean_len", mean_len, low=1, error=DataError)
-        seed = check_int("seed", seed, low=-_MAX_SEED, high=_MAX_SEED, error=DataError)  # a NumPy int: a Python int
+        seed = check_int("seed", seed, low=-MAX_SEED, high=MAX_SEED, error=DataError)  # a NumPy int: a Python int
         if max_len is not None:
             check_int("max_len", max_len, low=min_len, error=DataError)
-        if distribution not in _DISTRIBUTIONS:
-            raise DataError(f"distribution must be one of {_DISTRIBUTIONS}, got {distribution!r}")
+        if distribution not in DISTRIBUTIONS:
+            raise DataError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
         check_number("sigma", sigma, low=0, low_open=True, error=DataError)
 
         self.seed = seed
