@@ -76,10 +76,10 @@ def _hf_mixtral(block: MoEBlock, implementation: str) -> nn.Module | None:
     except ImportError:
         return None
     config = MixtralConfig(
-        hidden_size=block.hidden_size,
-        intermediate_size=block.ffn_size,
-        num_local_experts=block.num_experts,
-        num_experts_per_tok=block.top_k,
+        hidden_size=block.config.hidden_size,
+        intermediate_size=block.config.ffn_size,
+        num_local_experts=block.config.num_experts,
+        num_experts_per_tok=block.config.routing.top_k,
     )
     # The documented switch between HF's experts implementations (transformers 5).
     config._experts_implementation = implementation
@@ -99,19 +99,19 @@ def _hf_deepseek(block: MoEBlock, implementation: str) -> nn.Module | None:
     except ImportError:
         return None
     config = DeepseekV3Config(
-        hidden_size=block.hidden_size,
-        moe_intermediate_size=block.ffn_size,
-        n_routed_experts=block.num_experts,
-        num_experts_per_tok=block.top_k,
-        n_group=block.num_groups,
-        topk_group=block.topk_groups,
+        hidden_size=block.config.hidden_size,
+        moe_intermediate_size=block.config.ffn_size,
+        n_routed_experts=block.config.num_experts,
+        num_experts_per_tok=block.config.routing.top_k,
+        n_group=block.config.routing.num_groups,
+        topk_group=block.config.routing.topk_groups,
         n_shared_experts=1,
-        routed_scaling_factor=block.route_scale,
+        routed_scaling_factor=block.config.routing.route_scale,
         norm_topk_prob=True,
     )
     config._experts_implementation = implementation
     hf = DeepseekV3MoE(config).to(block.router.weight.device, block.router.weight.dtype)
-    shared, ffn = block.shared_experts, block.ffn_size
+    shared, ffn = block.shared_experts, block.config.ffn_size
     with torch.no_grad():
         hf.gate.weight.copy_(block.router.weight)
         hf.gate.e_score_correction_bias.copy_(block.expert_bias)

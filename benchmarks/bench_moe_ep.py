@@ -73,12 +73,12 @@ class TitanStyleDispatch(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         block, world, local = self.block, self.dispatch.world, self.dispatch.num_local
         probs = block.router(x).float().softmax(dim=-1)
-        weights, ids = torch.topk(probs, block.top_k, dim=-1)
+        weights, ids = torch.topk(probs, block.config.routing.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         flat = ids.flatten()
-        counts = torch.histc(flat.float(), bins=block.num_experts, min=0, max=block.num_experts).long()
+        counts = torch.histc(flat.float(), bins=block.config.num_experts, min=0, max=block.config.num_experts).long()
         order = torch.argsort(flat, stable=True)
-        rows = x.index_select(0, order // block.top_k)
+        rows = x.index_select(0, order // block.config.routing.top_k)
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.dispatch.group)
         # torchtitan copies both split vectors to the host and reads them: the per-layer sync of this design.
@@ -96,7 +96,7 @@ class TitanStyleDispatch(nn.Module):
         back = torch.empty_like(hidden).index_copy(0, regroup, hidden)
         returned = all_to_all(back, in_splits, out_splits, self.dispatch.group)
         weighted = returned * weights.flatten()[order].unsqueeze(1).to(returned.dtype)
-        return torch.zeros_like(x).index_add(0, order // block.top_k, weighted)
+        return torch.zeros_like(x).index_add(0, order // block.config.routing.top_k, weighted)
 
 
 def _step(fn: Callable[[Tensor], Tensor], x: Tensor, grad: Tensor) -> None:

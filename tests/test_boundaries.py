@@ -89,13 +89,8 @@ _PLAIN_PYTORCH_RUN = textwrap.dedent(
     assert off.stats["offloaded_tensors"] > 0, off.stats
     off.close()
 
-    # the metric that needs torchmetrics says so instead of half-importing
-    try:
-        lightning_llmfast.moe.ExpertLoadMetric
-    except ModuleNotFoundError as err:
-        assert "torchmetrics" in str(err), err
-    else:
-        raise AssertionError("ExpertLoadMetric resolved without torchmetrics")
+    # moe/ exports nothing of the Lightning layer (the torchmetrics metric lives in callbacks/)
+    assert not hasattr(lightning_llmfast.moe, "ExpertLoadMetric")
 
     import sys
 
