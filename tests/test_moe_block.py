@@ -88,7 +88,7 @@ def test_grouped_matches_naive_and_reference(
     torch.testing.assert_close(naive.stats.aux_loss, grouped.stats.aux_loss)
     torch.testing.assert_close(naive.stats.z_loss, grouped.stats.z_loss)
     assert grouped.stats.tokens_per_expert.sum() == num_tokens * top_k
-    assert not grouped.stats.nonfinite
+    assert grouped.stats.nonfinite is None and not grouped.stats.nonfinite_flag()  # not checked in the hot path
 
 
 @pytest.mark.parametrize("normalize", [True, False])
@@ -299,14 +299,18 @@ def test_expert_bias_buffer_updates_only_in_training() -> None:
     torch.testing.assert_close(grouped.expert_bias, 0.1 * torch.sign(counts.mean() - counts))
 
 
-def test_nonfinite_logits_are_recorded_not_raised() -> None:
+def test_nonfinite_logits_are_flagged_on_demand_not_raised() -> None:
     _, grouped = _pair(4, 2, backend="torch")
     x = torch.randn(5, H)
     x[2, 0] = float("nan")
-    grouped(x)
-    assert bool(grouped.stats.nonfinite)
-    with pytest.raises(RoutingError, match="NaN"):
-        grouped.stats.plan.check_finite()
+    with SyncCounter() as counter:
+        grouped(x)
+    assert counter.num_syncs == 0
+    assert bool(grouped.stats.nonfinite_flag())
+    mask = torch.ones(5, dtype=torch.bool)
+    mask[2] = False  # the token holding the NaN is padding: it reaches no logit check
+    grouped(x, token_mask=mask)
+    assert not bool(grouped.stats.nonfinite_flag())
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ class ExpertLoadMonitor(Callback):
     :class:`~lightning_llmfast.callbacks.ExpertLoadMetric` per block, on the device, without a host sync. Every
     ``log_every_n_steps`` batches the metrics are computed, averaged over the blocks, logged and reset. At that
     point, where the host reads device values anyway, a non-finite router-logit flag recorded since the last log
-    (``stats.nonfinite``, set by routing with ``validate=False``) raises :class:`~lightning_llmfast.RoutingError`
+    (``stats.nonfinite_flag()``, computed on the device, no sync) raises :class:`~lightning_llmfast.RoutingError`
     naming the blocks.
 
     Args:
@@ -81,7 +81,7 @@ class ExpertLoadMonitor(Callback):
             # validate=False: no host sync per batch (the counts come from the router). Without num_pairs (a token
             # mask) the valid pairs are exactly the kept plus the dropped ones.
             metric.update(counts, stats.num_dropped, stats.num_pairs, validate=False)
-            flag = stats.nonfinite
+            flag = stats.nonfinite_flag()
             if flag is not None:
                 # OR-ed on the device: a NaN in any batch of the window is reported, not only in the last one.
                 seen = self._nonfinite.get(name)

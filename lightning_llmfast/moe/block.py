@@ -151,7 +151,8 @@ class GroupedMoE(nn.Module):
         x_compute = compute_copy(x)
         logits = self._router_logits(x_compute)  # (T, E)
         bias = self._selection_bias()
-        plan = route(logits, self.config.routing, expert_bias=bias, token_mask=token_mask, validate=False)
+        # validate=None: no finiteness work in the hot path; stats.nonfinite_flag() checks when a monitor asks.
+        plan = route(logits, self.config.routing, expert_bias=bias, token_mask=token_mask, validate=None)
         rows, ctx = self.dispatcher.dispatch(x, plan, x_compute=x_compute)
         out = self.dispatcher.combine(expert_swiglu(rows, *self._expert_weights()), ctx)
         shared = self._shared_output(x_compute)
@@ -161,7 +162,7 @@ class GroupedMoE(nn.Module):
         aux_loss = self._aux_loss(plan, counting, boundaries, shape)
         num_pairs = plan.num_tokens * plan.top_k if token_mask is None else None
         self.stats = MoEStats(
-            plan.tokens_per_expert, aux_loss, plan.z_loss, plan.num_dropped, num_pairs, plan.nonfinite, logits, plan
+            plan.tokens_per_expert, aux_loss, plan.z_loss, plan.num_dropped, num_pairs, None, logits, plan
         )
         if counting:
             self._count(plan)

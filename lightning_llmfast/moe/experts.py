@@ -34,7 +34,7 @@ from lightning_llmfast._autograd import eager_custom_op
 from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe.checks import check_offsets_meta, check_offsets_values, check_swiglu_inputs
-from lightning_llmfast.moe.kernels import pair_dots
+from lightning_llmfast.moe.kernels import row_dots
 from lightning_llmfast.moe.kernels.rows import _scale_rows_
 
 __all__ = ["GroupedExperts", "autocast_inputs", "grouped_swiglu", "grouped_mm_supported"]
@@ -198,8 +198,7 @@ def _swiglu_down_grad(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         # Gradient of the product before scaling: (grad @ down^T) * scale is (grad * scale) @ down^T.
         grad_product = _grouped_mm(grad, down.transpose(-1, -2), offs)
         if need_scale:
-            rows = torch.arange(grad.shape[0], device=grad.device).unsqueeze(1)
-            grad_scale = pair_dots(product, grad_product, rows, backend=ctx.backend).view(-1).to(scale.dtype)
+            grad_scale = row_dots(product, grad_product, backend=ctx.backend).to(scale.dtype)
         if need_gate_up:
             if scale is not None:
                 grad_product = _scale_rows_(grad_product, scale)

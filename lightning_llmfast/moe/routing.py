@@ -65,8 +65,8 @@ class RoutingPlan(NamedTuple):
             through ``P``.
         z_loss: 0-d float32 router z-loss, the mean over valid tokens of ``logsumexp(logits) ** 2``.
         nonfinite: 0-d bool tensor, whether any logit was NaN or infinite (``validate=False``); ``None`` when
-            ``validate=True`` already raised for it. Check it with :meth:`check_finite` where the host reads
-            device values anyway.
+            ``validate=True`` already raised for it, or ``validate=None`` skipped the check. Check it with
+            :meth:`check_finite` where the host reads device values anyway.
         capacity: per-expert capacity, or ``None`` when dropless.
         num_experts: ``E``.
         top_k: ``k``.
@@ -291,7 +291,7 @@ def route(
     *,
     expert_bias: Tensor | None = None,
     token_mask: Tensor | None = None,
-    validate: bool = True,
+    validate: bool | None = True,
     **options: Any,
 ) -> RoutingPlan:
     """Routes every token to its top-k experts and builds the stable, grouped, sync-free dispatch plan.
@@ -307,7 +307,8 @@ def route(
             count or metric.
         validate: check the logits (and ``expert_bias``) for NaN/inf eagerly and raise. This costs one host sync
             on an accelerator. With ``False`` only host-side checks run, the logits' finding is stored in
-            ``plan.nonfinite`` and the bias values are not checked.
+            ``plan.nonfinite`` and the bias values are not checked; ``None`` skips the check altogether (the MoE
+            block's path: its ``stats.nonfinite_flag()`` computes the flag when a monitor asks).
         options: the keyword form's routing options (only with an int ``routing``).
 
     Returns:
@@ -335,7 +336,9 @@ def route(
     if token_mask is not None:
         # Masked tokens (padding) may hold anything: zeroed first, they reach no NaN check, loss or gradient.
         logits32 = logits32.masked_fill(~token_mask.unsqueeze(1), 0.0)
-    nonfinite = _check_finite(logits32, expert_bias) if validate else _nonfinite_flag(logits32)
+    nonfinite = None
+    if validate is not None:
+        nonfinite = _check_finite(logits32, expert_bias) if validate else _nonfinite_flag(logits32)
     probs, expert_ids, weights = _select(logits32, routing, expert_bias)
     backend = resolve_backend(routing.backend, logits.device)
     counted = _count(expert_ids, weights, num_experts, routing, capacity, token_mask, backend)

@@ -35,7 +35,8 @@ class MoEStats(NamedTuple):
         num_dropped: 0-d int64, valid pairs dropped by a capacity limit (a tensor: reading it is the caller's sync).
         num_pairs: routed pairs ``T * k`` when every token is valid (a host int), else ``None`` (then kept plus
             dropped pairs are all the routed ones).
-        nonfinite: 0-d bool, whether the router logits had NaN/inf (checked off the hot path), or ``None``.
+        nonfinite: 0-d bool, whether the router logits had NaN/inf, when the forward checked; ``None``: not checked
+            in the hot path (:meth:`nonfinite_flag` checks on demand).
         router_logits: ``(T, E)`` router logits.
         plan: the :class:`~lightning_llmfast.moe.RoutingPlan`, or ``None`` (the naive baseline has none).
 
@@ -53,6 +54,26 @@ class MoEStats(NamedTuple):
     nonfinite: Tensor | None
     router_logits: Tensor | None
     plan: RoutingPlan | None
+
+    def nonfinite_flag(self) -> Tensor | None:
+        """0-d bool: whether the router logits had NaN/inf (masked tokens left out), on the device, without a sync.
+
+        ``nonfinite`` when the forward checked, else computed now from ``router_logits`` (a few 0-d ops: what a
+        monitor pays, not every forward); ``None`` without logits.
+
+        Example::
+
+            bad = block.stats.nonfinite_flag()  # read it where the host reads device values anyway
+        """
+        if self.nonfinite is not None or self.router_logits is None:
+            return self.nonfinite
+        from lightning_llmfast.moe.routing import _nonfinite_flag
+
+        logits = self.router_logits.detach().float()
+        mask = None if self.plan is None else self.plan.token_mask
+        if mask is not None:
+            logits = logits.masked_fill(~mask.unsqueeze(1), 0.0)
+        return _nonfinite_flag(logits)
 
 
 @runtime_checkable

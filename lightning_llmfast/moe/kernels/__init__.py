@@ -23,6 +23,7 @@ from lightning_llmfast.moe.kernels.dots import (
     pair_dots,
     pair_dots_reference,
     pair_dots_triton,
+    row_dots,
 )
 from lightning_llmfast.moe.kernels.rows import (
     combine_rows,
@@ -53,6 +54,7 @@ __all__ = [
     "pair_dots_reference",
     "pair_dots_triton",
     "resolve_backend",
+    "row_dots",
     "stable_counting_sort",
     "stable_counting_sort_reference",
     "stable_counting_sort_triton",

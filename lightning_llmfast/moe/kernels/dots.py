@@ -15,6 +15,7 @@ from lightning_llmfast.moe.kernels.backend import _jit, is_triton, tl, triton
 from lightning_llmfast.moe.kernels.rows import _acc_dtype, _chunk_size, _scale_rows_, gather_rows_triton
 
 __all__ = [
+    "row_dots",
     "combine_rows_backward",
     "combine_rows_backward_reference",
     "combine_rows_backward_triton",
@@ -22,6 +23,23 @@ __all__ = [
     "pair_dots_reference",
     "pair_dots_triton",
 ]
+
+
+def row_dots(a: Tensor, b: Tensor, *, backend: str = "torch") -> Tensor:
+    """``dots[r] = <a[r], b[r]>`` of two ``(M, F)`` row tensors: ``(M,)`` in float32 (float64 for float64 rows).
+
+    :func:`pair_dots` with the identity for positions, without gathering the rows through it (on the reference
+    path one batched product: the same bits as ``pair_dots(a, b, arange(M)[:, None])``).
+
+    Example::
+
+        grad_scale = row_dots(product, grad_product)  # the routing weights' gradient, one dot per row
+    """
+    if is_triton(backend):
+        rows = torch.arange(a.shape[0], device=a.device).unsqueeze(1)
+        return pair_dots_triton(a, b, rows).view(-1)
+    acc = _acc_dtype(a)
+    return torch.bmm(a.to(acc).unsqueeze(1), b.to(acc).unsqueeze(2)).view(-1)
 
 
 def pair_dots_reference(rows: Tensor, grad: Tensor, positions: Tensor) -> Tensor:
