@@ -125,8 +125,9 @@ def test_setup_moves_to_the_root_device_before_the_first_collective(
     spy = _Spy(monkeypatch, module)
     strategy = _RootOnAccelerator(sharding="fsdp", expert_parallel_size=ep, process_group_backend="fake")
     trainer = L.Trainer(
-        accelerator=_Accelerator(), devices=fake_world, strategy=strategy, max_steps=1, logger=False, callbacks=[_StopAfterSetup()],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator=_Accelerator(), devices=fake_world, strategy=strategy, max_steps=1, logger=False,
+        callbacks=[_StopAfterSetup()], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
     )  # fmt: skip
     with pytest.raises(_SetupDone):
         trainer.fit(module, train_dataloaders=[0])
