@@ -57,7 +57,8 @@ def sharded_grads(params: Sequence[Tensor], expert_params: set[int], edp: int) -
             continue
         if isinstance(grad, DTensor):
             mesh = grad.device_mesh
-            replicated = [mesh.size(i) for i, p in enumerate(grad.placements) if not p.is_shard()]
+            # Shard and FSDP's strided shard split the tensor; Replicate copies it.
+            replicated = [mesh.size(i) for i, p in enumerate(grad.placements) if p.is_replicate()]
             # The DTensor's mesh may be part of the world: the other parts hold further copies.
             copies = dist.get_world_size() // mesh.size() if dist.is_initialized() else 1
             out.append(ShardedGrad(grad.to_local(), math.prod(replicated) * copies))
