@@ -41,6 +41,7 @@ from lightning_llmfast.parallel.dims import ParallelDims
 __all__ = [
     "expert_parameters",
     "fully_shard_experts",
+    "grouped_moe_blocks",
     "gather_expert_optimizer_state",
     "gather_expert_state_dict",
     "reduce_expert_gradients",
@@ -72,7 +73,7 @@ def shard_model_experts(module: nn.Module, dims: ParallelDims) -> None:
         shard_model_experts(model, dims)
         dims.ep_mesh.get_group()  # the ranks that exchange tokens
     """
-    blocks = [(name, m) for name, m in module.named_modules() if _is_grouped_moe(m)]
+    blocks = grouped_moe_blocks(module)
     if not blocks:
         raise ConfigError(
             f"expert_parallel_size={dims.ep}: {type(module).__qualname__} has no grouped MoE block "
@@ -127,6 +128,16 @@ def fully_shard_experts(
         block.set_gradient_divide_factor(float(dims.world_size))
         # gloo has no pre-multiplied sum: divide before and after a plain sum there (NCCL fuses it).
         block.set_force_sum_reduction_for_comms(dist.get_backend(dims.edp_mesh.get_group()) == "gloo")
+
+
+def grouped_moe_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, block)`` of every grouped MoE block of ``module`` (the blocks expert parallelism shards).
+
+    Example::
+
+        [name for name, _ in grouped_moe_blocks(model)]  # ["model.layers.0.ffn", ...]
+    """
+    return [(name, m) for name, m in module.named_modules() if _is_grouped_moe(m)]
 
 
 def _is_grouped_moe(module: nn.Module) -> bool:

@@ -8,7 +8,8 @@
 2. with ``expert_parallel_size > 1`` every MoE block keeps its share of the experts (``"ep"``);
 3. under FSDP2 the experts are ``fully_shard`` ed over ``"edp"``, the layer stack and the remaining top-level
    children over ``"dp_shard"``;
-4. a model built on the meta device is materialised shard by shard.
+4. a model built on the meta device is materialised shard by shard (unless ``device`` is the meta device itself: a
+   sharding plan, :mod:`lightning_llmfast.plan`).
 
 Example::
 
@@ -74,6 +75,8 @@ def parallelize(
     roots = shard_module(
         module, dims.dp_shard_mesh, layers, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
     )
+    if device.type == "meta":
+        return roots  # a sharding plan: nothing to allocate
     if not materialize_module(module, device):
         module.to(device)  # buffers FSDP does not manage
     return roots
