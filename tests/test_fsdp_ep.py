@@ -1,17 +1,18 @@
-"""FSDP2 x expert parallelism (2 x 2 on 4 gloo processes) equals one process on the global batch.
+"""FSDP2 x expert parallelism (2 x 2 on 4 gloo processes) equals one process on the global batch; its DCP
+checkpoints resume bitwise, reshard to 2 processes and export to one file.
 
 For the reference model and tiny transformers Qwen3-MoE and DeepSeek-V3 models (MoE blocks swapped by the adapters):
 the first step's loss and gradients agree to 1e-6 (relative 2-norm), the global gradient norm equals
 ``torch.nn.utils.clip_grad_norm_``'s on the one-process model, and after 10 AdamW steps with clipping active (the norm
-above the threshold at every step) the weights agree to 1e-4. Every rank holds the formula's share of every parameter
-and of its optimizer state: dense rows split over the world, experts ``E / ep`` per rank split over ``edp``.
+above the threshold at every step) the weights agree to 1e-4. Every rank holds the plan formula's bytes of dense and
+expert parameters (``lightning_llmfast.plan.formula_plan``) and twice them in AdamW state.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +22,17 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
-from lightning_llmfast.parallel import ParallelDims, clip_grad_norm, parallelize
+from lightning_llmfast.parallel import (
+    ParallelDims,
+    clip_grad_norm,
+    consolidate_checkpoint,
+    load_distributed_checkpoint,
+    parallelize,
+    save_distributed_checkpoint,
+)
+from lightning_llmfast.parallel.checkpoint import model_state, optimizer_state
 from lightning_llmfast.parallel.clip import sharded_grads
+from lightning_llmfast.plan import formula_plan, param_shapes
 
 pytestmark = pytest.mark.slow
 
@@ -80,26 +90,52 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _expected_local_rows(name: str, rows: int, rank: int, world: int) -> int:
-    """The formula of docs/distributed.md: dense dim 0 in chunks of ceil(rows / world) over the world; routed
-    experts ``E / ep`` per expert-parallel rank, those in chunks of ceil(E / ep / edp) over ``edp``."""
-    if ".experts." in name and rows == EXPERTS:
-        rows, world, rank = rows // EP, world // EP, rank // EP
-    chunk = math.ceil(rows / world)
-    return max(0, min(chunk, rows - rank * chunk))
+def _batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (ROWS, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def _sharded(kind: str, world: int, ep: int, seed: int = 0) -> tuple[nn.Module, nn.Module, ParallelDims]:
+    """The model (sharded FSDP2 x EP), an unsharded copy made before sharding, and the layout."""
+    torch.manual_seed(seed)
+    model, layers = _reference_model() if kind == "reference" else _hf_model(kind)
+    reference = copy.deepcopy(model)
+    dims = ParallelDims(world, "fsdp", ep)
+    dims.build_mesh("cpu")
+    parallelize(model, dims, layers(model), device=torch.device("cpu"))
+    return model, reference, dims
+
+
+def _step(model: nn.Module, dims: ParallelDims, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> torch.Tensor:
+    rank, world = torch.distributed.get_rank(), dims.world_size
+    loss = _loss(model, ids[rank * ROWS // world : (rank + 1) * ROWS // world])
+    loss.backward()
+    norm = clip_grad_norm(sharded_grads(list(model.parameters()), set(), dims.edp), CLIP, dims.dp_group)
+    optimizer.step()
+    optimizer.zero_grad()
+    return norm
+
+
+def _check_shares(model: nn.Module, reference: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
+    """Every rank's dense and expert bytes are the plan formula's row; its AdamW state is twice its parameters."""
+    layers = list(reference["model"].layers) if isinstance(reference, nn.ModuleDict) else list(reference.model.layers)
+    plan = formula_plan("test", param_shapes(reference, layers), 4, EP, compute_bytes=4, a2a_bytes=0).ranks[rank]
+    held = {True: 0, False: 0}
+    for name, p in model.named_parameters():
+        local = p.to_local()
+        held[".experts." in name and p.shape[0] == EXPERTS] += local.numel() * local.element_size()
+        state = optimizer.state[p]
+        assert {k: v.to_local().numel() for k, v in state.items() if k != "step"} == {
+            "exp_avg": local.numel(), "exp_avg_sq": local.numel()
+        }, name  # fmt: skip
+    assert (held[False], held[True]) == (plan.dense_params, plan.expert_params)
+    assert held[True] > 0, "no routed experts were sharded"
 
 
 def _case(rank: int, world: int, kind: str) -> None:
-    torch.manual_seed(0)
-    model, layers = _reference_model() if kind == "reference" else _hf_model(kind)
-    reference = copy.deepcopy(model)
-    dims = ParallelDims(world, "fsdp", EP)
-    dims.build_mesh("cpu")
-    parallelize(model, dims, layers(model), device=torch.device("cpu"))
+    model, reference, dims = _sharded(kind, world, EP)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
-    g = torch.Generator().manual_seed(1)
-    for step in range(STEPS):
-        ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+    for step, ids in enumerate(_batches()):
         loss = _loss(model, ids[rank : rank + 1])
         loss.backward()
         ref_loss = _loss(reference, ids)
@@ -118,23 +154,60 @@ def _case(rank: int, world: int, kind: str) -> None:
             optimizer.zero_grad()
     for (name, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert _rel(_full(p.detach()), ref.detach()) < 1e-4, name
-        local = p.to_local()
-        assert local.shape[1:] == p.shape[1:], name
-        assert local.shape[0] == _expected_local_rows(name, p.shape[0], rank, world), name
-        state = optimizers[0].state[p]
-        assert {k: v.to_local().numel() for k, v in state.items() if k != "step"} == {
-            "exp_avg": local.numel(), "exp_avg_sq": local.numel()
-        }, name  # fmt: skip
-    experts = [n for n, p in model.named_parameters() if ".experts." in n and p.shape[0] == EXPERTS]
-    assert experts, "no routed experts were sharded"
+    _check_shares(model, reference, optimizers[0], rank)
 
 
-def _all_cases(rank: int, world: int) -> None:
+def _checkpoint_case(rank: int, world: int, root: str) -> None:
+    """Save at half-way on 4 ranks; a model built from another seed loads it and continues bitwise; rank 0 keeps
+    the uninterrupted run's losses and the half-way full weights for the 2-rank resume and the export."""
+    half = STEPS // 2
+    model, _, dims = _sharded("reference", world, EP)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    norms = []
+    for step, ids in enumerate(_batches()):
+        if step == half:
+            state = {"state_dict": model_state(model), "optimizer_states": [optimizer_state(model, optimizer)]}
+            save_distributed_checkpoint({**state, "global_step": half}, f"{root}/half", rank=rank)
+            full = {k: _full(v).clone() for k, v in model.state_dict().items()}
+        norms.append(_step(model, dims, optimizer, ids))
+    resumed, _, _ = _sharded("reference", world, EP, seed=1)
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    meta = load_distributed_checkpoint(f"{root}/half", resumed, [resumed_optimizer])
+    assert meta["global_step"] == half
+    resumed_norms = [_step(resumed, dims, resumed_optimizer, ids) for ids in _batches()[half:]]
+    assert all(torch.equal(a, b) for a, b in zip(resumed_norms, norms[half:], strict=True))
+    for (name, p), q in zip(model.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p.to_local(), q.to_local()), name
+    if rank == 0:
+        torch.save({"full": full, "norms": torch.stack(norms)}, f"{root}/run.pt")
+
+
+def _reshard_case(rank: int, world: int, root: str) -> None:
+    """The 4-rank checkpoint continues on 2 ranks (FSDP over 1 x EP over 2) with the 4-rank run's norms."""
+    half = STEPS // 2
+    model, _, dims = _sharded("reference", world, EP, seed=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    load_distributed_checkpoint(f"{root}/half", model, [optimizer])
+    norms = torch.stack([_step(model, dims, optimizer, ids) for ids in _batches()[half:]])
+    expected = torch.load(f"{root}/run.pt", weights_only=True)["norms"][half:]
+    assert _rel(norms, expected) < 1e-5, (norms, expected)
+
+
+def _all_cases(rank: int, world: int, root: str) -> None:
     torch.set_num_threads(1)
     for kind in ("reference", "qwen3_moe", "deepseek_v3"):
         _case(rank, world, kind)
+    _checkpoint_case(rank, world, root)
 
 
-def test_fsdp_x_ep_equals_one_process_for_reference_qwen3_moe_and_deepseek_v3() -> None:
+def test_fsdp_x_ep_equals_one_process_and_its_checkpoints_resume_reshard_and_export(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    run_distributed(_all_cases, 4, timeout=300)
+    run_distributed(_all_cases, 4, str(tmp_path), timeout=400)
+    run_distributed(_reshard_case, 2, str(tmp_path), timeout=200)
+    # One file a single process loads: the half-way weights, the routed experts whole.
+    export = consolidate_checkpoint(tmp_path / "half", tmp_path / "export.ckpt")
+    single, _ = _reference_model()
+    single.load_state_dict(torch.load(export, weights_only=True)["state_dict"])
+    full = torch.load(tmp_path / "run.pt", weights_only=True)["full"]
+    for name, value in single.state_dict().items():
+        assert torch.equal(value, full[name]), name

@@ -126,8 +126,10 @@ def fully_shard_experts(
                 fully_shard(child, mesh=dims.dp_shard_mesh, **kwargs)
         fully_shard(block, mesh=dims.edp_mesh, **kwargs)
         block.set_gradient_divide_factor(float(dims.world_size))
-        # gloo has no pre-multiplied sum: divide before and after a plain sum there (NCCL fuses it).
-        block.set_force_sum_reduction_for_comms(dist.get_backend(dims.edp_mesh.get_group()) == "gloo")
+        # gloo has no pre-multiplied sum: a plain sum, then the division (NCCL fuses it). Not with one "edp" rank:
+        # there FSDP2 sends nothing and divides once itself (forcing the sum would divide a second time).
+        gloo = dist.get_backend(dims.edp_mesh.get_group()) == "gloo"
+        block.set_force_sum_reduction_for_comms(gloo and dims.edp > 1)
 
 
 def grouped_moe_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
