@@ -67,7 +67,7 @@ from lightning_llmfast.bench import OpCounter
 from lightning_llmfast.bench.e2e import _PeakMemory
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
-from lightning_llmfast.offload import ActivationOffloader
+from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 
 MEM_TARGET = 0.40  # at least 40% lower peak activation memory
 TPS_TARGET = 0.95  # at no more than 5% lower tokens/sec
@@ -271,7 +271,9 @@ def _cpu(quick: bool, names: Sequence[str] | None = None) -> dict[str, Any]:
 
 def _cpu_offloader(model: MoEGPT, settings: dict[str, Any]) -> ActivationOffloader:
     # Every tensor counts on the tiny CPU model (no 1 MiB floor); the forced path runs without streams.
-    return ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, **settings)
+    return ActivationOffloader(
+        model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True, **settings)
+    )
 
 
 def _copy_free_offloaders(model: MoEGPT) -> dict[str, ActivationOffloader | None]:
@@ -380,7 +382,7 @@ def _cuda(shape_name: str, repeats: int, names: Sequence[str] | None = None) -> 
     layers_saved = saved_inventory(model, ids, layer=None, top=0)["total_bytes"]
     common: dict[str, Any] = {"min_offload_bytes": 1 << 20, "keep_last_layers": 1, "prefetch_layers": 1}
     modes = {
-        name: None if settings is None else ActivationOffloader(model.layers, **common, **settings)
+        name: None if settings is None else ActivationOffloader(model.layers, OffloadConfig(**common, **settings))
         for name, settings in _selected(names).items()
     }
     # Warm-up: Triton compilation (in "off", first, so that "auto" measures warm kernels), allocator, pool sizing
