@@ -7,13 +7,13 @@ process and timed with CUDA events (median of repeats):
 - ``off``: nothing (the baseline);
 - ``rebuild``: the offloader copies nothing (``offload_layers=0``) and only drops the layers' saved bf16 weight copies
   and RMSNorm outputs (and their bf16 copies), rebuilt in backward;
-- ``rebuild_gemms``: as ``rebuild``, and the experts' gate/up GEMM output is rebuilt too (``rebuild_gemms=True``: one
+- ``rebuild_gemms``: as ``rebuild``, and the experts' gate/up GEMM output is rebuilt too (``rebuild="norms+gemms"``: one
   more gather and grouped GEMM per layer in backward); ``rebuild_gemms_6``: in the first 6 layers only (half the
   GEMMs, half their share of the memory);
 - ``all``: every layer but the last offloads (``offload_layers=None``);
 - ``auto``: ``offload_layers="auto"``: as many leading layers as the copies can hide behind compute (with its plan:
   measured per-layer compute, bytes and bandwidth);
-- ``auto_gemms``: ``"auto"`` with ``rebuild_gemms=True`` (fewer bytes per offloaded layer);
+- ``auto_gemms``: ``"auto"`` with ``rebuild="norms+gemms"`` (fewer bytes per offloaded layer);
 - ``recompute``: no offload, every layer under selective recomputation (``offload_layers=0, recompute="selective"``);
 - ``auto_recompute``: ``"auto"`` offload plus selective recomputation of the layers that do not offload.
 
@@ -122,11 +122,11 @@ MODES: dict[str, dict[str, Any] | None] = {
     "off": None,
     # Nothing is copied: only the layers' saved bf16 weight copies are dropped and rebuilt in backward.
     "rebuild": {"offload_layers": 0},
-    "rebuild_gemms": {"offload_layers": 0, "rebuild_gemms": True},
-    "rebuild_gemms_6": {"offload_layers": 0, "rebuild_gemms": 6},
+    "rebuild_gemms": {"offload_layers": 0, "rebuild": "norms+gemms"},
+    "rebuild_gemms_6": {"offload_layers": 0, "rebuild": "norms+gemms", "rebuild_gemm_layers": 6},
     "all": {"offload_layers": None},
     "auto": {"offload_layers": "auto"},
-    "auto_gemms": {"offload_layers": "auto", "rebuild_gemms": True},
+    "auto_gemms": {"offload_layers": "auto", "rebuild": "norms+gemms"},
     "recompute": {"offload_layers": 0, "recompute": "selective"},
     "auto_recompute": {"offload_layers": "auto", "recompute": "selective"},
 }

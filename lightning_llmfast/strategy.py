@@ -40,6 +40,24 @@ if TYPE_CHECKING:
 
 __all__ = ["LLMFastStrategy"]
 
+# Offload settings the strategy once took as keywords: refused by name (DDP would take them, and ignore them on one
+# process) with the OffloadConfig spelling.
+_REMOVED_OFFLOAD_KEYWORDS = frozenset(
+    {
+        "offload_activations",
+        "force_offload",
+        "min_offload_bytes",
+        "keep_last_layers",
+        "prefetch_layers",
+        "pool_headroom",
+        "offload_layers",
+        "recompute",
+        "rebuild",
+        "rebuild_gemms",
+        "rebuild_gemm_layers",
+    }
+)
+
 
 class LLMFastStrategy(ShardedDataParallelBase):
     """DDP or FSDP2 for LLM training with optional double-buffered activation offload.
@@ -118,6 +136,12 @@ class LLMFastStrategy(ShardedDataParallelBase):
             raise ConfigError(
                 f"{type(self).__name__}: sharding='fsdp' with expert_parallel_size > 1 is not supported yet; use "
                 "sharding='ddp' for expert parallelism"
+            )
+        removed = sorted(set(kwargs) & _REMOVED_OFFLOAD_KEYWORDS)
+        if removed:
+            raise OffloadError(
+                f"{type(self).__name__}: {', '.join(removed)} removed; pass offload=OffloadConfig(...) or "
+                "offload=True (force_offload is OffloadConfig(force=...), rebuild_gemms=True is rebuild='norms+gemms')"
             )
         self.offload_config = self._offload_config(offload)
         super().__init__(*args, sharding=sharding, **kwargs)
