@@ -26,13 +26,16 @@ _VALIDATE = ("first_layer", "every_layer", "off")
 
 
 def _hidden_and_positions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """The layer's hidden states (first floating-point tensor) and position ids (``position_ids=`` or the first
-    int64 tensor argument)."""
+    """The layer's hidden states (first floating-point tensor) and position ids (``position_ids=``, or the first
+    int64 tensor argument shaped like the hidden states' tokens)."""
     values = [*args, *kwargs.values()]
     hidden = next((t for t in values if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
     positions = kwargs.get("position_ids")
-    if positions is None:
-        positions = next((t for t in args if isinstance(t, torch.Tensor) and t.dtype == torch.int64), None)
+    if positions is None and hidden is not None:
+        tokens = hidden.shape[:-1]
+        positions = next(
+            (t for t in args if isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.shape == tokens), None
+        )
     return hidden, positions
 
 
