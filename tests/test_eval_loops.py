@@ -30,7 +30,8 @@ def _check(ranks: list[dict[str, Any]]) -> None:
         documents = [d for batch in predicted for d in batch["documents"]]
         losses = torch.cat([batch["loss"] for batch in predicted]).double()
         assert documents == r["ref_test"]["documents"] and documents
-        torch.testing.assert_close(losses, torch.tensor(r["ref_test"]["losses"], dtype=torch.float64), rtol=1e-5, atol=1e-6)
+        expected = torch.tensor(r["ref_test"]["losses"], dtype=torch.float64)
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -319,10 +319,10 @@ class MoEGPT(nn.Module):
                 from ``position_ids`` (one host sync if they live on an accelerator).
 
         Raises:
-            DataError: ``input_ids`` is not a 2-D int64/int32 tensor, is on the meta device, or (on the CPU) holds an id outside
-                ``[0, vocab_size)``. Token values are not checked ahead of time: that would read the device every
-                step. On an accelerator an out-of-range id fails in the embedding kernel (a device-side assert);
-                the packed data path checks every id on the host when packing
+            DataError: ``input_ids`` is not a 2-D int64/int32 tensor, is on the meta device, or (on the CPU) holds
+                an id outside ``[0, vocab_size)``. Token values are not checked ahead of time: that would read the
+                device every step. On an accelerator an out-of-range id fails in the embedding kernel (a device-side
+                assert); the packed data path checks every id on the host when packing
                 (:func:`~lightning_llmfast.data.pack_documents` with ``vocab_size``).
             MetadataError: ``position_ids`` is not an integer tensor of ``input_ids``' shape (or ``(1, T)``).
         """

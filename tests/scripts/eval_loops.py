@@ -16,8 +16,13 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule, PackedDataModule
-from lightning_llmfast import SequenceMetadataCallback
+from lightning_llmfast import (
+    LLMFastStrategy,
+    MoEGPTConfig,
+    MoEGPTLightningModule,
+    PackedDataModule,
+    SequenceMetadataCallback,
+)
 from lightning_llmfast.data import IGNORE_INDEX, PackedBatch
 from lightning_llmfast.seqmeta import SequenceMetadata
 
