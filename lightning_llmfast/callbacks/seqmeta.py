@@ -154,7 +154,7 @@ class SequenceMetadataCallback(L.Callback):
         self.cache.end()
         reads = self.reads_last_batch
         self._train_steps += 1
-        self._unread_steps += reads == 0
+        self._unread_steps += reads == 0 and not self.cache.read_compiled
         for name, value in (("builds", self.builds_last_batch), ("reads", reads)):
             pl_module.log(f"seqmeta/{name}_per_step", float(value), on_step=True, on_epoch=False, batch_size=1)
 

@@ -84,6 +84,21 @@ class SequenceMetadataCache:
         self._foreign: Binding | None = None
         self._open = False
         self.stats: dict[str, int] = {"builds": 0, "hits": 0, "reads": 0, "rebinds": 0, "checks": 0, "version": 0}
+        self._read_compiled = False
+
+    def _count(self, name: str) -> None:
+        if not torch.compiler.is_compiling():
+            self.stats[name] += 1
+        elif name == "reads":
+            # A compiled increment would read the count, and Dynamo would guard on it (a recompilation per lookup);
+            # storing a constant is replayed by every run of the compiled code without a guard.
+            self._read_compiled = True
+
+    @property
+    def read_compiled(self) -> bool:
+        """Whether a consumer looked the metadata up from compiled code in the open version (those lookups are not
+        in ``stats``: counting them would make every compiled run recompile)."""
+        return self._read_compiled
 
     @property
     def version(self) -> int:
@@ -127,6 +142,7 @@ class SequenceMetadataCache:
         described = source if has_source_fields(source) else None
         binding = Binding(described, tokens if isinstance(tokens, Tensor) else None)
         self.stats["version"] += 1
+        self._read_compiled = False
         if binding.can_build():
             self._build(binding)
         self._main = binding
@@ -325,8 +341,10 @@ class SequenceMetadataCache:
                 meta = binding.meta = meta.to(hidden.device)
         elif device is not None and meta.device != torch.device(device):
             meta = binding.meta = meta.to(device)
-        self.stats["hits"] += int(not built)
-        self.stats["reads"] += int(read)
+        if not built:
+            self._count("hits")
+        if read:
+            self._count("reads")
         return meta
 
     def _lookup(self, position_ids: Tensor | None) -> Binding:
@@ -376,7 +394,7 @@ class SequenceMetadataCache:
         self._check(meta, hidden)
 
     def _check(self, meta: SequenceMetadata, hidden: torch.Tensor) -> None:
-        self.stats["checks"] += 1
+        self._count("checks")
         count = _token_count(hidden)
         if count != meta.num_tokens:
             raise MetadataError(

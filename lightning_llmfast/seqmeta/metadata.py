@@ -51,7 +51,7 @@ class SequenceMetadata:
         meta.max_seqlen, meta.num_tokens, meta.num_sequences  # (4, 8, 3)
     """
 
-    __slots__ = ("_cu_cpu", "_cu_device", "_device", "_lengths", "_max_seqlen", "_memo", "_starts")
+    __slots__ = ("_cu_cpu", "_cu_device", "_device", "_lengths", "_max_seqlen", "_memo", "_num_tokens", "_starts")
 
     def __init__(
         self,
@@ -95,6 +95,9 @@ class SequenceMetadata:
         # Host-side copies used to plan attention (per-document slices, length buckets) without the device.
         self._starts: tuple[int, ...] = tuple(int(s) for s in host[:-1])
         self._lengths: tuple[int, ...] = tuple(int(n) for n in np.diff(host))
+        # One int, not derived from the tuples above: torch.compile guards on what it reads, and reading the tuples
+        # would specialise a compiled graph on every boundary of the batch.
+        self._num_tokens = int(host[-1])
         self._memo: dict[Any, Any] = {}
 
     # ------------------------------------------------------------------ constructors
@@ -278,7 +281,7 @@ class SequenceMetadata:
     @property
     def num_tokens(self) -> int:
         """Number of flattened positions, ``cu_seqlens[-1]``."""
-        return self._starts[-1] + self._lengths[-1] if self._lengths else 0
+        return self._num_tokens
 
     @property
     def num_sequences(self) -> int:
@@ -374,6 +377,7 @@ class SequenceMetadata:
         new._max_seqlen = self._max_seqlen
         new._starts = self._starts
         new._lengths = self._lengths
+        new._num_tokens = self._num_tokens
         new._memo = {"fingerprint": self._memo["fingerprint"]} if "fingerprint" in self._memo else {}
         return new
 
