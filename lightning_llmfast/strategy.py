@@ -14,8 +14,7 @@ Example::
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
@@ -24,11 +23,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_llmfast._checks import check_bool, check_int
 from lightning_llmfast.callbacks.offload import ActivationOffload
-from lightning_llmfast.errors import ConfigError, OffloadError
+from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
-from lightning_llmfast.parallel import expert as expert_parallel
 from lightning_llmfast.sharding import ShardedDataParallelBase
 
 if TYPE_CHECKING:
@@ -36,10 +33,27 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies.registry import _StrategyRegistry
     from lightning.pytorch.utilities.types import STEP_OUTPUT
     from torch import Tensor
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.optim import Optimizer
 
 __all__ = ["LLMFastStrategy"]
+
+# Offload settings the strategy once took as keywords: refused by name (DDP would take them, and ignore them on one
+# process) with the OffloadConfig spelling.
+_REMOVED_OFFLOAD_KEYWORDS = frozenset(
+    {
+        "offload_activations",
+        "force_offload",
+        "min_offload_bytes",
+        "keep_last_layers",
+        "prefetch_layers",
+        "pool_headroom",
+        "offload_layers",
+        "recompute",
+        "rebuild",
+        "rebuild_gemms",
+        "rebuild_gemm_layers",
+    }
+)
 
 
 class LLMFastStrategy(ShardedDataParallelBase):
@@ -47,7 +61,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
 
     With one process on one device it neither wraps the model in ``DistributedDataParallel`` nor creates a
     process group, so no all-reduce is paid for; with several processes (gloo on CPU, NCCL on CUDA, any number of
-    nodes through Lightning's launchers) it is plain DDP. With ``offload_activations=True`` it creates an
+    nodes through Lightning's launchers) it is plain DDP. With ``offload`` set it creates an
     :class:`~lightning_llmfast.offload.ActivationOffloader` (copy streams, pinned pool, device buffer sets) in
     :meth:`setup`, runs ``training_step`` inside its pack hooks and the backward inside the same step, and
     releases everything in :meth:`teardown`, also after an exception: the machinery of the
@@ -67,60 +81,46 @@ class LLMFastStrategy(ShardedDataParallelBase):
 
     Args:
         sharding: ``"ddp"`` (replicated model) or ``"fsdp"`` (FSDP2 sharded data parallel).
-        offload: the offload settings (:class:`~lightning_llmfast.offload.OffloadConfig`); implies
-            ``offload_activations=True``. Instead of it, the keyword arguments below build one.
-        offload_activations: offload saved activations of ``layers`` to pinned host memory. The layers' saved
-            RMSNorm outputs (and, under ``precision="bf16-mixed"``, their saved bf16 weight copies) are then rebuilt
-            in backward instead of kept, in every layer (``offload_layers=0`` does only that: no copies at all).
+        offload: offload saved activations of ``layers`` to pinned host memory with these settings
+            (:class:`~lightning_llmfast.offload.OffloadConfig`; ``True``: its defaults; ``None``/``False``: off).
+            The layers' saved RMSNorm outputs (and, under ``precision="bf16-mixed"``, their saved bf16 weight copies)
+            are then rebuilt in backward instead of kept, in every layer (``offload_layers=0`` does only that).
         layers: the layer stack (offloaded, and sharded block by block under ``"fsdp"``): ``None`` (the largest
             ``nn.ModuleList`` of identical blocks in the LightningModule), an attribute path such as
             ``"model.layers"``, or the modules.
-        min_offload_bytes: storages smaller than this stay on the device.
-        keep_last_layers: the last this many layers are not offloaded.
-        prefetch_layers: layers prefetched ahead in backward (``prefetch_layers + 1`` device buffer sets).
-        pool_headroom: the pinned pool is sized after the first step to its measured need times this (from 1 to 16).
-        force_offload: run the offload mechanism on CPU-only training too (tests); otherwise offload is CUDA-only.
-        offload_layers: ``None`` (all but the last ``keep_last_layers``), an int ``N`` (only the first ``N``
-            layers) or ``"auto"`` (measure the first step, then offload as many leading layers as the copies can
-            hide behind compute; see :class:`~lightning_llmfast.offload.ActivationOffloader`).
-        recompute: ``None`` or ``"selective"``: the layers that do not offload keep only matmul, attention and
-            routing outputs and recompute the cheap rest in backward
-            (:mod:`~lightning_llmfast.offload.recompute`).
-        expert_parallel_size: ``N > 1`` splits the experts of every MoE block over groups of ``N`` ranks (a
-            ``("edp", "ep")`` device mesh; :mod:`~lightning_llmfast.parallel.expert`): tokens travel by all-to-all,
-            expert gradients are averaged over the ranks holding the same experts, dense ones by DDP over all, and
-            checkpoints hold the full expert tensors. ``N`` must divide the world size and every block's experts.
-        rebuild: ``"norms"`` (the default), ``"norms+gemms"`` (also the routed experts' gate/up GEMM output: one
-            more grouped GEMM per layer in backward) or ``None``
-            (see :class:`~lightning_llmfast.offload.OffloadConfig`).
-        rebuild_gemms: the older spelling of ``rebuild="norms+gemms"``: ``True`` in every layer, an int ``N`` in the
-            first ``N``.
+        expert_parallel_size: ``N > 1`` splits the routed experts of every MoE block over groups of ``N`` ranks (the
+            ``("edp", "ep")`` mesh of :class:`~lightning_llmfast.parallel.ParallelDims`;
+            :mod:`~lightning_llmfast.parallel.expert`): tokens travel by all-to-all. Under ``"ddp"`` expert
+            gradients are averaged over the ranks holding the same experts, dense ones by DDP over all, and
+            checkpoints hold the full expert tensors; under ``"fsdp"`` the experts are also ``fully_shard`` ed over
+            ``"edp"`` (each rank holds ``1 / world`` of every parameter). ``N`` must divide the world size and every
+            block's experts. Gradient clipping by norm (``Trainer(gradient_clip_val=...)``) takes the global norm
+            over both meshes under every layout, on the device, and logs it as ``train/grad_norm``.
         *args: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and on to DDP).
 
     Raises:
-        OffloadError: at construction for negative sizes or counts, a headroom outside ``[1, 16]``, an
-            ``offload_activations`` or ``force_offload`` that is not a bool, or an ``offload_layers``
-            other than ``None``, an int ``>= 0`` or ``"auto"``, or a ``recompute`` other than ``None`` or
-            ``"selective"``, or a ``rebuild_gemms`` that is neither a bool nor an int ``>= 0``; at :meth:`setup`,
-            before any step, when ``layers`` matches nothing.
-        ConfigError: ``expert_parallel_size`` not an int ``>= 1``; at :meth:`setup`, when it does not divide the
-            world size or a block's experts, the model has no grouped MoE block, or the Trainer clips gradients by
-            norm (each rank would see only its own experts' norm; clipping by value works).
-        ConfigError: at construction for a ``sharding`` other than ``"ddp"`` or ``"fsdp"``, or ``"fsdp"`` with
-            ``expert_parallel_size > 1`` (not combined yet); under ``"fsdp"``, at :meth:`setup` before any step,
+        OffloadError: at construction for an ``offload`` that is neither an ``OffloadConfig``, a bool nor ``None``;
+            at :meth:`setup`, before any step, when ``layers`` matches nothing.
+        ConfigError: ``expert_parallel_size`` not an int ``>= 1``; before any step, when it does not divide the
+            world size or a block's experts, or the model has no grouped MoE block.
+        ConfigError: at construction for a ``sharding`` other than ``"ddp"`` or ``"fsdp"``; under ``"fsdp"``, at
+            :meth:`setup` before any step,
             when ``layers`` matches nothing, the precision has no FSDP2 policy (``"16-mixed"``), or meta-device
             modules have no ``reset_parameters()``; when resuming from a file that is not a distributed checkpoint.
 
     Example::
 
-        strategy = LLMFastStrategy(offload_activations=True, layers="model.layers", offload_layers="auto")
+        strategy = LLMFastStrategy(offload=OffloadConfig(offload_layers="auto"), layers="model.layers")
         trainer = L.Trainer(strategy=strategy, accelerator="cuda", devices=1, precision="bf16-mixed")
         trainer.fit(MoEGPTLightningModule(MoEGPTConfig(n_layers=12)), datamodule=dm)
         print(strategy.offload_stats)  # the last step's offload stats, also after fit
 
         trainer = L.Trainer(strategy="llmfast_fsdp", accelerator="cuda", devices=8, precision="bf16-mixed")
         trainer.fit(module, datamodule=dm, ckpt_path="ckpts/last.ckpt")  # a DCP directory, any world size
+
+        strategy = LLMFastStrategy(sharding="fsdp", expert_parallel_size=4)  # FSDP2 x EP on one mesh
+        trainer = L.Trainer(strategy=strategy, devices=8, precision="bf16-mixed", gradient_clip_val=1.0)
     """
 
     strategy_name = "llmfast"
@@ -129,59 +129,38 @@ class LLMFastStrategy(ShardedDataParallelBase):
         self,
         *args: Any,
         sharding: str = "ddp",
-        offload: OffloadConfig | None = None,
-        offload_activations: bool = False,
+        offload: OffloadConfig | bool | None = None,
         layers: Sequence[nn.Module] | nn.Module | str | None = None,
-        min_offload_bytes: int = 1 << 20,
-        keep_last_layers: int = 1,
-        prefetch_layers: int = 1,
-        pool_headroom: float = 1.5,
-        force_offload: bool = False,
-        offload_layers: int | str | None = None,
-        recompute: str | None = None,
-        rebuild: str | None = "norms",
-        rebuild_gemms: bool | int = False,
         expert_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
-        check_int(f"{type(self).__name__}: expert_parallel_size", expert_parallel_size, low=1)
-        if sharding == "fsdp" and expert_parallel_size > 1:
-            raise ConfigError(
-                f"{type(self).__name__}: sharding='fsdp' with expert_parallel_size > 1 is not supported yet; use "
-                "sharding='ddp' for expert parallelism"
+        removed = sorted(set(kwargs) & _REMOVED_OFFLOAD_KEYWORDS)
+        if removed:
+            raise OffloadError(
+                f"{type(self).__name__}: {', '.join(removed)} removed; pass offload=OffloadConfig(...) or "
+                "offload=True (force_offload is OffloadConfig(force=...), rebuild_gemms=True is rebuild='norms+gemms')"
             )
-        # A string must not pass: bool("no") is True.
-        check_bool(f"{type(self).__name__}: offload_activations", offload_activations, error=OffloadError)
-        settings: dict[str, Any] = {
-            "min_offload_bytes": min_offload_bytes,
-            "keep_last_layers": keep_last_layers,
-            "prefetch_layers": prefetch_layers,
-            "pool_headroom": pool_headroom,
-            "force_offload": force_offload,
-            "offload_layers": offload_layers,
-            "recompute": recompute,
-            "rebuild": rebuild,
-            "rebuild_gemms": rebuild_gemms,
-        }
-        changed = self._changed_offload_settings(settings)
-        # Only the settings given count (next to a config they raise): the defaults are OffloadConfig's.
-        given = {("force" if k == "force_offload" else k): settings[k] for k in changed}
-        self.offload_config = OffloadConfig.from_kwargs(offload, owner=type(self).__name__, **given)
-        super().__init__(*args, sharding=sharding, **kwargs)
-        self.offload_activations = offload_activations or offload is not None
-        self.force_offload = self.offload_config.force
+        self.offload_config = self._offload_config(offload)
+        super().__init__(*args, sharding=sharding, expert_parallel_size=expert_parallel_size, **kwargs)
         self._layers_spec = layers
-        self.expert_parallel_size = expert_parallel_size
-        self._expert_mesh: DeviceMesh | None = None
-        self._offload = ActivationOffload(self.offload_config, layers=layers) if self.offload_activations else None
-        if not self.offload_activations:
+        config = self.offload_config
+        self._offload = ActivationOffload(config, layers=layers) if config is not None else None
+        if config is None and layers is not None and sharding != "fsdp":
             # FSDP shards `layers` block by block: there the argument is used without offload too.
-            unused = changed | ({"layers"} if layers is not None and sharding != "fsdp" else set())
-            if unused:
-                rank_zero_warn(
-                    f"LLMFastStrategy: offload settings do nothing without offload_activations=True "
-                    f"(or strategy='llmfast_offload'): {', '.join(sorted(unused))}"
-                )
+            rank_zero_warn("LLMFastStrategy: layers= does nothing without offload (or strategy='llmfast_offload')")
+
+    @classmethod
+    def _offload_config(cls, offload: OffloadConfig | bool | None) -> OffloadConfig | None:
+        # A string must not pass: bool("no") is True.
+        if offload is None or offload is False:
+            return None
+        if offload is True:
+            return OffloadConfig()
+        if not isinstance(offload, OffloadConfig):
+            raise OffloadError(
+                f"{cls.__name__}: offload must be an OffloadConfig, a bool or None, got {type(offload).__name__}"
+            )
+        return offload
 
     @property
     def offloader(self) -> ActivationOffloader | None:
@@ -218,7 +197,9 @@ class LLMFastStrategy(ShardedDataParallelBase):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        self._setup_expert_parallel(trainer)
+        self._setup_clipping()
+        if self.sharding == "ddp" and self.expert_parallel_size > 1:
+            self._setup_expert_parallel()  # before DDP wraps the model and the optimizers are built
         if self.sharding == "fsdp":
             self._check_fsdp_config(self._layers_spec)  # on every world size, before any step
         if self.sharding == "fsdp" and not self.single_process:
@@ -244,12 +225,6 @@ class LLMFastStrategy(ShardedDataParallelBase):
         return model if self.single_process else super()._setup_model(model)
 
     # ------------------------------------------------------------------ offload wiring
-    @staticmethod
-    def _changed_offload_settings(settings: dict[str, Any]) -> set[str]:
-        """The names of the offload keyword arguments given with a value other than their default."""
-        defaults = {name: p.default for name, p in inspect.signature(LLMFastStrategy.__init__).parameters.items()}
-        return {name for name, value in settings.items() if value != defaults[name]}
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         offload, trainer = self._offload, self.lightning_module.trainer if self.lightning_module else None
@@ -294,72 +269,6 @@ class LLMFastStrategy(ShardedDataParallelBase):
             self._offload.teardown(self.lightning_module.trainer, self.lightning_module, "fit")
         super().teardown()
 
-    # ------------------------------------------------------------------ expert-parallel wiring
-    @property
-    def expert_mesh(self) -> DeviceMesh | None:
-        """The ``("edp", "ep")`` mesh with ``expert_parallel_size > 1`` (after :meth:`setup`), else ``None``."""
-        return self._expert_mesh
-
-    def _setup_expert_parallel(self, trainer: pl.Trainer) -> None:
-        # Before DDP wraps the model and the optimizers are built: both must see the local experts only.
-        if self.expert_parallel_size > 1 and self._expert_mesh is None:
-            assert self.lightning_module is not None
-            if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
-                # Each rank would take the norm over its own experts and clip its dense replica by another factor.
-                raise ConfigError(
-                    f"{type(self).__name__}: gradient clipping by norm is not supported with expert_parallel_size > 1 "
-                    "(the norm would cover each rank's experts only); use gradient_clip_algorithm='value'"
-                )
-            device = "cpu" if self._get_process_group_backend() == "gloo" else self.root_device.type
-            self._expert_mesh = expert_parallel.shard_model_experts(
-                self.lightning_module, self.expert_parallel_size, device
-            )
-
-    @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        mesh = self._expert_mesh
-        if mesh is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-        def closure_then_reduce() -> Any:
-            # Inside the closure: after the step's last backward, before clipping and the optimizer update.
-            result = closure()
-            expert_parallel.reduce_expert_gradients(self.lightning_module, mesh)
-            return result
-
-        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = super().lightning_module_state_dict()
-        if self._expert_mesh is None:
-            return state
-        return expert_parallel.gather_expert_state_dict(self.lightning_module, state)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._expert_mesh is not None:
-            state = expert_parallel.slice_expert_state_dict(self.lightning_module, checkpoint["state_dict"])
-            checkpoint = {**checkpoint, "state_dict": state}
-        super().load_model_state_dict(checkpoint, strict=strict)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        state = super().optimizer_state(optimizer)
-        if self._expert_mesh is None:
-            return state
-        return expert_parallel.gather_expert_optimizer_state(self.lightning_module, optimizer, state)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._expert_mesh is not None:
-            states = [
-                expert_parallel.slice_expert_optimizer_state(self.lightning_module, optimizer, state)
-                for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False)
-            ]
-            checkpoint = {**checkpoint, "optimizer_states": states}
-        super().load_optimizer_state_dict(checkpoint)
-
     # ------------------------------------------------------------------ registry
     @classmethod
     @override
@@ -373,9 +282,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
         for name, sharding, offload, description in entries:
             # Guard: importing twice (or reloading) must not raise "already registered".
             if name not in strategy_registry:
-                strategy_registry.register(
-                    name, cls, description=description, sharding=sharding, offload_activations=offload
-                )
+                strategy_registry.register(name, cls, description=description, sharding=sharding, offload=offload)
 
 
 LLMFastStrategy.register_strategies(StrategyRegistry)

@@ -27,6 +27,7 @@ from lightning_llmfast import (
 )
 from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.data import pack_documents
+from lightning_llmfast.moe import GroupedMoE
 from lightning_llmfast.seqmeta import SequenceMetadataCache
 
 transformers = pytest.importorskip("transformers")
@@ -254,7 +255,7 @@ def test_thirty_step_fit_loss_falls_and_the_metadata_is_read(tmp_path: Path) -> 
     assert len(losses) == 30 and all(math.isfinite(x) for x in losses)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 0.5, (first, last)
-    assert sum(getattr(m, "_llmfast_grouped", False) for m in module.modules()) == 2
+    assert sum(isinstance(m, GroupedMoE) for m in module.modules()) == 2
     assert trainer.logged_metrics["seqmeta/reads_per_step"] == 1.0
     assert trainer.logged_metrics["seqmeta/builds_per_step"] == 1.0
 
@@ -331,11 +332,11 @@ def _three_steps(tmp_path: Path, strategy) -> tuple[HFCausalLMModule, L.Trainer]
 
 
 def test_activation_offload_strategy_trains_the_same_model(tmp_path: Path) -> None:
-    from lightning_llmfast import LLMFastStrategy
+    from lightning_llmfast import LLMFastStrategy, OffloadConfig
 
     reference, trainer = _three_steps(tmp_path, "llmfast")
     assert 0 <= float(trainer.logged_metrics["moe/load_imbalance"])
-    strategy = LLMFastStrategy(offload_activations=True, force_offload=True, min_offload_bytes=0)
+    strategy = LLMFastStrategy(offload=OffloadConfig(force=True, min_offload_bytes=0))
     offloaded, _ = _three_steps(tmp_path, strategy)
     assert strategy.offload_stats is not None and strategy.offload_stats["offloaded_bytes"] > 0
     for p, q in zip(reference.parameters(), offloaded.parameters()):

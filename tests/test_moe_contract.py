@@ -87,14 +87,18 @@ def test_no_private_name_is_imported_across_subpackages() -> None:
     assert not bad, bad
 
 
-def test_moe_imports_nothing_from_seqmeta_or_callbacks() -> None:
-    # data/ must not import seqmeta/ either: that half belongs to the data-layer change (see its own test).
-    upper = ("lightning_llmfast.seqmeta", "lightning_llmfast.callbacks", "lightning_llmfast.models")
+def test_moe_and_data_import_only_downward() -> None:
+    """moe/ imports nothing from seqmeta/, callbacks/, models/ or Lightning; data/ nothing from seqmeta/."""
+    rules = {
+        "moe": ("lightning_llmfast.seqmeta", "lightning_llmfast.callbacks", "lightning_llmfast.models", "lightning."),
+        "data": ("lightning_llmfast.seqmeta", "lightning."),
+    }
     bad = [
-        f"{path.name}: {module}"
-        for path in _sources("moe")
+        f"{sub}/{path.name}: {module}"
+        for sub, upper in rules.items()
+        for path in _sources(sub)
         for module, _ in _imports(path)
-        if module.startswith(upper) or module in ("lightning", "lightning.pytorch", "torchmetrics")
+        if module.startswith(upper) or module in ("lightning", "torchmetrics")
     ]
     assert not bad, bad
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Size, Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_llmfast._autograd import in_backward
 from lightning_llmfast.errors import ConfigError, RoutingError
@@ -154,7 +155,8 @@ class GroupedMoE(nn.Module):
         # validate=None: no finiteness work in the hot path; stats.nonfinite_flag() checks when a monitor asks.
         plan = route(logits, self.config.routing, expert_bias=bias, token_mask=token_mask, validate=None)
         rows, ctx = self.dispatcher.dispatch(x, plan, x_compute=x_compute)
-        out = self.dispatcher.combine(expert_swiglu(rows, *self._expert_weights()), ctx)
+        gate_up, down, act = self._expert_weights()
+        out = self.dispatcher.combine(expert_swiglu(rows, _local(gate_up), _local(down), act), ctx)
         shared = self._shared_output(x_compute)
         if shared is not None:
             out = out + shared
@@ -327,6 +329,12 @@ class MoEBlock(GroupedMoE):
 
     def _shared_output(self, x_compute: Tensor) -> Tensor | None:
         return None if self.shared_experts is None else self.shared_experts(x_compute)
+
+
+def _local(weight: Tensor) -> Tensor:
+    """This rank's experts of ``weight``: under FSDP2 x expert parallelism the (gathered) expert weights are DTensors
+    sharded over the expert-parallel group, whose local shard holds exactly the experts this rank serves."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def _zero_counts(num_experts: int, needed: bool) -> Tensor | None:

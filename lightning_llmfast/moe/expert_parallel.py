@@ -138,6 +138,8 @@ def _check_same_blocks(params: dict[str, Tensor], group: dist.ProcessGroup) -> N
     shapes = [d for p in params.values() for d in p.shape][:_SHAPE_SLOTS]
     shapes += [-1] * (_SHAPE_SLOTS - len(shapes))
     device = next(iter(params.values())).device
+    if device.type == "meta":
+        return  # nothing allocated (a sharding plan, or a model built on the meta device): one config's shapes
     mine = torch.tensor([len(params), *shapes], dtype=torch.int64, device=comm_device(group, device))
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
