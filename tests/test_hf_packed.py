@@ -288,6 +288,7 @@ def test_lightning_cli_builds_the_model_from_a_transformers_config(tmp_path: Pat
             "--model.model.init_args.num_attention_heads=4",
             "--model.model.init_args.num_key_value_heads=2",
             "--model.model.init_args.num_experts=4",
+            "--model.model.init_args.num_experts_per_tok=2",  # at most num_experts: the swap checks its routing
             "--model.model.init_args.moe_intermediate_size=16",
             "--model.attn_implementation=eager",
             "--data.num_workers=0",

@@ -37,7 +37,7 @@ from lightning_llmfast.moe.checks import check_offsets_meta, check_offsets_value
 from lightning_llmfast.moe.kernels import row_dots
 from lightning_llmfast.moe.kernels.rows import _scale_rows_
 
-__all__ = ["GroupedExperts", "autocast_inputs", "grouped_swiglu", "grouped_mm_supported"]
+__all__ = ["ExpertWeights", "GroupedExperts", "autocast_inputs", "grouped_swiglu", "grouped_mm_supported"]
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -295,20 +295,7 @@ def grouped_swiglu(
         bounds = offsets.tolist()
         check_offsets_values(bounds, x.shape[0], padded)
     if grouped:
-        # grouped_mm takes the group ends (offsets[1:]) as its int32 `offs`, on x's device.
-        ends = offsets[1:].to(device=x.device, dtype=torch.int32)
-        valid = None
-        if padded:
-            # grouped_mm neither writes the padding rows of its output nor of its input gradient: mask both
-            # sides with a device-side compare (no sync) so garbage never reaches the combine or the tokens.
-            valid = (torch.arange(x.shape[0], device=x.device) < offsets[-1]).unsqueeze(-1)
-            x = torch.where(valid, x, 0)
-        hidden = _grouped_mm(x.contiguous(), gate_up, ends)
-        if act is F.silu:
-            out = _swiglu_down(hidden, down, ends, None, "torch")
-        else:
-            out = _grouped_mm(_swiglu(hidden, act), down, ends)
-        return out if valid is None else torch.where(valid, out, 0)
+        return _grouped_swiglu(x, offsets, gate_up, down, act, padded)
     out = x.new_zeros(x.shape[0], down.shape[-1])
     for expert in range(gate_up.shape[0]):
         start, end = bounds[expert], bounds[expert + 1]
@@ -316,13 +303,34 @@ def grouped_swiglu(
     return out
 
 
-class GroupedExperts(nn.Module):
-    """SwiGLU experts applied to rows grouped by expert, all experts in one grouped GEMM per projection.
+def _grouped_swiglu(
+    x: Tensor, offsets: Tensor, gate_up: Tensor, down: Tensor, act: Callable[[Tensor], Tensor], padded: bool
+) -> Tensor:
+    """:func:`grouped_swiglu` where ``grouped_mm`` takes the inputs: two grouped GEMMs, no host read."""
+    # grouped_mm takes the group ends (offsets[1:]) as its int32 `offs`, on x's device.
+    ends = offsets[1:].to(device=x.device, dtype=torch.int32)
+    valid = None
+    if padded:
+        # grouped_mm neither writes the padding rows of its output nor of its input gradient: mask both
+        # sides with a device-side compare (no sync) so garbage never reaches the combine or the tokens.
+        valid = (torch.arange(x.shape[0], device=x.device) < offsets[-1]).unsqueeze(-1)
+        x = torch.where(valid, x, 0)
+    hidden = _grouped_mm(x.contiguous(), gate_up, ends)
+    if act is F.silu:
+        out = _swiglu_down(hidden, down, ends, None, "torch")
+    else:
+        out = _grouped_mm(_swiglu(hidden, act), down, ends)
+    return out if valid is None else torch.where(valid, out, 0)
 
-    Expert ``e`` computes ``(silu(x @ W_gate) * (x @ W_up)) @ W_down`` with ``W_gate = gate_up_proj[e, :, :F]``,
-    ``W_up = gate_up_proj[e, :, F:]`` and ``W_down = down_proj[e]``: the ``[in, out]`` layout ``grouped_mm`` consumes
-    without a transpose. The parameters and state-dict keys are those of the naive baseline's
-    :class:`~lightning_llmfast.moe.SwiGLUExperts`, so weights move between the two blocks unchanged.
+
+class ExpertWeights(nn.Module):
+    """The weights of ``num_experts`` SwiGLU feed-forward experts, stored as two 3-D tensors.
+
+    Expert ``e`` computes ``(silu(x @ W_gate) * (x @ W_up)) @ W_down`` where ``W_gate = gate_up_proj[e, :, :F]``
+    (the first half of the last dimension), ``W_up = gate_up_proj[e, :, F:]`` (the second half) and
+    ``W_down = down_proj[e]``. The ``[in, out]`` layout is the one ``torch.nn.functional.grouped_mm`` consumes
+    without a transpose. :class:`GroupedExperts` and the naive baseline's
+    :class:`~lightning_llmfast.moe.SwiGLUExperts` share it, so weights move between the two blocks unchanged.
 
     Args:
         num_experts: ``E``.
@@ -338,9 +346,8 @@ class GroupedExperts(nn.Module):
 
     Example::
 
-        experts = GroupedExperts(num_experts=4, hidden_size=8, ffn_size=16)
-        offsets = torch.tensor([0, 2, 2, 5, 6], dtype=torch.int32)
-        y = experts(torch.randn(6, 8), offsets)  # (6, 8)
+        weights = ExpertWeights(num_experts=8, hidden_size=64, ffn_size=128)
+        weights.gate_up_proj.shape  # torch.Size([8, 64, 256])
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_size: int) -> None:
@@ -352,8 +359,26 @@ class GroupedExperts(nn.Module):
         self.ffn_size = ffn_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * ffn_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, ffn_size, hidden_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialise both weights from ``N(0, 0.02)``."""
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, ffn_size={self.ffn_size}"
+
+
+class GroupedExperts(ExpertWeights):
+    """:class:`ExpertWeights` applied to rows grouped by expert, all experts in one grouped GEMM per projection.
+
+    Example::
+
+        experts = GroupedExperts(num_experts=4, hidden_size=8, ffn_size=16)
+        offsets = torch.tensor([0, 2, 2, 5, 6], dtype=torch.int32)
+        y = experts(torch.randn(6, 8), offsets)  # (6, 8)
+    """
 
     def forward(self, x: Tensor, offsets: Tensor, *, padded: bool = False, validate: bool = True) -> Tensor:
         """Apply expert ``e`` to rows ``offsets[e]:offsets[e+1]``.
@@ -371,6 +396,3 @@ class GroupedExperts(nn.Module):
             RoutingError: as :func:`grouped_swiglu`.
         """
         return grouped_swiglu(x, offsets, self.gate_up_proj, self.down_proj, padded=padded, validate=validate)
-
-    def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, ffn_size={self.ffn_size}"

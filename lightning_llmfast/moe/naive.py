@@ -18,6 +18,7 @@ from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.moe.checks import check_block_input
 from lightning_llmfast.moe.config import SCORES
+from lightning_llmfast.moe.experts import ExpertWeights
 from lightning_llmfast.moe.stats import MoEStats
 
 __all__ = ["SwiGLUExperts", "NaiveMoEBlock", "check_moe_args", "router_scores", "router_losses"]
@@ -76,47 +77,14 @@ def router_losses(logits: Tensor, probs: Tensor, tokens_per_expert: Tensor, top_
     return aux, z
 
 
-class SwiGLUExperts(nn.Module):
-    """The weights of ``num_experts`` SwiGLU feed-forward experts, stored as two 3-D tensors.
-
-    Expert ``e`` computes ``(silu(x @ W_gate) * (x @ W_up)) @ W_down`` where ``W_gate = gate_up_proj[e, :, :F]``
-    (the first half of the last dimension), ``W_up = gate_up_proj[e, :, F:]`` (the second half) and
-    ``W_down = down_proj[e]``. The ``[in, out]`` layout is the one ``torch.nn.functional.grouped_mm`` consumes
-    without a transpose.
-
-    Args:
-        num_experts: ``E``.
-        hidden_size: ``H``.
-        ffn_size: ``F``, the intermediate size of one expert.
-
-    Raises:
-        ConfigError: a size that is not an int >= 1.
-
-    Attributes:
-        gate_up_proj: ``(E, H, 2F)`` parameter, initialised ``N(0, 0.02)``.
-        down_proj: ``(E, F, H)`` parameter, initialised ``N(0, 0.02)``.
+class SwiGLUExperts(ExpertWeights):
+    """:class:`~lightning_llmfast.moe.experts.ExpertWeights` applied one expert at a time (the baseline's loop).
 
     Example::
 
         experts = SwiGLUExperts(num_experts=8, hidden_size=64, ffn_size=128)
         y = experts.expert_forward(3, torch.randn(5, 64))  # (5, 64)
     """
-
-    def __init__(self, num_experts: int, hidden_size: int, ffn_size: int) -> None:
-        super().__init__()
-        for name, value in (("num_experts", num_experts), ("hidden_size", hidden_size), ("ffn_size", ffn_size)):
-            check_int(name, value, low=1)
-        self.num_experts = num_experts
-        self.hidden_size = hidden_size
-        self.ffn_size = ffn_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * ffn_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, ffn_size, hidden_size))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Initialise both weights from ``N(0, 0.02)``."""
-        nn.init.normal_(self.gate_up_proj, std=0.02)
-        nn.init.normal_(self.down_proj, std=0.02)
 
     def expert_forward(self, expert: int, x: Tensor) -> Tensor:
         """Apply one expert.
@@ -130,9 +98,6 @@ class SwiGLUExperts(nn.Module):
         """
         gate, up = (x @ self.gate_up_proj[expert]).chunk(2, dim=-1)
         return (F.silu(gate) * up) @ self.down_proj[expert]
-
-    def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, ffn_size={self.ffn_size}"
 
 
 class NaiveMoEBlock(nn.Module):
