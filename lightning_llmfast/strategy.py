@@ -27,6 +27,7 @@ from typing_extensions import override
 from lightning_llmfast._checks import check_bool, check_int
 from lightning_llmfast.callbacks.offload import ActivationOffload
 from lightning_llmfast.errors import ConfigError, OffloadError
+from lightning_llmfast.integrity import VerifiedCheckpointIO
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 from lightning_llmfast.parallel import expert as expert_parallel
 from lightning_llmfast.sharding import ShardedDataParallelBase
@@ -167,6 +168,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
         # Only the settings given count (next to a config they raise): the defaults are OffloadConfig's.
         given = {("force" if k == "force_offload" else k): settings[k] for k in changed}
         self.offload_config = OffloadConfig.from_kwargs(offload, owner=type(self).__name__, **given)
+        kwargs.setdefault("checkpoint_io", VerifiedCheckpointIO())  # digests of every tensor, verified on load
         super().__init__(*args, sharding=sharding, **kwargs)
         self.offload_activations = offload_activations or offload is not None
         self.force_offload = self.offload_config.force
