@@ -79,8 +79,9 @@ class PackedDataModule(LightningDataModule):
         num_workers: ``DataLoader`` worker processes (0 packs in the main process).
         pin_memory: pin batches when training on an accelerator, for asynchronous host-to-device copies.
         max_docs: use at most this many documents per split.
-        val_fraction: share of documents in the validation split.
-        test_fraction: share of documents in the test split (also what ``trainer.predict`` packs).
+        val_fraction: share of documents in the validation split; 0 runs no validation.
+        test_fraction: share of documents in the test split (also what ``trainer.predict`` packs); 0 gives no
+            test or predict batches.
         synthetic_num_docs: training documents of the synthetic corpus.
         synthetic_mean_len: mean document length of the synthetic corpus.
         synthetic_distribution: length distribution of the synthetic corpus (see ``SyntheticCorpus``).
@@ -210,7 +211,12 @@ class PackedDataModule(LightningDataModule):
         # bad paths or an empty split still fail before the first step.
         splits = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}
         for split in splits.get(stage, ()):
-            self.corpus_for(split)
+            if self._has_split(split):
+                self.corpus_for(split)
+
+    def _has_split(self, split: str) -> bool:
+        """``val_fraction=0`` (or ``test_fraction=0``) leaves that split out: no loop runs on it."""
+        return {"val": self.val_fraction, "test": self.test_fraction}.get(split, 1.0) > 0
 
     @override
     def train_dataloader(self) -> DataLoader[PackedBatch]:
@@ -221,16 +227,22 @@ class PackedDataModule(LightningDataModule):
         return _PositionedLoader(dataset, self._next_position, **self._loader_kwargs(persistent=False))
 
     @override
-    def val_dataloader(self) -> DataLoader[PackedBatch]:
-        return DataLoader(self._dataset("val"), **self._loader_kwargs(persistent=True))
+    def val_dataloader(self) -> DataLoader[PackedBatch] | list[DataLoader[PackedBatch]]:
+        return self._eval_loader("val", persistent=True)
 
     @override
-    def test_dataloader(self) -> DataLoader[PackedBatch]:
-        return DataLoader(self._dataset("test"), **self._loader_kwargs(persistent=True))
+    def test_dataloader(self) -> DataLoader[PackedBatch] | list[DataLoader[PackedBatch]]:
+        return self._eval_loader("test", persistent=True)
 
     @override
-    def predict_dataloader(self) -> DataLoader[PackedBatch]:
-        return DataLoader(self._dataset("test"), **self._loader_kwargs(persistent=False))
+    def predict_dataloader(self) -> DataLoader[PackedBatch] | list[DataLoader[PackedBatch]]:
+        return self._eval_loader("test", persistent=False)
+
+    def _eval_loader(self, split: str, *, persistent: bool) -> DataLoader[PackedBatch] | list[DataLoader[PackedBatch]]:
+        # No loader (an empty list) for a split of fraction 0: Lightning then skips its loop.
+        if not self._has_split(split):
+            return []
+        return DataLoader(self._dataset(split), **self._loader_kwargs(persistent=persistent))
 
     @override
     def state_dict(self) -> dict[str, Any]:
