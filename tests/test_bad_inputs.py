@@ -55,3 +55,26 @@ def test_meta_device_inputs_get_data_and_metadata_errors() -> None:
         model(ids)
     with pytest.raises(MetadataError, match="meta-device"):
         SequenceMetadata.from_position_ids(torch.zeros(2, 8, dtype=torch.long, device="meta"))
+
+
+def test_expert_load_monitor_warns_when_the_mixin_swapped_nothing(tmp_path: Path) -> None:
+    from torch.utils.data import DataLoader
+
+    from lightning_llmfast import ExpertLoadMonitor, GroupedRouterMixin
+
+    class Dense(GroupedRouterMixin, L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.layer(batch).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(default_root_dir=tmp_path, max_steps=1, accelerator="cpu", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[ExpertLoadMonitor()])  # fmt: skip
+    with pytest.warns(UserWarning, match="Dense holds no MoE block to monitor"):
+        trainer.fit(Dense(), train_dataloaders=DataLoader(torch.randn(2, 4), batch_size=2))
