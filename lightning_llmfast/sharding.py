@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.fabric.utilities.types import _PATH
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.optim import Optimizer
 
 __all__ = ["LayersSpec", "ShardedDataParallelBase"]
@@ -107,6 +108,10 @@ class ShardedDataParallelBase(DDPStrategy):
         except OffloadError as err:
             raise ConfigError(f"sharding='fsdp' shards the layer stack block by block: {err}") from err
 
+    def _fsdp_mp_policy(self) -> MixedPrecisionPolicy | None:
+        """FSDP2's mixed-precision policy for the precision setting (a subclass may change its reduce dtype)."""
+        return mixed_precision_policy(self.precision_plugin.precision)
+
     def _setup_sharded(self, trainer: pl.Trainer, layers: LayersSpec) -> None:
         """Strategy setup with FSDP2 in place of the DDP wrapper: shard, materialise, then build the optimizers."""
         assert self.accelerator is not None and self.model is not None and self._device_mesh is not None
@@ -116,7 +121,7 @@ class ShardedDataParallelBase(DDPStrategy):
         assert module is not None
         if not any(p.is_meta for p in module.parameters()):
             sync_module_states(module)  # built eagerly on every rank: shard rank 0's weights, as DDP would
-        policy = mixed_precision_policy(self.precision_plugin.precision)
+        policy = self._fsdp_mp_policy()
         shard_module(module, self._device_mesh, self._check_fsdp_config(layers), mp_policy=policy)
         if not materialize_module(module, self.root_device):
             module.to(self.root_device)  # buffers and parameters FSDP does not manage; shards are already there

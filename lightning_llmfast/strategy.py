@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from lightning_llmfast._checks import check_bool, check_int
 from lightning_llmfast.callbacks.offload import ActivationOffload
+from lightning_llmfast.comm.grad import GradReduction, PowerSGDConfig, check_ddp_arguments, with_reduce_dtype
 from lightning_llmfast.errors import ConfigError, OffloadError
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 from lightning_llmfast.parallel import expert as expert_parallel
@@ -33,10 +34,12 @@ from lightning_llmfast.sharding import ShardedDataParallelBase
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.fabric.utilities.types import _PATH
     from lightning.pytorch.strategies.registry import _StrategyRegistry
     from lightning.pytorch.utilities.types import STEP_OUTPUT
     from torch import Tensor
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.optim import Optimizer
 
 __all__ = ["LLMFastStrategy"]
@@ -95,6 +98,11 @@ class LLMFastStrategy(ShardedDataParallelBase):
             (see :class:`~lightning_llmfast.offload.OffloadConfig`).
         rebuild_gemms: the older spelling of ``rebuild="norms+gemms"``: ``True`` in every layer, an int ``N`` in the
             first ``N``.
+        grad_reduce_dtype: ``"bf16"`` reduces gradients in bf16 (half the bytes): DDP through torch's
+            ``bf16_compress_hook``, FSDP2 through ``MixedPrecisionPolicy.reduce_dtype``; ``None`` keeps their dtype
+            (:mod:`~lightning_llmfast.comm.grad`).
+        grad_compression: ``"powersgd"`` (or a :class:`~lightning_llmfast.comm.PowerSGDConfig`) reduces DDP
+            gradients through torch's PowerSGD hook; its per-rank state is saved in checkpoints and resumed.
         *args: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and on to DDP).
 
@@ -107,6 +115,9 @@ class LLMFastStrategy(ShardedDataParallelBase):
         ConfigError: ``expert_parallel_size`` not an int ``>= 1``; at :meth:`setup`, when it does not divide the
             world size or a block's experts, the model has no grouped MoE block, or the Trainer clips gradients by
             norm (each rank would see only its own experts' norm; clipping by value works).
+        ConfigError: at construction for a ``grad_reduce_dtype`` other than ``None``/``"bf16"``, a
+            ``grad_compression`` other than ``None``/``"powersgd"``/a ``PowerSGDConfig``, both together, PowerSGD
+            with ``sharding="fsdp"``, or either with a ``ddp_comm_hook``.
         ConfigError: at construction for a ``sharding`` other than ``"ddp"`` or ``"fsdp"``, or ``"fsdp"`` with
             ``expert_parallel_size > 1`` (not combined yet); under ``"fsdp"``, at :meth:`setup` before any step,
             when ``layers`` matches nothing, the precision has no FSDP2 policy (``"16-mixed"``), or meta-device
@@ -142,9 +153,15 @@ class LLMFastStrategy(ShardedDataParallelBase):
         rebuild: str | None = "norms",
         rebuild_gemms: bool | int = False,
         expert_parallel_size: int = 1,
+        grad_reduce_dtype: str | None = None,
+        grad_compression: str | PowerSGDConfig | None = None,
         **kwargs: Any,
     ) -> None:
         check_int(f"{type(self).__name__}: expert_parallel_size", expert_parallel_size, low=1)
+        self.grad_reduction = GradReduction.from_args(grad_reduce_dtype, grad_compression, owner=type(self).__name__)
+        """The gradient reduction (dtype or PowerSGD; bytes per step in ``wire_bytes``)."""
+        check_ddp_arguments(self.grad_reduction, sharding, kwargs, owner=type(self).__name__)
+        self._user_comm_hook = kwargs.get("ddp_comm_hook") is not None
         if sharding == "fsdp" and expert_parallel_size > 1:
             raise ConfigError(
                 f"{type(self).__name__}: sharding='fsdp' with expert_parallel_size > 1 is not supported yet; use "
@@ -242,6 +259,28 @@ class LLMFastStrategy(ShardedDataParallelBase):
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
         return model if self.single_process else super()._setup_model(model)
+
+    # ------------------------------------------------------------------ gradient reduction
+    @override
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        if not self._user_comm_hook:  # DDP takes one hook: the user's own (Lightning registers it) wins
+            self.grad_reduction.register(self.model)
+
+    @override
+    def _fsdp_mp_policy(self) -> MixedPrecisionPolicy | None:
+        return with_reduce_dtype(super()._fsdp_mp_policy(), self.grad_reduction.reduce_dtype)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        states = self.grad_reduction.gather_states()  # a collective: every rank saves through here
+        super().save_checkpoint({**checkpoint, **states}, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        self.grad_reduction.load_gathered_states(checkpoint, self.global_rank, self.world_size)
+        return checkpoint
 
     # ------------------------------------------------------------------ offload wiring
     @staticmethod
