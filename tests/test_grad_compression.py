@@ -14,13 +14,18 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from _distributed import run_distributed
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lightning_llmfast import ConfigError, LLMFastStrategy
 from lightning_llmfast.comm import PowerSGDConfig, with_reduce_dtype
 from lightning_llmfast.comm.grad import STATE_KEY
 from lightning_llmfast.comm.powersgd import BucketLayouts
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 SCRIPT = Path(__file__).parent / "scripts" / "comm_fit.py"
 REPO = Path(__file__).parents[1]
@@ -58,7 +63,31 @@ def test_fsdp_reduce_dtype_replaces_only_the_reduce_dtype() -> None:
     assert with_reduce_dtype(None, torch.bfloat16) == MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
     assert with_reduce_dtype(policy, None) is policy
     strategy = LLMFastStrategy(sharding="fsdp", grad_reduce_dtype="bf16")
-    assert strategy.grad_reduction.reduce_dtype is torch.bfloat16
+    assert strategy._fsdp_mp_policy() == MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)  # precision "32-true"
+
+
+def _fsdp_bf16_worker(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    sharded, plain = torch.nn.Linear(12, 6), torch.nn.Linear(12, 6)
+    plain.load_state_dict(sharded.state_dict())
+    policy = LLMFastStrategy(sharding="fsdp", grad_reduce_dtype="bf16")._fsdp_mp_policy()
+    fully_shard(sharded, mesh=mesh, mp_policy=policy)
+    x = torch.randn(5, 12, generator=torch.Generator().manual_seed(rank))  # every rank its own batch
+    sharded(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    local = [torch.empty_like(plain.weight.grad) for _ in range(world)]
+    dist.all_gather(local, plain.weight.grad)
+    reduced = sharded.weight.grad.full_tensor()
+    # reduce-scattered in bf16: each rank's gradient rounded, halved, summed in bf16, back in fp32
+    assert reduced.dtype == torch.float32
+    assert torch.equal(reduced, (local[0].bfloat16() / 2 + local[1].bfloat16() / 2).float())
+    assert not torch.equal(reduced, (local[0] + local[1]) / 2)
+
+
+@pytest.mark.slow
+def test_fsdp2_reduces_gradients_in_bf16_with_grad_reduce_dtype() -> None:
+    run_distributed(_fsdp_bf16_worker, 2)
 
 
 class _Bucket:
