@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
+from pathlib import Path
 
 import pytest
 
 from lightning_llmfast import ConfigError
-from lightning_llmfast.bench.scaling import SCALING_SETTINGS, run_scaling_benchmark, scaling_markdown
+from lightning_llmfast.bench.scaling import SCALING_SETTINGS, plot_scaling, run_scaling_benchmark, scaling_markdown
 
 
 @pytest.mark.parametrize(("worlds", "sizes"), [((2, 4), (1,)), ((1, 2), ()), ((1, 0), (1,)), ((1,), (0,))])
@@ -19,7 +21,7 @@ def test_bad_world_or_batch_sizes_fail_before_any_process_starts(
 
 
 @pytest.mark.slow
-def test_scaling_profile_measures_every_world_and_batch_size_and_its_efficiency() -> None:
+def test_scaling_profile_measures_every_world_and_batch_size_and_its_efficiency(tmp_path: Path) -> None:
     tiny = SCALING_SETTINGS.with_overrides(seq_len=32, mean_doc_len=8)
     result = run_scaling_benchmark((1, 2), (1, 2), settings=tiny, repeats=2, measured_steps=1, log=lambda _: None)
     assert result["world_sizes"] == [1, 2] and set(result["scaling"]) == {"1", "2"}
@@ -36,3 +38,5 @@ def test_scaling_profile_measures_every_world_and_batch_size_and_its_efficiency(
         assert low <= two["efficiency"] <= high
     table = scaling_markdown(result)
     assert table.count("\n| 1 |") == 1 and table.count("\n| 2 |") == 1 and "B=2: efficiency" in table
+    plotted = plot_scaling(result, tmp_path / "scaling.png")
+    assert plotted == (importlib.util.find_spec("matplotlib") is not None) == (tmp_path / "scaling.png").exists()

@@ -105,11 +105,8 @@ def _scaling(args: argparse.Namespace, write_json: Callable[[dict[str, Any]], No
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
     )  # fmt: skip
     write_json(result)
-    if args.plot is not None:
-        try:
-            plot_scaling(result, args.plot)
-        except ImportError:
-            print("--plot skipped: matplotlib is not installed (pip install lightning-llmfast[plot])", file=sys.stderr)
+    if args.plot is not None and not plot_scaling(result, args.plot):
+        print("--plot skipped: matplotlib is not installed", file=sys.stderr)
     print(scaling_markdown(result))
     return 0
 

@@ -215,17 +215,17 @@ def scaling_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_scaling(result: dict[str, Any], path: Path) -> None:
-    """Tokens/sec and efficiency against processes, one line per batch size (needs matplotlib).
-
-    Raises:
-        ImportError: matplotlib is not installed.
+def plot_scaling(result: dict[str, Any], path: Path) -> bool:
+    """Tokens/sec and efficiency against processes, one line per batch size; ``False`` without matplotlib.
 
     Example::
 
         plot_scaling(result, Path("scaling.png"))
     """
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -247,3 +247,4 @@ def plot_scaling(result: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
