@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -10,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -383,7 +383,11 @@ def test_offload_cuda_measurement_loop_runs_on_cpu(monkeypatch: pytest.MonkeyPat
     setup = bench_offload._setup
     monkeypatch.setattr(bench_offload, "_setup", lambda shape, device: setup(bench_offload.SHAPES["cpu"], "cpu"))
     monkeypatch.setattr(bench_offload, "_copy_ms", lambda nbytes, device: 1.0)
-    monkeypatch.setattr(bench_offload, "ActivationOffloader", functools.partial(ActivationOffloader, force=True))
+    monkeypatch.setattr(
+        bench_offload,
+        "ActivationOffloader",
+        lambda layers, config: ActivationOffloader(layers, replace(config, force=True)),
+    )
     for name, fake in {
         "Event": _FakeEvent,
         "synchronize": lambda: None,

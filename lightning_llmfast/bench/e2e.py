@@ -376,6 +376,13 @@ def _metadata_builds(trainer: L.Trainer, masks: _MaskBuildCounter | None) -> int
     return builds
 
 
+def _builds_of_open_versions(trainer: L.Trainer) -> int:
+    """Builds the metadata callbacks made for the batch whose version they opened."""
+    from lightning_llmfast.callbacks import SequenceMetadataCallback
+
+    return sum(cb.builds_last_batch for cb in trainer.callbacks if isinstance(cb, SequenceMetadataCallback))
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         # NOTE: host sync, only at the two ends of a timed window (never inside it): the timer must see kernels end.
@@ -413,7 +420,8 @@ class _StepProbe(Callback):
             _synchronize(pl_module.device)
             self.t0 = time.perf_counter()
         if self.count and self._measuring():
-            self._builds_at_start = _metadata_builds(trainer, self.masks)
+            # The metadata callback (before this probe) builds when it opens the batch's version: count that build.
+            self._builds_at_start = _metadata_builds(trainer, self.masks) - _builds_of_open_versions(trainer)
             self._counter = SyncCounter().__enter__()
 
     @override
