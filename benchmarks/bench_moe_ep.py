@@ -10,8 +10,8 @@ Implementations, on the same weights and tokens, interleaved (median of the repe
   read per layer, issued after the count exchange and the local permutation);
 - ``ours_capacity``: the same with ``capacity_factor`` (fixed-size exchanges, nothing read on the host).
 
-Host syncs per step count the ops :class:`~lightning_llmfast.bench.counters.SyncCounter` sees plus every
-``.tolist()``/``.item()`` (on CPU those bypass the dispatcher). Bytes: what each rank's dispatch all-to-all sends
+Host syncs per step: what :class:`~lightning_llmfast.bench.counters.SyncCounter` sees (every route, ``.tolist()``
+included). Bytes: what each rank's dispatch all-to-all sends
 per forward (its combine returns as many rows, and each backward exchange mirrors a forward one), against the
 information limit ``T * k * H * dtype`` bytes each way.
 
@@ -52,7 +52,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
-from lightning_llmfast.bench.counters import HostReadCounter, SyncCounter
+from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.moe import MoEBlock
 from lightning_llmfast.moe._exchange import all_to_all
 from lightning_llmfast.moe.expert_parallel import shard_experts
@@ -125,9 +125,9 @@ def _worker(rank: int, world: int, port: int, shape: tuple[int, ...], repeats: i
     syncs: dict[str, int] = {}
     for name, fn in impls.items():
         _step(fn, x, grad)  # warm-up, and the capacity mode's one-time size check
-        with HostReadCounter() as reads, SyncCounter() as counter:
+        with SyncCounter() as counter:
             _step(fn, x, grad)
-        syncs[name] = reads.count + counter.num_syncs
+        syncs[name] = counter.num_syncs
     times: dict[str, list[float]] = {name: [] for name in impls}
     for _ in range(repeats):
         for name, fn in impls.items():

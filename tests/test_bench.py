@@ -86,13 +86,16 @@ def test_sync_counter_is_zero_on_sync_free_code_and_counts_every_op() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="device-to-host copies need a CUDA device")
 def test_sync_counter_catches_device_to_host_copies_on_cuda() -> None:
     x = torch.randn(16, device="cuda")
-    with SyncCounter() as sc:
+    with SyncCounter(device="cuda") as sc:
         x.cpu()
         y = x * 2  # stays on the device: no sync
         torch.empty(16).copy_(y)
-    assert sc.syncs["device_to_host_copy"] == 2, dict(sc.syncs)
-    with SyncCounter() as sc:
-        torch.randn(16).to("cuda", non_blocking=True)  # host-to-device: no sync
+        torch.randn(16).to("cuda", non_blocking=True)  # from pageable memory: staged synchronously
+        torch.tensor([1, 2], device="cuda")
+    assert dict(sc.syncs) == {"cpu": 1, "device_to_host_copy": 1, "host_to_device_copy": 2}, dict(sc.syncs)
+    with SyncCounter(device="cuda") as sc:
+        torch.randn(16).pin_memory().to("cuda", non_blocking=True)  # pinned and non_blocking: no sync
+        y.to("cpu", non_blocking=True)
     assert sc.num_syncs == 0, dict(sc.syncs)
 
 

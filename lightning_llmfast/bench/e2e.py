@@ -400,6 +400,7 @@ class _StepProbe(Callback):
         self.syncs = self.ops = self.builds = self.measured = 0
         self.sync_names: dict[str, int] = {}
         self._counter: SyncCounter | None = None
+        self._host: Tensor | None = None
         self._builds_at_start = 0
 
     def _measuring(self) -> bool:
@@ -414,14 +415,16 @@ class _StepProbe(Callback):
             self.t0 = time.perf_counter()
         if self.count and self._measuring():
             self._builds_at_start = _metadata_builds(trainer, self.masks)
-            self._counter = SyncCounter().__enter__()
+            # The collator's host copy of the boundaries stays on the host on an accelerator too.
+            self._host = getattr(batch, "cu_seqlens_cpu", None)
+            self._counter = SyncCounter(pl_module.device, host=self._host).__enter__()
 
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if self._counter is not None:
             self._close_counter(syncs=True)
             self.builds += _metadata_builds(trainer, self.masks) - self._builds_at_start
-            self._counter = SyncCounter().__enter__()
+            self._counter = SyncCounter(pl_module.device, host=self._host).__enter__()
 
     @override
     def on_train_batch_end(
