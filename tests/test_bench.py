@@ -184,6 +184,7 @@ E2E_KEYS = {
     "host_syncs_per_step",
     "metadata_builds_per_step",
     "aten_ops_per_step",
+    "kernels_per_step",
     "peak_mem_bytes",
     "final_loss",
 }
@@ -224,6 +225,8 @@ def test_cli_writes_the_json_schema_table_and_plot(tmp_path: Path, capsys: pytes
     assert e2e["llmfast"]["metadata_builds_per_step"] == 1
     assert e2e["llmfast"]["host_syncs_per_step"] == 0
     assert e2e["llmfast"]["aten_ops_per_step"] < e2e["before"]["aten_ops_per_step"]
+    for row in e2e.values():  # views and allocations are ops but launch no kernel
+        assert 0 < row["kernels_per_step"] < row["aten_ops_per_step"]
     # same batches, same initial weights, fp32: the losses after training agree
     losses = [row["final_loss"] for row in e2e.values()]
     assert max(losses) - min(losses) <= 1e-3 * min(losses), losses

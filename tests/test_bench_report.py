@@ -31,6 +31,7 @@ def _row(*repeats: float) -> dict[str, Any]:
         "host_syncs_per_step": 0.0,
         "metadata_builds_per_step": 1.0,
         "aten_ops_per_step": 10.0,
+        "kernels_per_step": 8.0,
         "peak_mem_bytes": 1 << 20,
         "final_loss": 2.0,
     }

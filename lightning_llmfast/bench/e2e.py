@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_leaves
 from typing_extensions import override
 
 from lightning_llmfast.bench.counters import SyncCounter
+from lightning_llmfast.bench.kernels import KernelCounter
 from lightning_llmfast.data import PackedBatch, SyntheticCorpus, TextCorpus, pack_documents
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.models import MoEGPTConfig, MoEGPTLightningModule
@@ -397,9 +398,10 @@ class _StepProbe(Callback):
         self.tokens = 0
         self.t0 = self.t1 = 0.0
         self.losses: list[Tensor] = []
-        self.syncs = self.ops = self.builds = self.measured = 0
+        self.syncs = self.ops = self.kernels = self.builds = self.measured = 0
         self.sync_names: dict[str, int] = {}
         self._counter: SyncCounter | None = None
+        self._kernels: KernelCounter | None = None
         self._host: Tensor | None = None
         self._builds_at_start = 0
 
@@ -418,6 +420,7 @@ class _StepProbe(Callback):
             # The collator's host copy of the boundaries stays on the host on an accelerator too.
             self._host = getattr(batch, "cu_seqlens_cpu", None)
             self._counter = SyncCounter(pl_module.device, host=self._host).__enter__()
+            self._kernels = KernelCounter().__enter__()  # the whole step: forward, backward, optimizer
 
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
@@ -432,6 +435,10 @@ class _StepProbe(Callback):
     ) -> None:
         if self._counter is not None:
             self._close_counter(syncs=False)
+        if self._kernels is not None:
+            self._kernels.__exit__(None, None, None)
+            self.kernels += self._kernels.kernels
+            self._kernels = None
         if self._measuring():
             self.measured += 1
             self.tokens += batch.num_tokens
@@ -584,8 +591,8 @@ def run_e2e(
     Returns:
         ``(results, notes)``: ``results[variant]`` holds ``tokens_per_sec`` (median over repeats), its spread
         ``tokens_per_sec_min``/``tokens_per_sec_max`` and every repeat's value ``tokens_per_sec_repeats`` (in order),
-        ``host_syncs_per_step`` (forward + backward), ``metadata_builds_per_step``, ``aten_ops_per_step`` (whole
-        step), ``peak_mem_bytes`` (CUDA peak allocated; CPU peak of tensor bytes allocated during the counted
+        ``host_syncs_per_step`` (forward + backward), ``metadata_builds_per_step``, ``aten_ops_per_step`` and
+        ``kernels_per_step`` (whole step; :class:`~lightning_llmfast.bench.kernels.KernelCounter`), ``peak_mem_bytes`` (CUDA peak allocated; CPU peak of tensor bytes allocated during the counted
         segment) and ``final_loss``; a skipped
         variant maps to ``{"skipped": reason}``. ``notes`` lists what a reader needs to interpret them (loss
         agreement, syncs by op). A variant that raises maps to ``{"error": message}``; the others still run.
@@ -667,6 +674,7 @@ def run_e2e(
             "host_syncs_per_step": c.syncs / c.measured,
             "metadata_builds_per_step": c.builds / c.measured,
             "aten_ops_per_step": c.ops / c.measured,
+            "kernels_per_step": c.kernels / c.measured,
             "peak_mem_bytes": int(memory[variant]),
             # NOTE: host sync, once per variant after all measurement.
             "final_loss": float(last[variant].losses[-1]),

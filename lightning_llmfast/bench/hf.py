@@ -244,6 +244,7 @@ def run_hf(
             "host_syncs_per_step": c.syncs / c.measured,
             "metadata_builds_per_step": c.builds / c.measured,
             "aten_ops_per_step": c.ops / c.measured,
+            "kernels_per_step": c.kernels / c.measured,
             # NOTE: host sync, once per variant after all measurement.
             "final_loss": float(last[variant].losses[-1]),
         }

@@ -33,6 +33,7 @@ _COLUMNS: tuple[tuple[str, str], ...] = (
     ("tokens_per_sec_range", "min - max"),
     ("vs_before", "vs before"),
     ("host_syncs_per_step", "host syncs/step"),
+    ("kernels_per_step", "kernels/step"),
     ("metadata_builds_per_step", "metadata builds/step"),
     ("aten_ops_per_step", "ATen ops/step"),
     ("peak_mem_bytes", "peak mem"),
