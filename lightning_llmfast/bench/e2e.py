@@ -592,10 +592,10 @@ def run_e2e(
         ``(results, notes)``: ``results[variant]`` holds ``tokens_per_sec`` (median over repeats), its spread
         ``tokens_per_sec_min``/``tokens_per_sec_max`` and every repeat's value ``tokens_per_sec_repeats`` (in order),
         ``host_syncs_per_step`` (forward + backward), ``metadata_builds_per_step``, ``aten_ops_per_step`` and
-        ``kernels_per_step`` (whole step; :class:`~lightning_llmfast.bench.kernels.KernelCounter`), ``peak_mem_bytes`` (CUDA peak allocated; CPU peak of tensor bytes allocated during the counted
-        segment) and ``final_loss``; a skipped
-        variant maps to ``{"skipped": reason}``. ``notes`` lists what a reader needs to interpret them (loss
-        agreement, syncs by op). A variant that raises maps to ``{"error": message}``; the others still run.
+        ``kernels_per_step`` (whole step; :class:`~lightning_llmfast.bench.kernels.KernelCounter`),
+        ``peak_mem_bytes`` (CUDA peak allocated; CPU peak of tensor bytes allocated during the counted segment) and
+        ``final_loss``; a skipped variant maps to ``{"skipped": reason}``. ``notes`` lists what a reader needs to
+        interpret them (loss agreement, syncs by op). A variant that raises maps to ``{"error": message}``; the others still run.
 
     Example::
 

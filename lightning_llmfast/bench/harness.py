@@ -5,7 +5,8 @@ Claims about speed in this project come only from here. The result dictionary (`
     {"profile", "device", "commit", "machine",
      "e2e": {variant: {"tokens_per_sec" (median), "tokens_per_sec_min", "tokens_per_sec_max",
                        "tokens_per_sec_repeats", "host_syncs_per_step", "metadata_builds_per_step",
-                       "aten_ops_per_step", "kernels_per_step", "peak_mem_bytes", "final_loss"} or {"skipped"|"error": reason}},
+                       "aten_ops_per_step", "kernels_per_step", "peak_mem_bytes", "final_loss"}
+              or {"skipped"|"error": reason}},
      "ratios": {"llmfast_vs_before", "llmfast_vs_peer"},   # tokens/sec ratios of the medians; None: a variant missing
      "ratio_ranges": {same names: [low, high] over the repeats, or None},
      "warnings": [str, ...],                                # spreads too wide to trust the ratios (report.py)
