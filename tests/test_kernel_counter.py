@@ -19,8 +19,11 @@ KNOWN: list[tuple[str, Any, dict[str, int]]] = [
     ("bare allocations", lambda x: (torch.empty(3), torch.empty_like(x), x.new_empty(5)), {}),
     ("copying reshape", lambda x: x.t().reshape(24), {"clone": 1}),
     ("matmul and pointwise", lambda x: (x @ x.t()).relu() + 1, {"mm": 1, "relu": 1, "add": 1}),
-    ("fills", lambda x: (torch.zeros(3), torch.ones_like(x), torch.full((2,), 1.0)), 
-     {"zeros": 1, "ones_like": 1, "full": 1}),
+    (
+        "fills",
+        lambda x: (torch.zeros(3), torch.ones_like(x), torch.full((2,), 1.0)),
+        {"zeros": 1, "ones_like": 1, "full": 1},
+    ),
     ("cast and gather", lambda x: x.double().index_select(0, torch.tensor([2, 0])), {"_to_copy": 1, "index_select": 1}),
 ]
 

@@ -595,7 +595,8 @@ def run_e2e(
         ``kernels_per_step`` (whole step; :class:`~lightning_llmfast.bench.kernels.KernelCounter`),
         ``peak_mem_bytes`` (CUDA peak allocated; CPU peak of tensor bytes allocated during the counted segment) and
         ``final_loss``; a skipped variant maps to ``{"skipped": reason}``. ``notes`` lists what a reader needs to
-        interpret them (loss agreement, syncs by op). A variant that raises maps to ``{"error": message}``; the others still run.
+        interpret them (loss agreement, syncs by op). A variant that raises maps to ``{"error": message}``; the
+        others still run.
 
     Example::
 
