@@ -94,17 +94,13 @@ def test_triton_grouped_gemm_takes_transposed_weights_and_any_offset_dtype() -> 
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_cuda_grouped_swiglu_every_precision_is_sync_free(dtype: torch.dtype) -> None:
+def test_cuda_grouped_swiglu_every_precision_is_sync_free(dtype: torch.dtype, cuda_device: torch.device) -> None:
     def experts(x, offsets, gate_up, down):
         return grouped_swiglu(x, offsets, gate_up, down, padded=True, validate=False)
 
-    experts(*_warm_up(dtype))  # lazy CUDA/Triton initialisation may read device properties
-    _check(experts, [37, 0, 250, 5], 64, 96, dtype, pad=11, device="cuda")
-    _check(experts, [3, 0, 5, 1], 12, 10, dtype, pad=3, device="cuda")
-
-
-def _warm_up(dtype: torch.dtype):
-    x, gate_up, down = _inputs([2, 3], 12, 10, dtype, device="cuda")
-    return x, _offsets([2, 3], "cuda"), gate_up, down
+    device = str(cuda_device)
+    x, gate_up, down = _inputs([2, 3], 12, 10, dtype, device=device)
+    experts(x, _offsets([2, 3], device), gate_up, down)  # lazy CUDA/Triton initialisation may read the device
+    _check(experts, [37, 0, 250, 5], 64, 96, dtype, pad=11, device=device)
+    _check(experts, [3, 0, 5, 1], 12, 10, dtype, pad=3, device=device)
