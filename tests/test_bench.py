@@ -18,8 +18,8 @@ from lightning_llmfast import ConfigError
 from lightning_llmfast.bench import OpCounter, SyncCounter, e2e
 from lightning_llmfast.bench.__main__ import main
 from lightning_llmfast.bench.e2e import E2ESettings, build_variants, make_batches
-from lightning_llmfast.bench.harness import PROFILES, git_commit, run_benchmark, run_micro
 from lightning_llmfast.bench.report import markdown_report
+from lightning_llmfast.bench.suite import PROFILES, git_commit, run_benchmark, run_micro
 from lightning_llmfast.data import VOCAB_SIZE
 from lightning_llmfast.offload import ActivationOffloader
 
