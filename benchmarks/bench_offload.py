@@ -7,13 +7,13 @@ process and timed with CUDA events (median of repeats):
 - ``off``: nothing (the baseline);
 - ``rebuild``: the offloader copies nothing (``offload_layers=0``) and only drops the layers' saved bf16 weight copies
   and RMSNorm outputs (and their bf16 copies), rebuilt in backward;
-- ``rebuild_gemms``: as ``rebuild``, and the experts' gate/up GEMM output is rebuilt too (``rebuild_gemms=True``: one
+- ``rebuild_gemms``: as ``rebuild``, and the experts' gate/up GEMM output is rebuilt too (``rebuild="norms+gemms"``: one
   more gather and grouped GEMM per layer in backward); ``rebuild_gemms_6``: in the first 6 layers only (half the
   GEMMs, half their share of the memory);
 - ``all``: every layer but the last offloads (``offload_layers=None``);
 - ``auto``: ``offload_layers="auto"``: as many leading layers as the copies can hide behind compute (with its plan:
   measured per-layer compute, bytes and bandwidth);
-- ``auto_gemms``: ``"auto"`` with ``rebuild_gemms=True`` (fewer bytes per offloaded layer);
+- ``auto_gemms``: ``"auto"`` with ``rebuild="norms+gemms"`` (fewer bytes per offloaded layer);
 - ``recompute``: no offload, every layer under selective recomputation (``offload_layers=0, recompute="selective"``);
 - ``auto_recompute``: ``"auto"`` offload plus selective recomputation of the layers that do not offload.
 
@@ -63,11 +63,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_llmfast.bench.e2e import _PeakMemory
 from lightning_llmfast.bench.harness import interleave
+from lightning_llmfast.bench.steps import PeakMemory
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
-from lightning_llmfast.offload import ActivationOffloader
+from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 
 MEM_TARGET = 0.40  # at least 40% lower peak activation memory
 TPS_TARGET = 0.95  # at no more than 5% lower tokens/sec
@@ -122,11 +122,11 @@ MODES: dict[str, dict[str, Any] | None] = {
     "off": None,
     # Nothing is copied: only the layers' saved bf16 weight copies are dropped and rebuilt in backward.
     "rebuild": {"offload_layers": 0},
-    "rebuild_gemms": {"offload_layers": 0, "rebuild_gemms": True},
-    "rebuild_gemms_6": {"offload_layers": 0, "rebuild_gemms": 6},
+    "rebuild_gemms": {"offload_layers": 0, "rebuild": "norms+gemms"},
+    "rebuild_gemms_6": {"offload_layers": 0, "rebuild": "norms+gemms", "rebuild_gemm_layers": 6},
     "all": {"offload_layers": None},
     "auto": {"offload_layers": "auto"},
-    "auto_gemms": {"offload_layers": "auto", "rebuild_gemms": True},
+    "auto_gemms": {"offload_layers": "auto", "rebuild": "norms+gemms"},
     "recompute": {"offload_layers": 0, "recompute": "selective"},
     "auto_recompute": {"offload_layers": "auto", "recompute": "selective"},
 }
@@ -271,7 +271,9 @@ def _cpu(quick: bool, names: Sequence[str] | None = None) -> dict[str, Any]:
 
 def _cpu_offloader(model: MoEGPT, settings: dict[str, Any]) -> ActivationOffloader:
     # Every tensor counts on the tiny CPU model (no 1 MiB floor); the forced path runs without streams.
-    return ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, **settings)
+    return ActivationOffloader(
+        model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True, **settings)
+    )
 
 
 def _copy_free_offloaders(model: MoEGPT) -> dict[str, ActivationOffloader | None]:
@@ -294,7 +296,7 @@ def _cpu_peaks() -> dict[str, int]:
     peaks = {}
     for name, off in offloaders.items():
         model.zero_grad(set_to_none=True)
-        with _PeakMemory(torch.device("cpu")) as mem:
+        with PeakMemory(torch.device("cpu")) as mem:
             _forward_backward(model, ids, off)
         peaks[name] = mem.peak_bytes
     _close(offloaders)
@@ -382,7 +384,7 @@ def _cuda(shape_name: str, repeats: int, names: Sequence[str] | None = None) -> 
     layers_saved = saved_inventory(model, ids, layer=None, top=0)["total_bytes"]
     common: dict[str, Any] = {"min_offload_bytes": 1 << 20, "keep_last_layers": 1, "prefetch_layers": 1}
     modes = {
-        name: None if settings is None else ActivationOffloader(model.layers, **common, **settings)
+        name: None if settings is None else ActivationOffloader(model.layers, OffloadConfig(**common, **settings))
         for name, settings in _selected(names).items()
     }
     # Warm-up: Triton compilation (in "off", first, so that "auto" measures warm kernels), allocator, pool sizing

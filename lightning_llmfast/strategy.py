@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_llmfast._checks import check_bool, check_int
+from lightning_llmfast._checks import check_int
 from lightning_llmfast.callbacks.offload import ActivationOffload
 from lightning_llmfast.errors import ConfigError, OffloadError
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
@@ -41,13 +40,31 @@ if TYPE_CHECKING:
 
 __all__ = ["LLMFastStrategy"]
 
+# Offload settings the strategy once took as keywords: refused by name (DDP would take them, and ignore them on one
+# process) with the OffloadConfig spelling.
+_REMOVED_OFFLOAD_KEYWORDS = frozenset(
+    {
+        "offload_activations",
+        "force_offload",
+        "min_offload_bytes",
+        "keep_last_layers",
+        "prefetch_layers",
+        "pool_headroom",
+        "offload_layers",
+        "recompute",
+        "rebuild",
+        "rebuild_gemms",
+        "rebuild_gemm_layers",
+    }
+)
+
 
 class LLMFastStrategy(ShardedDataParallelBase):
     """DDP or FSDP2 for LLM training with optional double-buffered activation offload.
 
     With one process on one device it neither wraps the model in ``DistributedDataParallel`` nor creates a
     process group, so no all-reduce is paid for; with several processes (gloo on CPU, NCCL on CUDA, any number of
-    nodes through Lightning's launchers) it is plain DDP. With ``offload_activations=True`` it creates an
+    nodes through Lightning's launchers) it is plain DDP. With ``offload`` set it creates an
     :class:`~lightning_llmfast.offload.ActivationOffloader` (copy streams, pinned pool, device buffer sets) in
     :meth:`setup`, runs ``training_step`` inside its pack hooks and the backward inside the same step, and
     releases everything in :meth:`teardown`, also after an exception: the machinery of the
@@ -67,43 +84,23 @@ class LLMFastStrategy(ShardedDataParallelBase):
 
     Args:
         sharding: ``"ddp"`` (replicated model) or ``"fsdp"`` (FSDP2 sharded data parallel).
-        offload: the offload settings (:class:`~lightning_llmfast.offload.OffloadConfig`); implies
-            ``offload_activations=True``. Instead of it, the keyword arguments below build one.
-        offload_activations: offload saved activations of ``layers`` to pinned host memory. The layers' saved
-            RMSNorm outputs (and, under ``precision="bf16-mixed"``, their saved bf16 weight copies) are then rebuilt
-            in backward instead of kept, in every layer (``offload_layers=0`` does only that: no copies at all).
+        offload: offload saved activations of ``layers`` to pinned host memory with these settings
+            (:class:`~lightning_llmfast.offload.OffloadConfig`; ``True``: its defaults; ``None``/``False``: off).
+            The layers' saved RMSNorm outputs (and, under ``precision="bf16-mixed"``, their saved bf16 weight copies)
+            are then rebuilt in backward instead of kept, in every layer (``offload_layers=0`` does only that).
         layers: the layer stack (offloaded, and sharded block by block under ``"fsdp"``): ``None`` (the largest
             ``nn.ModuleList`` of identical blocks in the LightningModule), an attribute path such as
             ``"model.layers"``, or the modules.
-        min_offload_bytes: storages smaller than this stay on the device.
-        keep_last_layers: the last this many layers are not offloaded.
-        prefetch_layers: layers prefetched ahead in backward (``prefetch_layers + 1`` device buffer sets).
-        pool_headroom: the pinned pool is sized after the first step to its measured need times this (from 1 to 16).
-        force_offload: run the offload mechanism on CPU-only training too (tests); otherwise offload is CUDA-only.
-        offload_layers: ``None`` (all but the last ``keep_last_layers``), an int ``N`` (only the first ``N``
-            layers) or ``"auto"`` (measure the first step, then offload as many leading layers as the copies can
-            hide behind compute; see :class:`~lightning_llmfast.offload.ActivationOffloader`).
-        recompute: ``None`` or ``"selective"``: the layers that do not offload keep only matmul, attention and
-            routing outputs and recompute the cheap rest in backward
-            (:mod:`~lightning_llmfast.offload.recompute`).
         expert_parallel_size: ``N > 1`` splits the experts of every MoE block over groups of ``N`` ranks (a
             ``("edp", "ep")`` device mesh; :mod:`~lightning_llmfast.parallel.expert`): tokens travel by all-to-all,
             expert gradients are averaged over the ranks holding the same experts, dense ones by DDP over all, and
             checkpoints hold the full expert tensors. ``N`` must divide the world size and every block's experts.
-        rebuild: ``"norms"`` (the default), ``"norms+gemms"`` (also the routed experts' gate/up GEMM output: one
-            more grouped GEMM per layer in backward) or ``None``
-            (see :class:`~lightning_llmfast.offload.OffloadConfig`).
-        rebuild_gemms: the older spelling of ``rebuild="norms+gemms"``: ``True`` in every layer, an int ``N`` in the
-            first ``N``.
         *args: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and on to DDP).
 
     Raises:
-        OffloadError: at construction for negative sizes or counts, a headroom outside ``[1, 16]``, an
-            ``offload_activations`` or ``force_offload`` that is not a bool, or an ``offload_layers``
-            other than ``None``, an int ``>= 0`` or ``"auto"``, or a ``recompute`` other than ``None`` or
-            ``"selective"``, or a ``rebuild_gemms`` that is neither a bool nor an int ``>= 0``; at :meth:`setup`,
-            before any step, when ``layers`` matches nothing.
+        OffloadError: at construction for an ``offload`` that is neither an ``OffloadConfig``, a bool nor ``None``;
+            at :meth:`setup`, before any step, when ``layers`` matches nothing.
         ConfigError: ``expert_parallel_size`` not an int ``>= 1``; at :meth:`setup`, when it does not divide the
             world size or a block's experts, the model has no grouped MoE block, or the Trainer clips gradients by
             norm (each rank would see only its own experts' norm; clipping by value works).
@@ -114,7 +111,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
 
     Example::
 
-        strategy = LLMFastStrategy(offload_activations=True, layers="model.layers", offload_layers="auto")
+        strategy = LLMFastStrategy(offload=OffloadConfig(offload_layers="auto"), layers="model.layers")
         trainer = L.Trainer(strategy=strategy, accelerator="cuda", devices=1, precision="bf16-mixed")
         trainer.fit(MoEGPTLightningModule(MoEGPTConfig(n_layers=12)), datamodule=dm)
         print(strategy.offload_stats)  # the last step's offload stats, also after fit
@@ -129,18 +126,8 @@ class LLMFastStrategy(ShardedDataParallelBase):
         self,
         *args: Any,
         sharding: str = "ddp",
-        offload: OffloadConfig | None = None,
-        offload_activations: bool = False,
+        offload: OffloadConfig | bool | None = None,
         layers: Sequence[nn.Module] | nn.Module | str | None = None,
-        min_offload_bytes: int = 1 << 20,
-        keep_last_layers: int = 1,
-        prefetch_layers: int = 1,
-        pool_headroom: float = 1.5,
-        force_offload: bool = False,
-        offload_layers: int | str | None = None,
-        recompute: str | None = None,
-        rebuild: str | None = "norms",
-        rebuild_gemms: bool | int = False,
         expert_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
@@ -150,38 +137,35 @@ class LLMFastStrategy(ShardedDataParallelBase):
                 f"{type(self).__name__}: sharding='fsdp' with expert_parallel_size > 1 is not supported yet; use "
                 "sharding='ddp' for expert parallelism"
             )
-        # A string must not pass: bool("no") is True.
-        check_bool(f"{type(self).__name__}: offload_activations", offload_activations, error=OffloadError)
-        settings: dict[str, Any] = {
-            "min_offload_bytes": min_offload_bytes,
-            "keep_last_layers": keep_last_layers,
-            "prefetch_layers": prefetch_layers,
-            "pool_headroom": pool_headroom,
-            "force_offload": force_offload,
-            "offload_layers": offload_layers,
-            "recompute": recompute,
-            "rebuild": rebuild,
-            "rebuild_gemms": rebuild_gemms,
-        }
-        changed = self._changed_offload_settings(settings)
-        # Only the settings given count (next to a config they raise): the defaults are OffloadConfig's.
-        given = {("force" if k == "force_offload" else k): settings[k] for k in changed}
-        self.offload_config = OffloadConfig.from_kwargs(offload, owner=type(self).__name__, **given)
+        removed = sorted(set(kwargs) & _REMOVED_OFFLOAD_KEYWORDS)
+        if removed:
+            raise OffloadError(
+                f"{type(self).__name__}: {', '.join(removed)} removed; pass offload=OffloadConfig(...) or "
+                "offload=True (force_offload is OffloadConfig(force=...), rebuild_gemms=True is rebuild='norms+gemms')"
+            )
+        self.offload_config = self._offload_config(offload)
         super().__init__(*args, sharding=sharding, **kwargs)
-        self.offload_activations = offload_activations or offload is not None
-        self.force_offload = self.offload_config.force
         self._layers_spec = layers
         self.expert_parallel_size = expert_parallel_size
         self._expert_mesh: DeviceMesh | None = None
-        self._offload = ActivationOffload(self.offload_config, layers=layers) if self.offload_activations else None
-        if not self.offload_activations:
+        config = self.offload_config
+        self._offload = ActivationOffload(config, layers=layers) if config is not None else None
+        if config is None and layers is not None and sharding != "fsdp":
             # FSDP shards `layers` block by block: there the argument is used without offload too.
-            unused = changed | ({"layers"} if layers is not None and sharding != "fsdp" else set())
-            if unused:
-                rank_zero_warn(
-                    f"LLMFastStrategy: offload settings do nothing without offload_activations=True "
-                    f"(or strategy='llmfast_offload'): {', '.join(sorted(unused))}"
-                )
+            rank_zero_warn("LLMFastStrategy: layers= does nothing without offload (or strategy='llmfast_offload')")
+
+    @classmethod
+    def _offload_config(cls, offload: OffloadConfig | bool | None) -> OffloadConfig | None:
+        # A string must not pass: bool("no") is True.
+        if offload is None or offload is False:
+            return None
+        if offload is True:
+            return OffloadConfig()
+        if not isinstance(offload, OffloadConfig):
+            raise OffloadError(
+                f"{cls.__name__}: offload must be an OffloadConfig, a bool or None, got {type(offload).__name__}"
+            )
+        return offload
 
     @property
     def offloader(self) -> ActivationOffloader | None:
@@ -244,12 +228,6 @@ class LLMFastStrategy(ShardedDataParallelBase):
         return model if self.single_process else super()._setup_model(model)
 
     # ------------------------------------------------------------------ offload wiring
-    @staticmethod
-    def _changed_offload_settings(settings: dict[str, Any]) -> set[str]:
-        """The names of the offload keyword arguments given with a value other than their default."""
-        defaults = {name: p.default for name, p in inspect.signature(LLMFastStrategy.__init__).parameters.items()}
-        return {name for name, value in settings.items() if value != defaults[name]}
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         offload, trainer = self._offload, self.lightning_module.trainer if self.lightning_module else None
@@ -373,9 +351,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
         for name, sharding, offload, description in entries:
             # Guard: importing twice (or reloading) must not raise "already registered".
             if name not in strategy_registry:
-                strategy_registry.register(
-                    name, cls, description=description, sharding=sharding, offload_activations=offload
-                )
+                strategy_registry.register(name, cls, description=description, sharding=sharding, offload=offload)
 
 
 LLMFastStrategy.register_strategies(StrategyRegistry)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_llmfast import ConfigError
-from lightning_llmfast.bench import OpCounter, SyncCounter, e2e
+from lightning_llmfast.bench import OpCounter, SyncCounter, e2e, steps
 from lightning_llmfast.bench.__main__ import main
 from lightning_llmfast.bench.e2e import E2ESettings, build_variants, make_batches
 from lightning_llmfast.bench.report import markdown_report
@@ -277,14 +277,14 @@ def test_markdown_report_shows_skipped_variants_and_ratios() -> None:
 
 
 def test_a_failing_variant_is_reported_and_the_others_still_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    fit = e2e._fit
+    fit = steps.fit_segment
 
     def fit_or_fail(variant: str, *args: Any) -> None:
         if variant == "before":
             raise RuntimeError("CUDA out of memory\nTried to allocate ...")
         fit(variant, *args)
 
-    monkeypatch.setattr(e2e, "_fit", fit_or_fail)
+    monkeypatch.setattr(steps, "fit_segment", fit_or_fail)
     settings = TINY.with_overrides(repeats=1, measured_steps=1)
     results, notes = e2e.run_e2e(settings, "cpu", ("before", "llmfast"), log=lambda _: None)
     assert results["before"] == {"error": "RuntimeError: CUDA out of memory"}
@@ -304,7 +304,7 @@ def test_time_budget_cuts_repeats_and_skips_micro_benchmarks(tmp_path: Path) -> 
 
 def test_peak_memory_on_cpu_counts_live_tensor_bytes_once() -> None:
     kept = torch.zeros(4)  # exists before the block: not counted
-    with e2e._PeakMemory(torch.device("cpu")) as mem:
+    with steps.PeakMemory(torch.device("cpu")) as mem:
         a = torch.empty(1 << 18)  # 1 MiB of float32
         a.view(-1, 2).add_(1)  # a view and an in-place op: the same storage
         b = torch.empty(1 << 19)  # 2 MiB
@@ -386,7 +386,11 @@ def test_offload_cuda_measurement_loop_runs_on_cpu(monkeypatch: pytest.MonkeyPat
     setup = bench_offload._setup
     monkeypatch.setattr(bench_offload, "_setup", lambda shape, device: setup(bench_offload.SHAPES["cpu"], "cpu"))
     monkeypatch.setattr(bench_offload, "_copy_ms", lambda nbytes, device: 1.0)
-    monkeypatch.setattr(bench_offload, "ActivationOffloader", functools.partial(ActivationOffloader, force=True))
+    monkeypatch.setattr(
+        bench_offload,
+        "ActivationOffloader",
+        lambda layers, config: ActivationOffloader(layers, replace(config, force=True)),
+    )
     for name, fake in {
         "Event": _FakeEvent,
         "synchronize": lambda: None,

@@ -40,7 +40,7 @@ _PLAIN_PYTORCH_RUN = textwrap.dedent(
     import lightning_llmfast
     from lightning_llmfast.data import pack_documents
     from lightning_llmfast.moe import MoEBlock, permute, route, unpermute
-    from lightning_llmfast.offload import ActivationOffloader
+    from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
     from lightning_llmfast.seqmeta import SequenceMetadata
 
     # data + seqmeta: two awkward documents in rows of 5; the metadata matches the lengths counted by hand
@@ -82,7 +82,7 @@ _PLAIN_PYTORCH_RUN = textwrap.dedent(
         return [p.grad.clone() for p in layers.parameters()]
 
     expected = grads(None)
-    off = ActivationOffloader(layers, min_offload_bytes=0, keep_last_layers=0, force=True)
+    off = ActivationOffloader(layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=0, force=True))
     got = grads(off)
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert off.stats["offloaded_tensors"] > 0, off.stats

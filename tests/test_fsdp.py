@@ -149,7 +149,7 @@ def test_consolidated_export_loads_for_inference(runs: dict[str, Path], tmp_path
 def test_registered_names_and_bad_sharding() -> None:
     for name, offload in (("llmfast_fsdp", False), ("llmfast_fsdp_offload", True)):
         params = StrategyRegistry[name]["init_params"]
-        assert params == {"sharding": "fsdp", "offload_activations": offload}
+        assert params == {"sharding": "fsdp", "offload": offload}
     trainer = L.Trainer(strategy="llmfast_fsdp", accelerator="cpu", devices=1, logger=False)
     assert isinstance(trainer.strategy, LLMFastStrategy) and trainer.strategy.sharding == "fsdp"
     for bad in ("zero3", "FSDP", None, 1):

@@ -15,7 +15,7 @@ from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.models import swap_rms_norms
 from lightning_llmfast.moe.adapters import HFGroupedMoeBlock, get_moe_adapter, swap_moe_blocks
-from lightning_llmfast.offload import ActivationOffloader
+from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 
 pytest.importorskip("transformers")
 
@@ -198,8 +198,8 @@ def test_mixtral_router_jitter_draws_the_same_noise() -> None:
 
 def test_swapped_causal_lm_under_the_offloader_is_bit_identical_and_rebuilds() -> None:
     """A transformers model with swapped MoE blocks and RMSNorms, under bf16 autocast as Lightning runs it: the
-    offloader (layer 0 offloaded, norms' outputs and, with ``rebuild_gemms``, the experts' gate/up outputs rebuilt)
-    gives the same gradients to the bit as the same model without it."""
+    offloader (layer 0 offloaded, norms' outputs and, with ``rebuild="norms+gemms"``, the experts' gate/up outputs
+    rebuilt) gives the same gradients to the bit as the same model without it."""
     if not hasattr(importlib.import_module("transformers"), "Qwen2MoeForCausalLM"):
         pytest.skip("transformers has no Qwen2MoeForCausalLM")
     model = _tiny_causal_lm(
@@ -218,14 +218,15 @@ def test_swapped_causal_lm_under_the_offloader_is_bit_identical_and_rebuilds() -
 
     expected = grads(None)
     rebuilt = {}
-    for rebuild_gemms in (False, True):
-        off = ActivationOffloader(
-            model.model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, rebuild_gemms=rebuild_gemms
+    for gemms in (False, True):
+        config = OffloadConfig(
+            min_offload_bytes=0, keep_last_layers=1, force=True, rebuild="norms+gemms" if gemms else "norms"
         )
+        off = ActivationOffloader(model.model.layers, config)
         got = grads(off)
         assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in expected)
         assert off.stats["offloaded_bytes"] > 0 and off.stats["checked_out"] == 0
-        rebuilt[rebuild_gemms] = off.stats["rebuilt_tensors"]
+        rebuilt[gemms] = off.stats["rebuilt_tensors"]
         off.close()
     assert rebuilt[False] > 0 and rebuilt[True] == rebuilt[False] + 2  # one gate/up output per layer
 

@@ -331,11 +331,11 @@ def _three_steps(tmp_path: Path, strategy) -> tuple[HFCausalLMModule, L.Trainer]
 
 
 def test_activation_offload_strategy_trains_the_same_model(tmp_path: Path) -> None:
-    from lightning_llmfast import LLMFastStrategy
+    from lightning_llmfast import LLMFastStrategy, OffloadConfig
 
     reference, trainer = _three_steps(tmp_path, "llmfast")
     assert 0 <= float(trainer.logged_metrics["moe/load_imbalance"])
-    strategy = LLMFastStrategy(offload_activations=True, force_offload=True, min_offload_bytes=0)
+    strategy = LLMFastStrategy(offload=OffloadConfig(force=True, min_offload_bytes=0))
     offloaded, _ = _three_steps(tmp_path, strategy)
     assert strategy.offload_stats is not None and strategy.offload_stats["offloaded_bytes"] > 0
     for p, q in zip(reference.parameters(), offloaded.parameters()):

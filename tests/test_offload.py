@@ -23,6 +23,7 @@ from lightning_llmfast.models import MoEGPT, MoEGPTConfig
 from lightning_llmfast.models.rmsnorm import rms_norm
 from lightning_llmfast.offload import (
     ActivationOffloader,
+    OffloadConfig,
     PinnedBufferPool,
     mark_rebuildable,
     plan_offload,
@@ -165,13 +166,13 @@ def test_pool_release_of_unknown_buffer_and_bad_headroom_raise() -> None:
         ({"pool_headroom": float("inf")}, "pool_headroom"),
         ({"pool_headroom": 17}, "pool_headroom"),
         ({"force": "no"}, "force"),  # bool("no") is True: a string must not switch the mechanism on
-        ({"rebuild_gemms": -1}, "rebuild_gemms"),
-        ({"rebuild_gemms": 1.5}, "rebuild_gemms"),
+        ({"rebuild": "norms+gemms", "rebuild_gemm_layers": -1}, "rebuild_gemm_layers"),
+        ({"rebuild": "norms+gemms", "rebuild_gemm_layers": 1.5}, "rebuild_gemm_layers"),
     ],
 )
 def test_bad_configuration_raises_at_construction(kwargs: dict[str, Any], field: str) -> None:
     with pytest.raises(OffloadError, match=field) as info:
-        ActivationOffloader(Stack().layers, **kwargs)
+        ActivationOffloader(Stack().layers, OffloadConfig(**kwargs))
     assert isinstance(info.value, ValueError)
 
 
@@ -205,7 +206,7 @@ def test_gradients_bit_identical_on_fresh_inputs(
 ) -> None:
     ref, model = _pair(seed, n_layers=n_layers, ckpt=ckpt)
     off = ActivationOffloader(
-        model.layers, min_offload_bytes=0, keep_last_layers=keep, prefetch_layers=prefetch, force=True
+        model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=keep, prefetch_layers=prefetch, force=True)
     )
     for step in range(2):
         x = torch.randn(*shape, 8, generator=torch.Generator().manual_seed(seed + step))
@@ -227,7 +228,7 @@ def test_offloaded_bytes_match_an_independent_count_of_saved_storages() -> None:
     ref, model = _pair(3, n_layers=3)
     x = torch.randn(4, 6, 8)
     seen = {key: n for key, n in _saved_storages(ref, x).items() if key[0] < 2}
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True))
     _step(model, x, off)
     stats = off.stats
     assert stats["offloaded_bytes"] == sum(seen.values())
@@ -238,14 +239,14 @@ def test_offloaded_bytes_match_an_independent_count_of_saved_storages() -> None:
 def test_parameters_and_small_tensors_stay_on_device() -> None:
     big = nn.ModuleList([nn.Linear(64, 64) for _ in range(3)])  # weight 16 KiB, input (2, 64) 512 B
     x = torch.randn(2, 64, requires_grad=True)
-    off = ActivationOffloader(big, min_offload_bytes=0, keep_last_layers=0, force=True)
+    off = ActivationOffloader(big, OffloadConfig(min_offload_bytes=0, keep_last_layers=0, force=True))
     with off:
         h = x
         for layer in big:
             h = layer(h)
         h.sum().backward()
     assert off.stats["offloaded_bytes"] == 3 * 2 * 64 * 4  # the three inputs, never the weights
-    off2 = ActivationOffloader(big, min_offload_bytes=513, keep_last_layers=0, force=True)
+    off2 = ActivationOffloader(big, OffloadConfig(min_offload_bytes=513, keep_last_layers=0, force=True))
     with off2:
         h = x
         for layer in big:
@@ -256,9 +257,11 @@ def test_parameters_and_small_tensors_stay_on_device() -> None:
 
 def test_prefetch_order_alternates_buffer_sets_and_runs_before_use() -> None:
     _, model = _pair(1, n_layers=5)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, prefetch_layers=1, force=True)
+    off = ActivationOffloader(
+        model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, prefetch_layers=1, force=True)
+    )
     events: list[tuple[str, int, int]] = []
-    prefetch, unpack = off._prefetch, off._unpack
+    prefetch, unpack = off.reloader.prefetch, off._unpack
 
     def spy_prefetch(seg: Any) -> None:
         events.append(("prefetch", seg.index, seg.index % 2))
@@ -269,7 +272,7 @@ def test_prefetch_order_alternates_buffer_sets_and_runs_before_use() -> None:
             events.append(("unpack", saved.block.segment, saved.block.set_index))
         return unpack(saved)
 
-    off._prefetch, off._unpack = spy_prefetch, spy_unpack  # type: ignore[method-assign]
+    off.reloader.prefetch, off._unpack = spy_prefetch, spy_unpack  # type: ignore[method-assign]
     _step(model, torch.randn(2, 3, 8), off)
     prefetches = [e for e in events if e[0] == "prefetch"]
     # layer 4 is kept; its backward prefetches layer 3, layer 3's prefetches 2, ...: double buffering
@@ -287,7 +290,7 @@ def test_prefetch_order_alternates_buffer_sets_and_runs_before_use() -> None:
 
 def test_lazy_reload_fallback_when_no_prefetch_was_issued() -> None:
     ref, model = _pair(2, n_layers=3)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=0, force=True)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=0, force=True))
     off._backward_begins = lambda seg_index: None  # type: ignore[method-assign]
     x = torch.randn(3, 4, 8)
     assert all(torch.equal(a, b) for a, b in zip(_step(ref, x), _step(model, x, off)))
@@ -296,7 +299,7 @@ def test_lazy_reload_fallback_when_no_prefetch_was_issued() -> None:
 
 def test_checkpoint_inside_layers_offloads_only_checkpoint_inputs() -> None:
     ref, model = _pair(4, n_layers=4, ckpt="inside")
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True))
     x = torch.randn(2, 5, 8)
     assert all(torch.equal(a, b) for a, b in zip(_step(ref, x), _step(model, x, off)))
     # per offloaded layer: the checkpoint's input x (also saved by nothing else inside the checkpointed region)
@@ -305,7 +308,7 @@ def test_checkpoint_inside_layers_offloads_only_checkpoint_inputs() -> None:
 
 def test_checkpoint_around_layers_attributes_inputs_to_the_next_layer() -> None:
     ref, model = _pair(5, n_layers=4, ckpt="around")
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True))
     x = torch.randn(2, 5, 8)
     assert all(torch.equal(a, b) for a, b in zip(_step(ref, x), _step(model, x, off)))
     # layers 1 and 2: their checkpoint inputs, saved between layers; layer 0's is saved before the first layer
@@ -314,7 +317,7 @@ def test_checkpoint_around_layers_attributes_inputs_to_the_next_layer() -> None:
 
 def test_offload_adds_no_host_syncs() -> None:
     _, model = _pair(6, n_layers=3)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, force=True)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, force=True))
     x = torch.randn(2, 4, 8)
     with SyncCounter() as plain:
         model(x).sum().backward()
@@ -340,7 +343,7 @@ class _Boom(torch.autograd.Function):
 
 def test_exception_in_backward_leaves_nothing_checked_out_and_next_step_works() -> None:
     ref, model = _pair(7, n_layers=4)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True))
     x = torch.randn(3, 2, 8)
     _step(model, x, off)
     _Boom.armed = True
@@ -361,7 +364,7 @@ def test_exception_in_backward_leaves_nothing_checked_out_and_next_step_works() 
 
 def test_unpack_after_the_step_ended_raises() -> None:
     _, model = _pair(8, n_layers=2)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=0, force=True)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=0, force=True))
     with off:
         loss = model(torch.randn(2, 3, 8)).sum()
     with pytest.raises(OffloadError, match="after its step ended"):
@@ -370,7 +373,7 @@ def test_unpack_after_the_step_ended_raises() -> None:
 
 def test_cpu_without_force_is_a_no_op() -> None:
     ref, model = _pair(9, n_layers=2)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0))
     x = torch.randn(2, 3, 8)
     assert all(torch.equal(a, b) for a, b in zip(_step(ref, x), _step(model, x, off)))
     assert not off.enabled and off.stats["offloaded_bytes"] == 0
@@ -378,7 +381,7 @@ def test_cpu_without_force_is_a_no_op() -> None:
 
 def test_close_removes_hooks() -> None:
     _, model = _pair(10, n_layers=2)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, force=True)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, force=True))
     off.close()
     assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in model.layers)
 
@@ -437,7 +440,7 @@ class _DeferredCopier(_Copier):
 def test_deferred_copies_prove_every_use_waits_for_its_event(ckpt: str, prefetch: int) -> None:
     ref, model = _pair(11, n_layers=5, ckpt=ckpt)
     off = ActivationOffloader(
-        model.layers, min_offload_bytes=0, keep_last_layers=1, prefetch_layers=prefetch, force=True
+        model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, prefetch_layers=prefetch, force=True)
     )
     copiers: list[_DeferredCopier] = []
     off._make_copier = lambda device: copiers.append(_DeferredCopier(device)) or copiers[-1]  # type: ignore[method-assign]
@@ -464,7 +467,9 @@ class _CountingCopier(_Copier):
 
 def test_one_copy_call_per_offloaded_layer_and_direction() -> None:
     ref, model = _pair(12, n_layers=5)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, offload_layers=3, force=True)
+    off = ActivationOffloader(
+        model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, offload_layers=3, force=True)
+    )
     copiers: list[_CountingCopier] = []
     off._make_copier = lambda device: copiers.append(_CountingCopier(device)) or copiers[-1]  # type: ignore[method-assign]
     x = torch.randn(2, 7, 8)
@@ -513,7 +518,7 @@ def test_reference_model_gradients_bit_identical_over_three_steps(ckpt: bool) ->
     seq_lens = [17, 1, 31]  # prime, length 1, prime: MoE expert loads and activation sizes differ per step
     expected = _train(_reference(ckpt=ckpt), 3, None, seq_lens)
     model = _reference(ckpt=ckpt)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True))
     got = _train(model, 3, off, seq_lens)
     for (g_ref, _), (g_off, stats) in zip(expected, got):
         assert all(torch.equal(a, b) for a, b in zip(g_ref, g_off))
@@ -522,15 +527,25 @@ def test_reference_model_gradients_bit_identical_over_three_steps(ckpt: bool) ->
 
 
 @pytest.mark.filterwarnings("ignore:PinnedBufferPool")
-@pytest.mark.parametrize(("rebuild_gemms", "gemm_layers"), [(False, 0), (True, 3), (2, 2), (0, 0), (7, 3)])
+@pytest.mark.parametrize(
+    ("rebuild", "gemm_layers_setting", "gemm_layers"),
+    [("norms", None, 0), ("norms+gemms", None, 3), ("norms+gemms", 2, 2), ("norms+gemms", 0, 0), ("norms+gemms", 7, 3)],
+)
 def test_reference_model_bf16_mixed_gradients_bit_identical_with_rebuilt_weight_copies(
-    rebuild_gemms: bool | int, gemm_layers: int
+    rebuild: str, gemm_layers_setting: int | None, gemm_layers: int
 ) -> None:
     seq_lens = [17, 1, 31]
     expected = _train(_reference(), 3, None, seq_lens, bf16=True)
     model = _reference()
     off = ActivationOffloader(
-        model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, rebuild_gemms=rebuild_gemms
+        model.layers,
+        OffloadConfig(
+            min_offload_bytes=0,
+            keep_last_layers=1,
+            force=True,
+            rebuild=rebuild,  # type: ignore[arg-type]
+            rebuild_gemm_layers=gemm_layers_setting,
+        ),
     )
     got = _train(model, 3, off, seq_lens, bf16=True)
     for (g_ref, _), (g_off, stats) in zip(expected, got):
@@ -538,7 +553,7 @@ def test_reference_model_bf16_mixed_gradients_bit_identical_with_rebuilt_weight_
         # per layer: qkv, output, router, gate/up and down weights, in all three layers (the kept last one too)
         assert stats["recast_casts"] == 15 and stats["kept_casts"] == 0 and stats["offloaded_tensors"] > 0
         # and the norms' bf16 outputs: the attention input, and the MoE input that router and experts share; with
-        # rebuild_gemms the experts' gate/up output too, in every layer (True) or the first N
+        # "norms+gemms" the experts' gate/up output too, in every layer or the first rebuild_gemm_layers
         assert stats["rebuilt_tensors"] == 3 * 3 + gemm_layers
         # Backward runs one rebuild per dropped tensor (the MoE input's copy once for router and experts: -3); a
         # gate/up output's rebuild reads its weight copy and input: the copy (one cast) is rebuilt again for the
@@ -549,7 +564,7 @@ def test_reference_model_bf16_mixed_gradients_bit_identical_with_rebuilt_weight_
 
 def test_reference_model_pool_does_not_grow_after_second_step() -> None:
     model = _reference(n_layers=2)
-    off = ActivationOffloader(model.layers, min_offload_bytes=256, keep_last_layers=1, force=True)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=256, keep_last_layers=1, force=True))
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a growth would warn
         results = _train(model, 50, off, [8])
@@ -665,7 +680,9 @@ def test_auto_plan_uses_the_memory_backward_freed(monkeypatch: pytest.MonkeyPatc
     counts = iter([1_000, 900, 850, 845])  # layers 3, 2, 1, 0 start their backward in this order
     monkeypatch.setattr(_Copier, "allocated", lambda self: next(counts))
     _, model = _pair(7, n_layers=4)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    off = ActivationOffloader(
+        model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    )
     _step(model, torch.randn(2, 5, 8), off)
     plan = off.auto_plan
     assert plan is not None and plan["freed_bytes"] == [155, 150, 100, 0]
@@ -763,7 +780,7 @@ def test_plan_offload_layers_rejects_bad_inputs(args: tuple[Any, ...], match: st
 def test_bad_offload_layers_raise_at_construction(value: Any) -> None:
     model = Stack(n_layers=2)
     with pytest.raises(OffloadError, match="offload_layers") as info:
-        ActivationOffloader(model.layers, offload_layers=value, force=True)
+        ActivationOffloader(model.layers, OffloadConfig(offload_layers=value, force=True))
     assert isinstance(info.value, ValueError)
 
 
@@ -807,7 +824,7 @@ def test_offload_layers_n_offloads_exactly_the_first_n_and_keeps_gradients(n_lay
     for n in sorted({0, 1, 2, n_layers - 1, n_layers, n_layers + 3}):
         ref, model = _pair(11, n_layers=n_layers)
         off = ActivationOffloader(
-            model.layers, min_offload_bytes=0, keep_last_layers=keep, force=True, offload_layers=n
+            model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=keep, force=True, offload_layers=n)
         )
         for _ in range(2):
             assert all(torch.equal(a, b) for a, b in zip(_step(ref, x), _step(model, x, off)))
@@ -824,7 +841,7 @@ def test_offload_layers_none_is_all_but_keep_last() -> None:
     x = torch.randn(2, 5, 8)
     ref, model = _pair(5, n_layers=4)
     per_layer = _saved_bytes_per_layer(ref, x)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True))
     _step(model, x, off)
     assert off.stats["offload_layers"] == 3 and off.stats["offloaded_bytes"] == sum(per_layer[:3])
     off.close()
@@ -841,7 +858,9 @@ def test_auto_measures_first_step_then_offloads_the_planned_prefix(
     x = torch.randn(2, 5, 8)
     ref, model = _pair(7, n_layers=4)
     per_layer = _saved_bytes_per_layer(copy.deepcopy(ref), x)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    off = ActivationOffloader(
+        model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    )
     assert all(torch.equal(a, b) for a, b in zip(_step(ref, x), _step(model, x, off)))
     first = off.stats
     assert first["offloaded_bytes"] == 0 and first["checked_out"] == 0  # step 1 only measures
@@ -862,7 +881,7 @@ def test_auto_measures_first_step_then_offloads_the_planned_prefix(
             pool_sizes.append(stats["pool_bytes"])
     assert len(set(pool_sizes)) == 1 and stats["pool_grow_events"] == 0
     # the device buffer sets were used in backward and dropped with the step: no memory held between steps
-    assert (stats["device_set_bytes"] > 0) == (expected > 0) and all(t is None for t in off._sets)
+    assert (stats["device_set_bytes"] > 0) == (expected > 0) and off.reloader.sets_held() == []
     off.close()
 
 
@@ -875,7 +894,9 @@ def test_auto_partial_layer_offloads_up_to_its_budget(monkeypatch: pytest.Monkey
     budget = int(per_layer[1] * fraction)
     monkeypatch.setattr(offloader_module, "plan_offload", lambda *a, **k: (1, 1))
     monkeypatch.setattr(offloader_module, "plan_partial_bytes", lambda *a, **k: budget)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    off = ActivationOffloader(
+        model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    )
     for step in range(3):
         assert all(torch.equal(a, b) for a, b in zip(_step(ref, x), _step(model, x, off)))
         stats = off.stats
@@ -895,15 +916,19 @@ def _device_sets_peak(layers: nn.ModuleList, x: torch.Tensor, budget: int, monke
     """Most device-set bytes the offloader references when a layer's backward starts (plan: 3 layers + budget)."""
     monkeypatch.setattr(offloader_module, "plan_offload", lambda *a, **k: (3, 1))
     monkeypatch.setattr(offloader_module, "plan_partial_bytes", lambda *a, **k: budget)
-    off = ActivationOffloader(layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    off = ActivationOffloader(
+        layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    )
     seen: list[int] = []
     begins = off._backward_begins
 
     def record(index: int) -> None:
         begins(index)
         # distinct device buffers: the sets and every block's view of one
-        bufs = {id(t): t.numel() for t in off._sets if t is not None}
-        bufs.update({id(b.flat): b.flat.numel() for seg in off._segments for b in seg.blocks if b.flat is not None})
+        bufs = {id(t): t.numel() for t in off.reloader.sets_held()}
+        bufs.update(
+            {id(b.flat): b.flat.numel() for seg in off.calls.segments for b in seg.blocks if b.flat is not None}
+        )
         seen.append(sum(bufs.values()))
 
     monkeypatch.setattr(off, "_backward_begins", record)
@@ -936,7 +961,8 @@ def test_partial_layer_only_without_recompute(monkeypatch: pytest.MonkeyPatch, r
     monkeypatch.setattr(offloader_module, "plan_partial_bytes", lambda *a, **k: 1_000)
     _, model = _pair(3, n_layers=4)
     off = ActivationOffloader(
-        model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto", recompute=recompute
+        model.layers,
+        OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto", recompute=recompute),
     )
     for _ in range(2):
         _step(model, torch.randn(2, 5, 8), off)
@@ -951,7 +977,9 @@ def test_auto_with_measured_cpu_bandwidth_keeps_reference_gradients_bit_identica
     seq_lens = [17, 1, 31]
     expected = _train(_reference(n_layers=3), 3, None, seq_lens)
     model = _reference(n_layers=3)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    off = ActivationOffloader(
+        model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # step 3 is the longest sequence: the pool may grow once
         got = _train(model, 3, off, seq_lens)
@@ -967,8 +995,8 @@ def test_auto_with_measured_cpu_bandwidth_keeps_reference_gradients_bit_identica
 
 def test_auto_adds_no_host_syncs_in_measuring_or_planned_steps() -> None:
     _, model = _pair(6, n_layers=3)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, force=True, offload_layers=2)
-    auto = ActivationOffloader(model.layers, min_offload_bytes=0, force=True, offload_layers="auto")
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, force=True, offload_layers=2))
+    auto = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, force=True, offload_layers="auto"))
     x = torch.randn(2, 4, 8)
     for offloader in (off, auto, auto):  # fixed N; "auto" measuring step; "auto" planned step
         with SyncCounter() as counter, offloader:
@@ -986,7 +1014,9 @@ def test_auto_measuring_step_without_saved_tensors_or_backward_is_measured_again
     planning from it offloaded every eligible layer, past the memory rule that a real measuring step applies."""
     monkeypatch.setattr(_Copier, "bandwidth", lambda self, nbytes, host: 1e30)
     model = Stack(n_layers=3)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    off = ActivationOffloader(
+        model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    )
     with off, torch.no_grad():
         model(torch.randn(2, 8))
     with off:
@@ -1001,7 +1031,9 @@ def test_auto_measuring_step_without_saved_tensors_or_backward_is_measured_again
 def test_auto_measuring_step_that_fails_is_measured_again(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_Copier, "bandwidth", lambda self, nbytes, host: 1e30)
     model = Stack(n_layers=3)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    off = ActivationOffloader(
+        model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True, offload_layers="auto")
+    )
     with pytest.raises(RuntimeError, match="boom"), off:
         model(torch.randn(2, 8))
         raise RuntimeError("boom")
@@ -1017,7 +1049,7 @@ def test_auto_measuring_step_that_fails_is_measured_again(monkeypatch: pytest.Mo
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (copy streams, pinned memory)")
 def test_cuda_streams_gradients_match_and_pool_is_pinned() -> None:
     model = _reference(n_layers=4).cuda()
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1))
 
     def grads(ids: torch.Tensor, offloader: ActivationOffloader | None) -> list[torch.Tensor]:
         model.zero_grad(set_to_none=True)
@@ -1063,7 +1095,7 @@ def _autocast_grads(model: nn.Module, x: torch.Tensor, off: ActivationOffloader 
 def test_autocast_cached_weight_copies_stay_on_the_device_and_gradients_match() -> None:
     """Autocast's cache holds its bf16 copies of the weights for the whole forward: moving them would free nothing."""
     ref, model = _pair(13, n_layers=3)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True))
     x = torch.randn(2, 5, 8)
     expected, got = _autocast_grads(ref, x, None, True), _autocast_grads(model, x, off, True)
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
@@ -1077,7 +1109,7 @@ def test_autocast_cached_weight_copies_stay_on_the_device_and_gradients_match() 
 def test_uncached_weight_copies_are_rebuilt_in_backward_bit_identically(seed: int) -> None:
     """Lightning's autocast has no cache: the saved bf16 weight copy is the only reference and is rebuilt instead."""
     ref, model = _pair(seed, n_layers=3)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=1, force=True)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True))
     for step in range(2):
         x = torch.randn(3, 7, 8, generator=torch.Generator().manual_seed(seed + step))
         expected, got = _autocast_grads(ref, x, None, False), _autocast_grads(model, x, off, False)
@@ -1112,7 +1144,9 @@ def test_uncached_weight_copies_are_freed_after_forward(offload: bool) -> None:
     _, model = _pair(2, n_layers=2)
     off = None
     if offload:
-        off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=0, force=True, offload_layers=0)
+        off = ActivationOffloader(
+            model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=0, force=True, offload_layers=0)
+        )
     track = _TrackWeightCasts()
     with off if off is not None else torch.enable_grad():
         with track, torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
@@ -1144,7 +1178,7 @@ def test_weight_copy_in_another_memory_format_is_offloaded_not_rebuilt() -> None
     torch.manual_seed(0)
     ref = nn.Sequential(*(_ChannelsLastBlock() for _ in range(3)))
     model = copy.deepcopy(ref)
-    off = ActivationOffloader(list(model), min_offload_bytes=0, keep_last_layers=1, force=True)
+    off = ActivationOffloader(list(model), OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True))
     x = torch.randn(2, 3, 4, 4)
     assert all(torch.equal(a, b) for a, b in zip(_step(ref, x), _step(model, x, off)))
     stats = off.stats
@@ -1168,7 +1202,9 @@ def test_reinterpreting_view_of_a_weight_copy_is_not_rebuilt() -> None:
     torch.manual_seed(1)
     ref = nn.Sequential(_ComplexViewBlock(), _ComplexViewBlock())
     model = copy.deepcopy(ref)
-    off = ActivationOffloader(list(model), min_offload_bytes=0, keep_last_layers=0, force=True, offload_layers=0)
+    off = ActivationOffloader(
+        list(model), OffloadConfig(min_offload_bytes=0, keep_last_layers=0, force=True, offload_layers=0)
+    )
     x = torch.randn(64, 2, dtype=torch.float64)
     assert all(torch.equal(a, b) for a, b in zip(_step(ref, x), _step(model, x, off)))
     assert off.stats["recast_casts"] == 0
@@ -1206,7 +1242,9 @@ def test_norm_outputs_and_their_copies_are_rebuilt_bit_identically(how: str, reb
     torch.manual_seed(4)
     ref = nn.Sequential(*(_NormCopyBlock(how) for _ in range(2)))
     model = copy.deepcopy(ref)
-    off = ActivationOffloader(list(model), min_offload_bytes=0, keep_last_layers=0, force=True, offload_layers=0)
+    off = ActivationOffloader(
+        list(model), OffloadConfig(min_offload_bytes=0, keep_last_layers=0, force=True, offload_layers=0)
+    )
     x = torch.randn(3, 8, 8)
     for _ in range(2):
         assert all(torch.equal(a, b) for a, b in zip(_step(ref, x), _step(model, x, off)))
@@ -1237,7 +1275,9 @@ class _SavesItsOutput(torch.autograd.Function):
 def test_rebuild_of_a_function_that_saves_its_output_raises_instead_of_recursing() -> None:
     block = nn.Linear(4, 4)
     block.forward = lambda x: _SavesItsOutput.apply(x * block.weight[0])
-    off = ActivationOffloader([block], min_offload_bytes=0, keep_last_layers=0, force=True, offload_layers=0)
+    off = ActivationOffloader(
+        [block], OffloadConfig(min_offload_bytes=0, keep_last_layers=0, force=True, offload_layers=0)
+    )
     with pytest.raises(OffloadError, match="saves its own output"):
         with off:
             block(torch.randn(3, 4, requires_grad=True)).sum().backward()
@@ -1247,7 +1287,7 @@ def test_rebuild_of_a_function_that_saves_its_output_raises_instead_of_recursing
 
 def test_parameter_modified_between_forward_and_backward_raises() -> None:
     _, model = _pair(3, n_layers=2)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=0, force=True)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=0, force=True))
     x = torch.randn(2, 5, 8)
     with pytest.raises(OffloadError, match="modified in place"):
         with off:
@@ -1261,7 +1301,7 @@ def test_parameter_modified_between_forward_and_backward_raises() -> None:
 
 def test_rebuilt_weight_copies_support_double_backward() -> None:
     ref, model = _pair(5, n_layers=2)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, keep_last_layers=0, force=True)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=0, force=True))
     x = torch.randn(2, 5, 8)
     results = []
     for m, o in ((ref, None), (model, off)):

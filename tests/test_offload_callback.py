@@ -28,9 +28,10 @@ _SCRIPT = textwrap.dedent(
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
     from lightning_llmfast import LLMFastStrategy
     from lightning_llmfast.callbacks import ActivationOffload
-    from lightning_llmfast.offload import ActivationOffloader, CpuCopier
+    from lightning_llmfast.offload import ActivationOffloader, CpuCopier, OffloadConfig
 
     kind, offload, out = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
+    config = OffloadConfig(force=True, min_offload_bytes=0, keep_last_layers=0)
     STEPS = 3
     sources, unsharded, overlap = set(), set(), []
 
@@ -99,10 +100,10 @@ _SCRIPT = textwrap.dedent(
         # ours: the strategy shards with FSDP2 and drives the same offload machinery itself
         "llmfast_fsdp": lambda: LLMFastStrategy(
             sharding="fsdp", layers="layers", process_group_backend="gloo", timeout=timeout,
-            offload_activations=offload, force_offload=True, min_offload_bytes=0, keep_last_layers=0,
+            offload=config if offload else None,
         ),
     }[kind]()
-    callback = ActivationOffload(force=True, min_offload_bytes=0, keep_last_layers=0, layers="layers")
+    callback = ActivationOffload(config, layers="layers")
     use_callback = offload and kind != "llmfast_fsdp"
     model = Toy()
     trainer = L.Trainer(
@@ -158,9 +159,10 @@ def test_gradients_bit_identical_with_and_without_the_callback(tmp_path: Path, k
 
 def test_callback_validates_its_settings_at_construction() -> None:
     with pytest.raises(OffloadError, match="offload_layers"):
-        ActivationOffload(offload_layers=-1)
-    with pytest.raises(OffloadError, match="either an OffloadConfig or keyword arguments"):
-        ActivationOffload(OffloadConfig(), force=True)
+        ActivationOffload(OffloadConfig(offload_layers=-1))
+    with pytest.raises(OffloadError, match="config must be an OffloadConfig"):
+        ActivationOffload({"force": True})  # type: ignore[arg-type]
     with pytest.raises(OffloadError, match="rebuild must be one of"):
-        ActivationOffload(rebuild="gemms")
-    assert ActivationOffload(rebuild_gemms=2).config == OffloadConfig(rebuild="norms+gemms", rebuild_gemm_layers=2)
+        ActivationOffload(OffloadConfig(rebuild="gemms"))  # type: ignore[arg-type]
+    config = OffloadConfig(rebuild="norms+gemms", rebuild_gemm_layers=2)
+    assert ActivationOffload(config).config is config

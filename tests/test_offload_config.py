@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_llmfast import LLMFastStrategy
+from lightning_llmfast import ActivationOffload, LLMFastStrategy
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
@@ -43,7 +43,6 @@ def _step(model: MoEGPT, ids: torch.Tensor, off: ActivationOffloader | None) -> 
         ({"rebuild": None, "offload_layers": 0}, False, False, False),
         ({"rebuild": "norms", "offload_layers": 0}, False, True, False),
         ({"rebuild": "norms+gemms", "offload_layers": 0}, False, True, True),
-        ({"rebuild_gemms": True, "offload_layers": 0}, False, True, True),  # the older spelling
         ({"rebuild": "norms+gemms", "rebuild_gemm_layers": 1}, True, True, True),
     ],
 )
@@ -53,7 +52,7 @@ def test_rebuild_is_independent_of_copying_and_gradients_stay_bit_identical(
     ids = torch.randint(0, VOCAB, (2, 19), generator=torch.Generator().manual_seed(3))
     expected = _step(_model(), ids, None)
     model = _model()
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, force=True, **settings)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, force=True, **settings))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         got = _step(model, ids, off)
@@ -62,7 +61,7 @@ def test_rebuild_is_independent_of_copying_and_gradients_stay_bit_identical(
     assert (stats["offloaded_bytes"] > 0) == copies
     assert (stats["rebuilt_tensors"] > 0 and stats["recast_casts"] > 0) == rebuilds
     # the gate/up output's rebuild is one grouped GEMM: more rebuilt bytes than the norms alone
-    norms_only = ActivationOffloader(model.layers, min_offload_bytes=0, force=True, offload_layers=0)
+    norms_only = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, force=True, offload_layers=0))
     _step(model, ids, norms_only)
     assert (stats["rebuilt_bytes"] > norms_only.stats["rebuilt_bytes"]) == gemms
     off.close()
@@ -73,39 +72,41 @@ def test_config_is_frozen_validated_and_shared_by_offloader_and_strategy() -> No
     config = OffloadConfig(offload_layers=2, rebuild="norms+gemms", force=True)
     with pytest.raises(AttributeError):
         config.offload_layers = 3  # type: ignore[misc]
-    assert OffloadConfig.from_kwargs(owner="t", rebuild_gemms=2) == OffloadConfig(
-        rebuild="norms+gemms", rebuild_gemm_layers=2
-    )
     with pytest.raises(OffloadError, match="rebuild_gemm_layers=1 needs rebuild='norms\\+gemms'"):
         OffloadConfig(rebuild_gemm_layers=1)
-    with pytest.raises(OffloadError, match="pass one"):
-        OffloadConfig.from_kwargs(owner="t", rebuild_gemms=True, rebuild="norms")
-    with pytest.raises(OffloadError, match="unknown offload settings"):
-        OffloadConfig.from_kwargs(owner="t", offload_everything=True)
     off = ActivationOffloader(_model().layers, config)
-    assert off.config is config and off.force and off.min_offload_bytes == config.min_offload_bytes
+    assert off.config is config
     off.close()
     strategy = LLMFastStrategy(offload=config)
-    assert strategy.offload_activations and strategy.offload_config is config
-    assert LLMFastStrategy(offload_activations=True, offload_layers=2, rebuild_gemms=True, force_offload=True)\
-        .offload_config == config  # fmt: skip
-    with pytest.raises(OffloadError, match="either an OffloadConfig or keyword arguments"):
-        LLMFastStrategy(offload=config, min_offload_bytes=0)
+    assert strategy.offload_config is config
+    callback = ActivationOffload(config)
+    assert callback.config is config and ActivationOffload().config == OffloadConfig()
+
+
+@pytest.mark.parametrize("owner", ["offloader", "callback"])
+def test_config_is_the_only_configuration(owner: str) -> None:
+    """The offload settings as keyword arguments (and the older ``rebuild_gemms``) are gone: one config object."""
+    make = (lambda **kw: ActivationOffloader(_model().layers, **kw)) if owner == "offloader" else ActivationOffload
+    for removed in ({"min_offload_bytes": 0}, {"rebuild_gemms": True}, {"force": True}):
+        with pytest.raises(TypeError, match=next(iter(removed))):
+            make(**removed)
+    with pytest.raises(OffloadError, match="config must be an OffloadConfig, got dict"):
+        make(config={"force": True})
 
 
 def test_global_registration_hooks_are_removed_when_the_last_offloader_closes() -> None:
     gc.collect()  # offloaders of earlier tests that were never closed release the hooks when collected
     assert not Residents.hooks_installed()
     model = _model()
-    first = ActivationOffloader(model.layers, force=True)
-    second = ActivationOffloader(model.layers, force=True)
+    first = ActivationOffloader(model.layers, OffloadConfig(force=True))
+    second = ActivationOffloader(model.layers, OffloadConfig(force=True))
     assert Residents.hooks_installed()
     first.close()
     first.close()  # twice is harmless
     assert Residents.hooks_installed()
     second.close()
     assert not Residents.hooks_installed()
-    third = ActivationOffloader(model.layers, force=True)
+    third = ActivationOffloader(model.layers, OffloadConfig(force=True))
     assert Residents.hooks_installed()
     del third  # dropped without close()
     gc.collect()
@@ -114,7 +115,7 @@ def test_global_registration_hooks_are_removed_when_the_last_offloader_closes() 
 
 def test_pool_reaches_its_size_in_the_first_steps_and_warns_once_with_the_total() -> None:
     model = _model()
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, force=True, pool_headroom=1.25)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, force=True, pool_headroom=1.25))
     g = torch.Generator().manual_seed(0)
     sizes = []
     with warnings.catch_warnings(record=True) as caught:

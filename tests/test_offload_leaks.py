@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule
 from lightning_llmfast.data import SyntheticCorpus, pack_documents
 from lightning_llmfast.models import MoEGPT
-from lightning_llmfast.offload import ActivationOffloader
+from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 
 VOCAB = 32
 MODES: dict[str, dict[str, Any]] = {
@@ -26,7 +26,7 @@ MODES: dict[str, dict[str, Any]] = {
     "first_layer": {"offload_layers": 1},
     "auto": {"offload_layers": "auto"},
     "rebuild_only": {"offload_layers": 0},
-    "rebuild_gemms": {"rebuild_gemms": True},
+    "rebuild_gemms": {"rebuild": "norms+gemms"},
     "selective": {"offload_layers": 1, "recompute": "selective"},
 }
 
@@ -65,7 +65,7 @@ def _steps(model: MoEGPT, off: ActivationOffloader, n: int, seq_len: int = 24) -
 def test_live_autograd_nodes_are_flat_in_every_mode(mode: str) -> None:
     torch.manual_seed(0)
     model = MoEGPT(_config())
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, force=True, **MODES[mode])
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, force=True, **MODES[mode]))
     counts = [_live_function_nodes() for step in _steps(model, off, 12) if step in (3, 11)]
     off.close()
     # Only the last step's graph (the routing plans the model keeps for aux_loss) is alive after a step: the same
@@ -78,7 +78,7 @@ def test_live_autograd_nodes_are_flat_in_every_mode(mode: str) -> None:
 def test_rss_is_flat_over_300_steps_in_every_mode(mode: str) -> None:
     torch.manual_seed(0)
     model = MoEGPT(_config(hidden=64))
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, force=True, **MODES[mode])
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, force=True, **MODES[mode]))
     rss = {}
     for step in _steps(model, off, 300):
         if step in (49, 299):
@@ -106,7 +106,7 @@ def test_no_layer_outlives_the_offloader_and_model_after_a_backward_that_raised(
     refs = [weakref.ref(layer) for layer in model.layers]
     # The middle layer's output raises in backward: the last layer's backward has run, the others' never will.
     model.layers[1].register_forward_hook(lambda _m, _a, out: _Boom.apply(out))
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, force=True, offload_layers=2)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, force=True, offload_layers=2))
     ids = torch.randint(0, VOCAB, (2, 24))
     with pytest.raises(RuntimeError, match="boom"), off:
         F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
@@ -137,7 +137,7 @@ def test_no_layer_outlives_repeated_offloading_fits(failing: bool) -> None:
         torch.manual_seed(0)
         module = (_FailingBackward if failing else MoEGPTLightningModule)(_config(), lr=1e-2, warmup_steps=1)
         refs += [weakref.ref(layer) for layer in module.model.layers]
-        strategy = LLMFastStrategy(offload_activations=True, force_offload=True, min_offload_bytes=0)
+        strategy = LLMFastStrategy(offload=OffloadConfig(force=True, min_offload_bytes=0))
         trainer = L.Trainer(
             accelerator="cpu",
             devices=1,

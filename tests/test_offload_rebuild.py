@@ -22,7 +22,7 @@ from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.models.rmsnorm import rms_norm
 from lightning_llmfast.moe import route, routed_swiglu
 from lightning_llmfast.moe.dispatch import compute_copy
-from lightning_llmfast.offload import ActivationOffloader, mark_rebuildable
+from lightning_llmfast.offload import ActivationOffloader, OffloadConfig, mark_rebuildable
 
 
 def _grads(model: nn.Module, x: torch.Tensor, off: ActivationOffloader | None) -> list[torch.Tensor]:
@@ -34,7 +34,7 @@ def _grads(model: nn.Module, x: torch.Tensor, off: ActivationOffloader | None) -
 
 def _offloader(layers: Any, **kwargs: Any) -> ActivationOffloader:
     kwargs = {"min_offload_bytes": 0, "keep_last_layers": 0, "force": True, "offload_layers": 0, **kwargs}
-    return ActivationOffloader(layers, **kwargs)
+    return ActivationOffloader(layers, OffloadConfig(**kwargs))
 
 
 def _assert_same_grads(ref: nn.Module, model: nn.Module, x: torch.Tensor, off: ActivationOffloader) -> None:
@@ -279,7 +279,7 @@ def test_cast_copy_changed_in_place_before_it_is_saved_is_not_rebuilt_from_the_n
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# 7. The routed experts' gate/up GEMM output (``rebuild_gemms=True``), under awkward routings.
+# 7. The routed experts' gate/up GEMM output (``rebuild="norms+gemms"``), under awkward routings.
 class _RoutedBlock(nn.Module):
     """Residual routed SwiGLU experts; ``skew`` sends every token's first choice to expert 0."""
 
@@ -324,7 +324,7 @@ def test_gate_up_output_rebuilt_only_with_rebuild_gemms_and_bit_identically(
     expected, rebuilt = None, {}
     for gemms in (None, False, True):
         model = copy.deepcopy(ref)
-        off = None if gemms is None else _offloader(list(model), rebuild_gemms=gemms)
+        off = None if gemms is None else _offloader(list(model), rebuild="norms+gemms" if gemms else "norms")
         model.zero_grad(set_to_none=True)
         with off if off is not None else torch.enable_grad():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):

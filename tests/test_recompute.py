@@ -20,7 +20,7 @@ from lightning_llmfast import LLMFastStrategy
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
 from lightning_llmfast.moe import MoEBlock
-from lightning_llmfast.offload import ActivationOffloader, recompute
+from lightning_llmfast.offload import ActivationOffloader, OffloadConfig, recompute
 from lightning_llmfast.offload.recompute import recompute_layer, recompute_policy
 from lightning_llmfast.seqmeta import SequenceMetadata, SequenceMetadataCache
 
@@ -148,7 +148,8 @@ def test_recompute_gradients_bit_identical_over_steps(offload_layers: int | None
     ref = _model()
     model = copy.deepcopy(ref)
     off = ActivationOffloader(
-        model.layers, min_offload_bytes=0, force=True, offload_layers=offload_layers, recompute="selective"
+        model.layers,
+        OffloadConfig(min_offload_bytes=0, force=True, offload_layers=offload_layers, recompute="selective"),
     )
     seq_lens = [37, 1, 31]  # prime, a single position, prime
     _train(ref, None, seq_lens)
@@ -198,7 +199,9 @@ def test_wrapper_lasts_one_step_and_restores_the_users_forward() -> None:
     model = _model(n_layers=3)
     own = model.layers[2].forward  # an instance attribute set by the user must come back
     model.layers[2].forward = own
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, force=True, offload_layers=0, recompute="selective")
+    off = ActivationOffloader(
+        model.layers, OffloadConfig(min_offload_bytes=0, force=True, offload_layers=0, recompute="selective")
+    )
     seen: list[bool] = []
     model.layers[1].register_forward_pre_hook(lambda m, _a: seen.append("forward" in m.__dict__))
     _train(model, off, [9])
@@ -235,9 +238,9 @@ def test_no_grad_forward_is_not_checkpointed(monkeypatch: pytest.MonkeyPatch) ->
 def test_bad_recompute_mode_is_rejected_at_construction() -> None:
     model = _model(n_layers=2)
     with pytest.raises(OffloadError, match="recompute"):
-        ActivationOffloader(model.layers, recompute="full")
+        ActivationOffloader(model.layers, OffloadConfig(recompute="full"))
     with pytest.raises(OffloadError, match="recompute"):
-        LLMFastStrategy(offload_activations=True, recompute=True)
+        LLMFastStrategy(offload=OffloadConfig(recompute=True))
 
 
 # ---------------------------------------------------------------------------------------------- side effects
@@ -307,7 +310,7 @@ def test_recompute_sees_the_forwards_metadata_cache_from_another_thread() -> Non
 def test_cuda_recompute_with_offload_matches_and_uses_the_cache() -> None:
     ref = _model(n_layers=4).cuda()
     model = copy.deepcopy(ref)
-    off = ActivationOffloader(model.layers, min_offload_bytes=0, offload_layers=1, recompute="selective")
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, offload_layers=1, recompute="selective"))
     cache = SequenceMetadataCache()
     for step, seq_len in enumerate((64, 37, 1)):
         ids, pos = (t.cuda() for t in _batch(seq_len, step))
@@ -329,7 +332,8 @@ def test_a_second_backward_over_a_retained_graph_gets_torchs_own_error() -> None
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2)))
     off = ActivationOffloader(
-        list(model), min_offload_bytes=0, keep_last_layers=0, force=True, offload_layers=0, recompute="selective"
+        list(model),
+        OffloadConfig(min_offload_bytes=0, keep_last_layers=0, force=True, offload_layers=0, recompute="selective"),
     )
     x = torch.randn(4, 8, requires_grad=True)
     with off:

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.models.rmsnorm import RMSNorm, add_rms_norm, rms_norm, swap_rms_norms
-from lightning_llmfast.offload import ActivationOffloader
+from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -198,7 +198,9 @@ def test_swapped_norm_outputs_are_rebuilt_by_the_offloader() -> None:
     torch.manual_seed(1)
     layers = nn.ModuleList(nn.Sequential(llama.LlamaRMSNorm(16), nn.Linear(16, 16)) for _ in range(2))
     swap_rms_norms(layers)
-    off = ActivationOffloader(layers, min_offload_bytes=0, keep_last_layers=0, force=True, offload_layers=0)
+    off = ActivationOffloader(
+        layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=0, force=True, offload_layers=0)
+    )
     x = torch.randn(4, 16, requires_grad=True)
     with off:
         with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):

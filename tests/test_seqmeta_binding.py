@@ -16,6 +16,7 @@ from lightning_llmfast.data import batch as batch_module
 from lightning_llmfast.data import pack_documents
 from lightning_llmfast.models import MoEGPT
 from lightning_llmfast.seqmeta import SequenceMetadata, SequenceMetadataCache
+from lightning_llmfast.seqmeta.binding import marked_by
 
 CONFIG = {"vocab_size": 64, "hidden_size": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_size": 32}
 
@@ -40,28 +41,46 @@ def _reference(model: MoEGPT, batch: PackedBatch) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------- another batch
-def test_a_second_batch_in_one_version_is_rebuilt_from_its_own_fields_or_rejected() -> None:
+@pytest.mark.parametrize("binding", ["none", "watch", "batch_model"])
+def test_plain_loop_second_batch_is_rebuilt_or_rejected_with_and_without_watch(binding: str) -> None:
     model = _model()
-    first, second = _batches(2, seed=1)
+    first, second, third = _batches(3, seed=1)
     assert first.input_ids.shape == second.input_ids.shape
     assert not torch.equal(first.cu_seqlens, second.cu_seqlens)  # a stale reuse would change the logits
     cache = SequenceMetadataCache()
-    handles = cache.watch(model)
-    with cache.batch(first):
+    handles = cache.watch(model) if binding == "watch" else []
+    with cache.batch(first, model=model if binding == "batch_model" else None):
         torch.testing.assert_close(model(first.input_ids, first.position_ids), _reference(model, first))
-        # The layers of this model pass no position ids to get(): nothing describes the other tokens.
+        # Another batch of the same shape: the model binds its tokens and positions, so it is rebuilt for them.
+        torch.testing.assert_close(model(second.input_ids, second.position_ids), _reference(model, second))
+        # Without position ids nothing describes the other tokens: an error, never the first batch's boundaries.
         with pytest.raises(MetadataError, match="not the batch the cache version was opened for"):
-            model(second.input_ids, second.position_ids)
+            model(third.input_ids)
         # Given the batch (what packed_model_inputs does), the cache rebuilds for it, from host fields.
         cache.bind(second.input_ids, source=second)
-        meta = cache.get()
-        assert meta.cu_seqlens.tolist() == second.cu_seqlens.tolist()
+        assert cache.get().cu_seqlens.tolist() == second.cu_seqlens.tolist()
         # Back on the first batch's own tensor: its metadata again, not rebuilt.
         builds = cache.stats["builds"]
         torch.testing.assert_close(model(first.input_ids, first.position_ids), _reference(model, first))
-        assert cache.stats["builds"] == builds and cache.stats["rebinds"] == 2
+        assert cache.stats["builds"] == builds and cache.stats["rebinds"] == 3
+    assert marked_by(first.input_ids) is None  # the version's mark is gone with it
     for handle in handles:
         handle.remove()
+
+
+def test_lookup_with_other_position_ids_is_rebuilt_for_them() -> None:
+    first, second = _batches(2, seed=8)
+    hidden = torch.zeros(first.input_ids.numel(), 4)
+    cache = SequenceMetadataCache()
+    with cache.batch(first):
+        assert cache.get(hidden, position_ids=first.position_ids).cu_seqlens.tolist() == first.cu_seqlens.tolist()
+        # The layer sees other position ids than the ones the metadata describes: identity differs, rebuilt.
+        rebuilt = cache.get(hidden, position_ids=second.position_ids)
+        assert rebuilt.cu_seqlens.tolist() == second.cu_seqlens.tolist() and cache.stats["rebinds"] == 1
+        # Equal values in another tensor are rebuilt too (identity, never a device read), with equal boundaries.
+        copy = first.position_ids.clone()
+        assert cache.get(hidden, position_ids=copy).cu_seqlens.tolist() == first.cu_seqlens.tolist()
+        assert cache.stats["rebinds"] == 2
 
 
 def test_callback_rebuilds_for_a_teacher_forward_on_another_batch(tmp_path: Path) -> None:
@@ -168,7 +187,7 @@ def _fields(batch: PackedBatch, **changes: object) -> PackedBatch:
     return PackedBatch(**values)  # type: ignore[arg-type]
 
 
-def test_inconsistent_fields_raise_at_first_use() -> None:
+def test_inconsistent_fields_raise_at_first_use_or_when_the_version_opens() -> None:
     (good,) = _batches(1, seed=6, seq_len=12)
     cu = good.cu_seqlens.clone()
     rows, t = good.input_ids.shape
@@ -192,8 +211,8 @@ def test_inconsistent_fields_raise_at_first_use() -> None:
         for use in (bad.validate, lambda b=bad: b.to("cpu"), lambda b=bad: SequenceMetadata.from_batch(b)):
             with pytest.raises(MetadataError, match=match):
                 use()
-        with SequenceMetadataCache().batch(bad) as cache, pytest.raises(MetadataError, match=match):
-            cache.get()
+        with pytest.raises(MetadataError, match=match), SequenceMetadataCache().batch(bad) as cache:
+            cache.get()  # not reached: the version opens by building and checking the batch
 
 
 # ------------------------------------------------------------------------------------ transformers field names

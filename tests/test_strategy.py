@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 import lightning_llmfast
-from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule, OffloadError
+from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule, OffloadConfig, OffloadError
 from lightning_llmfast.data import SyntheticCorpus, pack_documents
 from lightning_llmfast.offload.copier import CpuCopier as _Copier
 
@@ -94,7 +94,7 @@ def test_strategies_registered_on_import() -> None:
     for name, offload in (("llmfast", False), ("llmfast_offload", True)):
         assert name in StrategyRegistry
         strategy = StrategyRegistry.get(name)
-        assert isinstance(strategy, LLMFastStrategy) and strategy.offload_activations is offload
+        assert isinstance(strategy, LLMFastStrategy) and (strategy.offload_config is not None) is offload
     LLMFastStrategy.register_strategies(StrategyRegistry)  # guarded: registering again does not raise
 
 
@@ -109,7 +109,7 @@ def test_string_strategy_single_device_skips_ddp_and_matches_default() -> None:
 
 def test_forced_offload_under_trainer_is_bit_identical_and_released() -> None:
     reference, _, _ = _fit("llmfast")
-    strategy = LLMFastStrategy(offload_activations=True, force_offload=True, min_offload_bytes=0)
+    strategy = LLMFastStrategy(offload=OffloadConfig(force=True, min_offload_bytes=0))
     module, spy, _ = _fit(strategy)
     assert _same(reference, module)
     assert len(spy.stats) == 3
@@ -130,9 +130,7 @@ def test_offload_layers_under_trainer_is_bit_identical_and_offloads_only_the_fir
     for spec in (None, 1, "auto"):
         if spec == "auto":  # the probe reports a practically infinite bandwidth: every eligible layer hides
             monkeypatch.setattr(_Copier, "bandwidth", lambda self, nbytes, host: 1e30)
-        strategy = LLMFastStrategy(
-            offload_activations=True, force_offload=True, min_offload_bytes=0, offload_layers=spec
-        )
+        strategy = LLMFastStrategy(offload=OffloadConfig(force=True, min_offload_bytes=0, offload_layers=spec))
         module, spy, _ = _fit(strategy)
         assert _same(reference, module), spec
         assert all(s["checked_out"] == 0 and s["lazy_reloads"] == 0 for s in spy.stats)
@@ -148,29 +146,35 @@ def test_offload_layers_under_trainer_is_bit_identical_and_offloads_only_the_fir
     assert [s["offloaded_bytes"] for s in runs["auto"][1:]] == [s["offloaded_bytes"] for s in runs[1][1:]]
 
 
-@pytest.mark.parametrize(("rebuild_gemms", "gemm_layers"), [(False, 0), (True, 3), (2, 2)])
+@pytest.mark.parametrize(
+    ("rebuild", "gemm_layers_setting", "gemm_layers"),
+    [("norms", None, 0), ("norms+gemms", None, 3), ("norms+gemms", 2, 2)],
+)
 def test_bf16_mixed_under_trainer_rebuilds_weight_copies_and_is_bit_identical(
-    rebuild_gemms: bool | int, gemm_layers: int
+    rebuild: str, gemm_layers_setting: int | None, gemm_layers: int
 ) -> None:
     # Lightning's "bf16-mixed" autocast has no weight cache: the saved bf16 weight copies are rebuilt in backward.
     reference, _, _ = _fit("llmfast", precision="bf16-mixed")
-    strategy = LLMFastStrategy(
-        offload_activations=True, force_offload=True, min_offload_bytes=0, rebuild_gemms=rebuild_gemms
+    config = OffloadConfig(
+        force=True,
+        min_offload_bytes=0,
+        rebuild=rebuild,  # type: ignore[arg-type]
+        rebuild_gemm_layers=gemm_layers_setting,
     )
+    strategy = LLMFastStrategy(offload=config)
     module, spy, _ = _fit(strategy, precision="bf16-mixed")
     assert _same(reference, module)
     # three layers, five weights each (qkv, output, router, gate/up, down), in the kept last layer as well
     assert [(s["recast_casts"], s["kept_casts"]) for s in spy.stats] == [(15, 0)] * 3
     assert all(s["offloaded_bytes"] > 0 and s["checked_out"] == 0 for s in spy.stats)
-    # the two norms' bf16 outputs per layer, and with rebuild_gemms the experts' gate/up output (all or first N)
+    # the two norms' bf16 outputs per layer, and with "norms+gemms" the experts' gate/up output (all or first N)
     assert [s["rebuilt_tensors"] for s in spy.stats] == [3 * 3 + gemm_layers] * 3
 
 
 def test_recompute_under_trainer_is_bit_identical_and_leaves_the_model_as_it_was() -> None:
     reference, _, _ = _fit("llmfast")
-    strategy = LLMFastStrategy(
-        offload_activations=True, force_offload=True, min_offload_bytes=0, offload_layers=1, recompute="selective"
-    )
+    config = OffloadConfig(force=True, min_offload_bytes=0, offload_layers=1, recompute="selective")
+    strategy = LLMFastStrategy(offload=config)
     module, spy, _ = _fit(strategy)
     assert _same(reference, module)
     assert [(s["offload_layers"], s["recompute_layers"]) for s in spy.stats] == [(1, 2)] * 3
@@ -192,33 +196,43 @@ def test_offload_on_cpu_without_force_warns_and_stays_off() -> None:
         ({"pool_headroom": 0.5}, "pool_headroom"),
         ({"offload_layers": -1}, "offload_layers"),
         ({"offload_layers": "fastest"}, "offload_layers"),
-        ({"rebuild_gemms": "yes"}, "rebuild_gemms"),
+        ({"rebuild_gemm_layers": 2}, "rebuild_gemm_layers"),
         ({"pool_headroom": float("inf")}, "pool_headroom"),
-        # bool("no") is True: strings turned offload (or the CPU mechanism) on
-        ({"offload_activations": "no"}, "offload_activations"),
-        ({"offload_activations": 0}, "offload_activations"),
-        ({"force_offload": "no"}, "force"),
+        # bool("no") is True: a string turned the CPU mechanism on
+        ({"force": "no"}, "force"),
     ],
 )
 def test_bad_configuration_raises_at_construction(kwargs: dict[str, Any], field: str) -> None:
     with pytest.raises(OffloadError, match=field) as info:
-        LLMFastStrategy(**{"offload_activations": True, **kwargs})
+        LLMFastStrategy(offload=OffloadConfig(**kwargs))
     assert isinstance(info.value, ValueError)
 
 
-def test_offload_settings_without_offload_warn_and_defaults_do_not() -> None:
-    with pytest.warns(UserWarning, match=r"do nothing without .*: offload_layers, rebuild_gemms"):
-        LLMFastStrategy(rebuild_gemms=True, offload_layers=0)
-    with pytest.warns(UserWarning, match=r"do nothing without .*: layers$"):
+@pytest.mark.parametrize("offload", ["no", 0, 1, {"force": True}])
+def test_offload_that_is_not_a_config_or_bool_raises(offload: Any) -> None:
+    # bool("no") is True: a string (or a number, or the settings as a dict) must not switch offload on
+    with pytest.raises(OffloadError, match="offload must be an OffloadConfig, a bool or None"):
+        LLMFastStrategy(offload=offload)
+
+
+@pytest.mark.parametrize("removed", ["offload_activations", "force_offload", "min_offload_bytes", "rebuild_gemms"])
+def test_removed_offload_keywords_raise_with_the_config_spelling(removed: str) -> None:
+    # DDP would take unknown keywords (and on one process never use them): each one is refused by name instead.
+    with pytest.raises(OffloadError, match=f"{removed} removed; pass offload=OffloadConfig"):
+        LLMFastStrategy(**{removed: True})
+
+
+def test_layers_without_offload_warn_and_offload_true_is_the_defaults() -> None:
+    with pytest.warns(UserWarning, match=r"layers= does nothing without offload"):
         LLMFastStrategy(layers=torch.nn.ModuleList([torch.nn.Linear(2, 2)]))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        LLMFastStrategy()
-        LLMFastStrategy(offload_activations=True, rebuild_gemms=True)
+        assert LLMFastStrategy().offload_config is None and LLMFastStrategy(offload=False).offload_config is None
+        assert LLMFastStrategy(offload=True).offload_config == OffloadConfig()
 
 
 def test_layers_matching_nothing_raise_at_setup_before_any_step() -> None:
-    strategy = LLMFastStrategy(offload_activations=True, force_offload=True, layers="model.blocks")
+    strategy = LLMFastStrategy(offload=OffloadConfig(force=True), layers="model.blocks")
     spy = _Spy()
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, callbacks=[spy],
@@ -248,7 +262,7 @@ class _FailingModule(MoEGPTLightningModule):
 def test_exception_in_backward_releases_everything_and_next_fit_works() -> None:
     torch.manual_seed(0)
     config = MoEGPTConfig(vocab_size=VOCAB, hidden_size=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_size=64)
-    strategy = LLMFastStrategy(offload_activations=True, force_offload=True, min_offload_bytes=0)
+    strategy = LLMFastStrategy(offload=OffloadConfig(force=True, min_offload_bytes=0))
     spy = _Spy()
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=3, logger=False, callbacks=[spy],
@@ -259,13 +273,13 @@ def test_exception_in_backward_releases_everything_and_next_fit_works() -> None:
     assert spy.offloader is not None and spy.offloader.stats["checked_out"] == 0
     assert strategy.offloader is None  # torn down after the exception
     # training goes on in the same process (Lightning binds a strategy object to one Trainer, so a fresh one)
-    _, spy2, _ = _fit(LLMFastStrategy(offload_activations=True, force_offload=True, min_offload_bytes=0), steps=2)
+    _, spy2, _ = _fit(LLMFastStrategy(offload=OffloadConfig(force=True, min_offload_bytes=0)), steps=2)
     assert len(spy2.stats) == 2 and spy2.stats[-1]["offloaded_bytes"] > 0
 
 
 def test_checkpoint_resume_gives_the_same_subsequent_losses(tmp_path: Path) -> None:
     def strategy() -> LLMFastStrategy:
-        return LLMFastStrategy(offload_activations=True, force_offload=True, min_offload_bytes=0)
+        return LLMFastStrategy(offload=OffloadConfig(force=True, min_offload_bytes=0))
 
     _, full, _ = _fit(strategy(), steps=6)
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
@@ -289,7 +303,7 @@ _DDP_SCRIPT = textwrap.dedent(
     from torch import nn
     from torch.utils.data import DataLoader
     import lightning_llmfast
-    from lightning_llmfast import LLMFastStrategy
+    from lightning_llmfast import LLMFastStrategy, OffloadConfig
 
     devices, out = int(sys.argv[1]), sys.argv[2]
     GLOBAL_BATCH, STEPS = 8, 4
@@ -324,7 +338,7 @@ _DDP_SCRIPT = textwrap.dedent(
 
     model = Toy()
     init = [p.detach().flatten().tolist() for p in model.parameters()]
-    strategy = LLMFastStrategy(offload_activations=True, force_offload=True, min_offload_bytes=0)
+    strategy = LLMFastStrategy(offload=OffloadConfig(force=True, min_offload_bytes=0))
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -363,13 +377,13 @@ def test_two_process_gloo_ddp_matches_one_process_with_the_same_global_batch(tmp
 def test_llmfast_offload_by_string_on_cuda_trains_and_offloads() -> None:
     reference, _, _ = _fit("llmfast", accelerator="cuda")
     module, spy, trainer = _fit("llmfast_offload", accelerator="cuda")
-    assert trainer.strategy.offload_activations and spy.wrapped == [False, False, False]
+    assert trainer.strategy.offload_config is not None and spy.wrapped == [False, False, False]
     assert len(spy.stats) == 3 and all(s["pinned"] for s in spy.stats)
     # min_offload_bytes=1 MiB default: this tiny model saves nothing that large, so nothing moves but it runs
     assert all(s["lazy_reloads"] == 0 for s in spy.stats)
     for a, b in zip(reference.parameters(), module.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=2e-3)  # 3 AdamW steps: loose
-    strategy = LLMFastStrategy(offload_activations=True, min_offload_bytes=0)
+    strategy = LLMFastStrategy(offload=OffloadConfig(min_offload_bytes=0))
     module, spy, _ = _fit(strategy, accelerator="cuda")
     assert all(s["offloaded_bytes"] > 0 and s["lazy_reloads"] == 0 for s in spy.stats)
     for a, b in zip(reference.parameters(), module.parameters()):

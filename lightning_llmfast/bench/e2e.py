@@ -293,6 +293,9 @@ def run_e2e(
         )  # fmt: skip
     results: dict[str, dict[str, Any]] = {v: {"skipped": m} for v, m in modules.items() if isinstance(m, str)}
     notes = [f"{v}: {row['skipped']}" for v, row in results.items()]
+    ran = min((len(m.values) for m in measured.values() if m.error is None), default=settings.repeats)
+    if ran < settings.repeats:
+        notes.append(f"time budget reached: {ran} of {settings.repeats} timed repeats ran")
     for variant in active:
         results[variant], more = segments.row(variant, measured[variant])
         notes += more

@@ -41,6 +41,7 @@ __all__ = [
     "PeakMemory",
     "Segments",
     "StepProbe",
+    "builds_of_open_versions",
     "check_device",
     "fit_segment",
     "metadata_builds",
@@ -91,6 +92,13 @@ def metadata_builds(trainer: L.Trainer, masks: MaskBuildCounter | None) -> int:
     return builds
 
 
+def builds_of_open_versions(trainer: L.Trainer) -> int:
+    """Builds the metadata callbacks made for the batch whose version they opened."""
+    from lightning_llmfast.callbacks import SequenceMetadataCallback
+
+    return sum(cb.builds_last_batch for cb in trainer.callbacks if isinstance(cb, SequenceMetadataCallback))
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         # NOTE: host sync, only at the two ends of a timed window (never inside it): the timer must see kernels end.
@@ -130,7 +138,8 @@ class StepProbe(Callback):
             synchronize(pl_module.device)
             self.t0 = time.perf_counter()
         if self.count and self._measuring():
-            self._builds_at_start = metadata_builds(trainer, self.masks)
+            # The metadata callback (before this probe) builds when it opens the batch's version: count that build.
+            self._builds_at_start = metadata_builds(trainer, self.masks) - builds_of_open_versions(trainer)
             # The collator's host copy of the boundaries stays on the host on an accelerator too.
             self._host = getattr(batch, "cu_seqlens_cpu", None)
             self._counter = SyncCounter(pl_module.device, host=self._host).__enter__()

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_llmfast._layers import LayersSpec
+from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig, resolve_layers
 
 __all__ = ["ActivationOffload"]
@@ -32,25 +33,28 @@ class ActivationOffload(L.Callback):
     never offloaded) and :class:`~lightning_llmfast.LLMFastStrategy`; the model needs no change.
 
     Args:
-        config: the settings (:class:`~lightning_llmfast.offload.OffloadConfig`).
+        config: the settings (:class:`~lightning_llmfast.offload.OffloadConfig`; ``None``: its defaults).
         layers: the layer stack: ``None`` (the largest ``nn.ModuleList`` of identical blocks in the LightningModule),
             an attribute path such as ``"model.layers"``, or the modules.
-        **settings: instead of ``config``, its fields as keyword arguments.
 
     Raises:
-        OffloadError: at construction for a bad setting; at ``on_fit_start``, before any step, when ``layers``
-            matches nothing.
+        OffloadError: at construction when ``config`` is not an ``OffloadConfig``; at ``on_fit_start``, before any
+            step, when ``layers`` matches nothing.
 
     Example::
 
-        offload = ActivationOffload(offload_layers="auto", rebuild="norms+gemms")
+        offload = ActivationOffload(OffloadConfig(offload_layers="auto", rebuild="norms+gemms"))
         trainer = L.Trainer(strategy="ddp", callbacks=[offload])
         trainer.fit(module)
         print(offload.stats)
     """
 
-    def __init__(self, config: OffloadConfig | None = None, *, layers: LayersSpec = None, **settings: Any) -> None:
-        self.config = OffloadConfig.from_kwargs(config, owner=type(self).__name__, **settings)
+    def __init__(self, config: OffloadConfig | None = None, *, layers: LayersSpec = None) -> None:
+        if config is None:
+            config = OffloadConfig()
+        if not isinstance(config, OffloadConfig):
+            raise OffloadError(f"{type(self).__name__}: config must be an OffloadConfig, got {type(config).__name__}")
+        self.config = config
         self.layers = layers
         self._offloader: ActivationOffloader | None = None
         self._forward: contextlib.ExitStack | None = None

@@ -26,13 +26,16 @@ _VALIDATE = ("first_layer", "every_layer", "off")
 
 
 def _hidden_and_positions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """The layer's hidden states (first floating-point tensor) and position ids (``position_ids=`` or the first
-    int64 tensor argument)."""
+    """The layer's hidden states (first floating-point tensor) and position ids (``position_ids=``, or the first
+    int64 tensor argument shaped like the hidden states' tokens)."""
     values = [*args, *kwargs.values()]
     hidden = next((t for t in values if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
     positions = kwargs.get("position_ids")
-    if positions is None:
-        positions = next((t for t in args if isinstance(t, torch.Tensor) and t.dtype == torch.int64), None)
+    if positions is None and hidden is not None:
+        tokens = hidden.shape[:-1]
+        positions = next(
+            (t for t in args if isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.shape == tokens), None
+        )
     return hidden, positions
 
 
@@ -151,7 +154,7 @@ class SequenceMetadataCallback(L.Callback):
         self.cache.end()
         reads = self.reads_last_batch
         self._train_steps += 1
-        self._unread_steps += reads == 0
+        self._unread_steps += reads == 0 and not self.cache.read_compiled
         for name, value in (("builds", self.builds_last_batch), ("reads", reads)):
             pl_module.log(f"seqmeta/{name}_per_step", float(value), on_step=True, on_epoch=False, batch_size=1)
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_llmfast.data.consistency import check_packed_fields, field_versions
 from lightning_llmfast.errors import DataError
-from lightning_llmfast.seqmeta.consistency import check_packed_fields, field_versions
 
 __all__ = ["PackedBatch"]
 

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 from typing_extensions import override
 
 from lightning_llmfast._checks import check_int, check_number
+from lightning_llmfast._compile import check_compile, compile_layers
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.hf.inputs import packed_model_inputs
 from lightning_llmfast.losses import causal_lm_loss, scale_by_token_share
@@ -43,6 +44,8 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
         attn_implementation: attention implementation of a model built from a config (``"sdpa"``, ``"eager"``,
             ``"flash_attention_2"``...); a given model keeps its own.
         moe_backend: routing backend of the swapped MoE blocks (``"auto"``, ``"torch"`` or ``"triton"``).
+        compile: compile every decoder layer with ``torch.compile(fullgraph=True)`` at ``configure_model``, after the
+            MoE swap, as torchtitan does (``True``: the default backend; or a backend name such as ``"aot_eager"``).
 
     Example::
 
@@ -62,8 +65,10 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
         warmup_steps: int = 10,
         attn_implementation: str = "sdpa",
         moe_backend: str = "auto",
+        compile: bool | str = False,
     ) -> None:
         super().__init__()
+        self.compile_layers = check_compile(compile)
         check_number("lr", lr, low=0.0, low_open=True)
         check_number("weight_decay", weight_decay, low=0.0)
         check_number("aux_loss_coef", aux_loss_coef, low=0.0)
@@ -76,6 +81,14 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
         self.model = model
         self.lr, self.weight_decay, self.warmup_steps = lr, weight_decay, warmup_steps
         self.aux_loss_coef, self.moe_backend = aux_loss_coef, moe_backend
+
+    @override
+    def configure_model(self) -> None:
+        """Lightning hook: swaps the MoE blocks, then compiles the decoder layers once when ``compile`` is set."""
+        super().configure_model()
+        if self.compile_layers is not False:
+            compile_layers(self.model, self.compile_layers)
+            self.compile_layers = False
 
     @override
     def forward(self, batch: PackedBatch) -> Tensor:

@@ -319,10 +319,10 @@ class MoEGPT(nn.Module):
                 from ``position_ids`` (one host sync if they live on an accelerator).
 
         Raises:
-            DataError: ``input_ids`` is not a 2-D int64/int32 tensor, or (on the CPU) holds an id outside
-                ``[0, vocab_size)``. Token values are not checked ahead of time: that would read the device every
-                step. On an accelerator an out-of-range id fails in the embedding kernel (a device-side assert);
-                the packed data path checks every id on the host when packing
+            DataError: ``input_ids`` is not a 2-D int64/int32 tensor, is on the meta device, or (on the CPU) holds
+                an id outside ``[0, vocab_size)``. Token values are not checked ahead of time: that would read the
+                device every step. On an accelerator an out-of-range id fails in the embedding kernel (a device-side
+                assert); the packed data path checks every id on the host when packing
                 (:func:`~lightning_llmfast.data.pack_documents` with ``vocab_size``).
             MetadataError: ``position_ids`` is not an integer tensor of ``input_ids``' shape (or ``(1, T)``).
         """
@@ -334,6 +334,8 @@ class MoEGPT(nn.Module):
                 else type(input_ids).__name__
             )
             raise DataError(f"input_ids: must be a (B, T) int64 or int32 tensor of token ids, got {got}")
+        if input_ids.device.type == "meta":
+            raise DataError("input_ids: a meta-device tensor holds no token ids; move the batch to a real device")
         b, t = input_ids.shape
         if position_ids is not None and (
             not isinstance(position_ids, Tensor)
@@ -347,6 +349,10 @@ class MoEGPT(nn.Module):
             )
             shapes = f"{(b, t)}" if b == 1 else f"{(b, t)} (or (1, {t}))"
             raise MetadataError(f"position_ids: must be an integer tensor of input_ids' shape {shapes}, got {got}")
+        cache = active_cache() if metadata is None else None
+        if cache is not None and cache.is_open:
+            # Bind this forward's tokens (and positions, when given): another batch never gets this one's boundaries.
+            cache.bind(input_ids, position_ids=position_ids)
         if position_ids is None:
             position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
         elif position_ids.shape[0] != b:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torchmetrics import Metric
 from typing_extensions import override
 
+from lightning_llmfast._compile import check_compile, compile_layers
 from lightning_llmfast.data.packing import IGNORE_INDEX
 from lightning_llmfast.errors import MetadataError
 from lightning_llmfast.losses import causal_lm_loss, scale_by_token_share
@@ -44,6 +45,9 @@ class MoEGPTLightningModule(L.LightningModule):
         weight_decay: AdamW weight decay, applied to matrices only (not norms).
         aux_loss_coef: weight of the summed Switch load-balancing loss of all MoE layers.
         warmup_steps: linear warm-up length in optimizer steps.
+        compile: compile every transformer layer with ``torch.compile(fullgraph=True)`` at ``configure_model``, as
+            torchtitan does (``True``: the default backend; or a backend name such as ``"aot_eager"``). The model's
+            ``forward``, which binds the batch's tokens to the packed metadata, stays eager.
 
     Example::
 
@@ -59,14 +63,23 @@ class MoEGPTLightningModule(L.LightningModule):
         weight_decay: float = 0.1,
         aux_loss_coef: float = 0.01,
         warmup_steps: int = 10,
+        compile: bool | str = False,
     ) -> None:
         super().__init__()
+        self.compile_layers = check_compile(compile)
         self.save_hyperparameters()
         self.config = MoEGPTConfig() if config is None or config is _DEFAULT_CONFIG else config
         self.model = MoEGPT(self.config)
         self.lr, self.weight_decay = lr, weight_decay
         self.aux_loss_coef, self.warmup_steps = aux_loss_coef, warmup_steps
         self.val_ce, self.test_ce = _TokenMean(), _TokenMean()
+
+    @override
+    def configure_model(self) -> None:
+        """Lightning hook: compiles the transformer layers once when ``compile`` is set."""
+        if self.compile_layers is not False:
+            compile_layers(self.model, self.compile_layers, self.model.layers)
+            self.compile_layers = False
 
     @override
     def forward(self, batch: PackedBatch) -> Tensor:

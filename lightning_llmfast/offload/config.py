@@ -2,7 +2,7 @@
 
 :class:`~lightning_llmfast.offload.ActivationOffloader`, the
 :class:`~lightning_llmfast.callbacks.ActivationOffload` callback and
-:class:`~lightning_llmfast.LLMFastStrategy` all take one; their keyword arguments build one.
+:class:`~lightning_llmfast.LLMFastStrategy` all take one: it is their only configuration.
 
 Example::
 
@@ -12,9 +12,8 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from lightning_llmfast._checks import check_bool, check_int, check_number
 from lightning_llmfast.errors import OffloadError
@@ -92,38 +91,6 @@ class OffloadConfig:
                     f"OffloadConfig: rebuild_gemm_layers={self.rebuild_gemm_layers} needs rebuild='norms+gemms', "
                     f"got rebuild={self.rebuild!r}"
                 )
-
-    @classmethod
-    def from_kwargs(cls, config: OffloadConfig | None = None, *, owner: str, **kwargs: Any) -> OffloadConfig:
-        """``config``, or one built from keyword arguments (also the older ``rebuild_gemms``: ``True`` is
-        ``rebuild="norms+gemms"``, an int ``N`` also ``rebuild_gemm_layers=N``).
-
-        Raises:
-            OffloadError: both a config and keyword arguments, an unknown keyword, or a bad value.
-        """
-        if config is not None:
-            if not isinstance(config, OffloadConfig):
-                raise OffloadError(f"{owner}: config must be an OffloadConfig, got {type(config).__name__}")
-            if kwargs:
-                raise OffloadError(
-                    f"{owner}: pass either an OffloadConfig or keyword arguments, not both: {sorted(kwargs)}"
-                )
-            return config
-        gemms = kwargs.pop("rebuild_gemms", False)
-        if isinstance(gemms, bool) or not isinstance(gemms, int):
-            check_bool(f"{owner}: rebuild_gemms (a bool or an int >= 0)", gemms, error=OffloadError)
-        elif gemms < 0:
-            raise OffloadError(f"{owner}: rebuild_gemms must be a bool or an int >= 0, got {gemms!r}")
-        if gemms is not False and gemms != 0:
-            if "rebuild" in kwargs or "rebuild_gemm_layers" in kwargs:
-                raise OffloadError(f"{owner}: rebuild_gemms is the older spelling of rebuild='norms+gemms'; pass one")
-            kwargs["rebuild"] = "norms+gemms"
-            kwargs["rebuild_gemm_layers"] = None if gemms is True else int(gemms)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise OffloadError(f"{owner}: unknown offload settings {unknown}")
-        return cls(**kwargs)
 
     def rebuilds_gemms(self, layer_index: int) -> bool:
         """Whether layer ``layer_index`` rebuilds GEMM outputs."""

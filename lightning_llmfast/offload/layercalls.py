@@ -1,5 +1,5 @@
-"""The hooks an offloader installs: on the layers (their calls), on autograd nodes (a layer's backward begins) and
-the saved-tensor hooks. Each holds the offloader weakly, and each tells apart what a layer call saves.
+"""The layer-call policy: which call of which layer is running, and what it does with what it saves (offload, measure
+for the ``"auto"`` plan, or keep); plus the hooks an offloader installs, each holding it weakly.
 
 Every saved tensor's record in the autograd graph holds the hooks it was packed with, and a node holds its pre-hooks;
 a graph kept past its step (a model keeping its last routing plan for a loss) would otherwise hold the offloader, its
@@ -8,118 +8,142 @@ layers and the model through C++, where the garbage collector cannot see the cyc
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from lightning_llmfast._autograd import in_backward
 from lightning_llmfast.errors import OffloadError
+from lightning_llmfast.offload.config import OffloadConfig
 from lightning_llmfast.offload.copier import Copier
 from lightning_llmfast.offload.handles import Recipe, Saved, Segment, kept
 
-__all__ = ["LayerCalls", "layer_post", "layer_pre", "saved_tensor_hooks"]
+__all__ = ["LayerCalls", "backward_begins", "layer_post", "layer_pre", "saved_tensor_hooks", "tensors_in"]
 
 
 class LayerCalls:
-    """What the offloader does when a tracked layer's forward begins and ends; the attributes are its state."""
+    """The policy over layer calls: the plan (how many leading layers offload, and a partial budget for the next),
+    this step's calls (:class:`~.handles.Segment`) and the one running now.
 
-    layers: list[torch.nn.Module]
-    _copier: Copier | None
-    _packing: bool
-    _hot: bool
-    _unsharding: bool
-    _param_ptrs: set[int]
-    _shared_inputs: set[int]
-    _autocast_caches: bool
-    _planned: int | None
-    _partial: int
-    _measuring: bool
-    _segments: list[Segment]
-    _current: Segment | None
-    _offload_calls: set[int]
-    _unassigned: list[Saved]
-    _pending_sources: list[Any]
-    _counters: dict[str, int]
-    _weak_self: weakref.ref[Any]
-    config: Any
+    Args:
+        config: the settings; ``offload_layers`` and ``keep_last_layers`` give the plan (``"auto"``: none until
+            :meth:`adopt`).
+        num_layers: how many layers are tracked.
 
-    def _layer_begins(self, index: int, inputs: Any) -> None:
-        if not self._packing or in_backward():
-            return
-        if self._unsharding:  # FSDP2 unsharded this layer's parameters in its own pre-hook, registered earlier
-            self._param_ptrs.update(p.untyped_storage().data_ptr() for p in self.layers[index].parameters())
-        # Inputs that need no grad (RoPE tables, masks, ids) are shared by every layer and alive outside it:
-        # offloading them would copy them once per layer and free nothing.
-        self._shared_inputs = {t.untyped_storage().data_ptr() for t in _tensors(inputs) if not t.requires_grad}
-        self._autocast_caches = self._copier is not None and (
-            torch.is_autocast_cache_enabled() and torch.is_autocast_enabled(self._copier.device.type)
-        )
-        planned = self._planned if self._copier is not None else None
-        partial = planned is not None and index == planned and self._partial > 0
+    Example::
+
+        calls = LayerCalls(OffloadConfig(offload_layers=2), num_layers=4)
+        calls.begin_step(copier)
+        seg, waiting = calls.enter(0)  # seg.offload is True
+    """
+
+    def __init__(self, config: OffloadConfig, num_layers: int) -> None:
+        self.config = config
+        self.eligible = max(num_layers - config.keep_last_layers, 0)
+        layers = config.offload_layers
+        # How many leading layers offload; None until the "auto" plan is made after its measuring step.
+        self.planned: int | None = None
+        if layers != "auto":
+            self.planned = self.eligible if layers is None else min(layers, self.eligible)
+        self.partial = 0  # bytes layer `planned` offloads too ("auto": what whole layers left of the budget)
+        self.measuring = False
+        self.packing = False  # inside the forward of a step
+        self.hot = False  # whether the pack hook looks at saved tensors at all (see wants_pack)
+        self.segments: list[Segment] = []
+        self.current: Segment | None = None
+        self.unassigned: list[Saved] = []  # saved between two layer calls: placed when the next one starts
+        self.calls = 0  # layer calls in this step
+        self._copier: Copier | None = None
+        self._offload_calls: set[int] = set()  # offloading layers called in this forward
+
+    def begin_step(self, copier: Copier | None) -> None:
+        """A new step: copies go through ``copier`` (``None``: offload is off); measure if there is no plan yet."""
+        self._copier = copier
+        self.measuring = copier is not None and self.planned is None
+        self.calls = 0
+
+    def adopt(self, planned: int, partial: int) -> None:
+        """Adopt a plan: the first ``planned`` layers offload, and layer ``planned`` its first ``partial`` bytes."""
+        self.planned, self.partial = planned, partial
+
+    def offload_layers(self) -> int:
+        """How many leading layers offload under the plan (0 while measuring)."""
+        return self.planned or 0
+
+    def begin_forward(self) -> None:
+        self.packing = True
+        self._offload_calls = set()
+        self.hot = self.wants_pack(None)
+
+    def end_forward(self) -> None:
+        """Leave the forward; what was saved after the last layer stays on the device."""
+        self.packing = False
+        self.hot = False
+        self.current = None
+        self.unassigned.clear()
+
+    def take(self) -> list[Segment]:
+        """End the step's forward and hand over its layer calls (the step keeps none after this)."""
+        self.end_forward()
+        segments, self.segments = self.segments, []
+        return segments
+
+    def enter(self, index: int) -> tuple[Segment, list[Saved]]:
+        """Layer ``index`` starts: its call, and the tensors saved since the previous call (now the caller's)."""
+        planned = self.planned if self._copier is not None else None
+        partial = planned is not None and index == planned and self.partial > 0
         seg = Segment(
-            index=len(self._segments),
+            index=len(self.segments),
             layer_index=index,
             offload=planned is not None and (index < planned or partial),
-            budget=self._partial if partial else None,
+            budget=self.partial if partial else None,
         )
-        seg.keeps = not seg.offload and not self._measuring
-        self._segments.append(seg)
-        self._counters["segments"] += 1
-        self._current = seg
+        seg.keeps = not seg.offload and not self.measuring
+        self.segments.append(seg)
+        self.calls += 1
+        self.current = seg
         if seg.offload:
             self._offload_calls.add(index)
-        self._hot = self._wants_pack(seg)
-        for saved in self._unassigned:
-            assert saved.tensor is not None
-            if saved.tensor.untyped_storage().data_ptr() in self._shared_inputs:
-                continue
-            if seg.offload:
-                self._offload(saved, seg)  # over a partial layer's budget it stays on the device
-            elif self._measuring:
-                self._measure(saved.tensor, seg)
-        self._unassigned.clear()
-        if self._measuring:
+        self.hot = self.wants_pack(seg)
+        waiting, self.unassigned = self.unassigned, []
+        return seg, waiting
+
+    def started(self, seg: Segment) -> None:
+        """Timestamp the start of ``seg``'s forward (measuring steps only)."""
+        if self.measuring:
             assert self._copier is not None
             seg.started = self._copier.timestamp()
 
-    def _layer_ends(self, output: Any) -> None:
-        seg = self._current
-        if seg is None or in_backward():
-            return
-        self._current = None
-        self._shared_inputs = set()
-        if self._measuring:
+    def leave(self) -> Segment | None:
+        """The running layer call ends: it, or ``None`` when none runs."""
+        seg, self.current = self.current, None
+        if seg is not None and self.measuring:
             assert self._copier is not None
             seg.ended = self._copier.timestamp()
-        self._send(seg)
-        self._hot = self._wants_pack(None)
-        # Dedup entries are only valid while this layer's sources are referenced; after it, an address could be
-        # reused by a new tensor, so the map is dropped and the sources become releasable.
-        seg.dedup.clear()
-        # Likewise the rebuild map (read while packing only): the handles own their Shared from here, so a rebuilt
-        # tensor that one op never reads back dies with that op's node, not at the end of the step.
-        seg.rebuilt.clear()
-        self._pending_sources.extend(b for b in seg.blocks if b.source is not None)
-        self._release_sources()
-        grad_fn = next((t.grad_fn for t in _tensors(output) if t.grad_fn is not None), None)
-        if grad_fn is not None:
-            grad_fn.register_prehook(functools.partial(_backward_begins, self._weak_self, seg.index))
+        self.hot = self.wants_pack(None)
+        return seg
 
-    def _wants_pack(self, seg: Segment | None) -> bool:
+    def backward_started(self, seg_index: int) -> None:
+        """Layer call ``seg_index``'s backward starts (measuring steps record when and the memory then)."""
+        seg = self.segments[seg_index]
+        if self.measuring and seg.backward_started is None:
+            assert self._copier is not None
+            seg.backward_started = self._copier.timestamp()
+            seg.backward_allocated = self._copier.allocated()
+
+    def wants_pack(self, seg: Segment | None) -> bool:
         """Whether saved tensors need a look now: inside any layer call (offloading, measuring, or rebuilding) or
         between layers before the last offloading call (checkpoint inputs).
 
         Every other saved tensor (the embedding, the head and loss) returns from the pack hook at once: on a
         launch-bound forward the hook's cost is step time.
         """
-        if self._copier is None or not self._packing:
+        if self._copier is None or not self.packing:
             return False
         if seg is not None:
-            return seg.offload or self._measuring or self.config.rebuild is not None
-        return len(self._offload_calls) < (self._planned or 0) + (1 if self._partial else 0)
+            return seg.offload or self.measuring or self.config.rebuild is not None
+        return len(self._offload_calls) < (self.planned or 0) + (1 if self.partial else 0)
 
 
 def saved_tensor_hooks(offloader: weakref.ref[Any]) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -156,7 +180,7 @@ def layer_post(offloader: weakref.ref[Any], _module: Any, _args: Any, output: An
         live._layer_ends(output)
 
 
-def _backward_begins(offloader: weakref.ref[Any], seg_index: int, _grads: Any) -> None:
+def backward_begins(offloader: weakref.ref[Any], seg_index: int, _grads: Any) -> None:
     # Held weakly: the hook lives on an autograd node, which a graph kept past the step (a model that keeps its last
     # routing plan) keeps alive; through C++, where the garbage collector cannot see a cycle back to the layers.
     live = offloader()
@@ -164,13 +188,13 @@ def _backward_begins(offloader: weakref.ref[Any], seg_index: int, _grads: Any) -
         live._backward_begins(seg_index)
 
 
-def _tensors(output: Any) -> Iterator[torch.Tensor]:
-    """Tensors in a module output (tensor, tuple/list, dict)."""
+def tensors_in(output: Any) -> Iterator[torch.Tensor]:
+    """Tensors in a module output or inputs (tensor, tuple/list, dict)."""
     if isinstance(output, torch.Tensor):
         yield output
     elif isinstance(output, (tuple, list)):
         for item in output:
-            yield from _tensors(item)
+            yield from tensors_in(item)
     elif isinstance(output, dict):
         for item in output.values():
-            yield from _tensors(item)
+            yield from tensors_in(item)

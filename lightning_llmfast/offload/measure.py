@@ -15,7 +15,7 @@ from lightning_llmfast.offload.copier import Copier
 from lightning_llmfast.offload.handles import Segment
 from lightning_llmfast.offload.plan import AUTO_MARGIN, plan_offload, plan_partial_bytes
 
-__all__ = ["auto_plan", "measured_freed"]
+__all__ = ["auto_plan", "layer_times", "measured_freed"]
 
 # The bandwidth probe copies the largest layer's bytes, within these bounds (long enough to time, short).
 _PROBE_MIN_BYTES = 1 << 20
@@ -46,20 +46,7 @@ def auto_plan(
     Returns:
         The measured numbers and the plan: ``offload_layers``, ``partial_bytes``, ``prefetch_layers``.
     """
-    compute_ms = [0.0] * num_layers
-    backward: list[float] | None = [0.0] * num_layers
-    bytes_per_layer = [0] * num_layers
-    for seg in segments:  # a layer called several times adds up its calls
-        if seg.ended is not None:
-            compute_ms[seg.layer_index] += copier.elapsed_ms(seg.started, seg.ended)
-        bytes_per_layer[seg.layer_index] += seg.candidate_bytes
-        # A call's backward runs from its start until the previous call's backward starts (the step's end for
-        # the first call); a call whose output needed no grad leaves the estimate to the forward times.
-        after = segments[seg.index - 1].backward_started if seg.index > 0 else backward_end
-        if backward is not None and seg.backward_started is not None and after is not None:
-            backward[seg.layer_index] += copier.elapsed_ms(seg.backward_started, after)
-        else:
-            backward = None
+    compute_ms, backward, bytes_per_layer = layer_times(segments, num_layers, copier, backward_end)
     freed = measured_freed(segments, num_layers)
     probe = min(max(max(bytes_per_layer), _PROBE_MIN_BYTES), _PROBE_MAX_BYTES)
     # A temporary buffer, pinned like the pool's: through the pool it would count towards the pool's sizing.
@@ -91,6 +78,28 @@ def auto_plan(
         "partial_bytes": partial_bytes,
         "prefetch_layers": depth,
     }
+
+
+def layer_times(
+    segments: list[Segment], num_layers: int, copier: Copier, backward_end: Any
+) -> tuple[list[float], list[float] | None, list[int]]:
+    """Per layer: forward ms, backward ms (``None`` when some call's backward was not timed) and candidate bytes,
+    adding up the calls of a layer called several times."""
+    compute_ms = [0.0] * num_layers
+    backward: list[float] | None = [0.0] * num_layers
+    bytes_per_layer = [0] * num_layers
+    for seg in segments:
+        if seg.ended is not None:
+            compute_ms[seg.layer_index] += copier.elapsed_ms(seg.started, seg.ended)
+        bytes_per_layer[seg.layer_index] += seg.candidate_bytes
+        # A call's backward runs from its start until the previous call's backward starts (the step's end for
+        # the first call); a call whose output needed no grad leaves the estimate to the forward times.
+        after = segments[seg.index - 1].backward_started if seg.index > 0 else backward_end
+        if backward is not None and seg.backward_started is not None and after is not None:
+            backward[seg.layer_index] += copier.elapsed_ms(seg.backward_started, after)
+        else:
+            backward = None
+    return compute_ms, backward, bytes_per_layer
 
 
 def measured_freed(segments: list[Segment], num_layers: int) -> list[int] | None:

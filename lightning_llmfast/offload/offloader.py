@@ -15,9 +15,12 @@ Rebuilds (``rebuild="norms"``, independent of copying): a saved low-precision co
 backward, and a saved output of a Function marked with :func:`~lightning_llmfast.offload.mark_rebuildable` (or a
 copy of one) is rebuilt from what that Function saved; with ``"norms+gemms"`` GEMM outputs too.
 
-The parts: :mod:`.config` (settings), :mod:`.plan` and :mod:`.measure` (the ``"auto"`` schedule), :mod:`.copier`
-(CUDA streams or synchronous CPU copies), :mod:`.packing` and :mod:`.handles` (the pack hook and what it returns),
-:mod:`.reload` (copies, prefetch, unpack, release), :mod:`.rebuild` (the protocol with Functions), :mod:`.pool`.
+The offloader is composed of parts that own their state: :class:`~.layercalls.LayerCalls` (the layer-call policy:
+the plan and this step's calls), :class:`~.packing.Packer` (the pack hook's decisions), :class:`~.reload.Reloader`
+(copies, prefetch, unpack, release), :class:`~.pool.PinnedBufferPool` (host buffers) and a :class:`~.copier.Copier`
+(CUDA streams or synchronous CPU copies); it owns the step's lifecycle and wires the hooks to them. Settings come from
+:class:`~.config.OffloadConfig` only; :mod:`.plan` and :mod:`.measure` make the ``"auto"`` schedule, :mod:`.handles`
+holds what the pack hook returns and :mod:`.rebuild` the protocol with Functions.
 
 On CPU (``force=True``) there are no streams: the same bookkeeping runs with synchronous copies, which is how the
 tests prove bit-identical gradients, deduplication, pool reuse and prefetch ordering without a GPU.
@@ -41,16 +44,22 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor as _DTensor
 
+from lightning_llmfast._autograd import in_backward
 from lightning_llmfast._layers import LayersSpec
 from lightning_llmfast._layers import resolve_layers as _resolve
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload import measure
 from lightning_llmfast.offload.config import OffloadConfig
 from lightning_llmfast.offload.copier import Copier, make_copier
-from lightning_llmfast.offload.handles import Block, Saved, Segment
-from lightning_llmfast.offload.layercalls import LayerCalls, layer_post, layer_pre, saved_tensor_hooks
+from lightning_llmfast.offload.layercalls import (
+    LayerCalls,
+    backward_begins,
+    layer_post,
+    layer_pre,
+    saved_tensor_hooks,
+    tensors_in,
+)
 from lightning_llmfast.offload.packing import Packer
 from lightning_llmfast.offload.pool import PinnedBufferPool
 from lightning_llmfast.offload.recompute import RecomputeHandle, recompute_layer
@@ -58,22 +67,6 @@ from lightning_llmfast.offload.reload import Reloader
 from lightning_llmfast.offload.residents import Residents
 
 __all__ = ["ActivationOffloader", "resolve_layers"]
-
-_COUNTERS = (
-    "offloaded_bytes",
-    "offloaded_tensors",
-    "dedup_hits",
-    "prefetch_hits",
-    "lazy_reloads",
-    "segments",
-    "recompute_layers",
-    "kept_casts",
-    "recast_casts",
-    "recast_bytes",
-    "rebuilt_tensors",
-    "rebuilt_bytes",
-    "rebuilds",
-)
 
 
 def resolve_layers(root: nn.Module, layers: LayersSpec) -> list[nn.Module]:
@@ -90,7 +83,7 @@ def resolve_layers(root: nn.Module, layers: LayersSpec) -> list[nn.Module]:
     return _resolve(root, layers, error=OffloadError, single=True)
 
 
-class ActivationOffloader(LayerCalls, Packer, Reloader):
+class ActivationOffloader:
     """Offload saved activations of a layer stack to pinned host memory and prefetch them in backward.
 
     Use it as a context manager around forward *and* backward of one step, or call :meth:`begin_step`,
@@ -101,17 +94,21 @@ class ActivationOffloader(LayerCalls, Packer, Reloader):
             to it; tensors saved between two block calls (e.g. ``torch.utils.checkpoint`` inputs saved just before
             the block runs) belong to the next block; tensors saved before the first or after the last block stay
             on the device, and so do a block's inputs that need no grad (RoPE tables, masks: shared by all blocks).
-        config: the settings (:class:`~lightning_llmfast.offload.OffloadConfig`).
-        **settings: instead of ``config``, its fields as keyword arguments (and ``rebuild_gemms``, the older
-            spelling of ``rebuild="norms+gemms"``).
+        config: the settings (:class:`~lightning_llmfast.offload.OffloadConfig`; ``None``: its defaults).
+
+    Attributes:
+        calls: the layer-call policy (:class:`~lightning_llmfast.offload.layercalls.LayerCalls`).
+        packer: the pack hook's decisions (:class:`~lightning_llmfast.offload.packing.Packer`).
+        reloader: copies, prefetch, unpack and release (:class:`~lightning_llmfast.offload.reload.Reloader`).
+        pool: the host buffers (:class:`~lightning_llmfast.offload.PinnedBufferPool`).
 
     Raises:
-        OffloadError: on a bad setting (see :class:`~lightning_llmfast.offload.OffloadConfig`), both a config and
-            keyword arguments, or an empty layer list.
+        OffloadError: ``config`` is not an :class:`~lightning_llmfast.offload.OffloadConfig`, or the layer list is
+            empty.
 
     Example::
 
-        off = ActivationOffloader(model.layers, min_offload_bytes=1 << 20, offload_layers="auto")
+        off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=1 << 20, offload_layers="auto"))
         for x in loader:
             with off:
                 model(x).mean().backward()
@@ -119,74 +116,37 @@ class ActivationOffloader(LayerCalls, Packer, Reloader):
         off.close()
     """
 
-    def __init__(
-        self, layers: Sequence[nn.Module] | nn.Module, config: OffloadConfig | None = None, **settings: Any
-    ) -> None:
-        self.config = OffloadConfig.from_kwargs(config, owner="ActivationOffloader", **settings)
+    def __init__(self, layers: Sequence[nn.Module] | nn.Module, config: OffloadConfig | None = None) -> None:
+        if config is None:
+            config = OffloadConfig()
+        if not isinstance(config, OffloadConfig):
+            raise OffloadError(f"ActivationOffloader: config must be an OffloadConfig, got {type(config).__name__}")
+        self.config = config
         if layers is None or isinstance(layers, str):
             raise OffloadError(
                 f"ActivationOffloader: layers must be the modules (e.g. model.layers), got {layers!r}; "
                 "resolve names with resolve_layers(model, ...)"
             )
         self.layers = resolve_layers(nn.Module(), layers)
-        self.prefetch_layers = self.config.prefetch_layers
-        eligible = max(len(self.layers) - self.config.keep_last_layers, 0)
-        offload_layers = self.config.offload_layers
-        # How many leading layers offload; None until the "auto" plan is made after its measuring step.
-        self._planned: int | None = None
-        if offload_layers != "auto":
-            self._planned = eligible if offload_layers is None else min(offload_layers, eligible)
-        self._partial = 0  # bytes layer `_planned` offloads too ("auto": what whole layers left of the budget)
-        self._measuring = False
-        self._sized = False
         self.auto_plan: dict[str, Any] | None = None
-        self.pool = PinnedBufferPool(headroom=float(self.config.pool_headroom))
-        self._num_sets = self.prefetch_layers + 1
-        self._sets: list[torch.Tensor | None] = [None] * self._num_sets
-        self._last_set_bytes = 0
-        self._set_owner: list[int] = [-1] * self._num_sets
-        self._copier: Copier | None = None
-        self._recomputed: list[RecomputeHandle] = []
+        self.pool = PinnedBufferPool(headroom=float(config.pool_headroom))
+        self.calls = LayerCalls(config, len(self.layers))
         self._residents = Residents(self.layers)
-        self._packing = False
-        self._hot = False  # whether the pack hook looks at saved tensors at all (see _wants_pack)
-        self._offload_calls: set[int] = set()  # offloading layers called in this forward
-        self._in_step = False
-        self._steps_done = 0
-        self._segments: list[Segment] = []
-        self._current: Segment | None = None
-        self._unassigned: list[Saved] = []
-        self._pending_sources: list[Block] = []
-        self._retired: list[Block] = []
-        self._param_ptrs: set[int] = set()
-        self._param_shapes: set[torch.Size] = set()
-        # Whether the layers' parameters are swapped for unsharded ones in forward (FSDP2): then each layer call
-        # reads them again, so that the unsharded storages are never offloaded.
-        self._unsharding = False
-        self._shared_inputs: set[int] = set()
-        # Whether autocast caches its weight copies in the running layer call (read at the call: the pack hook runs
-        # below the autocast dispatch key, where autocast always reads as disabled).
-        self._autocast_caches = False
-        self._counters = dict.fromkeys(_COUNTERS, 0)
         self._weak_self = weakref.ref(self)
         self._pack_hook, self._unpack_hook = saved_tensor_hooks(self._weak_self)
+        self.packer = Packer(config, self.calls, self.pool, self._residents, self._pack_hook)
+        self.reloader = Reloader(self.calls, self.pool, config.prefetch_layers)
+        self._copier: Copier | None = None
+        self._recomputed: list[RecomputeHandle] = []
+        self._recompute_layers = 0  # layers wrapped in the last step
+        self._in_step = False
+        self._sized = False
         self._handles = [h for i, layer in enumerate(self.layers) for h in self._hook_layer(i, layer)]
 
-    # The older attribute names, read by callers of the keyword-argument constructor.
     @property
-    def min_offload_bytes(self) -> int:
-        """``config.min_offload_bytes``."""
-        return self.config.min_offload_bytes
-
-    @property
-    def keep_last_layers(self) -> int:
-        """``config.keep_last_layers``."""
-        return self.config.keep_last_layers
-
-    @property
-    def force(self) -> bool:
-        """``config.force``."""
-        return self.config.force
+    def prefetch_layers(self) -> int:
+        """How many layers ahead backward prefetches (the ``"auto"`` plan may change it)."""
+        return self.reloader.prefetch_layers
 
     @property
     def in_step(self) -> bool:
@@ -198,7 +158,7 @@ class ActivationOffloader(LayerCalls, Packer, Reloader):
         """Whether this step offloads: on CUDA always, on CPU only with ``force=True``."""
         return self._copier is not None
 
-    # ------------------------------------------------------------------ lifecycle
+    # ------------------------------------------------------------------ hooks (called through weak references)
     def _hook_layer(self, index: int, layer: nn.Module) -> list[Any]:
         # The hooks hold the offloader weakly: an offloader dropped without close() is not kept alive by the model.
         return [
@@ -206,6 +166,45 @@ class ActivationOffloader(LayerCalls, Packer, Reloader):
             layer.register_forward_hook(functools.partial(layer_post, self._weak_self), always_call=True),
         ]
 
+    def _pack(self, t: torch.Tensor) -> Any:
+        return self.packer.pack(t)
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        return self.reloader.unpack(saved)
+
+    def _layer_begins(self, index: int, inputs: Any) -> None:
+        if not self.calls.packing or in_backward():
+            return
+        self.packer.enter_layer(self.layers[index], inputs)
+        seg, waiting = self.calls.enter(index)
+        self.packer.place(waiting, seg)
+        self.calls.started(seg)
+
+    def _layer_ends(self, output: Any) -> None:
+        if self.calls.current is None or in_backward():
+            return
+        seg = self.calls.leave()
+        assert seg is not None
+        self.packer.leave_layer()
+        self.reloader.send(seg)
+        # Dedup entries are only valid while this layer's sources are referenced; after it, an address could be
+        # reused by a new tensor, so the map is dropped and the sources become releasable.
+        seg.dedup.clear()
+        # Likewise the rebuild map (read while packing only): the handles own their Shared from here, so a rebuilt
+        # tensor that one op never reads back dies with that op's node, not at the end of the step.
+        seg.rebuilt.clear()
+        self.reloader.hold_sources(seg)
+        grad_fn = next((t.grad_fn for t in tensors_in(output) if t.grad_fn is not None), None)
+        if grad_fn is not None:
+            grad_fn.register_prehook(functools.partial(backward_begins, self._weak_self, seg.index))
+
+    def _backward_begins(self, seg_index: int) -> None:
+        if not self.calls.segments:
+            return  # the step already ended (graph retained past it)
+        self.calls.backward_started(seg_index)
+        self.reloader.backward_begins(seg_index)
+
+    # ------------------------------------------------------------------ lifecycle
     def _device(self) -> torch.device:
         for layer in self.layers:
             for p in layer.parameters():
@@ -224,19 +223,11 @@ class ActivationOffloader(LayerCalls, Packer, Reloader):
         if device.type == "cuda" or self.config.force:
             if self._copier is None or self._copier.device != device:
                 self._copier = self._make_copier(device)
-                self._sets = [None] * self._num_sets
         else:
             self._copier = None
-        resident = self._residents.tensors()
-        # Parameters, buffers and views of them (W.t() saved by mm) are never offloaded: they stay resident anyway.
-        # Their storages are read every step: `.to()` and `param.data = ...` move them without registering anything.
-        self._param_ptrs = {t.untyped_storage().data_ptr() for t in resident if type(t) is not _DTensor}
-        # A cheap first test for "a copy of a parameter" (reading a cast's source node costs a wrapper object).
-        self._param_shapes = {t.shape for t in resident}
-        self._unsharding = any(type(t) is _DTensor for t in resident)
-        self._counters = dict.fromkeys(self._counters, 0)
-        self._measuring = self._copier is not None and self._planned is None
-        self._set_owner = [-1] * self._num_sets
+        self.calls.begin_step(self._copier)
+        self.packer.begin_step(self._copier)
+        self.reloader.begin_step(self._copier)
         self._apply_recompute()
         self.pool.reset_peak()
         self._in_step = True
@@ -248,9 +239,10 @@ class ActivationOffloader(LayerCalls, Packer, Reloader):
         offloader runs them, and two offloaders over the same layers never stack wrappers.
         """
         self._remove_recompute()
-        if self.config.recompute is not None and self._copier is not None and self._planned is not None:
-            self._recomputed = [recompute_layer(layer) for layer in self.layers[self._planned :]]
-        self._counters["recompute_layers"] = len(self._recomputed)
+        planned = self.calls.planned
+        if self.config.recompute is not None and self._copier is not None and planned is not None:
+            self._recomputed = [recompute_layer(layer) for layer in self.layers[planned:]]
+        self._recompute_layers = len(self._recomputed)
 
     def _remove_recompute(self) -> None:
         for handle in self._recomputed:
@@ -262,17 +254,12 @@ class ActivationOffloader(LayerCalls, Packer, Reloader):
         """Install the pack/unpack hooks for the forward of the current step (between begin/end_step)."""
         if not self._in_step:
             self.begin_step()
-        self._packing = True
-        self._offload_calls = set()
-        self._hot = self._wants_pack(None)
+        self.calls.begin_forward()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook):
                 yield
         finally:
-            self._packing = False
-            self._hot = False
-            self._current = None
-            self._unassigned.clear()  # saved after the last layer: they stay on the device
+            self.calls.end_forward()
 
     def end_step(self, failed: bool = False) -> None:
         """Finish a step; the first successful step that offloads sizes the pool (with ``"auto"``: the second).
@@ -281,24 +268,15 @@ class ActivationOffloader(LayerCalls, Packer, Reloader):
             failed: the step raised; every buffer is waited for and returned to the pool at once (an ``"auto"``
                 measuring step is then repeated).
         """
-        self._packing = False
-        self._hot = False
         self._in_step = False
-        self._current = None
-        self._unassigned.clear()
         self._remove_recompute()  # the autograd graph keeps what recomputation needs; the wrapper is not
-        self._retired.extend(b for seg in self._segments for b in seg.blocks)
-        segments, self._segments = self._segments, []
-        measured, self._measuring = self._measuring, False
-        # Device buffer sets live for one backward: between steps (and at the next forward's memory peak) they are
-        # free memory. Blocks still reading them keep them alive until their copies are released.
-        self._last_set_bytes = sum(t.numel() for t in self._sets if t is not None)
-        self._sets = [None] * self._num_sets
+        segments = self.calls.take()
+        self.reloader.end_step([b for seg in segments for b in seg.blocks])
+        measured, self.calls.measuring = self.calls.measuring, False
         if failed:
-            self._release_all()
+            self.reloader.release_all()
             return
-        self._release_done()
-        self._steps_done += 1
+        self.reloader.release_done()
         if measured:
             # A step whose layers ran no backward (a forward under no_grad, an evaluation pass) measured nothing to
             # plan from: the next step measures again.
@@ -308,7 +286,7 @@ class ActivationOffloader(LayerCalls, Packer, Reloader):
             self.pool.reserve_measured()  # the first step that offloaded under the final plan sizes the pool
             self._sized = True
 
-    def _adopt_plan(self, segments: list[Segment]) -> None:
+    def _adopt_plan(self, segments: list[Any]) -> None:
         """Make and adopt the ``"auto"`` plan from the measuring step (see :func:`~.measure.auto_plan`)."""
         copier = self._copier
         assert copier is not None
@@ -316,18 +294,19 @@ class ActivationOffloader(LayerCalls, Packer, Reloader):
             segments,
             len(self.layers),
             copier,
-            eligible=max(len(self.layers) - self.config.keep_last_layers, 0),
+            eligible=self.calls.eligible,
             # With recomputation, layer N recomputes instead: keeping what a partial budget leaves would hold more.
             partial=self.config.recompute is None,
             pinned=self.pool.pinned,
             backward_end=copier.timestamp(),
         )
-        self._planned, self._partial = plan["offload_layers"], plan["partial_bytes"]
-        self.prefetch_layers = plan["prefetch_layers"]
-        self._num_sets = self.prefetch_layers + 1
-        self._sets = [None] * self._num_sets
-        self._set_owner = [-1] * self._num_sets
+        self.calls.adopt(plan["offload_layers"], plan["partial_bytes"])
+        self.reloader.set_depth(plan["prefetch_layers"])
         self.auto_plan = plan
+
+    def _release_all(self) -> None:
+        self.reloader.end_step([b for seg in self.calls.take() for b in seg.blocks])
+        self.reloader.release_all()
 
     def synchronize(self) -> None:
         """Wait for every outstanding copy and return all host buffers to the pool."""
@@ -343,7 +322,6 @@ class ActivationOffloader(LayerCalls, Packer, Reloader):
         self._residents.close()
         self.pool.warn_growth(owner="ActivationOffloader")
         self.pool.clear()
-        self._sets = [None] * self._num_sets
         self._copier = None
 
     def __enter__(self) -> ActivationOffloader:
@@ -374,10 +352,13 @@ class ActivationOffloader(LayerCalls, Packer, Reloader):
         ``partial_offload_bytes`` (the ``"auto"`` plan's budget for the layer after them), ``recompute_layers``.
         """
         return {
-            **self._counters,
+            **self.packer.counters,
+            **self.reloader.counters,
+            "segments": self.calls.calls,
+            "recompute_layers": self._recompute_layers,
             **self.pool.stats(),
-            "offload_layers": (self._planned or 0) if self.enabled else 0,
-            "partial_offload_bytes": self._partial if self.enabled else 0,
+            "offload_layers": self.calls.offload_layers() if self.enabled else 0,
+            "partial_offload_bytes": self.calls.partial if self.enabled else 0,
             "peak_inflight": self.pool.peak_out_bytes,
-            "device_set_bytes": self._last_set_bytes,
+            "device_set_bytes": self.reloader.set_bytes,
         }

@@ -1,7 +1,8 @@
-"""The pack hook: for each tensor autograd saves inside the tracked layers, decide what is kept, offloaded, recast
+"""The packer: for each tensor autograd saves inside the tracked layers, decide what is kept, offloaded, recast
 from a parameter or rebuilt in backward, and return the handle (:mod:`~lightning_llmfast.offload.handles`).
 
-A mixin of :class:`~lightning_llmfast.offload.ActivationOffloader`: it reads the offloader's per-step state.
+It owns what a pack decision reads besides the running layer call: the resident tensors (parameters, buffers), the
+inputs the running call shares with the others, whether autocast caches its weight copies, and its counters.
 """
 
 from __future__ import annotations
@@ -10,37 +11,103 @@ import weakref
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor as _DTensor
 
 from lightning_llmfast._autograd import in_backward
 from lightning_llmfast.offload.config import OffloadConfig
 from lightning_llmfast.offload.copier import Copier
 from lightning_llmfast.offload.handles import Block, Rebuilt, Recast, Saved, Segment, Shared, kept, view_of
+from lightning_llmfast.offload.layercalls import LayerCalls, tensors_in
 from lightning_llmfast.offload.pool import PinnedBufferPool
 from lightning_llmfast.offload.rebuild import RebuildRecord, rebuild_origin, rebuild_record
+from lightning_llmfast.offload.residents import Residents
 
 __all__ = ["Packer"]
 
+_COUNTERS = (
+    "offloaded_bytes",
+    "offloaded_tensors",
+    "dedup_hits",
+    "kept_casts",
+    "recast_casts",
+    "recast_bytes",
+    "rebuilt_tensors",
+    "rebuilt_bytes",
+)
+
 
 class Packer:
-    """What the offloader's pack hook decides; the attributes are the offloader's per-step state."""
+    """What the pack hook decides for each saved tensor.
 
-    config: OffloadConfig
-    pool: PinnedBufferPool
-    _copier: Copier | None
-    _hot: bool  # whether saved tensors need a look at all now
-    _current: Segment | None
-    _segments: list[Segment]
-    _unassigned: list[Saved]
-    _measuring: bool
-    _autocast_caches: bool
-    _param_ptrs: set[int]
-    _param_shapes: set[torch.Size]
-    _shared_inputs: set[int]
-    _counters: dict[str, int]
-    _pack_hook: Any  # the hook installed for this offloader: a Function's tensors packed by it may be rebuilt
+    Args:
+        config: the settings.
+        calls: the layer-call policy (which call runs, whether it offloads or measures).
+        pool: host buffers for what is offloaded.
+        residents: the layers' parameters and buffers (never offloaded).
+        pack_hook: the hook installed for the offloader: a Function's tensors packed by it may be rebuilt.
+    """
 
-    def _pack(self, t: torch.Tensor) -> Any:
-        if not self._hot:
+    def __init__(
+        self, config: OffloadConfig, calls: LayerCalls, pool: PinnedBufferPool, residents: Residents, pack_hook: Any
+    ) -> None:
+        self.config = config
+        self.counters = dict.fromkeys(_COUNTERS, 0)
+        self._calls = calls
+        self._pool = pool
+        self._residents = residents
+        self._pack_hook = pack_hook
+        self._copier: Copier | None = None
+        self._param_ptrs: set[int] = set()
+        self._param_shapes: set[torch.Size] = set()
+        # Whether the layers' parameters are swapped for unsharded ones in forward (FSDP2): then each layer call
+        # reads them again, so that the unsharded storages are never offloaded.
+        self._unsharding = False
+        self._shared_inputs: set[int] = set()
+        # Whether autocast caches its weight copies in the running layer call (read at the call: the pack hook runs
+        # below the autocast dispatch key, where autocast always reads as disabled).
+        self._autocast_caches = False
+
+    def begin_step(self, copier: Copier | None) -> None:
+        """Read the resident tensors again and reset the counters."""
+        self._copier = copier
+        resident = self._residents.tensors()
+        # Parameters, buffers and views of them (W.t() saved by mm) are never offloaded: they stay resident anyway.
+        # Their storages are read every step: `.to()` and `param.data = ...` move them without registering anything.
+        self._param_ptrs = {t.untyped_storage().data_ptr() for t in resident if type(t) is not _DTensor}
+        # A cheap first test for "a copy of a parameter" (reading a cast's source node costs a wrapper object).
+        self._param_shapes = {t.shape for t in resident}
+        self._unsharding = any(type(t) is _DTensor for t in resident)
+        self.counters = dict.fromkeys(self.counters, 0)
+
+    def enter_layer(self, layer: torch.nn.Module, inputs: Any) -> None:
+        """A layer call starts with ``inputs``: note what it shares with other calls, and FSDP2's unsharded weights."""
+        if self._unsharding:  # FSDP2 unsharded this layer's parameters in its own pre-hook, registered earlier
+            self._param_ptrs.update(p.untyped_storage().data_ptr() for p in layer.parameters())
+        # Inputs that need no grad (RoPE tables, masks, ids) are shared by every layer and alive outside it:
+        # offloading them would copy them once per layer and free nothing.
+        self._shared_inputs = {t.untyped_storage().data_ptr() for t in tensors_in(inputs) if not t.requires_grad}
+        self._autocast_caches = self._copier is not None and (
+            torch.is_autocast_cache_enabled() and torch.is_autocast_enabled(self._copier.device.type)
+        )
+
+    def place(self, waiting: list[Saved], seg: Segment) -> None:
+        """Tensors saved between the previous layer call and ``seg``: offloaded (or measured) with ``seg``."""
+        for saved in waiting:
+            assert saved.tensor is not None
+            if saved.tensor.untyped_storage().data_ptr() in self._shared_inputs:
+                continue
+            if seg.offload:
+                self.offload(saved, seg)  # over a partial layer's budget it stays on the device
+            elif self._calls.measuring:
+                self.measure(saved.tensor, seg)
+
+    def leave_layer(self) -> None:
+        self._shared_inputs = set()
+
+    def pack(self, t: torch.Tensor) -> Any:
+        """The pack hook's handle for ``t``: ``t`` itself (kept) or a :class:`Saved`/:class:`Recipe`."""
+        calls = self._calls
+        if not calls.hot:
             return kept(t)
         base = t._base  # read once: 0.3 us, for each of the ~50 tensors a layer saves
         if base is None:
@@ -54,7 +121,7 @@ class Packer:
         rebuilds = self.config.rebuild is not None
         copies_param = rebuilds and source is not None and base.shape in self._param_shapes  # _cast_source decides
         origin = rebuild_origin(fn, source) if rebuilds and fn is not None and not copies_param else None
-        seg = self._current
+        seg = calls.current
         if seg is not None and seg.keeps and not copies_param:
             # A layer that keeps what it saves drops only parameters' copies and marked Functions' outputs (and
             # copies of them), GEMM outputs only where asked to; everything else returns here, before the checks
@@ -74,7 +141,7 @@ class Packer:
         ptr = storage.data_ptr()
         if storage.nbytes() < self.config.min_offload_bytes or ptr in self._param_ptrs or ptr in self._shared_inputs:
             return kept(t)
-        if seg is None and not self._segments:
+        if seg is None and not calls.segments:
             return kept(t)  # before the first layer: outside the layers
         # A view that reinterprets its base (view_as_complex) cannot be rebuilt with as_strided: kept or offloaded.
         if fn is not None and t.dtype == base.dtype:
@@ -88,13 +155,13 @@ class Packer:
                 if rebuilt is not None:
                     return rebuilt
         if seg is not None and not seg.offload:
-            if self._measuring:
-                self._measure(t, seg)
+            if calls.measuring:
+                self.measure(t, seg)
             return kept(t)  # a layer that keeps what it saves
         saved = Saved(tensor=kept(t))
         if seg is None:
-            self._unassigned.append(saved)  # between layers: decided when the next one starts (kept after the last)
-        elif not self._offload(saved, seg):
+            calls.unassigned.append(saved)  # between layers: decided when the next one starts (kept after the last)
+        elif not self.offload(saved, seg):
             return kept(t)  # over the partial layer's budget: stays on the device
         return saved
 
@@ -139,10 +206,10 @@ class Packer:
             return None  # gone (so unknown), or another output of the Function than the one its rebuild gives
         if output._version != record.output_version:
             return None  # changed in place since forward: a rebuild would give the values before the change
-        self._counters["rebuilt_tensors"] += 1
+        self.counters["rebuilt_tensors"] += 1
         shared, new_storage = self._share(base, seg)
         if new_storage:
-            self._counters["rebuilt_bytes"] += base.untyped_storage().nbytes()
+            self.counters["rebuilt_bytes"] += base.untyped_storage().nbytes()
         return Rebuilt(
             node=weakref.ref(node),
             function=record.rebuild,
@@ -181,14 +248,14 @@ class Packer:
         once (23.4% of what a reference-model layer saves at hidden 1024 under bf16) for one cast kernel and no copy.
         """
         if self._autocast_caches:
-            self._counters["kept_casts"] += 1
+            self.counters["kept_casts"] += 1
             return kept(t)
-        self._counters["recast_casts"] += 1
-        self._counters["recast_bytes"] += t.untyped_storage().nbytes()
+        self.counters["recast_casts"] += 1
+        self.counters["recast_bytes"] += t.untyped_storage().nbytes()
         return Recast(param=param, version=param._version, dtype=t.dtype, view=view_of(t, base))
 
     @staticmethod
-    def _measure(t: torch.Tensor, seg: Segment) -> None:
+    def measure(t: torch.Tensor, seg: Segment) -> None:
         # The "auto" measuring step counts what offloading would copy, deduplicated as `_offload` does.
         storage = t.untyped_storage()
         key = (storage.data_ptr(), t._version)
@@ -197,7 +264,7 @@ class Packer:
             seg.seen[key] = weakref.ref(storage)
             seg.candidate_bytes += storage.nbytes()
 
-    def _offload(self, saved: Saved, seg: Segment) -> bool:
+    def offload(self, saved: Saved, seg: Segment) -> bool:
         """Offload ``saved`` into ``seg``; ``False`` (and nothing changes) when it would exceed ``seg``'s budget."""
         t = saved.tensor
         assert t is not None and self._copier is not None
@@ -210,14 +277,14 @@ class Packer:
                 return False
             seg.offloaded += nbytes
             source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            block = Block(nbytes=nbytes, segment=seg.index, host=self.pool.acquire(nbytes), source=source)
+            block = Block(nbytes=nbytes, segment=seg.index, host=self._pool.acquire(nbytes), source=source)
             seg.blocks.append(block)
             seg.unsent.append(block)
             seg.dedup[key] = block
-            self._counters["offloaded_bytes"] += nbytes
+            self.counters["offloaded_bytes"] += nbytes
         else:
-            self._counters["dedup_hits"] += 1
-        self._counters["offloaded_tensors"] += 1
+            self.counters["dedup_hits"] += 1
+        self.counters["offloaded_tensors"] += 1
         saved.block = block
         saved.dtype = t.dtype
         saved.size = tuple(t.shape)

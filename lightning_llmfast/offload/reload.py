@@ -1,7 +1,7 @@
 """The copies of offloaded blocks: device-to-host at a layer's end, prefetch into round-robin device buffer sets in
 backward, the unpack hook, and the release of host buffers once their copies are done.
 
-A mixin of :class:`~lightning_llmfast.offload.ActivationOffloader`: it reads the offloader's per-step state.
+The reloader owns the device buffer sets, the blocks whose sources or host buffers are still held, and its counters.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload.copier import Copier
 from lightning_llmfast.offload.handles import Block, Recipe, Saved, Segment
+from lightning_llmfast.offload.layercalls import LayerCalls
 from lightning_llmfast.offload.pool import PinnedBufferPool
 
 __all__ = ["Reloader"]
@@ -27,23 +28,54 @@ def _aligned(nbytes: int) -> int:
 
 
 class Reloader:
-    """Copies, prefetches and releases; the attributes are the offloader's per-step state."""
+    """Copies, prefetches, unpacks and releases.
 
-    pool: PinnedBufferPool
-    prefetch_layers: int
-    _copier: Copier | None
-    _segments: list[Segment]
-    _current: Segment | None
-    _unassigned: list[Saved]
-    _measuring: bool
-    _num_sets: int
-    _sets: list[torch.Tensor | None]
-    _set_owner: list[int]
-    _pending_sources: list[Block]
-    _retired: list[Block]
-    _counters: dict[str, int]
+    Args:
+        calls: the layer-call policy (this step's calls, read in backward).
+        pool: where host buffers go back.
+        prefetch_layers: how many layers ahead backward prefetches (``prefetch_layers + 1`` device buffer sets).
+    """
 
-    def _send(self, seg: Segment) -> None:
+    def __init__(self, calls: LayerCalls, pool: PinnedBufferPool, prefetch_layers: int) -> None:
+        self.counters = dict.fromkeys(("prefetch_hits", "lazy_reloads", "rebuilds"), 0)
+        self.set_bytes = 0  # device-set bytes of the last backward
+        self._calls = calls
+        self._pool = pool
+        self._copier: Copier | None = None
+        self._pending_sources: list[Block] = []  # offloaded, device-to-host copy maybe still reading the source
+        self._retired: list[Block] = []  # of ended steps: host buffer back to the pool once every copy is done
+        self.set_depth(prefetch_layers)
+
+    def set_depth(self, prefetch_layers: int) -> None:
+        """Prefetch ``prefetch_layers`` ahead from now on (the device buffer sets are made anew)."""
+        self.prefetch_layers = prefetch_layers
+        self._num_sets = prefetch_layers + 1
+        self._sets: list[torch.Tensor | None] = [None] * self._num_sets
+        self._set_owner = [-1] * self._num_sets
+
+    def begin_step(self, copier: Copier | None) -> None:
+        """Copies of this step go through ``copier``; the counters restart."""
+        if copier is not None and copier is not self._copier:
+            self._sets = [None] * self._num_sets
+        self._copier = copier
+        self._set_owner = [-1] * self._num_sets
+        self.counters = dict.fromkeys(self.counters, 0)
+
+    def end_step(self, blocks: list[Block]) -> None:
+        """The step ended: its ``blocks`` wait for release, and the device buffer sets are dropped.
+
+        Device buffer sets live for one backward: between steps (and at the next forward's memory peak) they are
+        free memory. Blocks still reading them keep them alive until their copies are released.
+        """
+        self._retired.extend(blocks)
+        self.set_bytes = sum(t.numel() for t in self._sets if t is not None)
+        self._sets = [None] * self._num_sets
+
+    def sets_held(self) -> list[torch.Tensor]:
+        """The device buffer sets held now."""
+        return [t for t in self._sets if t is not None]
+
+    def send(self, seg: Segment) -> None:
         """Issue the device-to-host copies of what ``seg`` offloaded, once its forward has ended.
 
         Autograd never lets a saved tensor change before backward, so copying at the layer's end reads what was
@@ -60,7 +92,12 @@ class Reloader:
             block.d2h_event = event
         seg.unsent.clear()
 
-    def _release_sources(self) -> None:
+    def hold_sources(self, seg: Segment) -> None:
+        """``seg``'s call ended: its sources are released as soon as their device-to-host copies are done."""
+        self._pending_sources.extend(b for b in seg.blocks if b.source is not None)
+        self.release_sources()
+
+    def release_sources(self) -> None:
         if self._copier is None:
             return  # nothing was offloaded
         still = []
@@ -71,20 +108,17 @@ class Reloader:
                 still.append(block)
         self._pending_sources = still
 
-    def _backward_begins(self, seg_index: int) -> None:
-        if not self._segments:
-            return  # the step already ended (graph retained past it)
-        if self._measuring and self._segments[seg_index].backward_started is None:
-            assert self._copier is not None
-            self._segments[seg_index].backward_started = self._copier.timestamp()
-            self._segments[seg_index].backward_allocated = self._copier.allocated()
-        self._release_sources()
+    def backward_begins(self, seg_index: int) -> None:
+        """Layer call ``seg_index``'s backward starts: prefetch it and the ``prefetch_layers`` calls before it."""
+        self.release_sources()
+        segments = self._calls.segments
         for j in range(seg_index, max(seg_index - self.prefetch_layers, 0) - 1, -1):
-            seg = self._segments[j]
+            seg = segments[j]
             if seg.offload and not seg.prefetched and seg.blocks:
-                self._prefetch(seg)
+                self.prefetch(seg)
 
-    def _prefetch(self, seg: Segment) -> None:
+    def prefetch(self, seg: Segment) -> None:
+        """Issue the host-to-device copies of ``seg``'s blocks into the next device buffer set."""
         copier = self._copier
         assert copier is not None
         s = seg.index % self._num_sets
@@ -92,7 +126,7 @@ class Reloader:
         if previous >= 0:
             # That layer's backward is over: its views of the set are gone, and a set that grows below frees the
             # old buffer instead of holding it to the step's end (a partial layer's smaller set would).
-            for block in self._segments[previous].blocks:
+            for block in self._calls.segments[previous].blocks:
                 block.flat = None
         total = sum(_aligned(b.nbytes) for b in seg.blocks)
         flat = self._sets[s]
@@ -117,9 +151,10 @@ class Reloader:
         seg.prefetched = True
         self._set_owner[s] = seg.index
 
-    def _unpack(self, saved: Any) -> torch.Tensor:
+    def unpack(self, saved: Any) -> torch.Tensor:
+        """The unpack hook: the saved tensor back, from the device, a buffer set, a lazy reload or a rebuild."""
         if isinstance(saved, Recipe):
-            return saved.unpack(self._counters)
+            return saved.unpack(self.counters)
         if not isinstance(saved, Saved):
             return saved
         if saved.tensor is not None:
@@ -135,7 +170,7 @@ class Reloader:
         if block.flat is not None and self._set_owner[block.set_index] == block.segment:
             copier.compute_waits(block.h2d_event)
             flat, offset = block.flat, block.offset
-            self._counters["prefetch_hits"] += 1
+            self.counters["prefetch_hits"] += 1
         else:
             # Fallback: unpacked before its prefetch was issued, or after its buffer set was reused.
             flat = torch.empty(_aligned(block.nbytes), dtype=torch.uint8, device=copier.device)
@@ -143,12 +178,13 @@ class Reloader:
             flat[: block.nbytes].copy_(block.host[: block.nbytes], non_blocking=copier.is_cuda)
             block.reads.append(copier.mark_compute())
             offset = 0
-            self._counters["lazy_reloads"] += 1
+            self.counters["lazy_reloads"] += 1
         # Sets and fallback buffers are multiples of _ALIGN bytes, so every dtype view of them is exact.
         typed = flat.view(saved.dtype)
         return torch.as_strided(typed, saved.size, saved.stride, offset // saved.dtype.itemsize + saved.storage_offset)
 
-    def _release_done(self) -> None:
+    def release_done(self) -> None:
+        """Give back the host buffers of ended steps whose copies have all completed (never waits)."""
         copier = self._copier
         if copier is None:
             return  # nothing was offloaded
@@ -160,11 +196,8 @@ class Reloader:
                 still.append(block)
         self._retired = still
 
-    def _release_all(self) -> None:
-        self._retired.extend(b for seg in self._segments for b in seg.blocks)
-        self._segments = []
-        self._current = None
-        self._unassigned.clear()
+    def release_all(self) -> None:
+        """Wait for every copy of every ended step and give all host buffers back (errors and teardown)."""
         for block in self._retired:
             if self._copier is not None:
                 for event in (block.d2h_event, *block.reads):
@@ -175,6 +208,6 @@ class Reloader:
 
     def _give_back(self, block: Block) -> None:
         if block.host is not None:
-            self.pool.release(block.host)
+            self._pool.release(block.host)
         block.host = block.source = block.flat = None
         block.reads.clear()

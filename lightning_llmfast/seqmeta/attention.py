@@ -11,7 +11,8 @@ cached ``cu_seqlens``/``max_seqlen``. Elsewhere three exact implementations exis
   ``[docs, heads, L_bucket, head_dim]`` batch and run in one SDPA call. Cost ``O(sum bucket(L_i)^2)`` (at most 4x the
   exact work for sequences of 16 tokens or more) in ``O(log max_seqlen)`` calls.
 
-``impl="auto"`` chooses by the rule measured and written down beside ``_MASKED_MAX_TOKENS`` below.
+``impl="auto"`` chooses by the rule measured and written down beside ``_MASKED_MAX_TOKENS`` below; under
+``torch.compile`` (outside FlashAttention) it takes ``"masked"``, the one plan that holds no host-side lengths.
 """
 
 from __future__ import annotations
@@ -290,6 +291,10 @@ def _flash_unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
 def _auto_impl(q: torch.Tensor, v: torch.Tensor, meta: SequenceMetadata) -> str:
     if _flash_unsupported(q, v) is None:
         return "flash"
+    if torch.compiler.is_compiling():
+        # One call whose plan is a tensor: the other plans read per-sequence host lengths, which Dynamo would
+        # specialise on (a recompilation for every new packing).
+        return "masked"
     n, docs = meta.num_tokens, meta.num_sequences
     if n <= _MASKED_MAX_TOKENS or (n <= _MASKED_SHORT_DOCS_MAX_TOKENS and n < _MASKED_SHORT_DOCS_MEAN_LEN * docs):
         return "masked"

@@ -8,104 +8,24 @@ collator already produced ``cu_seqlens`` on the CPU never waits for the device. 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from lightning_llmfast._checks import check_int
+from lightning_llmfast.data.batch import PackedBatch
 from lightning_llmfast.errors import MetadataError
+from lightning_llmfast.seqmeta.host import (
+    INTEGER_DTYPES,
+    field,
+    first_index,
+    host_int_array,
+    same_device,
+    validate_cu_seqlens,
+)
 
 __all__ = ["SequenceMetadata"]
-
-_INT32_MIN = -(2**31)
-_INT32_MAX = 2**31 - 1
-_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-
-
-def _host_int_array(value: Any, field: str) -> np.ndarray:
-    """Returns ``value`` as a 1-D int64 NumPy array on the host, validating dimensionality and dtype.
-
-    Args:
-        value: a tensor (any device), a NumPy array or a sequence of Python ints.
-        field: the name used in error messages.
-
-    Returns:
-        ``(n,)`` int64 array. A tensor that lives on an accelerator is copied to the host (a sync).
-    """
-    if isinstance(value, torch.Tensor):
-        if value.dtype not in _INTEGER_DTYPES:
-            raise MetadataError(f"{field}: must have an integer dtype, got {value.dtype}")
-        if value.dim() != 1:
-            raise MetadataError(f"{field}: must be 1-D, got shape {tuple(value.shape)}")
-        # NOTE: host sync when `value` lives on an accelerator; callers that care pass a CPU copy.
-        return value.detach().cpu().numpy().astype(np.int64, copy=False)
-    if isinstance(value, (str, bytes)):
-        raise MetadataError(f"{field}: must be a 1-D integer tensor or sequence, got {type(value).__name__}")
-    try:
-        array = np.asarray(value)
-    except (OverflowError, ValueError) as err:
-        raise MetadataError(f"{field}: cannot be read as a 1-D integer array ({err})") from err
-    if array.dtype == object:
-        raise MetadataError(f"{field}: values do not fit int32 (or are not integers)")
-    if array.ndim != 1:
-        raise MetadataError(f"{field}: must be 1-D, got shape {array.shape}")
-    if array.size and not np.issubdtype(array.dtype, np.integer):
-        raise MetadataError(f"{field}: must have an integer dtype, got {array.dtype}")
-    return array.astype(np.int64, copy=False)
-
-
-def _first_index(flags: np.ndarray) -> int:
-    return int(np.argmax(flags))
-
-
-def _validate_cu_seqlens(cu: np.ndarray, num_tokens: int | None, max_seqlen: int | None) -> int:
-    """Checks every rule of a ``cu_seqlens`` array on the host and returns the true maximum length.
-
-    Args:
-        cu: ``(num_sequences + 1,)`` int64 host array.
-        num_tokens: the expected ``cu[-1]`` when known.
-        max_seqlen: a caller-provided maximum length, which must not be below the true maximum.
-
-    Returns:
-        The longest sequence length (0 when there is no sequence).
-    """
-    if cu.size == 0:
-        raise MetadataError("cu_seqlens: must hold at least one value (cu_seqlens[0] == 0), got an empty array")
-    out_of_range = (cu < _INT32_MIN) | (cu > _INT32_MAX)
-    if out_of_range.any():
-        i = _first_index(out_of_range)
-        raise MetadataError(f"cu_seqlens: values must fit int32; first offending index {i} (value {int(cu[i])})")
-    if cu[0] != 0:
-        raise MetadataError(f"cu_seqlens: must start at 0; first offending index 0 (value {int(cu[0])})")
-    lengths = np.diff(cu)
-    decreasing = lengths < 0
-    if decreasing.any():
-        i = _first_index(decreasing) + 1
-        raise MetadataError(
-            f"cu_seqlens: must be non-decreasing; first offending index {i} "
-            f"(cu_seqlens[{i}]={int(cu[i])} < cu_seqlens[{i - 1}]={int(cu[i - 1])})"
-        )
-    if num_tokens is not None:
-        # True == 1 and 3.0 == 3: without this check either would pass the comparison below.
-        expected = int(num_tokens) if isinstance(num_tokens, np.integer) else num_tokens
-        check_int("num_tokens", expected, low=0, error=MetadataError)
-    if num_tokens is not None and int(cu[-1]) != num_tokens:
-        raise MetadataError(
-            f"cu_seqlens: last value must equal num_tokens={num_tokens}; "
-            f"offending index {cu.size - 1} (value {int(cu[-1])})"
-        )
-    true_max = int(lengths.max()) if lengths.size else 0
-    if max_seqlen is not None:
-        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, np.integer)):
-            raise MetadataError(f"max_seqlen: must be a Python int, got {type(max_seqlen).__name__}")
-        if max_seqlen < true_max:
-            i = _first_index(lengths == true_max)
-            raise MetadataError(
-                f"max_seqlen: {max_seqlen} is below the longest sequence ({true_max} tokens, sequence index {i})"
-            )
-    return true_max
 
 
 class SequenceMetadata:
@@ -131,7 +51,7 @@ class SequenceMetadata:
         meta.max_seqlen, meta.num_tokens, meta.num_sequences  # (4, 8, 3)
     """
 
-    __slots__ = ("_cu_cpu", "_cu_device", "_device", "_lengths", "_max_seqlen", "_memo", "_starts")
+    __slots__ = ("_cu_cpu", "_cu_device", "_device", "_lengths", "_max_seqlen", "_memo", "_num_tokens", "_starts")
 
     def __init__(
         self,
@@ -158,8 +78,8 @@ class SequenceMetadata:
         if isinstance(cu_seqlens, torch.Tensor) and device is None:
             device = cu_seqlens.device
         target = torch.device(device) if device is not None else torch.device("cpu")
-        host = _host_int_array(cu_seqlens, "cu_seqlens")
-        true_max = _validate_cu_seqlens(host, num_tokens, max_seqlen)
+        host = host_int_array(cu_seqlens, "cu_seqlens")
+        true_max = validate_cu_seqlens(host, num_tokens, max_seqlen)
         cu_cpu = torch.from_numpy(host.astype(np.int32))
         if target.type == "cuda" and device_cu_seqlens is None and torch.cuda.is_available():
             # Pinned so that the host-to-device copy below (and any later .to()) is truly asynchronous.
@@ -175,6 +95,9 @@ class SequenceMetadata:
         # Host-side copies used to plan attention (per-document slices, length buckets) without the device.
         self._starts: tuple[int, ...] = tuple(int(s) for s in host[:-1])
         self._lengths: tuple[int, ...] = tuple(int(n) for n in np.diff(host))
+        # One int, not derived from the tuples above: torch.compile guards on what it reads, and reading the tuples
+        # would specialise a compiled graph on every boundary of the batch.
+        self._num_tokens = int(host[-1])
         self._memo: dict[Any, Any] = {}
 
     # ------------------------------------------------------------------ constructors
@@ -195,10 +118,10 @@ class SequenceMetadata:
 
             meta = SequenceMetadata.from_lengths(torch.tensor([5, 2]), device="cuda")
         """
-        host = _host_int_array(lengths, "lengths")
+        host = host_int_array(lengths, "lengths")
         negative = host < 0
         if negative.any():
-            i = _first_index(negative)
+            i = first_index(negative)
             raise MetadataError(f"lengths: must be non-negative; first offending index {i} (value {int(host[i])})")
         cu = np.zeros(host.size + 1, dtype=np.int64)
         np.cumsum(host, out=cu[1:])
@@ -257,7 +180,7 @@ class SequenceMetadata:
         """
         if not isinstance(position_ids, torch.Tensor):
             raise MetadataError(f"position_ids: must be a tensor, got {type(position_ids).__name__}")
-        if position_ids.dtype not in _INTEGER_DTYPES:
+        if position_ids.dtype not in INTEGER_DTYPES:
             raise MetadataError(f"position_ids: must have an integer dtype, got {position_ids.dtype}")
         if position_ids.dim() not in (1, 2):
             raise MetadataError(f"position_ids: must be 1-D or [batch, seq_len], got shape {tuple(position_ids.shape)}")
@@ -266,7 +189,7 @@ class SequenceMetadata:
         flat = position_ids.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
         negative = flat < 0
         if negative.any():
-            i = _first_index(negative)
+            i = first_index(negative)
             raise MetadataError(f"position_ids: must be non-negative; first offending index {i} (value {int(flat[i])})")
         # A constant start offset (every sequence counting from the same value) marks its starts as 0 would.
         offset = int(flat.min()) if flat.size else 0
@@ -276,7 +199,7 @@ class SequenceMetadata:
         # Inside a sequence the position must count up by one, or boundaries would be silently misread.
         broken = ~starts[1:] & (flat[1:] != flat[:-1] + 1)
         if broken.any():
-            i = _first_index(broken) + 1
+            i = first_index(broken) + 1
             raise MetadataError(
                 f"position_ids: must restart at {offset} or count up by one; first offending flat index {i} "
                 f"(value {int(flat[i])} after {int(flat[i - 1])})"
@@ -310,17 +233,15 @@ class SequenceMetadata:
             for batch in pack_documents(docs, seq_len=256, batch_size=8):
                 meta = SequenceMetadata.from_batch(batch)
         """
-        from lightning_llmfast.data.batch import PackedBatch  # data imports seqmeta: not at module level
-
         if isinstance(batch, SequenceMetadata):
             return batch
         if isinstance(batch, PackedBatch):
             batch.validate()
-        cu, max_seqlen = _field(batch, "cu_seqlens"), _field(batch, "max_seqlen")
+        cu, max_seqlen = field(batch, "cu_seqlens"), field(batch, "max_seqlen")
         if cu is None:
-            cu, max_seqlen = _field(batch, "cu_seq_lens_q"), _field(batch, "max_length_q")
+            cu, max_seqlen = field(batch, "cu_seq_lens_q"), field(batch, "max_length_q")
         if cu is not None:
-            cu_cpu = _field(batch, "cu_seqlens_cpu")
+            cu_cpu = field(batch, "cu_seqlens_cpu")
             if isinstance(max_seqlen, torch.Tensor):
                 raise MetadataError("max_seqlen: must be a Python int computed on the host, got a tensor")
             if cu_cpu is not None or not isinstance(cu, torch.Tensor):
@@ -329,7 +250,7 @@ class SequenceMetadata:
                 host = cu_cpu if cu_cpu is not None else cu
                 return cls(host, max_seqlen=max_seqlen, device=device, device_cu_seqlens=reuse)
             return cls.from_cu_seqlens(cu, max_seqlen=max_seqlen)
-        position_ids = _field(batch, "position_ids")
+        position_ids = field(batch, "position_ids")
         if position_ids is not None:
             return cls.from_position_ids(position_ids)
         raise MetadataError(
@@ -360,7 +281,7 @@ class SequenceMetadata:
     @property
     def num_tokens(self) -> int:
         """Number of flattened positions, ``cu_seqlens[-1]``."""
-        return self._starts[-1] + self._lengths[-1] if self._lengths else 0
+        return self._num_tokens
 
     @property
     def num_sequences(self) -> int:
@@ -444,7 +365,7 @@ class SequenceMetadata:
             meta = SequenceMetadata.from_lengths([4, 4]).to("cuda")
         """
         target = torch.device(device)
-        if _same_device(target, self._device):
+        if same_device(target, self._device):
             return self
         new = object.__new__(SequenceMetadata)
         cu_cpu = self._cu_cpu
@@ -456,6 +377,7 @@ class SequenceMetadata:
         new._max_seqlen = self._max_seqlen
         new._starts = self._starts
         new._lengths = self._lengths
+        new._num_tokens = self._num_tokens
         new._memo = {"fingerprint": self._memo["fingerprint"]} if "fingerprint" in self._memo else {}
         return new
 
@@ -469,19 +391,3 @@ class SequenceMetadata:
             f"SequenceMetadata(num_tokens={self.num_tokens}, num_sequences={self.num_sequences}, "
             f"max_seqlen={self._max_seqlen}, device={self._device})"
         )
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    # "cuda" and "cuda:0" name the same device when the current device is 0.
-    if a.type != b.type:
-        return False
-    if a.index is None or b.index is None:
-        current = torch.cuda.current_device() if a.type == "cuda" and torch.cuda.is_available() else 0
-        return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
-    return a.index == b.index
-
-
-def _field(batch: Any, name: str) -> Any:
-    if isinstance(batch, Mapping):
-        return batch.get(name)
-    return getattr(batch, name, None)
