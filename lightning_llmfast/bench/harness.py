@@ -113,12 +113,10 @@ def interleave(
         warmup: untimed calls of each implementation first (lazy initialisation, compilation, allocator).
         count: ``True``: one more call of each under the sync and kernel counters (:func:`count_call`); a callable
             ``count(name) -> Measurement``: the profile's own counting (per-step windows of a training segment).
-        device: where the implementations compute: synchronised around each timed call on CUDA, and the counters'
-            device.
+        device: where the implementations compute (synchronised around each timed call on CUDA; the counters').
         deadline: a ``time.perf_counter()`` value after which no further round starts (the first always runs).
         host: tensors that stay on the host on an accelerator, for the counters (:class:`SyncCounter`).
-        catch: record an implementation's exception in its :class:`Measurement` and drop it from later calls,
-            instead of raising.
+        catch: record an implementation's exception in its :class:`Measurement` (and call it no more), not raise.
         log: progress messages.
 
     Returns:
@@ -140,10 +138,7 @@ def interleave(
             call(name, lambda fn=fn: fn(-1))
         if count:
             counter = count if callable(count) else (lambda _, fn=fn: count_call(lambda: fn(-1), dev or "cpu", host))
-            counted = call(name, lambda name=name, counter=counter: counter(name))
-            if counted is not None:
-                counted.values, counted.error = out[name].values, out[name].error
-                out[name] = counted
+            _adopt(out, name, call(name, lambda name=name, counter=counter: counter(name)))
     names = list(impls)
     for r in range(repeats):
         if r > 0 and deadline is not None and time.perf_counter() > deadline:
@@ -158,6 +153,13 @@ def interleave(
             if out[name].error is None:
                 out[name].values.append(time.perf_counter() - start if value is None else float(value))
     return out
+
+
+def _adopt(out: dict[str, Measurement], name: str, counted: Measurement | None) -> None:
+    """Keep the counters of ``counted`` (``None``: the counted call failed) in ``out[name]``."""
+    if counted is not None:
+        counted.values, counted.error = out[name].values, out[name].error
+        out[name] = counted
 
 
 def _guarded(m: Measurement, name: str, fn: Callable[[], Any], catch: bool, log: Callable[[str], None] | None) -> Any:

@@ -290,11 +290,10 @@ def run_benchmark(
         repeats: override of the profile's timed repeats.
         measured_steps: override of the profile's measured steps per segment.
         max_seconds: a soft time budget: timed repeats stop starting after 60% of it, micro-benchmarks after all of
-            it (those not started are marked skipped), so a run under a hard time limit still reports.
+            it (those not started are marked skipped).
         benchmarks_dir: where the micro-benchmark scripts live.
         log: progress messages.
-        on_update: called with the result so far after the end-to-end part and after every micro-benchmark, so a
-            run cut short by a time limit still leaves its finished numbers behind.
+        on_update: called with the result so far after the end-to-end part and after every micro-benchmark.
 
     Returns:
         The dictionary described in this module's docstring (JSON-serialisable).
