@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["HOST_READ_METHODS", "SYNC_ENTRY_POINTS", "SYNC_OPS", "OpCounter", "SyncCounter"]
+__all__ = ["HOST_READ_METHODS", "SYNC_ENTRY_POINTS", "SYNC_OPS", "OpCounter", "PatchingCounter", "SyncCounter"]
 
 # ATen ops that force the host to wait for the device (or, on CPU, that would on an accelerator):
 # they produce data-dependent shapes or read a device value into Python.
@@ -68,7 +68,7 @@ SYNC_ENTRY_POINTS: tuple[tuple[str, str, str], ...] = (
 """``(owner, attribute, counted name)`` of the Python entry points that block the host until the device is done."""
 
 _INDEX_OPS = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
-_ACTIVE: list[SyncCounter] = []  # counters entered and not yet exited, innermost last
+_ACTIVE: list[PatchingCounter] = []  # counters entered and not yet exited, innermost last
 _PATCH_LOCK = threading.Lock()
 _SAVED: dict[tuple[Any, str], Any] = {}  # (owner, attribute) -> the original, while any counter is active
 _DEPTH = threading.local()  # nesting of patched calls: only the outermost one counts
@@ -161,7 +161,45 @@ class OpCounter(TorchDispatchMode):
         self.counts[name] += 1
 
 
-class SyncCounter(OpCounter):
+class PatchingCounter(OpCounter):
+    """An :class:`OpCounter` that also patches Python entry points while any counter of its kind is active.
+
+    Subclasses say where their active counters are listed (:meth:`_active`) and how to install and remove their
+    patches; the first counter entered installs them, the last one to exit removes them. Patched calls are counted
+    only in the thread that entered (dispatch modes are per thread too).
+    """
+
+    def __enter__(self) -> PatchingCounter:
+        self._thread = threading.get_ident()
+        with _PATCH_LOCK:
+            if not self._active():
+                self._install()
+            self._active().append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            with _PATCH_LOCK:
+                self._active().remove(self)
+                if not self._active():
+                    self._remove()
+
+    @staticmethod
+    def _active() -> list[PatchingCounter]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _install() -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _remove() -> None:
+        raise NotImplementedError
+
+
+class SyncCounter(PatchingCounter):
     """Counts host syncs by every route (see the module docstring) and every ATen op.
 
     Counting happens on CPU too, so a zero-sync guarantee can be tested without a GPU: a read that would block the
@@ -224,22 +262,17 @@ class SyncCounter(OpCounter):
                         self.add_host(t)
         return out
 
-    def __enter__(self) -> SyncCounter:
-        self._thread = threading.get_ident()
-        with _PATCH_LOCK:
-            if not _ACTIVE:
-                _install_patches()
-            _ACTIVE.append(self)
-        return super().__enter__()
+    @staticmethod
+    def _active() -> list[PatchingCounter]:
+        return _ACTIVE
 
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            super().__exit__(*exc)
-        finally:
-            with _PATCH_LOCK:
-                _ACTIVE.remove(self)
-                if not _ACTIVE:
-                    _remove_patches()
+    @staticmethod
+    def _install() -> None:
+        _install_patches()
+
+    @staticmethod
+    def _remove() -> None:
+        _remove_patches()
 
     def _record(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         super()._record(name, args, kwargs)
@@ -259,7 +292,7 @@ class SyncCounter(OpCounter):
 
 def _counters_here() -> list[SyncCounter]:
     me = threading.get_ident()
-    return [c for c in _ACTIVE if c._thread == me]
+    return [c for c in _ACTIVE if c._thread == me and isinstance(c, SyncCounter)]
 
 
 def _counted_read(name: str, original: Callable[..., Any]) -> Callable[..., Any]:

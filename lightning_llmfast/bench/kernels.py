@@ -14,7 +14,7 @@ import threading
 from collections import Counter
 from typing import Any
 
-from lightning_llmfast.bench.counters import OpCounter
+from lightning_llmfast.bench.counters import PatchingCounter
 
 try:
     from triton.runtime.jit import KernelInterface
@@ -43,12 +43,12 @@ NON_KERNEL_OPS: frozenset[str] = frozenset(
 )  # fmt: skip
 """ATen op packet names that launch no kernel on a GPU."""
 
-_ACTIVE: list[KernelCounter] = []
+_ACTIVE: list[PatchingCounter] = []
 _STATE = threading.local()  # .launching: inside a Triton launch (the interpreter's own ATen ops are not kernels)
 _SAVED: dict[str, Any] = {}
 
 
-class KernelCounter(OpCounter):
+class KernelCounter(PatchingCounter):
     """Counts the kernels the code inside the context would launch on a GPU: ATen ops that launch one, and Triton.
 
     Attributes:
@@ -75,21 +75,20 @@ class KernelCounter(OpCounter):
         """Kernel launches so far: ATen kernel ops plus Triton launches."""
         return sum(self.kernel_ops.values()) + sum(self.triton_launches.values())
 
-    def __enter__(self) -> KernelCounter:
-        self._thread = threading.get_ident()
-        if not _ACTIVE and KernelInterface is not None:
+    @staticmethod
+    def _active() -> list[PatchingCounter]:
+        return _ACTIVE
+
+    @staticmethod
+    def _install() -> None:
+        if KernelInterface is not None:
             _SAVED["getitem"] = KernelInterface.__getitem__
             KernelInterface.__getitem__ = _counted_launch
-        _ACTIVE.append(self)
-        return super().__enter__()
 
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            super().__exit__(*exc)
-        finally:
-            _ACTIVE.remove(self)
-            if not _ACTIVE and "getitem" in _SAVED:
-                KernelInterface.__getitem__ = _SAVED.pop("getitem")
+    @staticmethod
+    def _remove() -> None:
+        if "getitem" in _SAVED:
+            KernelInterface.__getitem__ = _SAVED.pop("getitem")
 
     def _record(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if getattr(_STATE, "launching", False):
@@ -112,7 +111,7 @@ def _counted_launch(kernel: Any, grid: Any) -> Any:
             return launch(*args, **kwargs)
         me = threading.get_ident()
         for counter in _ACTIVE:
-            if counter._thread == me:
+            if counter._thread == me and isinstance(counter, KernelCounter):
                 counter.triton_launches[_kernel_name(kernel)] += 1
         _STATE.launching = True
         try:
