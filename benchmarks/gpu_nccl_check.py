@@ -36,7 +36,7 @@ from lightning_llmfast.models import MoEGPT, MoEGPTConfig
 from lightning_llmfast.moe import MoEBlock
 from lightning_llmfast.moe.expert_parallel import shard_experts
 from lightning_llmfast.parallel import (
-    build_device_mesh,
+    ParallelDims,
     load_distributed_checkpoint,
     save_distributed_checkpoint,
     shard_module,
@@ -70,7 +70,9 @@ def _fsdp_and_dcp(device: torch.device, dtype: torch.dtype, tol: float) -> dict[
     torch.manual_seed(0)
     reference = MoEGPT(config).to(device, dtype)
     sharded = _Root(copy.deepcopy(reference))
-    mesh = build_device_mesh(device.type, 1)
+    dims = ParallelDims(1, "fsdp")
+    dims.build_mesh(device.type)
+    mesh = dims.dp_shard_mesh
     shard_module(sharded, mesh, list(sharded.model.layers))
     ids = torch.randint(0, config.vocab_size, (2, 48), device=device)
     out_ref, out = reference(ids), sharded.model(ids)
