@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.fabric.utilities.types import _PATH
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.optim import Optimizer
 
 __all__ = ["LayersSpec", "ShardedDataParallelBase"]
@@ -167,6 +168,10 @@ class ShardedDataParallelBase(DDPStrategy):
         except OffloadError as err:
             raise ConfigError(f"sharding='fsdp' shards the layer stack block by block: {err}") from err
 
+    def _fsdp_mp_policy(self) -> MixedPrecisionPolicy | None:
+        """FSDP2's mixed-precision policy for the precision setting (a subclass may change its reduce dtype)."""
+        return mixed_precision_policy(self.precision_plugin.precision)
+
     def _setup_sharded(self, trainer: pl.Trainer, layers: LayersSpec) -> None:
         """Strategy setup with FSDP2 in place of the DDP wrapper: shard, materialise, then build the optimizers."""
         assert self.accelerator is not None and self.model is not None and self._parallel_dims is not None
@@ -174,7 +179,7 @@ class ShardedDataParallelBase(DDPStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         module = self.lightning_module
         assert module is not None
-        policy = mixed_precision_policy(self.precision_plugin.precision)
+        policy = self._fsdp_mp_policy()
         layers = self._check_fsdp_config(layers)
         parallelize(module, self._parallel_dims, layers, device=self.root_device, mp_policy=policy)
         if trainer.state.fn == TrainerFn.FITTING:
