@@ -36,8 +36,9 @@ import lightning as L
 import torch
 import torch.multiprocessing as mp
 
-from lightning_llmfast.bench.e2e import E2ESettings, _Batches, _quiet, make_batches
+from lightning_llmfast.bench.e2e import E2ESettings, make_batches
 from lightning_llmfast.bench.fsdp import _free_port, _Meter
+from lightning_llmfast.bench.steps import Batches, quiet
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.models import MoEGPTConfig, MoEGPTLightningModule
 
@@ -67,8 +68,8 @@ def _segment(settings: E2ESettings, batches: list[Any], world_size: int, device:
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
         num_sanity_val_steps=0, limit_val_batches=0, precision=settings.precision,
     )  # fmt: skip
-    with _quiet():
-        trainer.fit(module, train_dataloaders=_Batches(batches))
+    with quiet():
+        trainer.fit(module, train_dataloaders=Batches(batches))
     tokens = trainer.strategy.reduce(torch.tensor(float(meter.tokens), device=trainer.strategy.root_device),
                                      reduce_op="sum")  # fmt: skip
     return {"tokens": float(tokens), "seconds": meter.seconds}
@@ -155,7 +156,7 @@ def run_scaling_benchmark(
         result = run_scaling_benchmark((1, 2), (1,), repeats=2)
         result["scaling"]["1"]["2"]["efficiency"]
     """
-    from lightning_llmfast.bench.harness import git_commit, machine
+    from lightning_llmfast.bench.suite import git_commit, machine
 
     if 1 not in world_sizes or min(world_sizes) < 1 or not batch_sizes or min(batch_sizes) < 1:
         raise ConfigError(f"scaling needs world sizes including 1 and batch sizes >= 1, got {world_sizes}, "
