@@ -2,7 +2,7 @@
 
 Weak scaling: every rank trains ``B`` rows per step of the same model under ``strategy="llmfast"`` (DDP; one process
 has no process group at all), so ``N`` processes train ``N * B`` rows per step. For each world size the ranks are
-started once (gloo on CPU, NCCL on CUDA) and run every batch size ``repeats`` times, interleaved in rotated order; a
+started (gloo on CPU, NCCL on CUDA) and run every batch size; this repeats ``repeats`` times, world sizes interleaved; a
 segment's rate is its global real tokens over the slowest rank's time for the measured steps. The efficiency is
 ``tokens/s(N) / (N * tokens/s(1))`` at the same ``B``, from the medians, with the range the repeats span
 (``min(N) / (N * max(1))`` to ``max(N) / (N * min(1))``). On a machine with fewer cores than processes the
@@ -166,13 +166,16 @@ def run_scaling_benchmark(
     settings = settings.with_overrides(measured_steps=measured_steps, repeats=repeats)
     spec = {"settings": settings.__dict__, "batch_sizes": list(batch_sizes), "device": device}
     start = time.perf_counter()
-    rates: dict[int, dict[int, list[float]]] = {b: {} for b in batch_sizes}
-    for n in world_sizes:
-        log(f"scaling: {n} process(es), batch sizes {list(batch_sizes)}, {settings.repeats} repeats")
-        ranks = _run_world(n, spec, timeout)
-        for b in batch_sizes:
-            segments = zip(*(r[str(b)] for r in ranks), strict=True)
-            rates[b][n] = [s[0]["tokens"] / max(max(r["seconds"] for r in s), 1e-9) for s in segments]
+    rates: dict[int, dict[int, list[float]]] = {b: {n: [] for n in world_sizes} for b in batch_sizes}
+    once = {**spec, "settings": settings.with_overrides(repeats=1).__dict__}
+    for repeat in range(settings.repeats):
+        # World sizes interleaved (fresh processes each repeat): a shared machine's load drifts between them alike.
+        for n in world_sizes:
+            log(f"scaling: repeat {repeat + 1}/{settings.repeats}, {n} process(es), batch sizes {list(batch_sizes)}")
+            ranks = _run_world(n, once, timeout)
+            for b in batch_sizes:
+                segment = [r[str(b)][0] for r in ranks]
+                rates[b][n].append(segment[0]["tokens"] / max(max(s["seconds"] for s in segment), 1e-9))
     return {
         "profile": "scaling",
         "device": device,
