@@ -38,6 +38,7 @@ import torch.multiprocessing as mp
 
 from lightning_llmfast.bench.e2e import E2ESettings, make_batches
 from lightning_llmfast.bench.fsdp import _free_port, _Meter
+from lightning_llmfast.bench.harness import interleave
 from lightning_llmfast.bench.steps import Batches, quiet
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.models import MoEGPTConfig, MoEGPTLightningModule
@@ -86,12 +87,18 @@ def _worker(rank: int, world_size: int, port: int, spec: dict[str, Any], out: st
     settings, sizes, device = E2ESettings(**spec["settings"]), spec["batch_sizes"], spec["device"]
     steps = settings.segment_steps
     runs: dict[str, list[dict[str, float]]] = {str(b): [] for b in sizes}
-    for repeat in range(settings.repeats):
-        shift = repeat % len(sizes)
-        for size in [*sizes[shift:], *sizes[:shift]]:
+
+    def runner(size: int) -> Callable[[int], float]:
+        def run(_: int) -> float:
             sized = settings.with_overrides(batch_size=size)
             every = make_batches(sized, steps * world_size, vocab_size=MoEGPTConfig().vocab_size)
             runs[str(size)].append(_segment(sized, every[rank * steps : (rank + 1) * steps], world_size, device))
+            return runs[str(size)][-1]["seconds"]
+
+        return run
+
+    # Every rank runs the same rounds in the same rotated order: the segments' collectives pair up.
+    interleave({str(size): runner(size) for size in sizes}, settings.repeats, warmup=0)
     Path(out, f"rank{rank}.json").write_text(json.dumps(runs))
 
 
