@@ -24,12 +24,15 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_llmfast.callbacks.offload import ActivationOffload
+from lightning_llmfast.comm.grad import GradReduction, PowerSGDConfig, check_ddp_arguments
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 from lightning_llmfast.sharding import ShardedDataParallelBase
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    import torch
+    from lightning.fabric.utilities.types import _PATH
     from lightning.pytorch.strategies.registry import _StrategyRegistry
     from lightning.pytorch.utilities.types import STEP_OUTPUT
     from torch import Tensor
@@ -96,6 +99,12 @@ class LLMFastStrategy(ShardedDataParallelBase):
             ``"edp"`` (each rank holds ``1 / world`` of every parameter). ``N`` must divide the world size and every
             block's experts. Gradient clipping by norm (``Trainer(gradient_clip_val=...)``) takes the global norm
             over both meshes under every layout, on the device, and logs it as ``train/grad_norm``.
+        grad_reduce_dtype: ``"bf16"`` reduces gradients in bf16 (half the bytes): DDP through torch's
+            ``bf16_compress_hook``, FSDP2 through ``MixedPrecisionPolicy.reduce_dtype`` (experts included), the DDP
+            experts of ``expert_parallel_size > 1`` in their all-reduce; ``None`` keeps their dtype
+            (:mod:`~lightning_llmfast.comm.grad`).
+        grad_compression: ``"powersgd"`` (or a :class:`~lightning_llmfast.comm.PowerSGDConfig`) reduces DDP
+            gradients through torch's PowerSGD hook; its per-rank state is saved in checkpoints and resumed.
         *args: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and on to DDP).
 
@@ -104,6 +113,9 @@ class LLMFastStrategy(ShardedDataParallelBase):
             at :meth:`setup`, before any step, when ``layers`` matches nothing.
         ConfigError: ``expert_parallel_size`` not an int ``>= 1``; before any step, when it does not divide the
             world size or a block's experts, or the model has no grouped MoE block.
+        ConfigError: at construction for a ``grad_reduce_dtype`` other than ``None``/``"bf16"``, a
+            ``grad_compression`` other than ``None``/``"powersgd"``/a ``PowerSGDConfig``, both together, PowerSGD
+            with ``sharding="fsdp"``, or either with a ``ddp_comm_hook``.
         ConfigError: at construction for a ``sharding`` other than ``"ddp"`` or ``"fsdp"``; under ``"fsdp"``, at
             :meth:`setup` before any step,
             when ``layers`` matches nothing, the precision has no FSDP2 policy (``"16-mixed"``), or meta-device
@@ -132,8 +144,14 @@ class LLMFastStrategy(ShardedDataParallelBase):
         offload: OffloadConfig | bool | None = None,
         layers: Sequence[nn.Module] | nn.Module | str | None = None,
         expert_parallel_size: int = 1,
+        grad_reduce_dtype: str | None = None,
+        grad_compression: str | PowerSGDConfig | None = None,
         **kwargs: Any,
     ) -> None:
+        self.grad_reduction = GradReduction.from_args(grad_reduce_dtype, grad_compression, owner=type(self).__name__)
+        """The gradient reduction (dtype or PowerSGD; bytes per step in ``wire_bytes``)."""
+        check_ddp_arguments(self.grad_reduction, sharding, kwargs, owner=type(self).__name__)
+        self._user_comm_hook = kwargs.get("ddp_comm_hook") is not None
         removed = sorted(set(kwargs) & _REMOVED_OFFLOAD_KEYWORDS)
         if removed:
             raise OffloadError(
@@ -225,6 +243,28 @@ class LLMFastStrategy(ShardedDataParallelBase):
         return model if self.single_process else super()._setup_model(model)
 
     # ------------------------------------------------------------------ offload wiring
+    # ------------------------------------------------------------------ gradient reduction
+    @override
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        if not self._user_comm_hook:  # DDP takes one hook: the user's own (Lightning registers it) wins
+            self.grad_reduction.register(self.model)
+
+    @override
+    def _grad_reduce_dtype(self) -> torch.dtype | None:
+        return self.grad_reduction.reduce_dtype  # FSDP2's reduce dtype, and the DDP experts' all-reduce
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        states = self.grad_reduction.gather_states()  # a collective: every rank saves through here
+        super().save_checkpoint({**checkpoint, **states}, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        self.grad_reduction.load_gathered_states(checkpoint, self.global_rank, self.world_size)
+        return checkpoint
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         offload, trainer = self._offload, self.lightning_module.trainer if self.lightning_module else None
