@@ -227,8 +227,7 @@ def run_fsdp_benchmark(
     Args:
         world_size: processes (one gloo rank each).
         settings: model, rows per rank, steps and repeats (:data:`FSDP_SETTINGS`).
-        repeats: override of ``settings.repeats``.
-        measured_steps: override of ``settings.measured_steps``.
+        repeats, measured_steps: overrides of ``settings.repeats`` and ``settings.measured_steps``.
         timeout: seconds the whole run may take before its processes are killed.
         log: progress messages.
 

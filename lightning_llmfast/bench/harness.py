@@ -120,9 +120,7 @@ def interleave(
         log: progress messages.
 
     Returns:
-        ``name -> Measurement``.
-
-    Example::
+        ``name -> Measurement``. Example::
 
         m = interleave({"ours": lambda r: step(ours), "peer": lambda r: step(peer)}, repeats=5)
         m["ours"].median / m["peer"].median

@@ -287,8 +287,7 @@ def run_benchmark(
         device: ``"cpu"`` or ``"cuda"``.
         variants: end-to-end variants to run (the ``hf`` profile always runs ``bench.hf.HF_VARIANTS``).
         micro: micro-benchmarks to run (empty: none).
-        repeats: override of the profile's timed repeats.
-        measured_steps: override of the profile's measured steps per segment.
+        repeats, measured_steps: overrides of the profile's timed repeats and measured steps per segment.
         max_seconds: a soft time budget: timed repeats stop starting after 60% of it, micro-benchmarks after all of
             it (those not started are marked skipped).
         benchmarks_dir: where the micro-benchmark scripts live.
@@ -296,9 +295,7 @@ def run_benchmark(
         on_update: called with the result so far after the end-to-end part and after every micro-benchmark.
 
     Returns:
-        The dictionary described in this module's docstring (JSON-serialisable).
-
-    Example::
+        The dictionary described in this module's docstring (JSON-serialisable). Example::
 
         result = run_benchmark("quick", "cpu")
         result["ratios"]["llmfast_vs_before"]
@@ -308,20 +305,9 @@ def run_benchmark(
     start = time.perf_counter()
     budget = math.inf if max_seconds is None else max_seconds
     e2e, notes, ratios, ranges = _end_to_end(profile.name, settings, device, variants, log, start + 0.6 * budget)
-    result: dict[str, Any] = {
-        "profile": profile.name,
-        "device": device,
-        "commit": git_commit(),
-        "machine": machine(torch.device(device)),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "e2e": e2e,
-        "ratios": ratios,
-        "ratio_ranges": ranges,
-        "warnings": spread_warnings(e2e),
-        "micro": {},
-        "notes": notes,
-        "seconds": round(time.perf_counter() - start, 1),
-    }
+    result = _header(profile.name, device) | {"e2e": e2e, "ratios": ratios, "ratio_ranges": ranges}
+    result |= {"warnings": spread_warnings(e2e), "micro": {}, "notes": notes}
+    result["seconds"] = round(time.perf_counter() - start, 1)
     if on_update is not None:
         on_update(result)
     for name in micro:
@@ -333,6 +319,17 @@ def run_benchmark(
         if on_update is not None:
             on_update(result)
     return result
+
+
+def _header(profile: str, device: str) -> dict[str, Any]:
+    """What produced a result: profile, device, commit, machine and date."""
+    return {
+        "profile": profile,
+        "device": device,
+        "commit": git_commit(),
+        "machine": machine(torch.device(device)),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
 
 
 def _profile(profile: str | BenchProfile, device: str) -> BenchProfile:
