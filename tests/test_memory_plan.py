@@ -155,7 +155,9 @@ def test_planner_is_never_worse_than_one_mechanism_on_measured_profiles(hidden: 
             assert plan.predicted_ms - profile.step_ms <= cost + 1e-9, mechanism
 
 
-@pytest.mark.parametrize("fraction", [0.9, 0.7, 0.5])
+@pytest.mark.parametrize(
+    "fraction", [pytest.param(0.9, marks=pytest.mark.slow), pytest.param(0.7, marks=pytest.mark.slow), 0.5]
+)
 def test_auto_plan_on_the_12_layer_reference_model_is_bit_identical_and_runs_as_planned(
     fraction: float, caplog: pytest.LogCaptureFixture
 ) -> None:
