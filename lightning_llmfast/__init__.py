@@ -43,6 +43,7 @@ _LAZY: dict[str, str] = {
     "MoEGPT": "lightning_llmfast.models",
     "MoEGPTConfig": "lightning_llmfast.models",
     "OffloadConfig": "lightning_llmfast.offload",
+    "PowerSGDConfig": "lightning_llmfast.comm",
     # Lightning layer
     "PackedDataModule": "lightning_llmfast.datamodule",
     "SequenceMetadataCallback": "lightning_llmfast.callbacks",
@@ -50,6 +51,7 @@ _LAZY: dict[str, str] = {
     "ExpertLoadMonitor": "lightning_llmfast.callbacks",
     "ExpertBalanceCallback": "lightning_llmfast.callbacks",
     "ActivationOffload": "lightning_llmfast.callbacks",
+    "SystemMetricsMonitor": "lightning_llmfast.callbacks",
     "GroupedRouterMixin": "lightning_llmfast.mixin",
     "LLMFastStrategy": "lightning_llmfast.strategy",
     "MoEGPTLightningModule": "lightning_llmfast.models",

@@ -1,9 +1,10 @@
 """The sharding half of ``strategy="llmfast"``: ``sharding="ddp" | "fsdp"`` on top of Lightning's DDPStrategy.
 
-:class:`ShardedDataParallelBase` is the base of :class:`~lightning_llmfast.LLMFastStrategy`. With ``"fsdp"`` and
-several processes it builds the device mesh in :meth:`~ShardedDataParallelBase.setup_environment`, and its
-``_setup_sharded`` replaces DDP's wrapper with FSDP2 (:mod:`lightning_llmfast.parallel.fsdp`); with ``"fsdp"`` on any
-world size, checkpoints are DCP directories (:mod:`lightning_llmfast.parallel.checkpoint`) restored after setup,
+:class:`ShardedDataParallelBase` is the base of :class:`~lightning_llmfast.LLMFastStrategy`. With several processes
+it builds the run's one layout, :class:`~lightning_llmfast.parallel.ParallelDims` and its device mesh, in
+:meth:`~ShardedDataParallelBase.setup_environment`; under ``"fsdp"`` its ``_setup_sharded`` replaces DDP's wrapper
+with :func:`~lightning_llmfast.parallel.parallelize` (FSDP2, and expert parallelism when asked); with ``"fsdp"`` on
+any world size, checkpoints are DCP directories (:mod:`lightning_llmfast.parallel.checkpoint`) restored after setup,
 optimizer state included, so they reshard. With ``"ddp"`` every hook is DDPStrategy's.
 
 Example::
@@ -13,32 +14,34 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
+from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import ConfigError, OffloadError
 from lightning_llmfast.offload.offloader import resolve_layers
 from lightning_llmfast.parallel import checkpoint as dcp_io
-from lightning_llmfast.parallel.fsdp import (
-    SHARDINGS,
-    build_device_mesh,
-    materialize_module,
-    mixed_precision_policy,
-    shard_module,
-    sync_module_states,
-)
+from lightning_llmfast.parallel import expert as expert_parallel
+from lightning_llmfast.parallel.clip import clip_grad_norm, sharded_grads
+from lightning_llmfast.parallel.dims import SHARDINGS, ParallelDims
+from lightning_llmfast.parallel.expert import expert_parameters
+from lightning_llmfast.parallel.fsdp import materialize_module, mixed_precision_policy
+from lightning_llmfast.parallel.layout import parallelize
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.fabric.utilities.types import _PATH
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.optim import Optimizer
 
 __all__ = ["LayersSpec", "ShardedDataParallelBase"]
@@ -53,10 +56,13 @@ class ShardedDataParallelBase(DDPStrategy):
     Args:
         *args: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
         sharding: ``"ddp"`` (replicated model, DDPStrategy unchanged) or ``"fsdp"`` (FSDP2 sharded data parallel).
+        expert_parallel_size: ranks that split every MoE block's routed experts (``1``: none).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
 
     Raises:
-        ConfigError: at construction for a ``sharding`` other than ``"ddp"`` or ``"fsdp"``.
+        ConfigError: at construction for a ``sharding`` other than ``"ddp"`` or ``"fsdp"`` or an
+            ``expert_parallel_size`` that is not an int ``>= 1``; in :meth:`setup_environment` when it does not divide
+            the world size.
 
     Example::
 
@@ -64,12 +70,14 @@ class ShardedDataParallelBase(DDPStrategy):
             ...
     """
 
-    def __init__(self, *args: Any, sharding: str = "ddp", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, sharding: str = "ddp", expert_parallel_size: int = 1, **kwargs: Any) -> None:
         if not isinstance(sharding, str) or sharding not in SHARDINGS:
             raise ConfigError(f"{type(self).__name__}: sharding must be one of {SHARDINGS}, got {sharding!r}")
+        check_int(f"{type(self).__name__}: expert_parallel_size", expert_parallel_size, low=1)
         super().__init__(*args, **kwargs)
         self.sharding = sharding
-        self._device_mesh: DeviceMesh | None = None
+        self.expert_parallel_size = expert_parallel_size
+        self._parallel_dims: ParallelDims | None = None
 
     def _materialize_single(self) -> None:
         """One process under ``"fsdp"``: no sharding, but a model built on the meta device still needs weights."""
@@ -77,9 +85,21 @@ class ShardedDataParallelBase(DDPStrategy):
         materialize_module(self.lightning_module, self.root_device)
 
     @property
+    def parallel_dims(self) -> ParallelDims | None:
+        """The run's layout (from :meth:`setup_environment` on), else ``None``."""
+        return self._parallel_dims
+
+    @property
     def device_mesh(self) -> DeviceMesh | None:
-        """The device mesh of ``sharding="fsdp"`` with several processes (dimension ``"dp"``), else ``None``."""
-        return self._device_mesh
+        """The ``("edp", "ep")`` device mesh with several processes (``"dp_shard"`` its flattened world), else
+        ``None``."""
+        dims = self._parallel_dims
+        return dims.mesh if dims is not None and dims.world_size > 1 else None
+
+    @property
+    def mesh_device_type(self) -> str:
+        """The device type the process group's backend serves (``"cpu"`` for gloo)."""
+        return "cpu" if self._get_process_group_backend() == "gloo" else self.root_device.type
 
     @property
     @override
@@ -95,8 +115,49 @@ class ShardedDataParallelBase(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.sharding == "fsdp" and self.world_size > 1:
-            self._device_mesh = build_device_mesh(self.root_device.type, self.world_size)
+        dims = ParallelDims(self.world_size, self.sharding, self.expert_parallel_size)
+        if dims.world_size > 1:
+            dims.build_mesh(self.mesh_device_type)
+        self._parallel_dims = dims
+
+    def _setup_expert_parallel(self) -> None:
+        """DDP with expert parallelism: each rank keeps its experts, which DDP's wrapper then leaves alone."""
+        assert self.lightning_module is not None and self._parallel_dims is not None
+        parallelize(self.lightning_module, self._parallel_dims, device=self.root_device)
+
+    @property
+    def _ddp_experts(self) -> bool:
+        dims = self._parallel_dims
+        return dims is not None and dims.ep_enabled and dims.sharding == "ddp"
+
+    def _setup_clipping(self) -> None:
+        """Clipping by norm takes the global norm of every layout (and logs it): installed on the precision plugin."""
+        self.precision_plugin = _with_global_norm_clipping(self.precision_plugin, self._clip_grad_norm)
+
+    def _clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> None:
+        module = self.lightning_module
+        dims = self._parallel_dims
+        assert module is not None
+        experts = {id(p) for _, p, _ in expert_parameters(module)} if self._ddp_experts else set()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = sharded_grads(params, experts, dims.edp if dims is not None else 1)
+        norm = clip_grad_norm(grads, max_norm, dims.dp_group if dims is not None else None)
+        module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if not self._ddp_experts:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        dims = self._parallel_dims
+        assert dims is not None
+
+        def closure_then_reduce() -> Any:
+            # Inside the closure: after the step's last backward, before clipping and the optimizer update.
+            result = closure()
+            expert_parallel.reduce_expert_gradients(self.lightning_module, dims)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
 
     def _check_fsdp_config(self, layers: LayersSpec) -> list[nn.Module]:
         """Everything ``sharding="fsdp"`` needs, checked on every world size before any step; returns the layers."""
@@ -107,19 +168,20 @@ class ShardedDataParallelBase(DDPStrategy):
         except OffloadError as err:
             raise ConfigError(f"sharding='fsdp' shards the layer stack block by block: {err}") from err
 
+    def _fsdp_mp_policy(self) -> MixedPrecisionPolicy | None:
+        """FSDP2's mixed-precision policy for the precision setting (a subclass may change its reduce dtype)."""
+        return mixed_precision_policy(self.precision_plugin.precision)
+
     def _setup_sharded(self, trainer: pl.Trainer, layers: LayersSpec) -> None:
         """Strategy setup with FSDP2 in place of the DDP wrapper: shard, materialise, then build the optimizers."""
-        assert self.accelerator is not None and self.model is not None and self._device_mesh is not None
+        assert self.accelerator is not None and self.model is not None and self._parallel_dims is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         module = self.lightning_module
         assert module is not None
-        if not any(p.is_meta for p in module.parameters()):
-            sync_module_states(module)  # built eagerly on every rank: shard rank 0's weights, as DDP would
-        policy = mixed_precision_policy(self.precision_plugin.precision)
-        shard_module(module, self._device_mesh, self._check_fsdp_config(layers), mp_policy=policy)
-        if not materialize_module(module, self.root_device):
-            module.to(self.root_device)  # buffers and parameters FSDP does not manage; shards are already there
+        policy = self._fsdp_mp_policy()
+        layers = self._check_fsdp_config(layers)
+        parallelize(module, self._parallel_dims, layers, device=self.root_device, mp_policy=policy)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -136,19 +198,25 @@ class ShardedDataParallelBase(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.sharding != "fsdp":
-            return super().lightning_module_state_dict()
         assert self.lightning_module is not None
-        return dcp_io.model_state(self.lightning_module)
+        if self.sharding == "fsdp":
+            return dcp_io.model_state(self.lightning_module)
+        state = super().lightning_module_state_dict()
+        if self._ddp_experts:  # full expert tensors: the keys and shapes of a one-process checkpoint
+            state = expert_parallel.gather_expert_state_dict(self.lightning_module, state)
+        return state
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self.sharding != "fsdp":
-            return super().optimizer_state(optimizer)
         assert self.lightning_module is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
-        return dcp_io.optimizer_state(self.lightning_module, optimizer)
+        if self.sharding == "fsdp":
+            return dcp_io.optimizer_state(self.lightning_module, optimizer)
+        state = super().optimizer_state(optimizer)
+        if self._ddp_experts:
+            state = expert_parallel.gather_expert_optimizer_state(self.lightning_module, optimizer, state)
+        return state
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
@@ -181,11 +249,44 @@ class ShardedDataParallelBase(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self.sharding != "fsdp":
-            super().load_model_state_dict(checkpoint, strict=strict)
-        # under "fsdp", load_checkpoint already loaded the shards
+        if self.sharding == "fsdp":
+            return  # load_checkpoint already loaded the shards
+        if self._ddp_experts:
+            state = expert_parallel.slice_expert_state_dict(self.lightning_module, checkpoint["state_dict"])
+            checkpoint = {**checkpoint, "state_dict": state}
+        super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self.sharding != "fsdp":
-            super().load_optimizer_state_dict(checkpoint)
+        if self.sharding == "fsdp":
+            return
+        if self._ddp_experts:
+            states = [
+                expert_parallel.slice_expert_optimizer_state(self.lightning_module, optimizer, state)
+                for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False)
+            ]
+            checkpoint = {**checkpoint, "optimizer_states": states}
+        super().load_optimizer_state_dict(checkpoint)
+
+
+class _GlobalNormClipping(Precision):
+    """Mixed into the Trainer's precision plugin: clipping by norm calls the strategy's global-norm clipping."""
+
+    _clip_by_norm: Callable[[Optimizer, float], None]
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        self._clip_by_norm(optimizer, float(clip_val))
+
+
+@functools.cache
+def _global_norm_class(base: type[Precision]) -> type[Precision]:
+    return type(base.__name__, (_GlobalNormClipping, base), {"__module__": base.__module__})
+
+
+def _with_global_norm_clipping(plugin: Precision, clip: Callable[[Optimizer, float], None]) -> Precision:
+    """``plugin`` itself, its class extended by :class:`_GlobalNormClipping` (every other behaviour unchanged)."""
+    if not isinstance(plugin, _GlobalNormClipping):
+        plugin.__class__ = _global_norm_class(type(plugin))
+    plugin._clip_by_norm = clip  # type: ignore[attr-defined]
+    return plugin

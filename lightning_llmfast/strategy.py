@@ -14,7 +14,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
@@ -23,19 +23,19 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_llmfast._checks import check_int
 from lightning_llmfast.callbacks.offload import ActivationOffload
-from lightning_llmfast.errors import ConfigError, OffloadError
+from lightning_llmfast.comm.grad import GradReduction, PowerSGDConfig, check_ddp_arguments, with_reduce_dtype
+from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
-from lightning_llmfast.parallel import expert as expert_parallel
 from lightning_llmfast.sharding import ShardedDataParallelBase
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.fabric.utilities.types import _PATH
     from lightning.pytorch.strategies.registry import _StrategyRegistry
     from lightning.pytorch.utilities.types import STEP_OUTPUT
     from torch import Tensor
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.optim import Optimizer
 
 __all__ = ["LLMFastStrategy"]
@@ -91,21 +91,32 @@ class LLMFastStrategy(ShardedDataParallelBase):
         layers: the layer stack (offloaded, and sharded block by block under ``"fsdp"``): ``None`` (the largest
             ``nn.ModuleList`` of identical blocks in the LightningModule), an attribute path such as
             ``"model.layers"``, or the modules.
-        expert_parallel_size: ``N > 1`` splits the experts of every MoE block over groups of ``N`` ranks (a
-            ``("edp", "ep")`` device mesh; :mod:`~lightning_llmfast.parallel.expert`): tokens travel by all-to-all,
-            expert gradients are averaged over the ranks holding the same experts, dense ones by DDP over all, and
-            checkpoints hold the full expert tensors. ``N`` must divide the world size and every block's experts.
+        expert_parallel_size: ``N > 1`` splits the routed experts of every MoE block over groups of ``N`` ranks (the
+            ``("edp", "ep")`` mesh of :class:`~lightning_llmfast.parallel.ParallelDims`;
+            :mod:`~lightning_llmfast.parallel.expert`): tokens travel by all-to-all. Under ``"ddp"`` expert
+            gradients are averaged over the ranks holding the same experts, dense ones by DDP over all, and
+            checkpoints hold the full expert tensors; under ``"fsdp"`` the experts are also ``fully_shard`` ed over
+            ``"edp"`` (each rank holds ``1 / world`` of every parameter). ``N`` must divide the world size and every
+            block's experts. Gradient clipping by norm (``Trainer(gradient_clip_val=...)``) takes the global norm
+            over both meshes under every layout, on the device, and logs it as ``train/grad_norm``.
+        grad_reduce_dtype: ``"bf16"`` reduces gradients in bf16 (half the bytes): DDP through torch's
+            ``bf16_compress_hook``, FSDP2 through ``MixedPrecisionPolicy.reduce_dtype``; ``None`` keeps their dtype
+            (:mod:`~lightning_llmfast.comm.grad`).
+        grad_compression: ``"powersgd"`` (or a :class:`~lightning_llmfast.comm.PowerSGDConfig`) reduces DDP
+            gradients through torch's PowerSGD hook; its per-rank state is saved in checkpoints and resumed.
         *args: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and on to DDP).
 
     Raises:
         OffloadError: at construction for an ``offload`` that is neither an ``OffloadConfig``, a bool nor ``None``;
             at :meth:`setup`, before any step, when ``layers`` matches nothing.
-        ConfigError: ``expert_parallel_size`` not an int ``>= 1``; at :meth:`setup`, when it does not divide the
-            world size or a block's experts, the model has no grouped MoE block, or the Trainer clips gradients by
-            norm (each rank would see only its own experts' norm; clipping by value works).
-        ConfigError: at construction for a ``sharding`` other than ``"ddp"`` or ``"fsdp"``, or ``"fsdp"`` with
-            ``expert_parallel_size > 1`` (not combined yet); under ``"fsdp"``, at :meth:`setup` before any step,
+        ConfigError: ``expert_parallel_size`` not an int ``>= 1``; before any step, when it does not divide the
+            world size or a block's experts, or the model has no grouped MoE block.
+        ConfigError: at construction for a ``grad_reduce_dtype`` other than ``None``/``"bf16"``, a
+            ``grad_compression`` other than ``None``/``"powersgd"``/a ``PowerSGDConfig``, both together, PowerSGD
+            with ``sharding="fsdp"``, or either with a ``ddp_comm_hook``.
+        ConfigError: at construction for a ``sharding`` other than ``"ddp"`` or ``"fsdp"``; under ``"fsdp"``, at
+            :meth:`setup` before any step,
             when ``layers`` matches nothing, the precision has no FSDP2 policy (``"16-mixed"``), or meta-device
             modules have no ``reset_parameters()``; when resuming from a file that is not a distributed checkpoint.
 
@@ -118,6 +129,9 @@ class LLMFastStrategy(ShardedDataParallelBase):
 
         trainer = L.Trainer(strategy="llmfast_fsdp", accelerator="cuda", devices=8, precision="bf16-mixed")
         trainer.fit(module, datamodule=dm, ckpt_path="ckpts/last.ckpt")  # a DCP directory, any world size
+
+        strategy = LLMFastStrategy(sharding="fsdp", expert_parallel_size=4)  # FSDP2 x EP on one mesh
+        trainer = L.Trainer(strategy=strategy, devices=8, precision="bf16-mixed", gradient_clip_val=1.0)
     """
 
     strategy_name = "llmfast"
@@ -129,14 +143,14 @@ class LLMFastStrategy(ShardedDataParallelBase):
         offload: OffloadConfig | bool | None = None,
         layers: Sequence[nn.Module] | nn.Module | str | None = None,
         expert_parallel_size: int = 1,
+        grad_reduce_dtype: str | None = None,
+        grad_compression: str | PowerSGDConfig | None = None,
         **kwargs: Any,
     ) -> None:
-        check_int(f"{type(self).__name__}: expert_parallel_size", expert_parallel_size, low=1)
-        if sharding == "fsdp" and expert_parallel_size > 1:
-            raise ConfigError(
-                f"{type(self).__name__}: sharding='fsdp' with expert_parallel_size > 1 is not supported yet; use "
-                "sharding='ddp' for expert parallelism"
-            )
+        self.grad_reduction = GradReduction.from_args(grad_reduce_dtype, grad_compression, owner=type(self).__name__)
+        """The gradient reduction (dtype or PowerSGD; bytes per step in ``wire_bytes``)."""
+        check_ddp_arguments(self.grad_reduction, sharding, kwargs, owner=type(self).__name__)
+        self._user_comm_hook = kwargs.get("ddp_comm_hook") is not None
         removed = sorted(set(kwargs) & _REMOVED_OFFLOAD_KEYWORDS)
         if removed:
             raise OffloadError(
@@ -144,10 +158,8 @@ class LLMFastStrategy(ShardedDataParallelBase):
                 "offload=True (force_offload is OffloadConfig(force=...), rebuild_gemms=True is rebuild='norms+gemms')"
             )
         self.offload_config = self._offload_config(offload)
-        super().__init__(*args, sharding=sharding, **kwargs)
+        super().__init__(*args, sharding=sharding, expert_parallel_size=expert_parallel_size, **kwargs)
         self._layers_spec = layers
-        self.expert_parallel_size = expert_parallel_size
-        self._expert_mesh: DeviceMesh | None = None
         config = self.offload_config
         self._offload = ActivationOffload(config, layers=layers) if config is not None else None
         if config is None and layers is not None and sharding != "fsdp":
@@ -202,7 +214,9 @@ class LLMFastStrategy(ShardedDataParallelBase):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        self._setup_expert_parallel(trainer)
+        self._setup_clipping()
+        if self.sharding == "ddp" and self.expert_parallel_size > 1:
+            self._setup_expert_parallel()  # before DDP wraps the model and the optimizers are built
         if self.sharding == "fsdp":
             self._check_fsdp_config(self._layers_spec)  # on every world size, before any step
         if self.sharding == "fsdp" and not self.single_process:
@@ -228,6 +242,28 @@ class LLMFastStrategy(ShardedDataParallelBase):
         return model if self.single_process else super()._setup_model(model)
 
     # ------------------------------------------------------------------ offload wiring
+    # ------------------------------------------------------------------ gradient reduction
+    @override
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        if not self._user_comm_hook:  # DDP takes one hook: the user's own (Lightning registers it) wins
+            self.grad_reduction.register(self.model)
+
+    @override
+    def _fsdp_mp_policy(self) -> MixedPrecisionPolicy | None:
+        return with_reduce_dtype(super()._fsdp_mp_policy(), self.grad_reduction.reduce_dtype)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        states = self.grad_reduction.gather_states()  # a collective: every rank saves through here
+        super().save_checkpoint({**checkpoint, **states}, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        self.grad_reduction.load_gathered_states(checkpoint, self.global_rank, self.world_size)
+        return checkpoint
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         offload, trainer = self._offload, self.lightning_module.trainer if self.lightning_module else None
@@ -271,72 +307,6 @@ class LLMFastStrategy(ShardedDataParallelBase):
         if self._offload is not None and self.lightning_module is not None:
             self._offload.teardown(self.lightning_module.trainer, self.lightning_module, "fit")
         super().teardown()
-
-    # ------------------------------------------------------------------ expert-parallel wiring
-    @property
-    def expert_mesh(self) -> DeviceMesh | None:
-        """The ``("edp", "ep")`` mesh with ``expert_parallel_size > 1`` (after :meth:`setup`), else ``None``."""
-        return self._expert_mesh
-
-    def _setup_expert_parallel(self, trainer: pl.Trainer) -> None:
-        # Before DDP wraps the model and the optimizers are built: both must see the local experts only.
-        if self.expert_parallel_size > 1 and self._expert_mesh is None:
-            assert self.lightning_module is not None
-            if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
-                # Each rank would take the norm over its own experts and clip its dense replica by another factor.
-                raise ConfigError(
-                    f"{type(self).__name__}: gradient clipping by norm is not supported with expert_parallel_size > 1 "
-                    "(the norm would cover each rank's experts only); use gradient_clip_algorithm='value'"
-                )
-            device = "cpu" if self._get_process_group_backend() == "gloo" else self.root_device.type
-            self._expert_mesh = expert_parallel.shard_model_experts(
-                self.lightning_module, self.expert_parallel_size, device
-            )
-
-    @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        mesh = self._expert_mesh
-        if mesh is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-        def closure_then_reduce() -> Any:
-            # Inside the closure: after the step's last backward, before clipping and the optimizer update.
-            result = closure()
-            expert_parallel.reduce_expert_gradients(self.lightning_module, mesh)
-            return result
-
-        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = super().lightning_module_state_dict()
-        if self._expert_mesh is None:
-            return state
-        return expert_parallel.gather_expert_state_dict(self.lightning_module, state)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._expert_mesh is not None:
-            state = expert_parallel.slice_expert_state_dict(self.lightning_module, checkpoint["state_dict"])
-            checkpoint = {**checkpoint, "state_dict": state}
-        super().load_model_state_dict(checkpoint, strict=strict)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        state = super().optimizer_state(optimizer)
-        if self._expert_mesh is None:
-            return state
-        return expert_parallel.gather_expert_optimizer_state(self.lightning_module, optimizer, state)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._expert_mesh is not None:
-            states = [
-                expert_parallel.slice_expert_optimizer_state(self.lightning_module, optimizer, state)
-                for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False)
-            ]
-            checkpoint = {**checkpoint, "optimizer_states": states}
-        super().load_optimizer_state_dict(checkpoint)
 
     # ------------------------------------------------------------------ registry
     @classmethod

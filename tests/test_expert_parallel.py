@@ -16,6 +16,7 @@ from lightning_llmfast.bench.counters import HostReadCounter, SyncCounter
 from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.moe import MoEBlock
 from lightning_llmfast.moe.expert_parallel import ExpertParallelDispatch, shard_experts
+from lightning_llmfast.parallel.dims import ParallelDims
 from lightning_llmfast.parallel.expert import (
     gather_expert_optimizer_state,
     gather_expert_state_dict,
@@ -177,10 +178,12 @@ def _error_cases(rank: int, world: int) -> None:
         block(torch.randn(4 + (rank == 1), 8))
     with pytest.raises(ConfigError, match="already sharded"):
         shard_experts(block, dist.group.WORLD)
+    dims = ParallelDims(world, "ddp", world)
+    dims.build_mesh("cpu")
     with pytest.raises(ConfigError, match="no grouped MoE block"):
-        shard_model_experts(torch.nn.Linear(2, 2), world)
-    with pytest.raises(ConfigError, match="must divide the world size"):
-        shard_model_experts(MoEBlock(8, 16, 12, 1), world + 1)
+        shard_model_experts(torch.nn.Linear(2, 2), dims)
+    with pytest.raises(ConfigError, match="must divide the number of experts"):
+        shard_model_experts(MoEBlock(8, 16, 2 * world + 1, 1), dims)
     dist.barrier()
 
 
@@ -190,13 +193,15 @@ def _mesh_case(rank: int, world: int) -> None:
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), MoEBlock(8, 16, 4, 2, backend="torch"))
     reference = copy.deepcopy(model)
-    mesh = shard_model_experts(model, 2)
-    assert mesh["ep"].size() == 2 and mesh["edp"].size() == world // 2
+    dims = ParallelDims(world, "ddp", 2)
+    dims.build_mesh("cpu")
+    shard_model_experts(model, dims)
+    assert dims.ep_mesh.size() == 2 and dims.edp_mesh.size() == world // 2
     ddp = DistributedDataParallel(model)
     x, g = _inputs(world, 5, 8, torch.float32, 9)
     mine = slice(rank * 5, (rank + 1) * 5)
     (ddp(x[mine]) * g[mine]).sum().add(AUX * model[1].last_aux_loss).backward()
-    reduce_expert_gradients(model, mesh)
+    reduce_expert_gradients(model, dims)
     (reference(x) * g).sum().div(world).add(AUX * reference[1].last_aux_loss).backward()
     local = model[1].expert_dispatch.local_experts
     for name, param in reference.named_parameters():

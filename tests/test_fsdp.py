@@ -28,7 +28,7 @@ from lightning_llmfast.parallel.checkpoint import (
     is_distributed_checkpoint,
     load_distributed_checkpoint,
 )
-from lightning_llmfast.parallel.fsdp import materialize_module, mesh_shape, mixed_precision_policy, shard_module
+from lightning_llmfast.parallel.fsdp import materialize_module, mixed_precision_policy, shard_module
 
 WORKER = Path(worker.__file__)
 HALF = f"epoch=0-step={worker.STEPS // 2}.ckpt"
@@ -155,32 +155,8 @@ def test_registered_names_and_bad_sharding() -> None:
     for bad in ("zero3", "FSDP", None, 1):
         with pytest.raises(ConfigError, match="sharding must be one of"):
             LLMFastStrategy(sharding=bad)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="expert_parallel_size > 1 is not supported yet"):
-        LLMFastStrategy(sharding="fsdp", expert_parallel_size=2)
-
-
-@pytest.mark.parametrize(
-    ("world", "dims", "expected"),
-    [
-        (4, None, {"dp": 4}),
-        (8, {"dp": -1, "ep": 2}, {"dp": 4, "ep": 2}),
-        (6, {"dp": 2, "ep": 3}, {"dp": 2, "ep": 3}),
-        (4, {"dp": 3}, None),
-        (4, {"dp": -1, "ep": 3}, None),
-        (6, {"dp": 2, "ep": 2}, None),
-        (4, {"dp": -1, "ep": -1}, None),
-        (4, {"dp": 0}, None),
-        (4, {}, None),
-    ],
-)
-def test_mesh_shape_resolves_or_refuses_a_mesh_that_does_not_divide_the_world(
-    world: int, dims: dict[str, int] | None, expected: dict[str, int] | None
-) -> None:
-    if expected is None:
-        with pytest.raises(ConfigError, match="device mesh"):
-            mesh_shape(world, dims)
-    else:
-        assert mesh_shape(world, dims) == expected
+    strategy = LLMFastStrategy(sharding="fsdp", expert_parallel_size=2)  # FSDP2 x EP: checked against the world
+    assert (strategy.sharding, strategy.expert_parallel_size) == ("fsdp", 2)
 
 
 def test_precision_maps_to_fsdp_mixed_precision() -> None:

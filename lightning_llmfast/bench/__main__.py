@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_llmfast.bench", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--profile",
-        choices=sorted([*PROFILES, "fsdp"]),
+        choices=sorted([*PROFILES, "fsdp", "scaling"]),
         default="quick",
-        help="quick (CPU), full (GPU), fsdp (2 CPU processes: FSDP2 vs DDP vs Lightning's FSDP2 peer)",
+        help="quick (CPU), full (GPU), fsdp (2 CPU processes: FSDP2 vs DDP vs Lightning's FSDP2 peer), "
+        "scaling (tokens/s and efficiency on 1, 2, 4 processes at 3 batch sizes)",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", type=Path, help="write the result dictionary here")
@@ -72,6 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json(fsdp_result)
         print(fsdp_markdown(fsdp_result))
         return 0
+    if args.profile == "scaling":
+        return _scaling(args, write_json)
     result = run_benchmark(
         args.profile,
         args.device,
@@ -91,6 +94,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(markdown_report(result))
     for warning in result["warnings"]:
         print(f"WARNING: {warning}", file=sys.stderr)
+    return 0
+
+
+def _scaling(args: argparse.Namespace, write_json: Callable[[dict[str, Any]], None]) -> int:
+    from lightning_llmfast.bench.scaling import plot_scaling, run_scaling_benchmark, scaling_markdown
+
+    result = run_scaling_benchmark(
+        device=args.device, repeats=args.repeats, measured_steps=args.steps,
+        log=lambda msg: print(msg, file=sys.stderr, flush=True),
+    )  # fmt: skip
+    write_json(result)
+    if args.plot is not None and not plot_scaling(result, args.plot):
+        print("--plot skipped: matplotlib is not installed", file=sys.stderr)
+    print(scaling_markdown(result))
     return 0
 
 

@@ -1,5 +1,5 @@
 """Lightning callbacks: packed-sequence metadata, real-token throughput, expert load (and its torchmetrics metric),
-expert balance and activation offload."""
+expert balance, activation offload and system metrics (device busy, memory, gradient-sync time)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ _LAZY = {
     "ExpertBalanceCallback": "lightning_llmfast.callbacks.moe",
     "ExpertLoadMetric": "lightning_llmfast.callbacks.expert_metric",
     "ActivationOffload": "lightning_llmfast.callbacks.offload",
+    "SystemMetricsMonitor": "lightning_llmfast.callbacks.system",
 }
 
 __all__ = list(_LAZY)

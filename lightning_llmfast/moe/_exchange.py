@@ -62,10 +62,14 @@ def _gather(x: Tensor, index: Tensor, mask: Tensor | None) -> Tensor:
 
 
 def comm_device(group: dist.ProcessGroup, fallback: torch.device) -> torch.device:
-    """Where tensors of host-side handshakes live: the current CUDA device for NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
+    """Where tensors of host-side handshakes live: the CPU for gloo, else the device of the data (``fallback``), or
+    the current CUDA device for NCCL when the data is still on the CPU."""
+    backend = dist.get_backend(group)
+    if backend == "gloo":
+        return torch.device("cpu")
+    if backend == "nccl" and fallback.type == "cpu":
         return torch.device("cuda", torch.cuda.current_device())
-    return fallback if fallback.type == "cpu" else torch.device("cpu")
+    return fallback
 
 
 def all_to_all(

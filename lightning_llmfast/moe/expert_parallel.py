@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_llmfast._autograd import in_backward
 from lightning_llmfast.errors import ConfigError, RoutingError
@@ -132,6 +133,8 @@ class ExpertParallelDispatch(nn.Module):
         """
         if x.dim() != 2 or x.shape[0] != plan.num_tokens:
             raise RoutingError(f"x must have shape (num_tokens={plan.num_tokens}, hidden), got {tuple(x.shape)}")
+        # Under FSDP2 the gathered expert weights are DTensors sharded over this group: the local experts are ours.
+        gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (gate_up, down))
         if plan.num_experts != self.num_experts or gate_up.shape[0] != self.num_local:
             raise RoutingError(
                 f"expected a plan over {self.num_experts} experts and {self.num_local} local experts, got "
@@ -401,6 +404,8 @@ def _check_same_blocks(params: dict[str, Tensor], group: dist.ProcessGroup) -> N
     shapes = [d for p in params.values() for d in p.shape][:_SHAPE_SLOTS]
     shapes += [-1] * (_SHAPE_SLOTS - len(shapes))
     device = next(iter(params.values())).device
+    if device.type == "meta":
+        return  # nothing allocated (a sharding plan, or a model built on the meta device): one config's shapes
     mine = torch.tensor([len(params), *shapes], dtype=torch.int64, device=comm_device(group, device))
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)

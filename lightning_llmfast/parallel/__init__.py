@@ -1,9 +1,14 @@
-"""Distributed layouts for the Lightning layer: sharded data parallel (FSDP2) and expert parallelism.
+"""Distributed layouts for the Lightning layer: one device mesh for FSDP2 and expert parallelism.
 
-These helpers build DeviceMeshes and apply ``torch.distributed`` primitives (``fully_shard``, expert sharding) to a
-model; :class:`~lightning_llmfast.LLMFastStrategy` calls them. They own no communication of their own.
+:class:`ParallelDims` holds the run's layout and builds its one DeviceMesh (``"edp"`` x ``"ep"``, flattened to
+``"dp_shard"``); :func:`parallelize` applies it to a model with ``torch.distributed`` primitives (``fully_shard``,
+expert sharding); :class:`~lightning_llmfast.LLMFastStrategy` calls them. They own no communication of their own.
 
-- :mod:`~lightning_llmfast.parallel.fsdp`: meshes, per-block ``fully_shard``, mixed precision, meta materialisation.
+- :mod:`~lightning_llmfast.parallel.dims`: the layout and its mesh.
+- :mod:`~lightning_llmfast.parallel.fsdp`: per-block ``fully_shard``, mixed precision, start-up broadcast, meta
+  materialisation.
+- :mod:`~lightning_llmfast.parallel.expert`: expert sharding over ``"ep"`` (and ``"edp"`` under FSDP2).
+- :mod:`~lightning_llmfast.parallel.clip`: gradient clipping by the global norm across both meshes.
 - :mod:`~lightning_llmfast.parallel.checkpoint`: DCP save/load with resharding and the single-file export.
 
 Example::
@@ -19,22 +24,27 @@ from lightning_llmfast.parallel.checkpoint import (
     load_distributed_checkpoint,
     save_distributed_checkpoint,
 )
+from lightning_llmfast.parallel.clip import clip_grad_norm, global_grad_norm
+from lightning_llmfast.parallel.dims import ParallelDims
 from lightning_llmfast.parallel.fsdp import (
-    build_device_mesh,
+    broadcast_module_states,
     materialize_module,
-    mesh_shape,
     mixed_precision_policy,
     shard_module,
 )
+from lightning_llmfast.parallel.layout import parallelize
 
 __all__ = [
-    "build_device_mesh",
+    "ParallelDims",
+    "broadcast_module_states",
+    "clip_grad_norm",
     "consolidate_checkpoint",
+    "global_grad_norm",
     "is_distributed_checkpoint",
     "load_distributed_checkpoint",
     "materialize_module",
-    "mesh_shape",
     "mixed_precision_policy",
+    "parallelize",
     "save_distributed_checkpoint",
     "shard_module",
 ]

@@ -1,48 +1,43 @@
-"""FSDP2 for the Lightning layer: device meshes, per-block ``fully_shard``, mixed precision, meta materialisation.
+"""FSDP2 for the Lightning layer: per-block ``fully_shard``, mixed precision, start-up broadcast, meta materialisation.
 
-Everything here applies ``torch.distributed`` primitives (``init_device_mesh``, ``fully_shard``,
-``MixedPrecisionPolicy``); nothing shards or communicates by itself. The layout follows torchtitan: every block of
-the layer stack is its own FSDP2 group (its parameters are gathered just before it runs and freed after), and every
-top-level child of the LightningModule that still holds parameters (embeddings, final norm, head) is a root group.
+Everything here applies ``torch.distributed`` primitives (``fully_shard``, ``MixedPrecisionPolicy``, ``broadcast``)
+on the meshes of :class:`~lightning_llmfast.parallel.ParallelDims`; nothing shards or communicates by itself. The
+layout follows torchtitan: every block of the layer stack is its own FSDP2 group (its parameters are gathered just
+before it runs and freed after), and every top-level child of the LightningModule that still holds parameters
+(embeddings, final norm, head) is a root group.
 
 Example::
 
-    mesh = build_device_mesh("cuda", world_size=8)           # 1-D mesh, dimension "dp"
-    roots = shard_module(lightning_module, mesh, layers=lightning_module.model.layers,
+    dims = ParallelDims(8, "fsdp")
+    dims.build_mesh("cuda")
+    roots = shard_module(lightning_module, dims.dp_shard_mesh, layers=lightning_module.model.layers,
                          mp_policy=mixed_precision_policy("bf16-mixed"))
     materialize_module(lightning_module, torch.device("cuda"))  # only if built on the meta device
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_llmfast.errors import ConfigError
 
 __all__ = [
-    "DP_DIM",
-    "SHARDINGS",
-    "build_device_mesh",
+    "BROADCAST_BUCKET_BYTES",
+    "broadcast_module_states",
     "materialize_module",
-    "mesh_shape",
     "mixed_precision_policy",
     "shard_module",
-    "sync_module_states",
 ]
 
-SHARDINGS: tuple[str, ...] = ("ddp", "fsdp")
-"""Values of ``LLMFastStrategy(sharding=...)``."""
-
-DP_DIM = "dp"
-"""Name of the data-parallel (sharding) mesh dimension."""
+BROADCAST_BUCKET_BYTES = 25 << 20
+"""Largest flat buffer of :func:`broadcast_module_states` (DDP's default bucket size)."""
 
 # Lightning precision -> FSDP2 policy: parameters gathered for compute in `param_dtype`, gradients reduced in
 # `reduce_dtype`, sharded master weights and optimizer state stay in the module's dtype (fp32 under "-mixed").
@@ -53,66 +48,6 @@ _POLICIES: dict[str, tuple[torch.dtype, torch.dtype] | None] = {
     "bf16-true": None,
     "16-true": None,
 }
-
-
-def mesh_shape(world_size: int, dims: Mapping[str, int] | None = None) -> dict[str, int]:
-    """Resolve the sizes of the named mesh dimensions for ``world_size`` ranks.
-
-    Args:
-        world_size: number of ranks.
-        dims: dimension name -> size, outermost first; at most one size may be ``-1`` (whatever remains).
-            ``None`` is ``{"dp": -1}``: one data-parallel dimension over every rank.
-
-    Returns:
-        Dimension name -> size, whose product is ``world_size``.
-
-    Raises:
-        ConfigError: a size that is not an int ``>= 1`` (or one ``-1``), or sizes whose product does not divide
-            (with ``-1``) or equal ``world_size``.
-
-    Example::
-
-        mesh_shape(8)                       # {"dp": 8}
-        mesh_shape(8, {"dp": -1, "ep": 2})  # {"dp": 4, "ep": 2}
-    """
-    dims = dict(dims) if dims is not None else {DP_DIM: -1}
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"device mesh: world_size must be an int >= 1, got {world_size!r}")
-    if not dims:
-        raise ConfigError("device mesh: needs at least one dimension")
-    for name, size in dims.items():
-        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
-            raise ConfigError(f"device mesh: size of {name!r} must be an int >= 1 or -1, got {size!r}")
-    free = [name for name, size in dims.items() if size == -1]
-    if len(free) > 1:
-        raise ConfigError(f"device mesh: at most one dimension may be -1, got {free}")
-    fixed = math.prod(size for size in dims.values() if size != -1)
-    if world_size % fixed or (not free and fixed != world_size):
-        raise ConfigError(
-            f"device mesh {dims} does not divide the world size {world_size} (the product of the sizes must "
-            f"{'divide' if free else 'equal'} it)"
-        )
-    return {name: (world_size // fixed if size == -1 else size) for name, size in dims.items()}
-
-
-def build_device_mesh(device_type: str, world_size: int, dims: Mapping[str, int] | None = None) -> DeviceMesh:
-    """A :class:`~torch.distributed.device_mesh.DeviceMesh` over every rank of the default process group.
-
-    Args:
-        device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
-        world_size: number of ranks (must match the process group).
-        dims: as :func:`mesh_shape`; ``None`` is a 1-D mesh named :data:`DP_DIM`.
-
-    Raises:
-        ConfigError: as :func:`mesh_shape`, before any process group call.
-
-    Example::
-
-        mesh = build_device_mesh("cpu", 4)
-        mesh[DP_DIM].size()  # 4
-    """
-    shape = mesh_shape(world_size, dims)
-    return init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
@@ -155,7 +90,7 @@ def shard_module(
 
     Args:
         module: the model (a LightningModule or any module whose children are called through ``forward``).
-        mesh: the data-parallel mesh (:func:`build_device_mesh`); checked only by ``fully_shard``, after the
+        mesh: the data-parallel mesh (:attr:`ParallelDims.dp_shard_mesh`); checked only by ``fully_shard``, after the
             arguments above.
         layers: the blocks of the layer stack, in execution order, all inside ``module``.
         mp_policy: FSDP2 mixed precision (:func:`mixed_precision_policy`); ``None`` computes in the stored dtype.
@@ -173,7 +108,7 @@ def shard_module(
 
         roots = shard_module(lightning_module, mesh, lightning_module.model.layers)
     """
-    if any(isinstance(m, FSDPModule) for m in module.modules()):
+    if layers and all(isinstance(layer, FSDPModule) for layer in layers):
         return [child for child in module.children() if isinstance(child, FSDPModule)]
     inside = {id(m) for m in module.modules()}
     if not layers or any(id(layer) not in inside or layer is module for layer in layers):
@@ -201,23 +136,44 @@ def shard_module(
     return roots
 
 
-def sync_module_states(module: nn.Module, src: int = 0) -> None:
-    """Broadcast every parameter and buffer of ``module`` from rank ``src``, as DDP does at construction.
+def broadcast_module_states(
+    module: nn.Module, device: torch.device, *, src: int = 0, bucket_bytes: int = BROADCAST_BUCKET_BYTES
+) -> int:
+    """Move ``module`` to ``device``, then broadcast its parameters and buffers from rank ``src`` in buckets.
 
     Used before sharding a model that every rank built eagerly, so that the shards come from one model even when
-    the ranks' seeds differ. Already sharded parameters (DTensors) are left alone. A no-op without an initialised
-    process group.
+    the ranks' seeds differ (DDP does the same at construction). The move comes first: a process group on NCCL
+    takes device tensors only. Tensors are packed by dtype into flat buckets of at most ``bucket_bytes`` (one larger
+    tensor is a bucket alone), so a model costs a few broadcasts, not one per tensor. Already sharded parameters
+    (DTensors) are left alone. Without an initialised process group only the move happens.
+
+    Returns:
+        The number of broadcasts issued.
 
     Example::
 
-        sync_module_states(model)  # every rank now holds rank 0's weights
+        broadcast_module_states(model, torch.device("cuda", local_rank))  # every rank now holds rank 0's weights
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return
+    module.to(device)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return 0
+    tensors = [t for t in [*module.parameters(), *module.buffers()] if not isinstance(t, DTensor)]
+    buckets: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+    sizes: dict[torch.dtype, tuple[int, int]] = {}  # dtype -> (bucket index, bytes in it)
+    for tensor in tensors:
+        index, used = sizes.get(tensor.dtype, (0, 0))
+        size = tensor.numel() * tensor.element_size()
+        if used and used + size > bucket_bytes:
+            index, used = index + 1, 0
+        sizes[tensor.dtype] = (index, used + size)
+        buckets.setdefault((tensor.dtype, index), []).append(tensor)
     with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            if not isinstance(tensor, DTensor):
-                dist.broadcast(tensor, src=src)
+        for bucket in buckets.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+            dist.broadcast(flat, src=src)
+            for tensor, chunk in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+                tensor.copy_(chunk.view_as(tensor))
+    return len(buckets)
 
 
 def _shared_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:

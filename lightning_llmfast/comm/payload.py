@@ -1,0 +1,159 @@
+"""Quantized all-to-all payloads of expert parallelism: rows sent in bf16 or fp8 (e4m3, one scale per row).
+
+The fp8 layout is the one DeepEP and Megatron-Core use: each row ``x`` is sent as ``q = e4m3(x / s)`` with the row's
+scale ``s = max|x| / 448`` (448 is e4m3's largest finite value), and received as ``q * s``. Here the fp32 scale
+travels in the same message, as 4 more bytes at the end of the row (``H + 4`` bytes a row against bf16's ``2 H``),
+so one ``all_to_all_single`` moves both. Rounding: e4m3 keeps 3 mantissa bits, so every element comes back within
+``max(2**-4 * |x|, 2**-10 * s)`` of what was sent (half a unit in the last place; the second term covers e4m3's
+subnormals); bf16 within ``2**-8 * |x|``.
+
+:func:`exchange` is the differentiable exchange: the forward sends ``wire``, the backward sends the gradient back by
+the reverse exchange in ``grad_wire`` (quantization is treated as the identity in the gradient, the usual
+straight-through choice). Nothing reads a device value on the host.
+
+Example::
+
+    received = exchange(rows, out_splits, in_splits, group, wire="fp8", grad_wire="bf16")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_llmfast.errors import ConfigError
+
+__all__ = ["E4M3_MAX", "WIRES", "DispatchPayload", "dequantize_rows", "exchange", "quantize_rows", "wire_row_bytes"]
+
+E4M3_MAX = 448.0
+"""The largest finite value of ``torch.float8_e4m3fn``."""
+
+WIRES = ("bf16", "fp8")
+"""Payload names: ``None`` (the activations' own dtype) or one of these."""
+
+_SCALE_BYTES = 4
+
+
+@dataclass(frozen=True)
+class DispatchPayload:
+    """What expert-parallel exchanges put on the wire.
+
+    Args:
+        dispatch: the tokens sent to their experts: ``"bf16"``, ``"fp8"`` (e4m3, one fp32 scale per row) or ``None``
+            (their own dtype).
+        combine: the expert outputs sent back, and every gradient exchange: ``"bf16"`` or ``None`` (``"fp32"``
+            is accepted as a name for ``None``: the activations' own dtype, fp32 in fp32 training). Defaults to
+            ``"bf16"`` when ``dispatch`` is set.
+
+    Raises:
+        ConfigError: an unknown name, or ``combine="fp8"`` (outputs and gradients are not sent in fp8).
+
+    Example::
+
+        DispatchPayload("fp8")  # fp8 dispatch, bf16 combine and gradients
+        DispatchPayload("bf16", combine="fp32")
+    """
+
+    dispatch: str | None = None
+    combine: str | None = "default"
+
+    def __post_init__(self) -> None:
+        if self.dispatch is not None and self.dispatch not in WIRES:
+            raise ConfigError(f"dispatch_dtype must be None or one of {WIRES}, got {self.dispatch!r}")
+        combine = self.combine
+        if combine == "default":
+            combine = "bf16" if self.dispatch is not None else None
+        elif combine == "fp32":
+            combine = None
+        if combine not in (None, "bf16"):
+            raise ConfigError(f"the combine payload must be None, 'bf16' or 'fp32', got {self.combine!r}")
+        object.__setattr__(self, "combine", combine)
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(q, scale)``: ``x`` ``(R, H)`` as e4m3 with one fp32 scale per row (``max|row| / 448``; 1 for zero rows)."""
+    amax = x.detach().abs().amax(dim=1).float() if x.shape[1] else x.new_zeros(x.shape[0], dtype=torch.float32)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, 1.0)
+    q = (x.float() / scale[:, None]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_rows(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``q * scale`` per row, in ``dtype``."""
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+def wire_row_bytes(wire: str | None, hidden: int, dtype: torch.dtype) -> int:
+    """Bytes one row of ``hidden`` values takes on the wire (fp8: its scale included)."""
+    if wire == "fp8":
+        return hidden + _SCALE_BYTES
+    return hidden * (2 if wire == "bf16" else dtype.itemsize)
+
+
+def _encode(x: Tensor, wire: str | None) -> Tensor:
+    if wire == "bf16":
+        return x.to(torch.bfloat16)
+    if wire == "fp8":
+        q, scale = quantize_rows(x)
+        return torch.cat([q.view(torch.uint8), scale[:, None].view(torch.uint8)], dim=1)
+    return x
+
+
+def _decode(wire_rows: Tensor, wire: str | None, dtype: torch.dtype) -> Tensor:
+    if wire == "fp8":
+        hidden = wire_rows.shape[1] - _SCALE_BYTES
+        q = wire_rows[:, :hidden].contiguous().view(torch.float8_e4m3fn)
+        scale = wire_rows[:, hidden:].contiguous().view(torch.float32).squeeze(1)
+        return dequantize_rows(q, scale, dtype)
+    return wire_rows.to(dtype)
+
+
+def _all_to_all(rows: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: Any) -> Tensor:
+    count = rows.shape[0] if out_splits is None else sum(out_splits)
+    out = rows.new_empty((count, *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, splits: tuple[Any, Any], group: Any, wires: tuple[Any, Any]) -> Tensor:
+        out_splits, in_splits = splits
+        ctx.splits, ctx.group, ctx.wire, ctx.dtype = (in_splits, out_splits), group, wires[1], x.dtype
+        return _decode(_all_to_all(_encode(x, wires[0]), out_splits, in_splits, group), wires[0], x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        back = _all_to_all(_encode(grad, ctx.wire), out_splits, in_splits, ctx.group)
+        return _decode(back, ctx.wire, ctx.dtype), None, None, None
+
+
+def exchange(
+    x: Tensor,
+    out_splits: list[int] | None,
+    in_splits: list[int] | None,
+    group: dist.ProcessGroup,
+    *,
+    wire: str | None,
+    grad_wire: str | None,
+) -> Tensor:
+    """``all_to_all_single`` of the rows of ``x`` sent as ``wire``, returned in ``x``'s dtype; differentiable.
+
+    Args:
+        x: ``(R, H)`` rows, in send order.
+        out_splits: rows received from each rank (``None``: equal).
+        in_splits: rows sent to each rank (``None``: equal).
+        group: the process group.
+        wire: the payload of the forward exchange (``None``, ``"bf16"``, ``"fp8"``).
+        grad_wire: the payload of the gradients' reverse exchange (``None`` or ``"bf16"``).
+
+    Example::
+
+        recv = exchange(rows, None, None, group, wire="fp8", grad_wire="bf16")  # capacity mode: equal splits
+    """
+    return _Exchange.apply(x, (out_splits, in_splits), group, (wire, grad_wire))

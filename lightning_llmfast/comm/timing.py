@@ -1,0 +1,176 @@
+"""Timers that never synchronise the step: stamps are taken in the step and read later, once they have completed.
+
+A *clock* takes stamps and measures between them. :class:`HostClock` stamps with ``time.perf_counter`` (CPU
+training, where the host runs the work). :class:`EventClock` records a CUDA event on the current stream and reads
+``elapsed_time`` only after ``query()`` says both events completed, so reading never blocks either. A test passes
+its own clock (any object with ``stamp()``, ``ready(stamp)`` and ``elapsed_ms(a, b)``).
+
+:class:`SpanTimer` times the gradient reduction of each step: from the first bucket's launch to the completion of
+the last one. :class:`BusyTimer` times the fraction of the wall time the device spends inside the steps.
+
+Example::
+
+    timer = SpanTimer(HostClock())
+    start = timer.begin()      # in the communication hook, per bucket
+    timer.end(start, last=True)  # when the bucket's future completed
+    timer.read_ms()            # at a log point: mean ms per completed step, or None
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["BusyTimer", "Clock", "EventClock", "HostClock", "SpanTimer", "clock_for"]
+
+# Steps kept while waiting to be read; older ones are dropped (a run that never reads must not grow without bound).
+_MAX_PENDING = 1024
+
+
+class Clock(Protocol):
+    """Takes stamps and measures between completed ones."""
+
+    def stamp(self) -> Any:
+        """A new stamp, now (on the host or in the current stream's order)."""
+
+    def ready(self, stamp: Any) -> bool:
+        """Whether ``stamp`` has been reached (non-blocking)."""
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Milliseconds from ``start`` to ``end``; both are ready."""
+
+
+class HostClock:
+    """Host time: every stamp is ready when taken."""
+
+    def stamp(self) -> float:
+        return time.perf_counter()
+
+    def ready(self, stamp: float) -> bool:
+        return True
+
+    def elapsed_ms(self, start: float, end: float) -> float:
+        return (end - start) * 1e3
+
+
+class EventClock:
+    """CUDA time: a timing event recorded on the current stream; read once ``query()`` is true (no blocking)."""
+
+    def stamp(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ready(self, stamp: torch.cuda.Event) -> bool:
+        return bool(stamp.query())
+
+    def elapsed_ms(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return float(start.elapsed_time(end))
+
+
+def clock_for(device: torch.device) -> Clock:
+    """:class:`EventClock` for a CUDA device, :class:`HostClock` otherwise."""
+    return EventClock() if device.type == "cuda" else HostClock()
+
+
+class _Span:
+    __slots__ = ("ends", "last_launched", "launched", "start")
+
+    def __init__(self, start: Any) -> None:
+        self.start, self.ends, self.launched, self.last_launched = start, [], 0, False
+
+
+class SpanTimer:
+    """Per step, the time from the first :meth:`begin` to the last :meth:`end` (the step's gradient reduction).
+
+    ``begin`` is called when a bucket is launched, ``end`` when its future completed (possibly on a communication
+    thread: the timer is thread-safe); the bucket launched with ``last=True`` closes the step once every bucket
+    launched in it has ended. Nothing here waits for the device.
+
+    Args:
+        clock: takes the stamps (:func:`clock_for` the training device).
+    """
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._open: _Span | None = None
+        self._closed: list[_Span] = []
+
+    def begin(self, last: bool = False) -> _Span:
+        """Stamp a bucket's launch; returns the handle to pass to :meth:`end`."""
+        with self._lock:
+            if self._open is None:
+                self._open = _Span(self.clock.stamp())
+            span = self._open
+            span.launched += 1
+            if last:
+                span.last_launched = True
+                self._open = None  # the next bucket starts the next step
+            return span
+
+    def end(self, span: _Span) -> None:
+        """Stamp a bucket's completion (from the future's callback)."""
+        stamp = self.clock.stamp()
+        with self._lock:
+            span.ends.append(stamp)
+            if span.last_launched and len(span.ends) == span.launched:
+                self._closed.append(span)
+                del self._closed[:-_MAX_PENDING]
+
+    def read_ms(self) -> float | None:
+        """Mean milliseconds per step over the closed steps whose stamps completed, or ``None`` if there is none.
+
+        Steps read are forgotten; steps whose stamps are still pending stay for the next read.
+        """
+        with self._lock:
+            done = [s for s in self._closed if self.clock.ready(s.start) and all(map(self.clock.ready, s.ends))]
+            self._closed = [s for s in self._closed if s not in done]
+        if not done:
+            return None
+        spans = [max(self.clock.elapsed_ms(s.start, end) for end in s.ends) for s in done]
+        return sum(spans) / len(spans)
+
+
+class BusyTimer:
+    """The fraction of wall time the device spent inside training steps.
+
+    :meth:`step_start` and :meth:`step_end` stamp each step in the device's order; step ``i`` counts once step
+    ``i + 1`` started: ``busy = sum(end_i - start_i) / sum(start_{i+1} - start_i)``. Time between steps (data
+    loading, logging, host work the device waits for) lowers it; idle gaps *inside* a step (a host that launches
+    kernels slower than the device runs them) do not, since events only mark the stream's order.
+
+    Args:
+        clock: takes the stamps (an :class:`EventClock` on CUDA).
+    """
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self._steps: list[tuple[Any, Any | None]] = []
+
+    def step_start(self) -> None:
+        """Stamp a step's start (also the previous step's wall-time end)."""
+        self._steps.append((self.clock.stamp(), None))
+        del self._steps[:-_MAX_PENDING]
+
+    def step_end(self) -> None:
+        """Stamp the end of the step started last."""
+        if self._steps and self._steps[-1][1] is None:
+            self._steps[-1] = (self._steps[-1][0], self.clock.stamp())
+
+    def read(self) -> float | None:
+        """The busy fraction over the steps complete so far (read steps are forgotten), or ``None``."""
+        busy = total = 0.0
+        count = 0
+        ready = self.clock.ready
+        for (start, end), (following, _) in zip(self._steps, self._steps[1:]):
+            if end is None or not (ready(start) and ready(end) and ready(following)):
+                break
+            busy += self.clock.elapsed_ms(start, end)
+            total += self.clock.elapsed_ms(start, following)
+            count += 1
+        del self._steps[:count]
+        return busy / total if count and total > 0 else None

@@ -1,0 +1,325 @@
+"""A sharding plan at any scale without the hardware: the strategy's real FSDP2 x EP layout on a fake process group.
+
+:func:`sharding_plan` builds the model on the meta device (nothing allocated), joins torch's fake process group
+(collectives are no-ops, thousands of ranks in one process), applies :func:`~lightning_llmfast.parallel.parallelize`
+exactly as :class:`~lightning_llmfast.LLMFastStrategy` does under ``sharding="fsdp"``, and reads every rank's share
+of every parameter from the resulting DTensors. :func:`formula_plan` computes the same rows in closed form
+(``docs/distributed.md`` states it); a test holds the two equal.
+
+Per rank: parameter bytes (dense and routed experts), gradient bytes (as the parameters) and AdamW state bytes (two
+fp32 moments). Per step and rank: bytes received by FSDP2's all-gathers (in the compute dtype; every group gathered
+in forward and again in backward, except the roots and the last layer's own group, once), bytes sent by its
+reduce-scatters (in the reduce dtype, once per group) and the expected all-to-all bytes of the token exchange
+(dispatch and combine, forward and backward, the ``(ep - 1) / ep`` of the rows that leave the rank under uniform
+routing).
+
+Example::
+
+    python -m lightning_llmfast.plan deepseek-v3 --world 256 --ep 64
+
+    plan = sharding_plan("qwen3-235b-a22b", world=256, ep=64)
+    plan.ranks[0].expert_params  # bytes of routed-expert parameters on rank 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.parallel.dims import ParallelDims
+from lightning_llmfast.parallel.expert import grouped_moe_blocks
+from lightning_llmfast.parallel.layout import parallelize
+
+__all__ = [
+    "PRESETS",
+    "ParamShape",
+    "RankBytes",
+    "ShardingPlan",
+    "a2a_bytes",
+    "formula_plan",
+    "main",
+    "param_shapes",
+    "sharding_plan",
+]
+
+ADAM_STATES = 2
+"""AdamW keeps two moments per parameter element, in the parameters' dtype (fp32 master weights)."""
+
+
+def _presets() -> dict[str, Any]:
+    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
+
+    from lightning_llmfast.models import MoEGPTConfig
+
+    return {
+        "deepseek-v3": lambda: DeepseekV3Config(),  # 671B: 61 layers, 256 routed experts, 8 active, 1 shared
+        "qwen3-235b-a22b": lambda: Qwen3MoeConfig(
+            hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+            intermediate_size=12288, moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
+            vocab_size=151936,
+        ),
+        "mixtral-8x22b": lambda: MixtralConfig(
+            hidden_size=6144, num_hidden_layers=56, num_attention_heads=48, num_key_value_heads=8,
+            intermediate_size=16384, num_local_experts=8, num_experts_per_tok=2, vocab_size=32768,
+        ),
+        "reference": MoEGPTConfig,
+    }
+
+
+PRESETS: tuple[str, ...] = ("deepseek-v3", "qwen3-235b-a22b", "mixtral-8x22b", "reference")
+"""Model names :func:`sharding_plan` builds from configs written here (nothing is downloaded)."""
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One parameter as the plan sees it: global shape, bytes per element, routed expert or dense, gathers/step."""
+
+    name: str
+    shape: tuple[int, ...]
+    element_size: int
+    expert: bool
+    gathers: int
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """What one rank holds, in bytes."""
+
+    rank: int
+    dense_params: int
+    expert_params: int
+    grads: int
+    optimizer: int
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """Per-rank memory and per-step communication of a layout (see the module docstring for the definitions)."""
+
+    model: str
+    world: int
+    ep: int
+    params: int
+    ranks: tuple[RankBytes, ...]
+    all_gather: tuple[int, ...]
+    reduce_scatter: tuple[int, ...]
+    all_to_all: int
+
+    def rows(self) -> list[tuple[int, ...]]:
+        """Per rank: ``(dense, expert, grads, optimizer, all-gather, reduce-scatter)`` bytes."""
+        return [self._row(index) for index in range(len(self.ranks))]
+
+    def table(self) -> str:
+        """Rows of distinct ranks (equal neighbours collapsed) and the step's communication, as text."""
+        lines = [f"{self.model}: {self.params / 1e9:.2f}B parameters, world {self.world}, ep {self.ep}, "
+                 f"edp {self.world // self.ep}", "ranks      dense_GB  expert_GB  grads_GB  adam_GB  "
+                 "all_gather_GB  reduce_scatter_GB"]  # fmt: skip
+        start = 0
+        for index in range(1, len(self.ranks) + 1):
+            if index == len(self.ranks) or self._row(index) != self._row(start):
+                r = self.ranks[start]
+                span = f"{start}" if index - 1 == start else f"{start}-{index - 1}"
+                lines.append(
+                    f"{span:<10} {r.dense_params / 1e9:8.3f} {r.expert_params / 1e9:10.3f} {r.grads / 1e9:9.3f} "
+                    f"{r.optimizer / 1e9:8.3f} {self.all_gather[start] / 1e9:14.3f} "
+                    f"{self.reduce_scatter[start] / 1e9:18.3f}"
+                )
+                start = index
+        lines.append(f"all-to-all per rank and step (expected, uniform routing): {self.all_to_all / 1e9:.3f} GB")
+        return "\n".join(lines)
+
+    def _row(self, index: int) -> tuple[int, ...]:
+        r = self.ranks[index]
+        return (r.dense_params, r.expert_params, r.grads, r.optimizer, self.all_gather[index],
+                self.reduce_scatter[index])  # fmt: skip
+
+
+def _chunk(rows: int, parts: int, index: int) -> int:
+    """Rows of part ``index`` when ``rows`` are cut in chunks of ``ceil(rows / parts)`` (``torch.chunk``)."""
+    size = math.ceil(rows / parts)
+    return max(0, min(size, rows - index * size))
+
+
+def formula_plan(
+    name: str, shapes: Sequence[ParamShape], world: int, ep: int, *, compute_bytes: int, a2a_bytes: int
+) -> ShardingPlan:
+    """The plan in closed form (``docs/distributed.md``), from the unsharded shapes alone.
+
+    Rank ``r`` holds, of a dense parameter with ``d0`` rows, ``chunk(d0, world, r)`` rows; of a routed-expert
+    parameter with ``E`` experts, ``chunk(E / ep, edp, r // ep)`` experts, where ``chunk(n, p, i) = clamp(n - i *
+    ceil(n / p), 0, ceil(n / p))``. All-gathers receive ``gathers * (g - 1) * ceil(n / g) * row`` elements per
+    parameter (``g`` the FSDP group: ``world`` dense, ``edp`` experts; ``n`` the rows before FSDP), reduce-scatters
+    send ``(g - 1) * ceil(n / g) * row`` in fp32.
+
+    Example::
+
+        formula_plan("m", shapes, world=256, ep=64, compute_bytes=2, a2a_bytes=a2a)
+    """
+    edp = world // ep
+    ranks, gathers, scatters = [], [], []
+    for rank in range(world):
+        dense = expert = gathered = scattered = 0
+        for p in shapes:
+            rows, row = p.shape[0], math.prod(p.shape[1:])
+            n, g, index = (rows // ep, edp, rank // ep) if p.expert else (rows, world, rank)
+            local = _chunk(n, g, index) * row * p.element_size
+            expert, dense = (expert + local, dense) if p.expert else (expert, dense + local)
+            padded = math.ceil(n / g) * row * (g - 1)
+            gathered += p.gathers * padded * compute_bytes
+            scattered += padded * 4
+        held = dense + expert
+        ranks.append(RankBytes(rank, dense, expert, held, ADAM_STATES * held))
+        gathers.append(gathered)
+        scatters.append(scattered)
+    params = sum(math.prod(p.shape) for p in shapes)
+    return ShardingPlan(name, world, ep, params, tuple(ranks), tuple(gathers), tuple(scatters), a2a_bytes)
+
+
+def a2a_bytes(tokens_per_rank: int, top_k: int, hidden: int, compute_bytes: int, ep: int, moe_layers: int) -> int:
+    """Expected all-to-all bytes per rank and step: 4 exchanges (dispatch, combine; forward, backward) per MoE layer
+    of ``tokens * top_k`` rows of ``hidden`` elements, ``(ep - 1) / ep`` of them leaving the rank."""
+    return 4 * tokens_per_rank * top_k * hidden * compute_bytes * (ep - 1) // ep * moe_layers
+
+
+def _build(name: str, backend: str) -> tuple[nn.Module, list[nn.Module], int, int, int]:
+    """The model on the meta device, its layer stack, and (MoE layers, top_k, hidden size)."""
+    from lightning_llmfast.moe.adapters import swap_moe_blocks
+
+    config = _presets()[name]()
+    with torch.device("meta"):
+        if name == "reference":
+            from lightning_llmfast.models import MoEGPT
+
+            model: nn.Module = nn.ModuleDict({"model": MoEGPT(config)})
+            layers = list(model["model"].layers)
+            moe_layers = config.n_layers - len(config.dense_layers)
+            return model, layers, moe_layers, config.top_k, config.hidden_size
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(config)
+    moe_layers = swap_moe_blocks(model, backend=backend)
+    return model, list(model.model.layers), moe_layers, config.num_experts_per_tok, config.hidden_size
+
+
+def param_shapes(module: nn.Module, layers: Sequence[nn.Module]) -> list[ParamShape]:
+    """Every parameter's plan entry, from the unsharded ``module`` (its MoE blocks grouped).
+
+    Routed experts: the parameters of a grouped MoE block's ``experts``. Gathered once per step: the FSDP2 roots' own
+    parameters and the last layer's own group (its MoE block's groups twice, as every other group).
+
+    Example::
+
+        shapes = param_shapes(model, list(model.model.layers))
+    """
+    moe = {id(p): name for _, block in grouped_moe_blocks(module) for name, p in block.named_parameters()}
+    last = {id(p) for p in layers[-1].parameters()} if layers else set()
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    out = []
+    for name, p in module.named_parameters():
+        expert = moe.get(id(p), "").startswith("experts.")
+        once = id(p) not in in_layers or (id(p) in last and id(p) not in moe)
+        out.append(ParamShape(name, tuple(p.shape), p.element_size(), expert, 1 if once else 2))
+    return out
+
+
+def _measured_rows(module: nn.Module, shapes: Sequence[ParamShape], world: int) -> list[tuple[int, int, int, int]]:
+    """``(dense, expert, gathered, scattered)`` bytes per rank, read from each DTensor's mesh and placements."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    rows = [[0, 0, 0, 0] for _ in range(world)]
+    params = dict(module.named_parameters())
+    cache: dict[Any, list[int]] = {}
+    for p in shapes:
+        param = params[p.name]
+        if not isinstance(param, DTensor):
+            raise ConfigError(f"sharding plan: {p.name} was not sharded")
+        mesh, placements = param.device_mesh, param.placements
+        key = (p.shape, id(mesh), tuple(placements))
+        if key not in cache:
+            layout = mesh.mesh
+            coords = {int(r): (layout == r).nonzero()[0].tolist() for r in layout.flatten()}
+            cache[key] = [
+                math.prod(_compute_local_shape_and_global_offset(p.shape, layout.shape, coords[r], placements, True)[0])
+                for r in range(world)
+            ]
+        local = cache[key]
+        group = mesh.size(0)  # FSDP's dimension comes first
+        padded = max(local) * (group - 1)
+        for rank in range(world):
+            rows[rank][1 if p.expert else 0] += local[rank] * p.element_size
+            rows[rank][2] += p.gathers * padded
+            rows[rank][3] += padded
+    return [tuple(r) for r in rows]  # type: ignore[misc]
+
+
+def sharding_plan(
+    name: str, world: int, ep: int, *, tokens_per_rank: int = 4096, compute_bytes: int = 2, backend: str = "torch"
+) -> ShardingPlan:
+    """Apply the strategy's FSDP2 x EP sharding to the meta-device model on a fake process group; read the bytes.
+
+    Args:
+        name: one of :data:`PRESETS`.
+        world: ranks (``>= 2``).
+        ep: expert-parallel size; must divide ``world`` and every MoE block's experts.
+        tokens_per_rank: tokens per rank and step, for the all-to-all bytes.
+        compute_bytes: bytes of the compute dtype (all-gathers and the token exchange; 2 for ``"bf16-mixed"``).
+        backend: routing kernels of the swapped MoE blocks.
+
+    Returns:
+        The :class:`ShardingPlan`; nothing is allocated and no process group stays behind.
+
+    Raises:
+        ConfigError: an unknown model, a layout that does not fit, or a process group already initialised.
+
+    Example::
+
+        print(sharding_plan("deepseek-v3", world=256, ep=64).table())
+    """
+    if name not in PRESETS:
+        raise ConfigError(f"sharding plan: model must be one of {PRESETS}, got {name!r}")
+    dims = ParallelDims(world, "fsdp", ep)
+    if dist.is_initialized():
+        raise ConfigError("sharding plan: runs on its own fake process group; one is already initialised")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        module, layers, moe_layers, top_k, hidden = _build(name, backend)
+        shapes = param_shapes(module, layers)
+        dims.build_mesh("cpu")
+        parallelize(module, dims, layers, device=torch.device("meta"))
+        measured = _measured_rows(module, shapes, world)
+    finally:
+        dist.destroy_process_group()
+    a2a = a2a_bytes(tokens_per_rank, top_k, hidden, compute_bytes, ep, moe_layers)
+    ranks = tuple(RankBytes(r, d, e, d + e, ADAM_STATES * (d + e)) for r, (d, e, _, _) in enumerate(measured))
+    gathered = tuple(g * compute_bytes for _, _, g, _ in measured)
+    scattered = tuple(s * 4 for _, _, _, s in measured)
+    params = sum(math.prod(p.shape) for p in shapes)
+    return ShardingPlan(name, world, ep, params, ranks, gathered, scattered, a2a)
+
+
+def main(argv: Sequence[str] | None = None) -> ShardingPlan:
+    """``python -m lightning_llmfast.plan MODEL --world W --ep N [--tokens T]``: print the plan's table."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_llmfast.plan", description=__doc__.split("\n")[0])
+    parser.add_argument("model", choices=PRESETS)
+    parser.add_argument("--world", type=int, default=256)
+    parser.add_argument("--ep", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank and step")
+    args = parser.parse_args(argv)
+    plan = sharding_plan(args.model, args.world, args.ep, tokens_per_rank=args.tokens)
+    print(plan.table())
+    return plan
+
+
+if __name__ == "__main__":
+    main()
