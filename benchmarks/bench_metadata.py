@@ -23,18 +23,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_llmfast.bench.counters import SyncCounter
+from lightning_llmfast.bench.harness import interleave
 from lightning_llmfast.data import PackedBatch, pack_documents
 from lightning_llmfast.seqmeta import SequenceMetadata, SequenceMetadataCache, active_cache, varlen_attention
-from lightning_llmfast.seqmeta.attention import _auto_impl, _bucket_plan, dense_block_causal_mask
 
 HIDDEN, HEADS, KV_HEADS = 128, 4, 2
 HEAD_DIM = HIDDEN // HEADS
@@ -101,25 +97,13 @@ def _step(stack: Stack, x: torch.Tensor, batch: PackedBatch, cache: SequenceMeta
 
 
 def _build_metadata(batch: PackedBatch, x: torch.Tensor) -> None:
-    # What the cached path does once per step: the metadata, and the attention mask or gather plan it needs.
+    # What the cached path does once per step: the metadata, and the attention mask or gather plan it needs, built
+    # by the first attention call (one query head of one dimension: the structures, not the attention, dominate).
     meta = SequenceMetadata.from_batch(batch)
-    q = x.new_empty(0, HEADS, HEAD_DIM)  # what the layers' attention decides from: device, dtype, head sizes
-    impl = _auto_impl(q, q, meta)
-    if impl == "masked":
-        dense_block_causal_mask(meta)
-    elif impl == "bucketed":
-        _bucket_plan(meta)
+    q = x.new_zeros(x.shape[1], 1, HEAD_DIM)
+    varlen_attention(q, q, q, meta)
     if x.is_cuda:
         torch.cuda.synchronize()
-
-
-def _median_time(fn: Callable[[], Any], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def run(quick: bool = False, repeats: int | None = None, device: str = "cpu") -> dict[str, Any]:
@@ -150,19 +134,13 @@ def run(quick: bool = False, repeats: int | None = None, device: str = "cpu") ->
             stacks["cached"].load_state_dict(stacks["per_layer"].state_dict())
             x = torch.randn(1, seq_len, HIDDEN, device=device, dtype=dtype, requires_grad=True)
             cache = SequenceMetadataCache()
-            syncs = {}
-            for mode, stack in stacks.items():  # warm-up round, counting host syncs
-                with SyncCounter() as counter:
-                    _step(stack, x, batch, cache)
-                syncs[mode] = counter.num_syncs
-            times: dict[str, list[float]] = {mode: [] for mode in stacks}
-            for _ in range(repeats):  # interleaved so that machine noise hits both variants alike
-                for mode, stack in stacks.items():
-                    start = time.perf_counter()
-                    _step(stack, x, batch, cache)
-                    times[mode].append(time.perf_counter() - start)
-            per_layer, cached = (statistics.median(times[m]) for m in ("per_layer", "cached"))
-            metadata = _median_time(lambda b=batch, x=x: _build_metadata(b, x), 5 * repeats)
+            steps = {m: (lambda r, s=s, x=x, b=batch, c=cache: _step(s, x, b, c)) for m, s in stacks.items()}
+            # the collator's host copy of the boundaries stays on the host on an accelerator too
+            measured = interleave(steps, repeats, count=True, device=device, host=batch.cu_seqlens_cpu)
+            syncs = {mode: m.syncs for mode, m in measured.items()}
+            per_layer, cached = (measured[m].median for m in ("per_layer", "cached"))
+            build = interleave({"metadata": lambda r, b=batch, x=x: _build_metadata(b, x)}, 5 * repeats, device=device)
+            metadata = build["metadata"].median
             rows.append(
                 {
                     "T": seq_len,
@@ -205,14 +183,13 @@ def attention_table(quick: bool = False, repeats: int = 5) -> list[dict[str, Any
             meta = SequenceMetadata.from_cu_seqlens([0, *cuts, n])
             q = torch.randn(n, HEADS, HEAD_DIM, requires_grad=True)
             k, v = (torch.randn(n, KV_HEADS, HEAD_DIM, requires_grad=True) for _ in range(2))
-            times: dict[str, list[float]] = {"masked": [], "per_document": [], "bucketed": []}
-            for i in range(repeats + 1):
-                for impl in times:
-                    start = time.perf_counter()
-                    varlen_attention(q, k, v, meta, impl=impl).sum().backward()  # type: ignore[arg-type]
-                    if i:
-                        times[impl].append(time.perf_counter() - start)
-            med = {impl: statistics.median(t) for impl, t in times.items()}
+            paths = {
+                impl: (
+                    lambda r, impl=impl, q=q, k=k, v=v, m=meta: varlen_attention(q, k, v, m, impl=impl).sum().backward()
+                )
+                for impl in ("masked", "per_document", "bucketed")
+            }
+            med = {impl: m.median for impl, m in interleave(paths, repeats).items()}
             out.append(
                 {
                     "N": n,

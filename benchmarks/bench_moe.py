@@ -2,8 +2,9 @@
 
 All implementations run interleaved in one process (round-robin, medians of the repeats) on the same weights and
 inputs, and are reported as ratios to the expert-GEMM-only time (the two grouped SwiGLU GEMMs on already-permuted
-rows, forward+backward: what any MoE block must spend). Host syncs per forward+backward are counted with
-:class:`~lightning_llmfast.bench.counters.SyncCounter`, a hardware-independent check. CPU runs use float32; CUDA
+rows, forward+backward: what any MoE block must spend). Host syncs and kernels per forward+backward are counted with
+:class:`~lightning_llmfast.bench.counters.SyncCounter` and :class:`~lightning_llmfast.bench.kernels.KernelCounter`,
+hardware-independent checks; the loop is :func:`~lightning_llmfast.bench.harness.interleave`. CPU runs use float32; CUDA
 runs use bfloat16 (grouped_mm's CUDA dtype, and what training uses).
 
 Issue 4's target: ours at or below 1.05x the expert-only time and faster than every HF implementation, at T=4096,
@@ -43,15 +44,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_llmfast.bench.counters import SyncCounter
+from lightning_llmfast.bench.harness import interleave
 from lightning_llmfast.moe import MoEBlock, NaiveMoEBlock, permute, route
 from lightning_llmfast.moe.adapters import swap_moe_blocks
 from lightning_llmfast.moe.experts import grouped_swiglu
@@ -125,25 +124,12 @@ def _hf_deepseek(block: MoEBlock, implementation: str) -> nn.Module | None:
 
 def _time(
     impls: dict[str, tuple[Callable[[Tensor], Tensor], Tensor]], x: Tensor, repeats: int, device: str
-) -> tuple[dict[str, float], dict[str, int]]:
-    """Host syncs of one forward+backward and the median time of ``repeats`` interleaved ones, per implementation."""
-    syncs: dict[str, int] = {}
-    for name, (fn, g) in impls.items():
-        _step(fn, x, g)  # warm-up (allocator, lazy init)
-        with SyncCounter() as counter:
-            _step(fn, x, g)
-        syncs[name] = counter.num_syncs
-    times: dict[str, list[float]] = {name: [] for name in impls}
-    for _ in range(repeats):
-        for name, (fn, g) in impls.items():  # interleaved: machine noise hits every implementation alike
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            _step(fn, x, g)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - start)
-    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}, syncs
+) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
+    """Median ms of ``repeats`` interleaved forward+backward passes, and the host syncs and kernels of one."""
+    steps = {name: (lambda r, fn=fn, g=g: _step(fn, x, g)) for name, (fn, g) in impls.items()}
+    measured = interleave(steps, repeats, count=True, device=device)
+    median_ms = {name: 1e3 * m.median for name, m in measured.items()}
+    return median_ms, {n: m.syncs for n, m in measured.items()}, {n: m.kernels for n, m in measured.items()}
 
 
 def _bench_deepseek(
@@ -175,8 +161,9 @@ def _bench_deepseek(
         max_error = {n: float((fn(x) - reference).abs().max()) for n, (fn, _) in impls.items()}
         if any(err > tolerance * float(reference.abs().max()) for err in max_error.values()):
             raise AssertionError(f"implementations disagree: max abs error {max_error}")
-    median_ms, syncs = _time(impls, x, repeats, device)
+    median_ms, syncs, kernels = _time(impls, x, repeats, device)
     return {
+        "kernels_per_step": kernels,
         "shape": {"T": num_tokens, "H": hidden, "F": ffn, "E": num_experts, "k": top_k, "groups": num_groups,
                   "topk_groups": topk_groups, "shared": 1},
         "dtype": str(dtype).removeprefix("torch."),
@@ -232,7 +219,7 @@ def _bench_shape(
         if hf is not None:
             impls[f"hf_{implementation}"] = (lambda t, m=hf: m(t.unsqueeze(0)).squeeze(0), grad)
 
-    median_ms, syncs = _time(impls, x, repeats, device)
+    median_ms, syncs, kernels = _time(impls, x, repeats, device)
     limit = median_ms["expert_only"]
     ratios = {name: ms / limit for name, ms in median_ms.items()}
     hf_best = min((ratios[n] for n in ratios if n.startswith("hf_")), default=float("inf"))
@@ -243,6 +230,7 @@ def _bench_shape(
         "median_ms": median_ms,
         "ratio_to_expert_only": ratios,
         "host_syncs_per_step": syncs,
+        "kernels_per_step": kernels,
         "ours_meets_target": ratios["ours"] <= TARGET_RATIO and ratios["ours"] < hf_best,
     }
 
@@ -289,10 +277,10 @@ def _print(report: dict[str, Any]) -> None:
     for result in report["results"]:
         shape = ", ".join(f"{k}={v}" for k, v in result["shape"].items())
         print(f"\nMoE block fwd+bwd on {report['device']} ({shape}), median of {result['repeats']}:")
-        print(f"  {'implementation':<14} {'ms':>10} {'x expert-only':>14} {'host syncs':>11}")
+        print(f"  {'implementation':<14} {'ms':>10} {'x expert-only':>14} {'host syncs':>11} {'kernels':>8}")
         for name, ms in sorted(result["median_ms"].items(), key=lambda kv: kv[1]):
-            ratio = result["ratio_to_expert_only"][name]
-            print(f"  {name:<14} {ms:>10.1f} {ratio:>14.3f} {result['host_syncs_per_step'][name]:>11}")
+            ratio, kernels = result["ratio_to_expert_only"][name], result["kernels_per_step"][name]
+            print(f"  {name:<14} {ms:>10.1f} {ratio:>14.3f} {result['host_syncs_per_step'][name]:>11} {kernels:>8}")
         print(f"  ours meets target (<= {report['target_ratio']}x and faster than HF): {result['ours_meets_target']}")
     for result in report.get("deepseek", []):
         shape = ", ".join(f"{k}={v}" for k, v in result["shape"].items())

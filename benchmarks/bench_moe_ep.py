@@ -10,8 +10,8 @@ Implementations, on the same weights and tokens, interleaved (median of the repe
   read per layer, issued after the count exchange and the local permutation);
 - ``ours_capacity``: the same with ``capacity_factor`` (fixed-size exchanges, nothing read on the host).
 
-Host syncs per step count the ops :class:`~lightning_llmfast.bench.counters.SyncCounter` sees plus every
-``.tolist()``/``.item()`` (on CPU those bypass the dispatcher). Bytes: what each rank's dispatch all-to-all sends
+Host syncs per step: what :class:`~lightning_llmfast.bench.counters.SyncCounter` sees (every route, ``.tolist()``
+included). Bytes: what each rank's dispatch all-to-all sends
 per forward (its combine returns as many rows, and each backward exchange mirrors a forward one), against the
 information limit ``T * k * H * dtype`` bytes each way.
 
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import socket
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -52,7 +51,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
-from lightning_llmfast.bench.counters import HostReadCounter, SyncCounter
+from lightning_llmfast.bench.harness import interleave
 from lightning_llmfast.moe import MoEBlock
 from lightning_llmfast.moe._exchange import all_to_all
 from lightning_llmfast.moe.expert_parallel import shard_experts
@@ -122,27 +121,30 @@ def _worker(rank: int, world: int, port: int, shape: tuple[int, ...], repeats: i
     torch.manual_seed(1 + rank)
     x = torch.randn(tokens, hidden, requires_grad=True)
     grad = torch.randn(tokens, hidden)
-    syncs: dict[str, int] = {}
-    for name, fn in impls.items():
-        _step(fn, x, grad)  # warm-up, and the capacity mode's one-time size check
-        with HostReadCounter() as reads, SyncCounter() as counter:
-            _step(fn, x, grad)
-        syncs[name] = reads.count + counter.num_syncs
-    times: dict[str, list[float]] = {name: [] for name in impls}
-    for _ in range(repeats):
-        for name, fn in impls.items():
+
+    def timed(fn: Callable[[Tensor], Tensor]) -> Callable[[int], float | None]:
+        def step(r: int) -> float | None:
+            if r < 0:  # warm-up (and the capacity mode's one-time size check) or the counted call
+                _step(fn, x, grad)
+                return None
             dist.barrier()
             start = time.perf_counter()
             _step(fn, x, grad)
             elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-            times[name].append(float(elapsed))
+            return float(elapsed)
+
+        return step
+
+    # Every rank runs the same rounds in the same rotated order, so the collectives pair up.
+    measured = interleave({name: timed(fn) for name, fn in impls.items()}, repeats, count=True)
+    syncs = {name: m.syncs for name, m in measured.items()}
     limit = tokens * top_k * hidden * x.element_size()
     sent = {name: block.expert_dispatch.last_send_rows * hidden * x.element_size() for name, block in
             (("ours_dropless", dropless), ("ours_capacity", capacity))}  # fmt: skip
     sent["titan_style"] = sent["ours_dropless"]  # the same rows travel; only the host handling differs
     if rank == 0:
-        median_ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+        median_ms = {name: 1e3 * m.median for name, m in measured.items()}
         report = {
             "shape": dict(zip(("T_per_rank", "H", "F", "E", "k", "capacity_factor"), shape, strict=True)),
             "ep": world,

@@ -57,14 +57,14 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from lightning_llmfast.bench import OpCounter
-from lightning_llmfast.bench.e2e import _PeakMemory
+from lightning_llmfast.bench.harness import interleave
+from lightning_llmfast.bench.steps import PeakMemory
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
@@ -296,7 +296,7 @@ def _cpu_peaks() -> dict[str, int]:
     peaks = {}
     for name, off in offloaders.items():
         model.zero_grad(set_to_none=True)
-        with _PeakMemory(torch.device("cpu")) as mem:
+        with PeakMemory(torch.device("cpu")) as mem:
             _forward_backward(model, ids, off)
         peaks[name] = mem.peak_bytes
     _close(offloaders)
@@ -314,19 +314,21 @@ def _cpu_host_ms(repeats: int) -> dict[str, Any]:
     model, _, ids = _setup(SHAPES["host"], "cpu")
     offloaders = _copy_free_offloaders(model)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in offloaders}
-    ops: dict[str, int] = {}
-    for repeat in range(repeats + 1):
-        for name, off in offloaders.items():
+
+    def timed(name: str, off: ActivationOffloader | None) -> Callable[[int], None]:
+        def step(r: int) -> None:
             model.zero_grad(set_to_none=True)
-            if not repeat:  # the first round warms up, untimed: it counts the step's ATen dispatches instead
-                with OpCounter() as counter:
-                    _forward_backward(model, ids, off)
-                ops[name] = counter.total
-                continue
             marks: list[float] = []
             start = time.perf_counter()
             _forward_backward(model, ids, off, marks=(_HostMark(marks), _HostMark(marks)))
-            times[name].append((marks[0] - start, marks[1] - marks[0]))
+            if r >= 0:
+                times[name].append((marks[0] - start, marks[1] - marks[0]))
+
+        return step
+
+    # The counted call (after the warm-up) gives the ATen operations a step dispatches in each mode.
+    measured = interleave({name: timed(name, off) for name, off in offloaders.items()}, repeats, count=True)
+    ops = {name: m.ops for name, m in measured.items()}
     _close(offloaders)
     forward = {name: statistics.median(f for f, _ in t) * 1e3 for name, t in times.items()}
     backward = {name: statistics.median(b for _, b in t) * 1e3 for name, t in times.items()}
@@ -391,14 +393,13 @@ def _cuda(shape_name: str, repeats: int, names: Sequence[str] | None = None) -> 
         for _ in range(3):
             _step(model, opt, ids, mode)
     torch.cuda.synchronize()
-    times: dict[str, list[float]] = {name: [] for name in modes}
     phases: dict[str, list[tuple[float, float]]] = {name: [] for name in modes}
     peaks: dict[bool, dict[str, int]] = {free: dict.fromkeys(modes, 0) for free in (False, True)}
     held_after_forward = dict.fromkeys(modes, 0)
-    repeats = max(repeats, 2)  # at least one repeat of each peak kind
-    for repeat in range(repeats):
-        free_grads = repeat % 2 == 1  # alternate: activation-only peaks, then peaks with the gradients as they appear
-        for name, mode in modes.items():  # interleaved: the machine's noise hits every mode alike
+
+    def timed(name: str, mode: ActivationOffloader | None) -> Callable[[int], float]:
+        def step(r: int) -> float:
+            free_grads = r % 2 == 1  # alternate: activation-only peaks, then peaks with the gradients as they appear
             if mode is not None:
                 mode.synchronize()
             # Zero (or free) the previous gradients before `base`: then it is weights, optimizer state and, when they
@@ -413,11 +414,17 @@ def _cuda(shape_name: str, repeats: int, names: Sequence[str] | None = None) -> 
             _step(model, opt, ids, mode, marks=(fwd_end, bwd_end), free_grads=free_grads, held=held)
             end.record()
             end.synchronize()  # NOTE: host sync: benchmark timing only
-            times[name].append(start.elapsed_time(end))
             phases[name].append((start.elapsed_time(fwd_end), fwd_end.elapsed_time(bwd_end)))
             peaks[free_grads][name] = max(peaks[free_grads][name], torch.cuda.max_memory_allocated() - base)
             if not free_grads:
                 held_after_forward[name] = max(held_after_forward[name], held[0] - base)
+            return start.elapsed_time(end)
+
+        return step
+
+    # at least one repeat of each peak kind; the warm-up steps ran above
+    measured = interleave({name: timed(name, mode) for name, mode in modes.items()}, max(repeats, 2), warmup=0)
+    times = {name: m.values for name, m in measured.items()}
     tokens = ids.numel()
     ms = {name: statistics.median(t) for name, t in times.items()}
     results: dict[str, Any] = {}

@@ -1,31 +1,40 @@
 #!/usr/bin/env bash
-# Every GPU check of lightning_llmfast in one script, for a lent CUDA machine (nothing downloaded).
+# Every GPU check of lightning_llmfast in one script, for one lent CUDA machine (nothing downloaded), in < 8 minutes.
 #
-#   bash benchmarks/gpu_check.sh            # logs, JUnit XML, bench.json and bench.png under $OUT (else ./gpu_out)
+#   bash benchmarks/gpu_check.sh            # logs, JUnit XML and JSON results under $OUT (else ./gpu_out)
+#   GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh          # print the plan and budgets, run nothing (any machine)
+#   GPU_CHECK_STAGES="nccl bench" bash benchmarks/gpu_check.sh   # some stages only
 #   LLMFAST_COMMIT=abc1234 bash benchmarks/gpu_check.sh   # a copy without .git: name the commit for the report
-#   GPU_CHECK_STAGES="env offload" OFFLOAD_SHAPES=full bash benchmarks/gpu_check.sh   # a rerun of some stages only
 #
-# Stages (each under its own `timeout`, cut to fit a global budget so the whole script ends in < 8 minutes even if
-# one hangs; a failing stage does not stop the later ones; the exit status is non-zero if any stage failed):
-#   env           nvidia-smi -L, versions, `pip install --no-deps -e .` (PYTHONPATH=. as the fallback)
-#   cuda_tests    pytest -m cuda (TRITON_INTERPRET unset: Triton compiles for the GPU)
-#   kernel_tests  the Triton/routing/permute/MoE test files on CUDA (LLMFAST_TEST_DEVICE=cuda for tests that read it)
-#   offload       benchmarks/bench_offload.py at hidden 4096 and 1024 (OFFLOAD_SHAPES), modes OFFLOAD_MODES (default
-#                 off/rebuild/rebuild_gemms/rebuild_gemms_6/all/auto/auto_gemms; recompute/auto_recompute: 2.6x slower)
-#   kernel_check  Triton kernels against their PyTorch references at T=65536, E=64, k=8, sync-free, with timings
-#   sync_step     llmfast training steps under torch.cuda.set_sync_debug_mode("error") (forward + backward)
+# Stages, in order (each under its own `timeout`; a stage's limit is its maximum, cut so that the minimum of every
+# later selected stage stays reserved within GPU_CHECK_BUDGET_S; a failing stage does not stop the later ones; the
+# exit status is non-zero if any failed). Correctness first, benchmarks last, each writing its JSON when it ends:
+#   env           nvidia-smi, versions, `pip install --no-deps -e .` (PYTHONPATH=. as the fallback)
+#   cuda_tests    pytest -m cuda with LLMFAST_TEST_DEVICE=cuda and TRITON_INTERPRET unset: every CUDA-only path has a
+#                 test there (copier and reloader on real streams and the pinned pool, Triton kernels against their
+#                 references, grouped GEMM in bf16/fp16/fp32, FlashAttention/SDPA varlen, the training step under
+#                 torch.cuda.set_sync_debug_mode("error")); a new @pytest.mark.cuda test joins this stage by itself
+#   nccl          benchmarks/gpu_nccl_check.py: a world-size-1 NCCL group, FSDP2 sharding, a DCP save/load, expert
+#                 parallelism (count exchange, dropless forward+backward)               -> nccl_check.json
+#   kernel_check  Triton kernels against their references at T=65536, E=64, k=8, sync-free, timed -> kernel_check.json
+#   offload       benchmarks/bench_offload.py at hidden 4096 (OFFLOAD_SHAPES, OFFLOAD_MODES)  -> offload_<shape>.json
 #   bench         python -m lightning_llmfast.bench --profile full --device cuda (bf16; micro: metadata, moe)
+#                                                                                   -> bench.json, bench.png
 # The last thing printed is a short table: one line per stage.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 export OUT="${OUT:-$PWD/gpu_out}"
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+DRY="${GPU_CHECK_DRY:-0}"
+if [ "$DRY" != 1 ]; then
+    mkdir -p "$OUT"
+    exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+fi
 unset TRITON_INTERPRET
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1
-export BUDGET_S="${GPU_CHECK_BUDGET_S:-450}"
+export LLMFAST_TEST_DEVICE="${LLMFAST_TEST_DEVICE:-cuda}"
+export BUDGET_S="${GPU_CHECK_BUDGET_S:-470}"
 START_S=$(date +%s)
 PY="${PYTHON:-python3}"
 export PY
@@ -48,21 +57,16 @@ EOF
     # No network: no build isolation (it would fetch setuptools). PYTHONPATH=. covers a failed install.
     "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip_install.log" 2>&1 \
         || echo "pip install -e . failed (see pip_install.log); using PYTHONPATH=$PWD"
-    "$PY" -c "import lightning_llmfast, lightning_llmfast.moe.kernels; print('lightning_llmfast', lightning_llmfast.__version__, 'from', lightning_llmfast.__file__)"
+    "$PY" -c "import lightning_llmfast; print('lightning_llmfast', lightning_llmfast.__version__, 'from', lightning_llmfast.__file__)"
 }
 
 stage_cuda_tests() {
+    # -rs lists every skip with its reason: a CUDA test that skips on the GPU machine is a finding.
     "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs --junitxml="$OUT/cuda_tests.xml" tests
 }
 
-stage_kernel_tests() {
-    local files
-    files=$(ls tests/test_*.py | grep -E 'kernel|triton|rout|permute|moe|expert' | tr '\n' ' ')
-    if [ -z "$files" ]; then echo "no kernel/routing/MoE test files found"; return 1; fi
-    echo "test files: $files"
-    # -m "not cuda": those ran in cuda_tests already.
-    # shellcheck disable=SC2086
-    LLMFAST_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider -m "not cuda" --junitxml="$OUT/kernel_tests.xml" $files
+stage_nccl() {
+    "$PY" benchmarks/gpu_nccl_check.py --backend nccl --device "$LLMFAST_TEST_DEVICE" --json "$OUT/nccl_check.json"
 }
 
 stage_kernel_check() {
@@ -150,7 +154,7 @@ def permute_roundtrip():
 
 
 def sync_free():
-    with SyncCounter() as sc:
+    with SyncCounter(dev) as sc:
         plan = route(logits, K, validate=False, backend="triton")
         unpermute(permute(x, plan), plan)
     assert sc.num_syncs == 0, dict(sc.syncs)
@@ -196,97 +200,11 @@ raise SystemExit(1 if failures else 0)
 EOF
 }
 
-stage_sync_step() {
-    "$PY" - <<'EOF'
-"""llmfast training steps with torch.cuda.set_sync_debug_mode("error") over forward + backward."""
-import warnings
-import lightning as L
-import torch
-import lightning_llmfast  # noqa: F401  registers strategy="llmfast"
-from lightning_llmfast import MoEGPTLightningModule, SequenceMetadataCallback, TokenThroughputMonitor
-from lightning_llmfast.bench.e2e import E2ESettings, make_batches
-
-settings = E2ESettings(
-    model={"hidden_size": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_size": 512, "num_experts": 8},
-    seq_len=1024, batch_size=4, mean_doc_len=200,
-)
-batches = [b.pin_memory() for b in make_batches(settings, 4, settings.config("before").vocab_size)]
-
-
-class Batches:
-    def __len__(self):
-        return len(batches)
-
-    def __iter__(self):
-        return iter(batches)
-
-
-class SyncDebug(L.Callback):
-    """Step 0 warms up (Triton compilation, lazy init); later steps run forward+backward in "error" mode."""
-
-    def __init__(self):
-        self.step, self.checked, self.on = 0, 0, False
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self.step >= 1:
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            self.on = True
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if self.on:
-            torch.cuda.set_sync_debug_mode("warn")  # the optimizer step: reported, not failed
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.on:
-            torch.cuda.set_sync_debug_mode(0)
-            self.checked += 1
-            self.on = False
-        self.step += 1
-
-
-torch.manual_seed(0)
-module = MoEGPTLightningModule(settings.config("llmfast"), lr=1e-3)
-probe = SyncDebug()
-trainer = L.Trainer(
-    accelerator="cuda", devices=1, strategy="llmfast", precision="bf16-mixed", max_steps=len(batches),
-    callbacks=[SequenceMetadataCallback(), TokenThroughputMonitor(), probe], logger=False,
-    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    try:
-        trainer.fit(module, train_dataloaders=Batches())
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-optimizer_syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
-print(f"PASS: {probe.checked} llmfast steps, forward+backward under set_sync_debug_mode('error')")
-print(f"optimizer-step sync warnings: {len(optimizer_syncs)} {optimizer_syncs[:3]}")
-assert probe.checked == len(batches) - 1
-
-# The detector itself: the "before" model must trip it (else a pass above would mean nothing).
-before = MoEGPTLightningModule(settings.config("before")).cuda()
-batch = batches[0].to("cuda")
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        before(batch)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-n = sum("synchroniz" in str(w.message) for w in caught)
-print(f"detector check: the before model's forward raised {n} sync warnings")
-assert n > 0, "set_sync_debug_mode did not flag the before model's syncs"
-EOF
-}
-
 stage_offload() {
-    set -o pipefail
     local shape failed=0
-    # "large" first: the shape where the target is within reach; a failing shape does not stop the next one.
-    for shape in ${OFFLOAD_SHAPES:-large full}; do
+    for shape in ${OFFLOAD_SHAPES:-large}; do
         if ! "$PY" benchmarks/bench_offload.py --device cuda --shape "$shape" --json "$OUT/offload_$shape.json" \
-            --modes "${OFFLOAD_MODES:-rebuild,rebuild_gemms,rebuild_gemms_6,all,auto,auto_gemms}" --summary; then
+            --modes "${OFFLOAD_MODES:-rebuild_gemms,auto}" --summary; then
             echo "offload $shape: FAILED"
             failed=1
         fi
@@ -295,7 +213,6 @@ stage_offload() {
 }
 
 stage_bench() {
-    set -o pipefail  # the status of the benchmark, not of tee
     # A soft budget under the stage's hard limit: fewer repeats and skipped micro-benchmarks, not a lost run.
     local soft=$((STAGE_LIMIT_S > 80 ? STAGE_LIMIT_S - 40 : STAGE_LIMIT_S / 2))
     "$PY" -m lightning_llmfast.bench --profile full --device cuda --max-seconds "$soft" --micro metadata,moe \
@@ -303,13 +220,15 @@ stage_bench() {
 }
 
 # ------------------------------------------------------------------------------------------------------- the runner
-export -f stage_env stage_cuda_tests stage_kernel_tests stage_offload stage_kernel_check stage_sync_step stage_bench
-# name:max seconds:min seconds (the min of every later stage is reserved when an earlier one's limit is set)
-STAGES=(env:60:20 cuda_tests:90:20 kernel_tests:60:20 offload:240:60 kernel_check:40:15 sync_step:40:15 bench:200:90)
+export -f stage_env stage_cuda_tests stage_nccl stage_kernel_check stage_offload stage_bench
+# name:max seconds:min seconds (the min of every later selected stage is reserved when a stage's limit is set)
+STAGES=(env:30:10 cuda_tests:150:60 nccl:50:20 kernel_check:40:15 offload:80:30 bench:110:60)
 declare -a RESULTS
 FAILED=0
+PLANNED=0  # dry run: every stage is assumed to use its whole limit
+[ "$DRY" = 1 ] && echo "gpu_check plan (dry run): budget ${BUDGET_S}s, LLMFAST_TEST_DEVICE=$LLMFAST_TEST_DEVICE"
 for i in "${!STAGES[@]}"; do
-    IFS=: read -r name max _ <<<"${STAGES[$i]}"
+    IFS=: read -r name max min <<<"${STAGES[$i]}"
     if [ -n "${GPU_CHECK_STAGES:-}" ] && [[ " $GPU_CHECK_STAGES " != *" $name "* ]]; then
         RESULTS+=("$name|not selected|0")
         continue
@@ -320,17 +239,27 @@ for i in "${!STAGES[@]}"; do
             reserve=$((reserve + ${later##*:}))
         fi
     done
-    left=$((BUDGET_S - ($(date +%s) - START_S) - reserve))
+    elapsed=$(($(date +%s) - START_S))
+    [ "$DRY" = 1 ] && elapsed=$PLANNED
+    left=$((BUDGET_S - elapsed - reserve))
     limit=$((max < left ? max : left))
-    echo
-    echo "=================================== $name (limit ${limit}s) ==================================="
     if [ "$limit" -lt 10 ]; then
+        echo "$name: SKIP (no time left)"
         RESULTS+=("$name|SKIP (no time left)|0")
         FAILED=1
         continue
     fi
+    if [ "$DRY" = 1 ]; then
+        echo "  $name: limit ${limit}s (max ${max}s, min ${min}s):"
+        declare -f "stage_$name" | grep -E '"\$PY"' | head -2 | sed 's/^ */      /'
+        PLANNED=$((PLANNED + limit))
+        RESULTS+=("$name|planned|$limit")
+        continue
+    fi
+    echo
+    echo "=================================== $name (limit ${limit}s) ==================================="
     t0=$(date +%s)
-    STAGE_LIMIT_S=$limit timeout -k 10 "$limit" bash -c "stage_$name" 2>&1 | tee "$OUT/$name.log"
+    STAGE_LIMIT_S=$limit timeout -k 10 "$limit" bash -c "set -o pipefail; stage_$name" 2>&1 | tee "$OUT/$name.log"
     rc=${PIPESTATUS[0]}
     secs=$(($(date +%s) - t0))
     case $rc in
@@ -343,12 +272,14 @@ for i in "${!STAGES[@]}"; do
 done
 
 echo
-if [ -f "$OUT/bench.json" ]; then
+if [ "$DRY" = 1 ]; then
+    echo "gpu_check plan: at most ${PLANNED} s of stages within a budget of ${BUDGET_S} s"
+elif [ -f "$OUT/bench.json" ]; then
     "$PY" -c "import json, sys; from lightning_llmfast.bench.report import markdown_report; \
 print(markdown_report(json.load(open(sys.argv[1]))))" "$OUT/bench.json" || true
+    echo
+    echo "gpu_check: $(($(date +%s) - START_S)) s in all, logs in $OUT"
 fi
-echo
-echo "gpu_check: $(($(date +%s) - START_S)) s in all, logs in $OUT"
 echo "| stage | status | seconds |"
 echo "|---|---|---|"
 for row in "${RESULTS[@]}"; do

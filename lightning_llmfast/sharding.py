@@ -27,6 +27,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_llmfast._checks import check_int
+from lightning_llmfast.comm.grad import with_reduce_dtype
 from lightning_llmfast.errors import ConfigError, OffloadError
 from lightning_llmfast.offload.offloader import resolve_layers
 from lightning_llmfast.parallel import checkpoint as dcp_io
@@ -39,6 +40,7 @@ from lightning_llmfast.parallel.layout import parallelize
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    import torch
     from lightning.fabric.utilities.types import _PATH
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -154,7 +156,7 @@ class ShardedDataParallelBase(DDPStrategy):
         def closure_then_reduce() -> Any:
             # Inside the closure: after the step's last backward, before clipping and the optimizer update.
             result = closure()
-            expert_parallel.reduce_expert_gradients(self.lightning_module, dims)
+            expert_parallel.reduce_expert_gradients(self.lightning_module, dims, self._grad_reduce_dtype())
             return result
 
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
@@ -168,9 +170,13 @@ class ShardedDataParallelBase(DDPStrategy):
         except OffloadError as err:
             raise ConfigError(f"sharding='fsdp' shards the layer stack block by block: {err}") from err
 
+    def _grad_reduce_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are reduced in (``None``: their own); a subclass may choose one."""
+        return None
+
     def _fsdp_mp_policy(self) -> MixedPrecisionPolicy | None:
-        """FSDP2's mixed-precision policy for the precision setting (a subclass may change its reduce dtype)."""
-        return mixed_precision_policy(self.precision_plugin.precision)
+        """FSDP2's mixed-precision policy for the precision setting, reducing in :meth:`_grad_reduce_dtype`."""
+        return with_reduce_dtype(mixed_precision_policy(self.precision_plugin.precision), self._grad_reduce_dtype())
 
     def _setup_sharded(self, trainer: pl.Trainer, layers: LayersSpec) -> None:
         """Strategy setup with FSDP2 in place of the DDP wrapper: shard, materialise, then build the optimizers."""

@@ -24,18 +24,18 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_llmfast.callbacks.offload import ActivationOffload
-from lightning_llmfast.comm.grad import GradReduction, PowerSGDConfig, check_ddp_arguments, with_reduce_dtype
+from lightning_llmfast.comm.grad import GradReduction, PowerSGDConfig, check_ddp_arguments
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 from lightning_llmfast.sharding import ShardedDataParallelBase
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    import torch
     from lightning.fabric.utilities.types import _PATH
     from lightning.pytorch.strategies.registry import _StrategyRegistry
     from lightning.pytorch.utilities.types import STEP_OUTPUT
     from torch import Tensor
-    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.optim import Optimizer
 
 __all__ = ["LLMFastStrategy"]
@@ -100,7 +100,8 @@ class LLMFastStrategy(ShardedDataParallelBase):
             block's experts. Gradient clipping by norm (``Trainer(gradient_clip_val=...)``) takes the global norm
             over both meshes under every layout, on the device, and logs it as ``train/grad_norm``.
         grad_reduce_dtype: ``"bf16"`` reduces gradients in bf16 (half the bytes): DDP through torch's
-            ``bf16_compress_hook``, FSDP2 through ``MixedPrecisionPolicy.reduce_dtype``; ``None`` keeps their dtype
+            ``bf16_compress_hook``, FSDP2 through ``MixedPrecisionPolicy.reduce_dtype`` (experts included), the DDP
+            experts of ``expert_parallel_size > 1`` in their all-reduce; ``None`` keeps their dtype
             (:mod:`~lightning_llmfast.comm.grad`).
         grad_compression: ``"powersgd"`` (or a :class:`~lightning_llmfast.comm.PowerSGDConfig`) reduces DDP
             gradients through torch's PowerSGD hook; its per-rank state is saved in checkpoints and resumed.
@@ -250,8 +251,8 @@ class LLMFastStrategy(ShardedDataParallelBase):
             self.grad_reduction.register(self.model)
 
     @override
-    def _fsdp_mp_policy(self) -> MixedPrecisionPolicy | None:
-        return with_reduce_dtype(super()._fsdp_mp_policy(), self.grad_reduction.reduce_dtype)
+    def _grad_reduce_dtype(self) -> torch.dtype | None:
+        return self.grad_reduction.reduce_dtype  # FSDP2's reduce dtype, and the DDP experts' all-reduce
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -18,11 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from lightning_llmfast import ConfigError
-from lightning_llmfast.bench import OpCounter, SyncCounter, e2e
+from lightning_llmfast.bench import OpCounter, SyncCounter, e2e, steps
 from lightning_llmfast.bench.__main__ import main
 from lightning_llmfast.bench.e2e import E2ESettings, build_variants, make_batches
-from lightning_llmfast.bench.harness import PROFILES, git_commit, run_benchmark, run_micro
 from lightning_llmfast.bench.report import markdown_report
+from lightning_llmfast.bench.suite import PROFILES, git_commit, run_benchmark, run_micro
 from lightning_llmfast.data import VOCAB_SIZE
 from lightning_llmfast.offload import ActivationOffloader
 
@@ -86,13 +83,16 @@ def test_sync_counter_is_zero_on_sync_free_code_and_counts_every_op() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="device-to-host copies need a CUDA device")
 def test_sync_counter_catches_device_to_host_copies_on_cuda() -> None:
     x = torch.randn(16, device="cuda")
-    with SyncCounter() as sc:
+    with SyncCounter(device="cuda") as sc:
         x.cpu()
         y = x * 2  # stays on the device: no sync
         torch.empty(16).copy_(y)
-    assert sc.syncs["device_to_host_copy"] == 2, dict(sc.syncs)
-    with SyncCounter() as sc:
-        torch.randn(16).to("cuda", non_blocking=True)  # host-to-device: no sync
+        torch.randn(16).to("cuda", non_blocking=True)  # from pageable memory: staged synchronously
+        torch.tensor([1, 2], device="cuda")
+    assert dict(sc.syncs) == {"cpu": 1, "device_to_host_copy": 1, "host_to_device_copy": 2}, dict(sc.syncs)
+    with SyncCounter(device="cuda") as sc:
+        torch.randn(16).pin_memory().to("cuda", non_blocking=True)  # pinned and non_blocking: no sync
+        y.to("cpu", non_blocking=True)
     assert sc.num_syncs == 0, dict(sc.syncs)
 
 
@@ -181,6 +181,7 @@ E2E_KEYS = {
     "host_syncs_per_step",
     "metadata_builds_per_step",
     "aten_ops_per_step",
+    "kernels_per_step",
     "peak_mem_bytes",
     "final_loss",
 }
@@ -221,6 +222,8 @@ def test_cli_writes_the_json_schema_table_and_plot(tmp_path: Path, capsys: pytes
     assert e2e["llmfast"]["metadata_builds_per_step"] == 1
     assert e2e["llmfast"]["host_syncs_per_step"] == 0
     assert e2e["llmfast"]["aten_ops_per_step"] < e2e["before"]["aten_ops_per_step"]
+    for row in e2e.values():  # views and allocations are ops but launch no kernel
+        assert 0 < row["kernels_per_step"] < row["aten_ops_per_step"]
     # same batches, same initial weights, fp32: the losses after training agree
     losses = [row["final_loss"] for row in e2e.values()]
     assert max(losses) - min(losses) <= 1e-3 * min(losses), losses
@@ -274,14 +277,14 @@ def test_markdown_report_shows_skipped_variants_and_ratios() -> None:
 
 
 def test_a_failing_variant_is_reported_and_the_others_still_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    fit = e2e._fit
+    fit = steps.fit_segment
 
     def fit_or_fail(variant: str, *args: Any) -> None:
         if variant == "before":
             raise RuntimeError("CUDA out of memory\nTried to allocate ...")
         fit(variant, *args)
 
-    monkeypatch.setattr(e2e, "_fit", fit_or_fail)
+    monkeypatch.setattr(steps, "fit_segment", fit_or_fail)
     settings = TINY.with_overrides(repeats=1, measured_steps=1)
     results, notes = e2e.run_e2e(settings, "cpu", ("before", "llmfast"), log=lambda _: None)
     assert results["before"] == {"error": "RuntimeError: CUDA out of memory"}
@@ -301,7 +304,7 @@ def test_time_budget_cuts_repeats_and_skips_micro_benchmarks(tmp_path: Path) -> 
 
 def test_peak_memory_on_cpu_counts_live_tensor_bytes_once() -> None:
     kept = torch.zeros(4)  # exists before the block: not counted
-    with e2e._PeakMemory(torch.device("cpu")) as mem:
+    with steps.PeakMemory(torch.device("cpu")) as mem:
         a = torch.empty(1 << 18)  # 1 MiB of float32
         a.view(-1, 2).add_(1)  # a view and an in-place op: the same storage
         b = torch.empty(1 << 19)  # 2 MiB
@@ -421,19 +424,3 @@ def test_git_commit_prefers_the_named_commit(monkeypatch: pytest.MonkeyPatch, tm
     monkeypatch.setenv("LLMFAST_COMMIT", "abc1234")
     assert git_commit(tmp_path) == "abc1234"
     assert git_commit() == "abc1234"  # also over this repository's own .git
-
-
-@pytest.mark.skipif(shutil.which("bash") is None, reason="gpu_check.sh is a bash script")
-@pytest.mark.parametrize(("budget", "expected"), [(45, "limit 40s"), (5, "SKIP (no time left)")])
-def test_gpu_check_reserves_time_only_for_selected_stages(tmp_path: Path, budget: int, expected: str) -> None:
-    """The runner: unselected stages are listed as such and hold no time back; a budget too small skips a stage."""
-    root = Path(__file__).parents[1]
-    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_STAGES": "sync_step", "GPU_CHECK_BUDGET_S": str(budget)}
-    run = subprocess.run(
-        ["bash", str(root / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert "| env | not selected | 0 |" in run.stdout and "| bench | not selected | 0 |" in run.stdout
-    # 45 s: the bench stage's 90 s minimum is not reserved, so sync_step gets its full 40 s (it then fails: no GPU)
-    assert expected in run.stdout
-    # with 5 s the stage is skipped, which counts as failed; with 40 s it fails unless a GPU is there
-    assert run.returncode == (0 if budget == 45 and torch.cuda.is_available() else 1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_llmfast.bench.e2e import E2ESettings
-from lightning_llmfast.bench.harness import PROFILES
+from lightning_llmfast.bench.suite import PROFILES
 from lightning_llmfast.data import pack_documents
 
 transformers = pytest.importorskip("transformers")

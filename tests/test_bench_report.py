@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from lightning_llmfast.bench import e2e
-from lightning_llmfast.bench.harness import PROFILES, run_benchmark
+from lightning_llmfast.bench import steps
 from lightning_llmfast.bench.report import (
     MAX_SPREAD,
     _error_bars,
@@ -19,6 +18,7 @@ from lightning_llmfast.bench.report import (
     ratio_range,
     spread_warnings,
 )
+from lightning_llmfast.bench.suite import PROFILES, run_benchmark
 
 
 def _row(*repeats: float) -> dict[str, Any]:
@@ -31,6 +31,7 @@ def _row(*repeats: float) -> dict[str, Any]:
         "host_syncs_per_step": 0.0,
         "metadata_builds_per_step": 1.0,
         "aten_ops_per_step": 10.0,
+        "kernels_per_step": 8.0,
         "peak_mem_bytes": 1 << 20,
         "final_loss": 2.0,
     }
@@ -41,7 +42,7 @@ def test_a_deliberately_slowed_variant_shows_its_spread_and_the_warning(monkeypa
     # `before` slowed five-fold in its second repeat.
     scripted = {"before": [1000.0, 200.0, 1010.0], "llmfast": [1500.0, 1490.0, 1510.0]}
     calls = {variant: 0 for variant in scripted}
-    fit = e2e._fit
+    fit = steps.fit_segment
 
     def fit_with_fake_clock(variant: str, module: Any, segment: Any, probe: Any, *args: Any) -> None:
         fit(variant, module, segment, probe, *args)
@@ -50,7 +51,7 @@ def test_a_deliberately_slowed_variant_shows_its_spread_and_the_warning(monkeypa
         if timed_index >= 0:
             probe.t0, probe.t1 = 0.0, probe.tokens / scripted[variant][timed_index]
 
-    monkeypatch.setattr(e2e, "_fit", fit_with_fake_clock)
+    monkeypatch.setattr(steps, "fit_segment", fit_with_fake_clock)
     settings = PROFILES["tiny"].e2e.with_overrides(repeats=3, measured_steps=1)
     profile = type(PROFILES["tiny"])("tiny", settings, micro_quick=True)
     result = run_benchmark(profile, "cpu", variants=("before", "llmfast"), micro=(), log=lambda _: None)

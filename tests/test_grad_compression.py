@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,6 +25,8 @@ from lightning_llmfast import ConfigError, LLMFastStrategy
 from lightning_llmfast.comm import PowerSGDConfig, with_reduce_dtype
 from lightning_llmfast.comm.grad import STATE_KEY
 from lightning_llmfast.comm.powersgd import BucketLayouts
+from lightning_llmfast.moe import MoEBlock
+from lightning_llmfast.parallel.expert import expert_parameters, reduce_expert_gradients
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -85,9 +88,28 @@ def _fsdp_bf16_worker(rank: int, world: int) -> None:
     assert not torch.equal(reduced, (local[0] + local[1]) / 2)
 
 
+def _expert_bf16_worker(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    block = MoEBlock(8, 16, 4, 2, backend="torch")
+    params = [p for _, p, _ in expert_parameters(block)]
+    g = torch.Generator().manual_seed(rank)
+    local = [torch.randn(p.shape, generator=g) * 10.0**rank for p in params]  # ranks of different magnitude
+    for param, grad in zip(params, local):
+        param.grad = grad.clone()
+    # the experts' "edp" replicas: here the two ranks (a 4-rank mesh with ep=2 has such pairs)
+    dims = SimpleNamespace(edp=world, edp_mesh=SimpleNamespace(get_group=lambda: dist.group.WORLD))
+    reduce_expert_gradients(block, dims, reduce_dtype=torch.bfloat16)  # type: ignore[arg-type]
+    for param, mine in zip(params, local):
+        theirs = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(theirs, mine)
+        assert param.grad.dtype == torch.float32
+        assert torch.equal(param.grad, (theirs[0].bfloat16() / 2 + theirs[1].bfloat16() / 2).float())
+
+
 @pytest.mark.slow
-def test_fsdp2_reduces_gradients_in_bf16_with_grad_reduce_dtype() -> None:
+def test_fsdp2_and_ddp_experts_reduce_gradients_in_bf16_with_grad_reduce_dtype() -> None:
     run_distributed(_fsdp_bf16_worker, 2)
+    run_distributed(_expert_bf16_worker, 2)
 
 
 class _Bucket:

@@ -130,7 +130,7 @@ def test_no_host_sync_and_one_mask_per_metadata(attn: str) -> None:
     model = _model("llama", attn)
     batch = _batch()
     cache = SequenceMetadataCache()
-    with SyncCounter() as sc, cache.batch(batch):
+    with SyncCounter(host=batch) as sc, cache.batch(batch):  # a collator batch: host data
         first = packed_model_inputs(batch, model)
         model(**first).logits.sum().backward()
         second = packed_model_inputs(batch, model)
@@ -165,7 +165,7 @@ def test_flash_attention_gets_varlen_kwargs_from_host_metadata() -> None:
     model = _model("llama", "sdpa")
     model.config._attn_implementation = "flash_attention_2"
     batch = _batch()
-    with SyncCounter() as sc:
+    with SyncCounter(host=batch) as sc:
         kwargs = packed_model_inputs(batch, model)
     assert sc.num_syncs == 0
     assert "attention_mask" not in kwargs and kwargs["use_cache"] is False

@@ -574,11 +574,9 @@ def test_cuda_bf16_matches_naive_and_is_sync_free() -> None:
     x = torch.randn(4, 33, 64, device="cuda", dtype=torch.bfloat16)
     y_naive = naive(x)
     grouped(x)  # warm-up: lazy CUDA/Triton initialisation may read device properties
-    with SyncCounter() as counter:
+    with SyncCounter(device="cuda") as counter:
         y = grouped(x)
         y.float().square().sum().backward()
-    rows = torch.empty(8, 64, device="cuda", dtype=torch.bfloat16)
-    if grouped_mm_supported(rows, grouped.experts.gate_up_proj, grouped.experts.down_proj):
-        assert counter.num_syncs == 0, counter.syncs
+    assert counter.num_syncs == 0, counter.syncs  # grouped_mm on sm80+, else the Triton grouped GEMM
     torch.testing.assert_close(y.float(), y_naive.float(), rtol=2e-2, atol=2e-2)
     assert torch.equal(grouped.last_tokens_per_expert.cpu(), naive.last_tokens_per_expert.cpu())

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_llmfast.bench import OpCounter
-from lightning_llmfast.bench.e2e import _PeakMemory
+from lightning_llmfast.bench.steps import PeakMemory
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.models.rmsnorm import rms_norm
 from lightning_llmfast.moe import route, routed_swiglu
@@ -492,7 +492,7 @@ def test_a_rebuilt_tensor_one_saver_never_reads_is_not_held_past_its_reader() ->
     model = _DeadSecondConsumer()
     off = _offloader([model])
     x = torch.randn(64, 64)
-    with off, _PeakMemory(torch.device("cpu")) as mem:
+    with off, PeakMemory(torch.device("cpu")) as mem:
         model(x).sum().backward()
         assert off.stats["rebuilt_tensors"] == 2 and off.stats["rebuilds"] == 1
         # What backward left: the two small gradients and aliases of parameters, not the (64, 64) rebuilt y, which
@@ -509,7 +509,7 @@ def test_reading_a_saved_tensor_in_forward_neither_counts_as_its_consumer_nor_ho
     expected = _grads(ref, x, None)
     off = _offloader([model])
     model.zero_grad(set_to_none=True)
-    with off, _PeakMemory(torch.device("cpu")) as mem:
+    with off, PeakMemory(torch.device("cpu")) as mem:
         out = model(x)
         node = next(n for n, _ in out.grad_fn.next_functions if n is not None and n.name() == "MulBackward0")
         first = next(n for n, _ in node.next_functions if n is not None and n.name() == "SumBackward1")

@@ -170,7 +170,7 @@ def _packed_batch(rows: int = 2, seq_len: int = 16, seed: int = 0):
 def test_from_batch_uses_host_copy_without_syncs() -> None:
     batch = _packed_batch()
     b, t = batch.input_ids.shape
-    with SyncCounter() as sc:
+    with SyncCounter(host=batch) as sc:  # a collator batch: host data
         meta = SequenceMetadata.from_batch(batch)
     assert sc.num_syncs == 0, sc.syncs
     assert sc.counts["_local_scalar_dense"] == 0 and sc.counts["nonzero"] == 0
@@ -259,7 +259,7 @@ def test_cache_build_from_packed_batch_has_no_syncs() -> None:
     batch = _packed_batch(rows=3, seq_len=16, seed=3)
     cache = SequenceMetadataCache()
     hidden = torch.randn(3, 16, 8)
-    with SyncCounter() as sc, cache.batch(batch):
+    with SyncCounter(host=batch) as sc, cache.batch(batch):
         for _ in range(4):
             meta = cache.get(hidden)
         _ = meta.position_ids, meta.document_ids, dense_block_causal_mask(meta)

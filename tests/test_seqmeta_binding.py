@@ -220,7 +220,7 @@ def test_from_batch_reads_transformers_flattening_collator_fields_without_syncs(
     transformers = pytest.importorskip("transformers")
     features = [{"input_ids": list(range(1, n + 1))} for n in (3, 1, 5, 2)]
     collated = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(features)
-    with SyncCounter() as sc:
+    with SyncCounter(host=collated) as sc:
         meta = SequenceMetadata.from_batch(collated)
     assert sc.num_syncs == 0
     assert meta.cu_seqlens.tolist() == [0, 3, 4, 9, 11] and meta.max_seqlen == 5
@@ -238,7 +238,7 @@ def test_bound_cache_keeps_forward_and_backward_free_of_host_syncs() -> None:
     first, second = _batches(2, seed=7)
     cache = SequenceMetadataCache()
     handles = cache.watch(model)
-    with SyncCounter() as sc:
+    with SyncCounter(host=[first, second]) as sc:  # collator batches, not moved: host data, checked on the host
         for batch in (first, second):
             with cache.batch(batch):
                 model(batch.input_ids, batch.position_ids).float().sum().backward()

@@ -275,7 +275,7 @@ def test_reference_model_sync_counts_cached_vs_per_layer(n_layers: int) -> None:
     per_layer.load_state_dict(cached.state_dict())
     callback = SequenceMetadataCallback()
     callback.on_train_batch_start(None, cached, batch, 0)  # type: ignore[arg-type]
-    with SyncCounter() as cached_syncs:
+    with SyncCounter(host=batch.cu_seqlens_cpu) as cached_syncs:  # the collator's host copy
         _forward_backward(cached, batch)
     with SyncCounter() as per_layer_syncs:
         _forward_backward(per_layer, batch)

@@ -11,9 +11,9 @@ from lightning_llmfast._lazy import lazy_dir, lazy_getattr
 from lightning_llmfast.bench.counters import SYNC_OPS, OpCounter, SyncCounter
 
 _LAZY = {
-    "run_benchmark": "lightning_llmfast.bench.harness",
-    "PROFILES": "lightning_llmfast.bench.harness",
-    "BenchProfile": "lightning_llmfast.bench.harness",
+    "run_benchmark": "lightning_llmfast.bench.suite",
+    "PROFILES": "lightning_llmfast.bench.suite",
+    "BenchProfile": "lightning_llmfast.bench.suite",
     "E2ESettings": "lightning_llmfast.bench.e2e",
     "markdown_report": "lightning_llmfast.bench.report",
     "plot_result": "lightning_llmfast.bench.report",
@@ -37,5 +37,5 @@ __dir__ = lazy_dir(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from lightning_llmfast.bench.e2e import E2ESettings
-    from lightning_llmfast.bench.harness import PROFILES, BenchProfile, run_benchmark
     from lightning_llmfast.bench.report import markdown_report, plot_result
+    from lightning_llmfast.bench.suite import PROFILES, BenchProfile, run_benchmark

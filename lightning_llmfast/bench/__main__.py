@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_llmfast.bench.e2e import VARIANTS
-from lightning_llmfast.bench.harness import MICRO_BENCHMARKS, PROFILES, run_benchmark
 from lightning_llmfast.bench.report import markdown_report, plot_result
+from lightning_llmfast.bench.suite import MICRO_BENCHMARKS, PROFILES, run_benchmark
 
 
 def _names(text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
@@ -33,30 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The process exit status (0).
     """
-    parser = argparse.ArgumentParser(prog="python -m lightning_llmfast.bench", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--profile",
-        choices=sorted([*PROFILES, "fsdp", "scaling"]),
-        default="quick",
-        help="quick (CPU), full (GPU), fsdp (2 CPU processes: FSDP2 vs DDP vs Lightning's FSDP2 peer), "
-        "scaling (tokens/s and efficiency on 1, 2, 4 processes at 3 batch sizes)",
-    )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--json", type=Path, help="write the result dictionary here")
-    parser.add_argument("--plot", type=Path, help="write a PNG comparing the variants here (needs matplotlib)")
-    parser.add_argument(
-        "--variants", type=lambda s: _names(s, VARIANTS), default=VARIANTS, help="comma-separated e2e variants"
-    )
-    parser.add_argument(
-        "--micro",
-        type=lambda s: _names(s, MICRO_BENCHMARKS),
-        default=MICRO_BENCHMARKS,
-        help="comma-separated micro-benchmarks ('' for none)",
-    )
-    parser.add_argument("--repeats", type=int, help="override the profile's timed repeats")
-    parser.add_argument("--steps", type=int, help="override the profile's measured steps per segment")
-    parser.add_argument("--max-seconds", type=float, help="soft time budget (fewer repeats, micro-benchmarks skipped)")
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
 
     def write_json(result: dict[str, Any]) -> None:
         if args.json is not None:
@@ -95,6 +72,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     for warning in result["warnings"]:
         print(f"WARNING: {warning}", file=sys.stderr)
     return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lightning_llmfast.bench", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--profile",
+        choices=sorted([*PROFILES, "fsdp", "scaling"]),
+        default="quick",
+        help="quick (CPU), full (GPU), fsdp (2 CPU processes: FSDP2 vs DDP vs Lightning's FSDP2 peer), "
+        "scaling (tokens/s and efficiency on 1, 2, 4 processes at 3 batch sizes)",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--json", type=Path, help="write the result dictionary here")
+    parser.add_argument("--plot", type=Path, help="write a PNG comparing the variants here (needs matplotlib)")
+    parser.add_argument(
+        "--variants", type=lambda s: _names(s, VARIANTS), default=VARIANTS, help="comma-separated e2e variants"
+    )
+    parser.add_argument(
+        "--micro",
+        type=lambda s: _names(s, MICRO_BENCHMARKS),
+        default=MICRO_BENCHMARKS,
+        help="comma-separated micro-benchmarks ('' for none)",
+    )
+    parser.add_argument("--repeats", type=int, help="override the profile's timed repeats")
+    parser.add_argument("--steps", type=int, help="override the profile's measured steps per segment")
+    parser.add_argument("--max-seconds", type=float, help="soft time budget (fewer repeats, micro-benchmarks skipped)")
+    return parser
 
 
 def _scaling(args: argparse.Namespace, write_json: Callable[[dict[str, Any]], None]) -> int:

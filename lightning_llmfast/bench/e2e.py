@@ -25,35 +25,22 @@ times larger than ours, and with it the three variants would optimise different 
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import logging
 import math
-import statistics
-import time
-import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
-from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch import Tensor
 from typing_extensions import override
 
-from lightning_llmfast.bench.counters import SyncCounter
+from lightning_llmfast.bench.harness import interleave
+from lightning_llmfast.bench.peer import HFMixtralFFN
+from lightning_llmfast.bench.steps import Segments, check_device, quiet
 from lightning_llmfast.data import PackedBatch, SyntheticCorpus, TextCorpus, pack_documents
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.models import MoEGPTConfig, MoEGPTLightningModule
 from lightning_llmfast.models import model as model_module
-from lightning_llmfast.seqmeta import SequenceMetadataCache
-
-if TYPE_CHECKING:
-    from lightning_llmfast.moe import NaiveMoEBlock
 
 __all__ = [
     "VARIANTS",
@@ -61,6 +48,7 @@ __all__ = [
     "HFMixtralFFN",
     "build_variants",
     "make_batches",
+    "num_batches",
     "run_e2e",
 ]
 
@@ -193,82 +181,6 @@ def _text_pieces(lengths: list[int]) -> Iterator[Tensor]:
         pending = pending[length:]
 
 
-# ------------------------------------------------------------------------------------------------------ the peer
-class HFMixtralFFN(nn.Module):
-    """transformers' ``MixtralSparseMoeBlock`` (``grouped_mm`` experts) as the reference model's feed-forward.
-
-    The block itself is transformers' code, unchanged. This wrapper only exposes what the reference model reads
-    after every forward: ``last_aux_loss``, computed with transformers' own ``load_balancing_loss_func`` from the
-    router logits (as ``MixtralForCausalLM`` does when it trains with router logits).
-
-    Args:
-        block: a ``MixtralSparseMoeBlock``.
-
-    Attributes:
-        moe: the wrapped block.
-        last_aux_loss: 0-d load-balancing loss of the last forward.
-
-    Example::
-
-        ffn = HFMixtralFFN.from_naive(naive_block)  # same function as naive_block, transformers' kernels
-        y = ffn(x)  # (B, T, H)
-    """
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-
-        self.moe = block
-        self._loss_fn = load_balancing_loss_func
-        self._router_logits: Tensor | None = None
-        self.last_aux_loss: Tensor | None = None
-        # The block drops its router logits; a hook on its router keeps them for the loss.
-        block.gate.register_forward_hook(self._keep_router_logits)
-
-    def _keep_router_logits(self, module: nn.Module, args: Any, output: tuple[Tensor, ...]) -> None:
-        self._router_logits = output[0]
-
-    @classmethod
-    def from_naive(cls, naive: NaiveMoEBlock) -> HFMixtralFFN:
-        """Build transformers' block with the same weights as ``naive`` (so the same function), on its device.
-
-        Our experts store ``gate_up_proj`` as ``(E, H, 2F)`` and ``down_proj`` as ``(E, F, H)`` (``x @ W``);
-        transformers stores ``(E, 2F, H)`` and ``(E, H, F)`` (``F.linear``): the copies are transposes.
-
-        Raises:
-            ImportError: transformers is not installed, or has no ``grouped_mm`` experts implementation.
-        """
-        from transformers import MixtralConfig
-        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-
-        if "grouped_mm" not in ALL_EXPERTS_FUNCTIONS:
-            raise ImportError("this transformers version has no 'grouped_mm' experts implementation")
-        if not naive.normalize or naive.score != "softmax":
-            raise ConfigError("the Mixtral peer needs softmax scores renormalised over the top-k (as Mixtral does)")
-        config = MixtralConfig(
-            hidden_size=naive.hidden_size,
-            intermediate_size=naive.ffn_size,
-            num_local_experts=naive.num_experts,
-            num_experts_per_tok=naive.top_k,
-            router_jitter_noise=0.0,
-            hidden_act="silu",
-            experts_implementation="grouped_mm",
-        )
-        block = MixtralSparseMoeBlock(config).to(naive.router.weight.device)
-        with torch.no_grad():
-            block.gate.weight.copy_(naive.router.weight)
-            block.experts.gate_up_proj.copy_(naive.experts.gate_up_proj.transpose(1, 2))
-            block.experts.down_proj.copy_(naive.experts.down_proj.transpose(1, 2))
-        return cls(block)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """``x`` ``(B, T, H)`` to ``(B, T, H)``."""
-        y = self.moe(x)
-        self.last_aux_loss = self._loss_fn((self._router_logits,), self.moe.experts.num_experts, self.moe.top_k)
-        return y
-
-
 def build_variants(
     settings: E2ESettings, variants: tuple[str, ...] = VARIANTS
 ) -> dict[str, MoEGPTLightningModule | str]:
@@ -332,243 +244,6 @@ def _module(settings: E2ESettings, variant: str) -> MoEGPTLightningModule:
     return _BenchModule(settings.config(variant), lr=settings.lr, aux_loss_coef=0.0, warmup_steps=1)
 
 
-# ------------------------------------------------------------------------------------------------- measurement
-class _MaskBuildCounter:
-    """Counts the reference model's dense-mask builds (``per_layer`` and ``dense`` modes) while installed."""
-
-    def __init__(self) -> None:
-        self.builds = 0
-        self._depth = 0
-
-    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            # per_layer_document_mask calls dense_document_mask: that is one build, not two.
-            self.builds += self._depth == 0
-            self._depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= 1
-
-        return counted
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[_MaskBuildCounter]:
-        names = ("per_layer_document_mask", "dense_document_mask")
-        originals = {name: getattr(model_module, name) for name in names}
-        try:
-            for name, fn in originals.items():
-                setattr(model_module, name, self.wrap(fn))
-            yield self
-        finally:
-            for name, fn in originals.items():
-                setattr(model_module, name, fn)
-
-
-def _metadata_builds(trainer: L.Trainer, masks: _MaskBuildCounter | None) -> int:
-    """Metadata builds so far: dense masks built by the model plus builds of every metadata cache in use."""
-    builds = masks.builds if masks is not None else 0
-    for callback in trainer.callbacks:
-        cache = getattr(callback, "cache", None)
-        if isinstance(cache, SequenceMetadataCache):
-            builds += int(cache.stats["builds"])
-    return builds
-
-
-def _builds_of_open_versions(trainer: L.Trainer) -> int:
-    """Builds the metadata callbacks made for the batch whose version they opened."""
-    from lightning_llmfast.callbacks import SequenceMetadataCallback
-
-    return sum(cb.builds_last_batch for cb in trainer.callbacks if isinstance(cb, SequenceMetadataCallback))
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        # NOTE: host sync, only at the two ends of a timed window (never inside it): the timer must see kernels end.
-        torch.cuda.synchronize(device)
-
-
-class _StepProbe(Callback):
-    """Times the steps after ``warmup`` of one segment and, when ``count``, counts what they dispatch.
-
-    Counting windows: forward + backward (``on_train_batch_start`` to ``on_before_optimizer_step``) for host syncs,
-    ATen ops and metadata builds; the optimizer step (to ``on_train_batch_end``) for ATen ops only: AdamW reads its
-    step counter, a CPU tensor even on CUDA, with ``.item()``, which is no device sync but would count as one.
-    """
-
-    def __init__(self, warmup: int, count: bool, masks: _MaskBuildCounter | None = None) -> None:
-        super().__init__()
-        self.warmup, self.count, self.masks = warmup, count, masks
-        self.step = 0
-        self.tokens = 0
-        self.t0 = self.t1 = 0.0
-        self.losses: list[Tensor] = []
-        self.syncs = self.ops = self.builds = self.measured = 0
-        self.sync_names: dict[str, int] = {}
-        self._counter: SyncCounter | None = None
-        self._builds_at_start = 0
-
-    def _measuring(self) -> bool:
-        return self.step >= self.warmup
-
-    @override
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if self.step == self.warmup:
-            _synchronize(pl_module.device)
-            self.t0 = time.perf_counter()
-        if self.count and self._measuring():
-            # The metadata callback (before this probe) builds when it opens the batch's version: count that build.
-            self._builds_at_start = _metadata_builds(trainer, self.masks) - _builds_of_open_versions(trainer)
-            self._counter = SyncCounter().__enter__()
-
-    @override
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        if self._counter is not None:
-            self._close_counter(syncs=True)
-            self.builds += _metadata_builds(trainer, self.masks) - self._builds_at_start
-            self._counter = SyncCounter().__enter__()
-
-    @override
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self._counter is not None:
-            self._close_counter(syncs=False)
-        if self._measuring():
-            self.measured += 1
-            self.tokens += batch.num_tokens
-            self.losses.append(outputs["loss"].detach())
-        self.step += 1
-        if self.step == trainer.max_steps:
-            _synchronize(pl_module.device)
-            self.t1 = time.perf_counter()
-
-    def _close_counter(self, *, syncs: bool) -> None:
-        assert self._counter is not None
-        self._counter.__exit__(None, None, None)
-        self.ops += self._counter.total
-        if syncs:
-            self.syncs += self._counter.num_syncs
-            for name, n in self._counter.syncs.items():
-                self.sync_names[name] = self.sync_names.get(name, 0) + n
-        self._counter = None
-
-    @property
-    def tokens_per_sec(self) -> float:
-        return self.tokens / (self.t1 - self.t0) if self.t1 > self.t0 else float("nan")
-
-
-class _PeakMemory(TorchDispatchMode):
-    """Peak memory over a ``with`` block: CUDA's peak allocated bytes, or on CPU the peak of live tensor bytes.
-
-    On CPU the resident set size is no measure: the host allocator keeps freed pages, so the second variant to run
-    "grows" by almost nothing. Instead every tensor storage an op creates is counted until it is freed (a weak
-    finalizer), which is what the allocator had to hold, independent of its caching. Tensors that exist before the
-    block (weights, optimizer state) are not counted; on CUDA everything on the device is.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
-        self.device = device
-        self.peak_bytes = self._live_bytes = 0
-        self._live: dict[int, int] = {}
-
-    def __enter__(self) -> _PeakMemory:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return self
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.device.type == "cuda":
-            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
-            return
-        super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self._live:  # views and in-place results share a storage already counted
-                    self._live[key] = storage.nbytes()
-                    self._live_bytes += storage.nbytes()
-                    self.peak_bytes = max(self.peak_bytes, self._live_bytes)
-                    weakref.finalize(storage, self._free, key)
-        return out
-
-    def _free(self, key: int) -> None:
-        self._live_bytes -= self._live.pop(key, 0)
-
-
-# --------------------------------------------------------------------------------------------------------- runner
-def _callbacks(variant: str) -> list[Callback]:
-    if variant != "llmfast":
-        return []
-    from lightning_llmfast.callbacks import SequenceMetadataCallback, TokenThroughputMonitor
-
-    return [SequenceMetadataCallback(), TokenThroughputMonitor()]
-
-
-class _Batches:
-    """A sized iterable over ready batches: Lightning would take a plain list for a list of dataloaders."""
-
-    def __init__(self, batches: list[PackedBatch]) -> None:
-        self.batches = batches
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __iter__(self) -> Iterator[PackedBatch]:
-        return iter(self.batches)
-
-
-def _fit(
-    variant: str,
-    module: MoEGPTLightningModule,
-    batches: list[PackedBatch],
-    probe: _StepProbe,
-    settings: E2ESettings,
-    device: torch.device,
-) -> None:
-    # Same Trainer for every variant except strategy and callbacks; the probe runs last so it sees the others' work.
-    trainer = L.Trainer(
-        accelerator=device.type,
-        devices=1,
-        strategy="llmfast" if variant == "llmfast" else "auto",
-        precision=settings.precision,  # type: ignore[arg-type]
-        max_steps=len(batches),
-        callbacks=[*_callbacks(variant), probe],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    trainer.fit(module, train_dataloaders=_Batches(batches))
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Silence Lightning's per-fit banners and warnings (list dataloaders, no workers): one fit per segment."""
-    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning")]
-    levels = [lg.level for lg in loggers]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
-        try:
-            yield
-        finally:
-            for lg, level in zip(loggers, levels):
-                lg.setLevel(level)
-
-
 def run_e2e(
     settings: E2ESettings,
     device: str | torch.device = "cpu",
@@ -589,98 +264,48 @@ def run_e2e(
     Returns:
         ``(results, notes)``: ``results[variant]`` holds ``tokens_per_sec`` (median over repeats), its spread
         ``tokens_per_sec_min``/``tokens_per_sec_max`` and every repeat's value ``tokens_per_sec_repeats`` (in order),
-        ``host_syncs_per_step`` (forward + backward), ``metadata_builds_per_step``, ``aten_ops_per_step`` (whole
-        step), ``peak_mem_bytes`` (CUDA peak allocated; CPU peak of tensor bytes allocated during the counted
-        segment) and ``final_loss``; a skipped
-        variant maps to ``{"skipped": reason}``. ``notes`` lists what a reader needs to interpret them (loss
-        agreement, syncs by op). A variant that raises maps to ``{"error": message}``; the others still run.
+        ``host_syncs_per_step`` (forward + backward), ``metadata_builds_per_step``, ``aten_ops_per_step`` and
+        ``kernels_per_step`` (whole step; :class:`~lightning_llmfast.bench.kernels.KernelCounter`),
+        ``peak_mem_bytes`` (CUDA peak allocated; CPU peak of tensor bytes allocated during the counted segment) and
+        ``final_loss``; a skipped variant maps to ``{"skipped": reason}``. ``notes`` lists what a reader needs to
+        interpret them (loss agreement, syncs by op). A variant that raises maps to ``{"error": message}``; the
+        others still run.
 
     Example::
 
         results, notes = run_e2e(E2ESettings(model={"n_layers": 2}, seq_len=128), "cpu")
         results["llmfast"]["host_syncs_per_step"]  # 0.0
     """
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda asked for, but torch.cuda.is_available() is False")
+    device = check_device(device)
     import lightning_llmfast  # noqa: F401  (registers the "llmfast" strategies with Lightning)
 
     modules = build_variants(settings, variants)
-    vocab_size = settings.config("before").vocab_size
-    seg = settings.segment_steps
-    count_seg = settings.warmup_steps + settings.count_steps
-    batches = make_batches(settings, count_seg + settings.repeats * seg, vocab_size)
+    batches = make_batches(settings, num_batches(settings), settings.config("before").vocab_size)
     if device.type == "cuda":
         # Pinned batches let Lightning's non-blocking copies overlap, the same for every variant.
         batches = [b.pin_memory() for b in batches]
-    active = [v for v in variants if not isinstance(modules[v], str)]
-    results: dict[str, dict[str, Any]] = {v: {"skipped": modules[v]} for v in variants if v not in active}
-    notes = [f"{v}: {results[v]['skipped']}" for v in results]
-    counted: dict[str, _StepProbe] = {}
-    memory: dict[str, int] = {}
-    timed: dict[str, list[float]] = {v: [] for v in active}
-    last: dict[str, _StepProbe] = {}
-    failed: dict[str, str] = {}
-
-    def run_segment(variant: str, segment: list[PackedBatch], probe: _StepProbe) -> bool:
-        if variant in failed:
-            return False
-        try:
-            _fit(variant, modules[variant], segment, probe, settings, device)  # type: ignore[arg-type]
-        except Exception as err:  # one failing variant (out of memory, a missing kernel) must not lose the others
-            failed[variant] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-            log(f"[e2e] {variant} failed: {failed[variant]}")
-            return False
-        return True
-
-    with _quiet():
-        for variant in active:
-            # One unmeasured step each first: lazy initialisation, kernel compilation and the optimizer state are
-            # then in place for every variant, and the first variant's memory reading no longer carries them.
-            run_segment(variant, batches[:1], _StepProbe(warmup=1, count=False))
-        for variant in active:
-            masks = _MaskBuildCounter()
-            probe = _StepProbe(settings.warmup_steps, count=True, masks=masks)
-            with masks.installed(), _PeakMemory(device) as mem:
-                ok = run_segment(variant, batches[:count_seg], probe)
-            if ok:
-                counted[variant], memory[variant] = probe, mem.peak_bytes
-                log(f"[e2e] counted {variant}: {probe.syncs / probe.measured:.1f} syncs/step")
-        for r in range(settings.repeats):
-            if r > 0 and deadline is not None and time.perf_counter() > deadline:
-                notes.append(f"time budget reached: {r} of {settings.repeats} timed repeats ran")
-                break
-            segment = batches[count_seg + r * seg : count_seg + (r + 1) * seg]
-            order = active[r % len(active) :] + active[: r % len(active)]
-            for variant in order:
-                probe = _StepProbe(settings.warmup_steps, count=False)
-                if run_segment(variant, segment, probe):
-                    timed[variant].append(probe.tokens_per_sec)
-                    last[variant] = probe
-                    log(f"[e2e] repeat {r + 1}/{settings.repeats} {variant}: {probe.tokens_per_sec:,.0f} tokens/s")
+    active = {v: m for v, m in modules.items() if not isinstance(m, str)}
+    segments = Segments(settings, batches, device)
+    with quiet():
+        measured = interleave(
+            {v: segments.runner(v, m) for v, m in active.items()}, settings.repeats,
+            count=lambda v: segments.count(v, active[v]), deadline=deadline, catch=True, log=log,
+        )  # fmt: skip
+    results: dict[str, dict[str, Any]] = {v: {"skipped": m} for v, m in modules.items() if isinstance(m, str)}
+    notes = [f"{v}: {row['skipped']}" for v, row in results.items()]
+    ran = min((len(m.values) for m in measured.values() if m.error is None), default=settings.repeats)
+    if ran < settings.repeats:
+        notes.append(f"time budget reached: {ran} of {settings.repeats} timed repeats ran")
     for variant in active:
-        if variant in failed:
-            results[variant] = {"error": failed[variant]}
-            notes.append(f"{variant}: failed: {failed[variant]}")
-            continue
-        c = counted[variant]
-        results[variant] = {
-            "tokens_per_sec": statistics.median(timed[variant]),
-            "tokens_per_sec_min": min(timed[variant]),
-            "tokens_per_sec_max": max(timed[variant]),
-            "tokens_per_sec_repeats": list(timed[variant]),
-            "host_syncs_per_step": c.syncs / c.measured,
-            "metadata_builds_per_step": c.builds / c.measured,
-            "aten_ops_per_step": c.ops / c.measured,
-            "peak_mem_bytes": int(memory[variant]),
-            # NOTE: host sync, once per variant after all measurement.
-            "final_loss": float(last[variant].losses[-1]),
-        }
-        if c.sync_names:
-            by_op = ", ".join(f"{k}={n / c.measured:g}" for k, n in sorted(c.sync_names.items()))
-            notes.append(f"{variant} host syncs per step by op: {by_op}")
+        results[variant], more = segments.row(variant, measured[variant])
+        notes += more
     notes.append(f"final loss max relative difference: {loss_agreement(results):.2e}")
-    return results, [*notes, *_settings_notes(settings, device)]
+    return {v: results[v] for v in variants}, [*notes, *_settings_notes(settings, device)]
+
+
+def num_batches(settings: E2ESettings) -> int:
+    """Batches one run needs: the warm-up step, the counting segment and every timed segment."""
+    return settings.warmup_steps + settings.count_steps + settings.repeats * settings.segment_steps
 
 
 def loss_agreement(results: dict[str, dict[str, Any]]) -> float:

@@ -44,7 +44,9 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
-from lightning_llmfast.bench.e2e import E2ESettings, _Batches, _quiet, make_batches
+from lightning_llmfast.bench.e2e import E2ESettings, make_batches
+from lightning_llmfast.bench.harness import interleave
+from lightning_llmfast.bench.steps import Batches, quiet
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.models import MoEGPTConfig, MoEGPTLightningModule
 
@@ -136,8 +138,8 @@ def _segment(variant: str, settings: E2ESettings, batches: list[Any], world_size
         callbacks=[meter], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0,
     )  # fmt: skip
-    with _quiet():
-        trainer.fit(module, train_dataloaders=_Batches(batches))
+    with quiet():
+        trainer.fit(module, train_dataloaders=Batches(batches))
     tokens = trainer.strategy.reduce(torch.tensor(float(meter.tokens)), reduce_op="sum").item()
     return {"tokens": tokens, "seconds": meter.seconds, "bytes": meter.bytes, "loss": meter.loss}
 
@@ -150,11 +152,16 @@ def _worker(out: Path, settings: E2ESettings, repeats: int) -> None:
     every = make_batches(settings, steps * world_size, vocab_size=MoEGPTConfig().vocab_size)
     batches = every[rank * steps : (rank + 1) * steps]
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in FSDP_VARIANTS}
-    for repeat in range(repeats):
-        # Rotated order: no variant always runs first (or right after another's teardown) on a shared machine.
-        shift = repeat % len(FSDP_VARIANTS)
-        for variant in FSDP_VARIANTS[shift:] + FSDP_VARIANTS[:shift]:
+
+    def runner(variant: str) -> Callable[[int], float]:
+        def run(_: int) -> float:
             runs[variant].append(_segment(variant, settings, batches, world_size))
+            return runs[variant][-1]["seconds"]
+
+        return run
+
+    # Every rank runs the same rounds in the same rotated order: the segments' collectives pair up.
+    interleave({v: runner(v) for v in FSDP_VARIANTS}, repeats, warmup=0)
     (out / f"rank{rank}.json").write_text(json.dumps(runs))
 
 
@@ -185,6 +192,27 @@ def _launch(out: Path, world_size: int, settings: E2ESettings, repeats: int, tim
                 proc.kill()
 
 
+def _summary(ranks: list[dict[str, Any]], variant: str) -> dict[str, Any]:
+    """One variant over all ranks: tokens/sec of each segment (its slowest rank), the largest rank's bytes."""
+    segments = ranks[0][variant]
+    rates = [s["tokens"] / max(max(r[variant][i]["seconds"] for r in ranks), 1e-9) for i, s in enumerate(segments)]
+    worst = max((r[variant][-1]["bytes"] for r in ranks), key=lambda b: b["total"])
+    return {
+        "tokens_per_sec": statistics.median(rates),
+        "segments_tokens_per_sec": rates,
+        "bytes_per_rank": worst,
+        "final_loss": segments[-1]["loss"],
+    }
+
+
+def _note(world_size: int, settings: E2ESettings) -> str:
+    return (
+        f"{world_size} gloo CPU processes, 1 thread each; model {settings.model}, rows {settings.batch_size} x "
+        f"{settings.seq_len} per rank; median of {settings.repeats} interleaved segments of {settings.measured_steps} "
+        "measured steps; bytes: the largest rank's parameters + gradients + optimizer state after the last step"
+    )
+
+
 def run_fsdp_benchmark(
     world_size: int = 2,
     *,
@@ -199,8 +227,7 @@ def run_fsdp_benchmark(
     Args:
         world_size: processes (one gloo rank each).
         settings: model, rows per rank, steps and repeats (:data:`FSDP_SETTINGS`).
-        repeats: override of ``settings.repeats``.
-        measured_steps: override of ``settings.measured_steps``.
+        repeats, measured_steps: overrides of ``settings.repeats`` and ``settings.measured_steps``.
         timeout: seconds the whole run may take before its processes are killed.
         log: progress messages.
 
@@ -213,7 +240,7 @@ def run_fsdp_benchmark(
         result = run_fsdp_benchmark(2)
         result["ratios"]["bytes_vs_ideal"]  # ~1.0
     """
-    from lightning_llmfast.bench.harness import git_commit, machine
+    from lightning_llmfast.bench.suite import git_commit, machine
 
     if world_size < 2:
         raise ConfigError(f"the fsdp profile needs world_size >= 2, got {world_size}")
@@ -224,17 +251,7 @@ def run_fsdp_benchmark(
     with tempfile.TemporaryDirectory() as tmp:
         _launch(Path(tmp), world_size, settings, repeats, timeout)
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world_size)]
-    summary = {}
-    for variant in FSDP_VARIANTS:
-        segments = ranks[0][variant]
-        rates = [s["tokens"] / max(max(r[variant][i]["seconds"] for r in ranks), 1e-9) for i, s in enumerate(segments)]
-        worst = max((r[variant][-1]["bytes"] for r in ranks), key=lambda b: b["total"])
-        summary[variant] = {
-            "tokens_per_sec": statistics.median(rates),
-            "segments_tokens_per_sec": rates,
-            "bytes_per_rank": worst,
-            "final_loss": segments[-1]["loss"],
-        }
+    summary = {variant: _summary(ranks, variant) for variant in FSDP_VARIANTS}
     ideal = summary["llmfast"]["bytes_per_rank"]["total"] / world_size
     bytes_ratio = summary["llmfast_fsdp"]["bytes_per_rank"]["total"] / ideal
     # Paired: the load of a shared machine swings between repeats far more than between neighbouring segments.
@@ -253,11 +270,7 @@ def run_fsdp_benchmark(
             "bytes_within_5pct_of_ideal": abs(bytes_ratio - 1) <= 0.05,
             "tokens_per_sec_at_least_peer": speed_ratio >= 1.0,
         },
-        "notes": [
-            f"{world_size} gloo CPU processes, 1 thread each; model {settings.model}, rows {settings.batch_size} x "
-            f"{settings.seq_len} per rank; median of {repeats} interleaved segments of {settings.measured_steps} "
-            "measured steps; bytes: the largest rank's parameters + gradients + optimizer state after the last step",
-        ],
+        "notes": [_note(world_size, settings)],
         "seconds": round(time.perf_counter() - start, 1),
     }
 

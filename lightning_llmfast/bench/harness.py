@@ -1,359 +1,187 @@
-"""The benchmark harness: end-to-end variants and micro-benchmarks in one process, one JSON result.
+"""The one benchmark loop: warm-up, interleaved repeats, median and spread, and the hardware-independent counters.
 
-Claims about speed in this project come only from here. The result dictionary (``--json``) is::
-
-    {"profile", "device", "commit", "machine",
-     "e2e": {variant: {"tokens_per_sec" (median), "tokens_per_sec_min", "tokens_per_sec_max",
-                       "tokens_per_sec_repeats", "host_syncs_per_step", "metadata_builds_per_step",
-                       "aten_ops_per_step", "peak_mem_bytes", "final_loss"} or {"skipped"|"error": reason}},
-     "ratios": {"llmfast_vs_before", "llmfast_vs_peer"},   # tokens/sec ratios of the medians; None: a variant missing
-     "ratio_ranges": {same names: [low, high] over the repeats, or None},
-     "warnings": [str, ...],                                # spreads too wide to trust the ratios (report.py)
-               # profile "hf" (bench/hf.py): variants "hf_eager", "hf_grouped_mm", "llmfast";
-               # ratios {"llmfast_vs_best_hf", "llmfast_vs_best_hf_cpu_time"},
-               # ratio_ranges {"llmfast_vs_hf_eager", "llmfast_vs_hf_grouped_mm"}
-     "micro": {name: dict returned by benchmarks/bench_<name>.py's run(), or {"skipped"|"error": reason}},
-     "notes": [str, ...]}
-
-Micro-benchmarks are the scripts ``benchmarks/bench_metadata.py``, ``bench_moe.py`` and ``bench_offload.py`` of the
-repository, each exposing ``run(quick: bool, ...) -> dict``. ``benchmarks/`` is not a package, so they are loaded
-by path; where the directory or a script is absent (an installed wheel) the entry says so.
+Every profile of ``python -m lightning_llmfast.bench`` and every ``benchmarks/bench_*.py`` script measures through
+:func:`interleave`: each implementation is warmed up, optionally counted once (host syncs with
+:class:`~lightning_llmfast.bench.counters.SyncCounter`, kernels with
+:class:`~lightning_llmfast.bench.kernels.KernelCounter`), then the repeats run round-robin with a rotating start,
+so machine noise hits every implementation alike. A :class:`Measurement` holds the repeats in order; its median is
+the reported figure and its min/max the spread. Ratios between implementations come with their range over the
+repeats (:func:`ratio_range`).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
-import math
-import os
-import platform
-import subprocess
+import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from lightning_llmfast.bench.e2e import VARIANTS, E2ESettings, run_e2e
-from lightning_llmfast.bench.report import RATIOS, ratio_range, spread_warnings
-from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.bench.counters import SyncCounter
+from lightning_llmfast.bench.kernels import KernelCounter
 
-__all__ = ["MICRO_BENCHMARKS", "PROFILES", "BenchProfile", "git_commit", "machine", "run_benchmark", "run_micro"]
-
-MICRO_BENCHMARKS: tuple[str, ...] = ("metadata", "moe", "offload")
-"""Micro-benchmark names: ``benchmarks/bench_<name>.py``."""
-
-_REPO_ROOT = Path(__file__).resolve().parents[2]
+__all__ = ["Measurement", "count_call", "interleave", "ratio_range"]
 
 
-@dataclass(frozen=True)
-class BenchProfile:
-    """A named benchmark size.
+@dataclass
+class Measurement:
+    """What :func:`interleave` measured for one implementation.
+
+    Attributes:
+        values: one value per repeat, in the order run (seconds, unless the implementation returned its own value
+            such as tokens/sec).
+        syncs: host syncs of the counted call, or per step of a counted segment (``None``: not counted).
+        kernels: kernel launches, likewise.
+        ops: ATen ops, likewise.
+        sync_names: the counted host syncs by name.
+        extra: what a custom count adds (metadata builds, peak memory...).
+        error: the first exception the implementation raised (it then ran no further repeats).
+    """
+
+    values: list[float] = field(default_factory=list)
+    syncs: float | None = None
+    kernels: float | None = None
+    ops: float | None = None
+    sync_names: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def median(self) -> float:
+        """Median over the repeats (``nan`` without any)."""
+        return statistics.median(self.values) if self.values else float("nan")
+
+    @property
+    def low(self) -> float:
+        """Smallest repeat (``nan`` without any)."""
+        return min(self.values, default=float("nan"))
+
+    @property
+    def high(self) -> float:
+        """Largest repeat (``nan`` without any)."""
+        return max(self.values, default=float("nan"))
+
+    def summary(self, unit: str = "") -> dict[str, Any]:
+        """``{"<unit>", "<unit>_min", "<unit>_max", "<unit>_repeats"}`` plus the counters that were taken."""
+        out: dict[str, Any] = {unit: self.median, f"{unit}_min": self.low, f"{unit}_max": self.high}
+        out[f"{unit}_repeats"] = list(self.values)
+        if self.syncs is not None:
+            out["host_syncs"], out["kernels"] = self.syncs, self.kernels
+        return out
+
+
+def count_call(fn: Callable[[], Any], device: torch.device | str = "cpu", host: Any = ()) -> Measurement:
+    """Host syncs, kernels and ATen ops of one call of ``fn`` (see :class:`SyncCounter` for ``device``/``host``).
+
+    Example::
+
+        m = count_call(lambda: block(x).sum().backward())
+        m.syncs, m.kernels
+    """
+    with SyncCounter(device, host=host) as syncs, KernelCounter() as kernels:
+        fn()
+    return Measurement(syncs=syncs.num_syncs, kernels=kernels.kernels, ops=kernels.total, sync_names=dict(syncs.syncs))
+
+
+def _synchronize(device: torch.device | None) -> None:
+    if device is not None and device.type == "cuda":
+        # NOTE: host sync at the two ends of a timed call (never inside it): the timer must see the kernels end.
+        torch.cuda.synchronize(device)
+
+
+def interleave(
+    impls: Mapping[str, Callable[[int], float | None]],
+    repeats: int,
+    *,
+    warmup: int = 1,
+    count: bool | Callable[[str], Measurement] = False,
+    device: torch.device | str | None = None,
+    deadline: float | None = None,
+    host: Any = (),
+    catch: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Measurement]:
+    """Measure every implementation in one run: warm-up, an optional counted call, then interleaved repeats.
 
     Args:
-        name: profile name.
-        e2e: end-to-end settings.
-        micro_quick: the ``quick`` argument passed to every micro-benchmark's ``run``.
-
-    Example::
-
-        profile = PROFILES["quick"]
-        profile.e2e.seq_len  # 1024
-    """
-
-    name: str
-    e2e: E2ESettings
-    micro_quick: bool
-
-
-PROFILES: dict[str, BenchProfile] = {
-    # Seconds on a laptop core: for the test suite and smoke checks of the machinery.
-    "tiny": BenchProfile(
-        "tiny",
-        E2ESettings(
-            model={"hidden_size": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_size": 64, "num_experts": 4},
-            seq_len=64,
-            batch_size=2,
-            mean_doc_len=16,
-            warmup_steps=1,
-            measured_steps=2,
-            repeats=2,
-            count_steps=1,
-        ),
-        micro_quick=True,
-    ),
-    # Under 2 minutes on 2 CPU cores, micro-benchmarks included: the default model on rows of 1024 tokens packed
-    # with ~10 documents each. The gains grow with the row length (attention over a dense row mask is O(T^2)):
-    # see benchmarks/RESULTS.md for T = 512 and 2048.
-    "quick": BenchProfile(
-        "quick",
-        E2ESettings(
-            model={},
-            seq_len=1024,
-            batch_size=2,
-            mean_doc_len=96,
-            warmup_steps=1,
-            measured_steps=3,
-            repeats=5,
-            count_steps=2,
-        ),
-        micro_quick=True,
-    ),
-    # transformers Qwen3-MoE trained by HFCausalLMModule vs the transformers way (bench/hf.py); ~1 minute on 2 cores.
-    "hf": BenchProfile(
-        "hf",
-        E2ESettings(
-            model={
-                "vocab_size": 258,
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "moe_intermediate_size": 64,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "head_dim": 16,
-                "num_experts": 8,
-                "num_experts_per_tok": 2,
-            },
-            seq_len=256,
-            batch_size=4,
-            mean_doc_len=48,
-            warmup_steps=1,
-            measured_steps=2,
-            repeats=3,
-            count_steps=1,
-        ),
-        micro_quick=True,
-    ),
-    # About 3-4 minutes on one H200 in bf16: a 12-layer, 1024-wide MoE at 4096 tokens per row.
-    "full": BenchProfile(
-        "full",
-        E2ESettings(
-            model={
-                "hidden_size": 1024,
-                "n_layers": 12,
-                "n_heads": 16,
-                "n_kv_heads": 4,
-                "ffn_size": 1024,
-                "num_experts": 8,
-                "top_k": 2,
-            },
-            seq_len=4096,
-            batch_size=4,
-            mean_doc_len=512,
-            warmup_steps=2,
-            measured_steps=8,
-            repeats=5,
-            count_steps=2,
-            precision="bf16-mixed",
-        ),
-        micro_quick=False,
-    ),
-}
-
-
-def git_commit(path: Path = _REPO_ROOT) -> str:
-    """Short commit hash of the repository at ``path`` (``+dirty`` with uncommitted changes), or ``"unknown"``.
-
-    ``$LLMFAST_COMMIT``, when set, wins: a tree copied to a lent GPU machine has no ``.git`` or a stale one, so the
-    caller names what it copied.
-
-    Example::
-
-        git_commit()  # "b3f7d21+dirty"
-    """
-    named = os.environ.get("LLMFAST_COMMIT")
-    if named:
-        return named
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=path, capture_output=True, text=True, check=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=path,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{head}+dirty" if dirty else head
-
-
-def machine(device: torch.device) -> str:
-    """One line naming the hardware and the versions that produced a result.
-
-    Example::
-
-        machine(torch.device("cpu"))  # "Intel(R) Xeon(R) Processor, 2 cores, torch threads 2; python 3.11.7, ..."
-    """
-    import lightning
-
-    if device.type == "cuda":
-        hardware = torch.cuda.get_device_name(device)
-    else:
-        hardware = f"{_cpu_name()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
-    return (
-        f"{hardware}; python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}"
-    )
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    except OSError:
-        names = []
-    return names[0] if names else platform.processor() or platform.machine()
-
-
-def run_micro(
-    quick: bool,
-    device: str,
-    names: tuple[str, ...] = MICRO_BENCHMARKS,
-    benchmarks_dir: Path | None = None,
-    log: Callable[[str], None] = print,
-) -> dict[str, Any]:
-    """Run the micro-benchmark scripts ``benchmarks/bench_<name>.py`` in this process.
-
-    Each script is loaded by path and its ``run`` is called with ``quick`` and, when it accepts one, ``device``.
-    A missing script, or one that raises, does not stop the others.
-
-    Args:
-        quick: passed to every ``run``.
-        device: ``"cpu"`` or ``"cuda"``.
-        names: which micro-benchmarks.
-        benchmarks_dir: where the scripts live (default: the repository's ``benchmarks/``).
+        impls: ``name -> fn(repeat)``; ``repeat`` is ``-1`` for warm-up and counted calls, else the repeat index
+            (a profile that feeds each repeat fresh data uses it). ``fn`` returns ``None`` to be timed by the loop
+            (seconds), or its own measured value (tokens/sec from the steps it timed itself).
+        repeats: timed rounds; in round ``r`` the implementations run in order, rotated by ``r``.
+        warmup: untimed calls of each implementation first (lazy initialisation, compilation, allocator).
+        count: ``True``: one more call of each under the sync and kernel counters (:func:`count_call`); a callable
+            ``count(name) -> Measurement``: the profile's own counting (per-step windows of a training segment).
+        device: where the implementations compute (synchronised around each timed call on CUDA; the counters').
+        deadline: a ``time.perf_counter()`` value after which no further round starts (the first always runs).
+        host: tensors that stay on the host on an accelerator, for the counters (:class:`SyncCounter`).
+        catch: record an implementation's exception in its :class:`Measurement` (and call it no more), not raise.
         log: progress messages.
 
     Returns:
-        ``{name: result}`` where ``result`` is the dict the script returned plus ``"seconds"``, or
-        ``{"skipped": reason}`` / ``{"error": message}``.
+        ``name -> Measurement``. Example::
 
-    Example::
-
-        micro = run_micro(quick=True, device="cpu", names=("metadata",))
+        m = interleave({"ours": lambda r: step(ours), "peer": lambda r: step(peer)}, repeats=5)
+        m["ours"].median / m["peer"].median
     """
-    directory = benchmarks_dir if benchmarks_dir is not None else _REPO_ROOT / "benchmarks"
-    out: dict[str, Any] = {}
-    for name in names:
-        path = directory / f"bench_{name}.py"
-        if not path.is_file():
-            out[name] = {"skipped": f"{path} not found (benchmarks/ ships with the repository, not the wheel)"}
-            log(f"[micro] {name}: skipped ({path} not found)")
-            continue
-        start = time.perf_counter()
-        try:
-            spec = importlib.util.spec_from_file_location(f"_llmfast_bench_{name}", path)
-            assert spec is not None and spec.loader is not None
-            script = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(script)
-            kwargs: dict[str, Any] = {"quick": quick}
-            if "device" in inspect.signature(script.run).parameters:
-                kwargs["device"] = device
-            result = dict(script.run(**kwargs))
-        except Exception as err:  # a broken micro-benchmark must not lose the end-to-end numbers
-            out[name] = {"error": f"{type(err).__name__}: {err}"}
-            log(f"[micro] {name}: error {type(err).__name__}: {err}")
-            continue
-        result["seconds"] = round(time.perf_counter() - start, 2)
-        out[name] = result
-        log(f"[micro] {name}: done in {result['seconds']} s")
+    dev = torch.device(device) if device is not None else None
+    out = {name: Measurement() for name in impls}
+
+    def call(name: str, fn: Callable[[], Any]) -> Any:
+        return _guarded(out[name], name, fn, catch, log)
+
+    for name, fn in impls.items():
+        for _ in range(warmup):
+            call(name, lambda fn=fn: fn(-1))
+        if count:
+            counter = count if callable(count) else (lambda _, fn=fn: count_call(lambda: fn(-1), dev or "cpu", host))
+            _adopt(out, name, call(name, lambda name=name, counter=counter: counter(name)))
+    names = list(impls)
+    for r in range(repeats):
+        if r > 0 and deadline is not None and time.perf_counter() > deadline:
+            if log is not None:
+                log(f"[bench] time budget reached: {r} of {repeats} rounds ran")
+            break
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            _synchronize(dev)
+            start = time.perf_counter()
+            value = call(name, lambda name=name, r=r: impls[name](r))
+            _synchronize(dev)
+            if out[name].error is None:
+                out[name].values.append(time.perf_counter() - start if value is None else float(value))
     return out
 
 
-def run_benchmark(
-    profile: str | BenchProfile = "quick",
-    device: str = "cpu",
-    *,
-    variants: tuple[str, ...] = VARIANTS,
-    micro: tuple[str, ...] = MICRO_BENCHMARKS,
-    repeats: int | None = None,
-    measured_steps: int | None = None,
-    max_seconds: float | None = None,
-    benchmarks_dir: Path | None = None,
-    log: Callable[[str], None] = print,
-    on_update: Callable[[dict[str, Any]], None] | None = None,
-) -> dict[str, Any]:
-    """Run the end-to-end variants and the micro-benchmarks of a profile and return the result dictionary.
+def _adopt(out: dict[str, Measurement], name: str, counted: Measurement | None) -> None:
+    """Keep the counters of ``counted`` (``None``: the counted call failed) in ``out[name]``."""
+    if counted is not None:
+        counted.values, counted.error = out[name].values, out[name].error
+        out[name] = counted
 
-    Args:
-        profile: a name from :data:`PROFILES` or a :class:`BenchProfile`.
-        device: ``"cpu"`` or ``"cuda"``.
-        variants: end-to-end variants to run (the ``hf`` profile always runs ``bench.hf.HF_VARIANTS``).
-        micro: micro-benchmarks to run (empty: none).
-        repeats: override of the profile's timed repeats.
-        measured_steps: override of the profile's measured steps per segment.
-        max_seconds: a soft time budget: timed repeats stop starting after 60% of it, micro-benchmarks after all of
-            it (those not started are marked skipped), so a run under a hard time limit still reports.
-        benchmarks_dir: where the micro-benchmark scripts live.
-        log: progress messages.
-        on_update: called with the result so far after the end-to-end part and after every micro-benchmark, so a
-            run cut short by a time limit still leaves its finished numbers behind.
 
-    Returns:
-        The dictionary described in this module's docstring (JSON-serialisable).
+def _guarded(m: Measurement, name: str, fn: Callable[[], Any], catch: bool, log: Callable[[str], None] | None) -> Any:
+    """``fn()``, unless ``m`` already failed; with ``catch`` an exception is recorded in ``m`` instead of raised."""
+    if m.error is not None:
+        return None
+    try:
+        return fn()
+    except Exception as err:
+        if not catch:
+            raise
+        m.error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        if log is not None:
+            log(f"[bench] {name} failed: {m.error}")
+        return None
+
+
+def ratio_range(num: Measurement, den: Measurement) -> tuple[float, float] | None:
+    """``(low, high)`` of ``num / den`` over the repeats' extremes, or ``None`` when either has no repeat.
 
     Example::
 
-        result = run_benchmark("quick", "cpu")
-        result["ratios"]["llmfast_vs_before"]
+        ratio_range(m["ours"], m["peer"])  # (0.91, 1.04)
     """
-    if isinstance(profile, str):
-        if profile not in PROFILES:
-            raise ConfigError(f"unknown profile {profile!r}; choose from {sorted(PROFILES)}")
-        profile = PROFILES[profile]
-    if device not in ("cpu", "cuda"):
-        raise ConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    settings = profile.e2e.with_overrides(repeats=repeats, measured_steps=measured_steps)
-    start = time.perf_counter()
-    budget = math.inf if max_seconds is None else max_seconds
-    if profile.name == "hf":
-        from lightning_llmfast.bench.hf import HF_VARIANTS, run_hf
-
-        e2e, notes = run_hf(settings, device, HF_VARIANTS, log=log, deadline=start + 0.6 * budget)
-        # against the fastest transformers setting: the smallest of the ratios
-        peers = [_ratio(e2e, "llmfast", v) for v in HF_VARIANTS if v != "llmfast"]
-        ranges = {f"llmfast_vs_{v}": ratio_range(e2e, "llmfast", v) for v in HF_VARIANTS if v != "llmfast"}
-        ratios = {"llmfast_vs_best_hf": min((r for r in peers if r is not None), default=None)}
-        cpu = [e2e[v].get("tokens_per_cpu_sec") for v in HF_VARIANTS]
-        if all(cpu):
-            ratios["llmfast_vs_best_hf_cpu_time"] = cpu[-1] / max(cpu[:-1])
-    else:
-        e2e, notes = run_e2e(settings, device, variants, log=log, deadline=start + 0.6 * budget)
-        ratios = {name: _ratio(e2e, num, den) for name, (num, den) in RATIOS.items()}
-        ranges = {name: ratio_range(e2e, num, den) for name, (num, den) in RATIOS.items()}
-    result: dict[str, Any] = {
-        "profile": profile.name,
-        "device": device,
-        "commit": git_commit(),
-        "machine": machine(torch.device(device)),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "e2e": e2e,
-        "ratios": ratios,
-        "ratio_ranges": ranges,
-        "warnings": spread_warnings(e2e),
-        "micro": {},
-        "notes": notes,
-        "seconds": round(time.perf_counter() - start, 1),
-    }
-    if on_update is not None:
-        on_update(result)
-    for name in micro:
-        if time.perf_counter() - start > budget:
-            result["micro"][name] = {"skipped": f"time budget of {max_seconds} s used up"}
-            continue
-        result["micro"].update(run_micro(profile.micro_quick, device, (name,), benchmarks_dir, log))
-        result["seconds"] = round(time.perf_counter() - start, 1)
-        if on_update is not None:
-            on_update(result)
-    return result
-
-
-def _ratio(e2e: dict[str, dict[str, Any]], num: str, den: str) -> float | None:
-    a, b = e2e.get(num, {}).get("tokens_per_sec"), e2e.get(den, {}).get("tokens_per_sec")
-    return a / b if a is not None and b else None
+    if not num.values or not den.values or den.high <= 0 or den.low <= 0:
+        return None
+    return num.low / den.high, num.high / den.low

@@ -29,7 +29,9 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_llmfast.bench.e2e import E2ESettings, _fit, _quiet, _StepProbe, loss_agreement, make_batches
+from lightning_llmfast.bench.e2e import E2ESettings, loss_agreement, make_batches, num_batches
+from lightning_llmfast.bench.harness import Measurement, interleave
+from lightning_llmfast.bench.steps import Segments, StepProbe, check_device, quiet
 from lightning_llmfast.data import PackedBatch
 
 __all__ = ["HF_VARIANTS", "FlattenedBatch", "flatten_like_transformers", "run_hf"]
@@ -117,7 +119,7 @@ class _TransformersWay(_KeepOptimizer, L.LightningModule):
         return self._kept
 
 
-class _CPUTimeProbe(_StepProbe):
+class _CPUTimeProbe(StepProbe):
     """The step probe that also reads this process's CPU time over the measured steps.
 
     On a shared machine other processes take the cores away between and during steps, so wall-clock tokens/sec
@@ -201,73 +203,53 @@ def run_hf(
     """
     import lightning_llmfast  # noqa: F401  (registers the "llmfast" strategies with Lightning)
 
-    device = torch.device(device)
+    device = check_device(device)
     modules = _modules(settings, variants)
-    seg, count_seg = settings.segment_steps, settings.warmup_steps + settings.count_steps
-    packed = make_batches(settings, count_seg + settings.repeats * seg, settings.model["vocab_size"])
+    packed = make_batches(settings, num_batches(settings), settings.model["vocab_size"])
     data = {v: packed if v == "llmfast" else [flatten_like_transformers(b) for b in packed] for v in variants}
-    counted: dict[str, _StepProbe] = {}
-    timed: dict[str, list[float]] = {v: [] for v in variants}
-    cpu: dict[str, list[float]] = {v: [] for v in variants}
-    last: dict[str, _StepProbe] = {}
-    with _quiet():
-        for variant in variants:
-            first = data[variant][:1]
-            _fit(variant, modules[variant], first, _StepProbe(warmup=1, count=False), settings, device)  # type: ignore[arg-type]
-        for variant in variants:
-            probe = _StepProbe(settings.warmup_steps, count=True)
-            _fit(variant, modules[variant], data[variant][:count_seg], probe, settings, device)  # type: ignore[arg-type]
-            counted[variant] = probe
-            log(f"[hf] counted {variant}: {probe.syncs / probe.measured:.1f} syncs/step")
-        for r in range(settings.repeats):
-            if r > 0 and deadline is not None and time.perf_counter() > deadline:
-                break
-            order = variants[r % len(variants) :] + variants[: r % len(variants)]
-            for variant in order:
-                probe = _CPUTimeProbe(settings.warmup_steps, count=False)
-                segment = data[variant][count_seg + r * seg : count_seg + (r + 1) * seg]
-                _fit(variant, modules[variant], segment, probe, settings, device)  # type: ignore[arg-type]
-                timed[variant].append(probe.tokens_per_sec)
-                cpu[variant].append(probe.tokens_per_cpu_sec)
-                last[variant] = probe
-                log(f"[hf] repeat {r + 1}/{settings.repeats} {variant}: {probe.tokens_per_sec:,.0f} tokens/s")
+    segments = Segments(settings, data, device)
+    segments.probe_type = _CPUTimeProbe
+    with quiet():
+        measured = interleave(
+            {v: segments.runner(v, modules[v]) for v in variants}, settings.repeats,
+            count=lambda v: segments.count(v, modules[v]), deadline=deadline, log=log,
+        )  # fmt: skip
     results: dict[str, dict[str, Any]] = {}
     notes = []
     for variant in variants:
-        c = counted[variant]
-        results[variant] = {
-            "tokens_per_sec": statistics.median(timed[variant]),
-            "tokens_per_sec_min": min(timed[variant]),
-            "tokens_per_sec_max": max(timed[variant]),
-            "tokens_per_sec_repeats": list(timed[variant]),
-            "tokens_per_cpu_sec": statistics.median(cpu[variant]),
-            "host_syncs_per_step": c.syncs / c.measured,
-            "metadata_builds_per_step": c.builds / c.measured,
-            "aten_ops_per_step": c.ops / c.measured,
-            # NOTE: host sync, once per variant after all measurement.
-            "final_loss": float(last[variant].losses[-1]),
-        }
-        if c.sync_names:
-            by_op = ", ".join(f"{k}={n / c.measured:g}" for k, n in sorted(c.sync_names.items()))
-            notes.append(f"{variant} host syncs per step by op: {by_op}")
+        results[variant], more = segments.row(variant, measured[variant])
+        cpu = [probe.tokens_per_cpu_sec for probe in segments.timed[variant]]
+        results[variant]["tokens_per_cpu_sec"] = statistics.median(cpu)
+        notes += more
     notes.append(f"final loss max relative difference: {loss_agreement(results):.2e}")
+    return results, notes + _peer_notes(results, measured, variants) + [_model_note(settings, device, measured)]
+
+
+def _peer_notes(
+    results: dict[str, dict[str, Any]], measured: dict[str, Measurement], variants: tuple[str, ...]
+) -> list[str]:
     peers = [v for v in variants if v != "llmfast"]
-    if "llmfast" in variants and peers:
-        # Within one repeat the variants run back to back, so a shared machine's load changes less between them.
-        paired = [timed["llmfast"][r] / max(timed[v][r] for v in peers) for r in range(len(timed["llmfast"]))]
-        shown = ", ".join(f"{x:.2f}" for x in paired)
-        notes.append(
-            f"llmfast / best transformers setting per repeat: {shown} (median {statistics.median(paired):.2f})"
-        )
-        best_cpu = max(results[v]["tokens_per_cpu_sec"] for v in peers)
-        ratio_cpu = results["llmfast"]["tokens_per_cpu_sec"] / best_cpu
-        notes.append(f"llmfast / best transformers setting in tokens per CPU second: {ratio_cpu:.2f}")
+    if "llmfast" not in variants or not peers:
+        return []
+    # Within one repeat the variants run back to back, so a shared machine's load changes less between them.
+    ours = measured["llmfast"].values
+    paired = [ours[r] / max(measured[v].values[r] for v in peers) for r in range(len(ours))]
+    shown = ", ".join(f"{x:.2f}" for x in paired)
+    best_cpu = max(results[v]["tokens_per_cpu_sec"] for v in peers)
+    ratio_cpu = results["llmfast"]["tokens_per_cpu_sec"] / best_cpu
+    return [
+        f"llmfast / best transformers setting per repeat: {shown} (median {statistics.median(paired):.2f})",
+        f"llmfast / best transformers setting in tokens per CPU second: {ratio_cpu:.2f}",
+    ]
+
+
+def _model_note(settings: E2ESettings, device: torch.device, measured: dict[str, Measurement]) -> str:
     cfg = settings.model
-    notes.append(
+    rounds = len(next(iter(measured.values())).values)
+    return (
         f"model: Qwen3-MoE, {cfg.get('num_hidden_layers')} layers, hidden {cfg.get('hidden_size')}, "
         f"{cfg.get('num_experts')} experts top-{cfg.get('num_experts_per_tok')}; batches {settings.batch_size}x"
         f"{settings.seq_len} (mean document {settings.mean_doc_len:g} tokens), fp32 on {device.type}; "
-        f"{len(timed[variants[0]])} interleaved segments of {settings.warmup_steps} warm-up + "
+        f"{rounds} interleaved segments of {settings.warmup_steps} warm-up + "
         f"{settings.measured_steps} measured steps, median"
     )
-    return results, notes

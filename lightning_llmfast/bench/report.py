@@ -33,6 +33,7 @@ _COLUMNS: tuple[tuple[str, str], ...] = (
     ("tokens_per_sec_range", "min - max"),
     ("vs_before", "vs before"),
     ("host_syncs_per_step", "host syncs/step"),
+    ("kernels_per_step", "kernels/step"),
     ("metadata_builds_per_step", "metadata builds/step"),
     ("aten_ops_per_step", "ATen ops/step"),
     ("peak_mem_bytes", "peak mem"),
@@ -112,7 +113,7 @@ def markdown_report(result: dict[str, Any]) -> str:
     the micro-benchmarks as tables and the notes, as Markdown.
 
     Args:
-        result: a dictionary from :func:`~lightning_llmfast.bench.harness.run_benchmark` (older results without
+        result: a dictionary from :func:`~lightning_llmfast.bench.suite.run_benchmark` (older results without
             the per-repeat spread print ``n/a`` in its column).
 
     Returns:
@@ -217,7 +218,7 @@ def plot_result(result: dict[str, Any], path: str | Path) -> None:
     spread more than :data:`MAX_SPREAD`), host syncs, ATen ops and peak memory per step.
 
     Args:
-        result: a dictionary from :func:`~lightning_llmfast.bench.harness.run_benchmark`.
+        result: a dictionary from :func:`~lightning_llmfast.bench.suite.run_benchmark`.
         path: where to write the PNG.
 
     Raises:

@@ -2,7 +2,7 @@
 
 Weak scaling: every rank trains ``B`` rows per step of the same model under ``strategy="llmfast"`` (DDP; one process
 has no process group at all), so ``N`` processes train ``N * B`` rows per step. For each world size the ranks are
-started once (gloo on CPU, NCCL on CUDA) and run every batch size ``repeats`` times, interleaved in rotated order; a
+started (gloo on CPU, NCCL on CUDA) and run every batch size; this repeats ``repeats`` times, world sizes interleaved; a
 segment's rate is its global real tokens over the slowest rank's time for the measured steps. The efficiency is
 ``tokens/s(N) / (N * tokens/s(1))`` at the same ``B``, from the medians, with the range the repeats span
 (``min(N) / (N * max(1))`` to ``max(N) / (N * min(1))``). On a machine with fewer cores than processes the
@@ -36,8 +36,10 @@ import lightning as L
 import torch
 import torch.multiprocessing as mp
 
-from lightning_llmfast.bench.e2e import E2ESettings, _Batches, _quiet, make_batches
+from lightning_llmfast.bench.e2e import E2ESettings, make_batches
 from lightning_llmfast.bench.fsdp import _free_port, _Meter
+from lightning_llmfast.bench.harness import interleave
+from lightning_llmfast.bench.steps import Batches, quiet
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.models import MoEGPTConfig, MoEGPTLightningModule
 
@@ -67,8 +69,8 @@ def _segment(settings: E2ESettings, batches: list[Any], world_size: int, device:
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
         num_sanity_val_steps=0, limit_val_batches=0, precision=settings.precision,
     )  # fmt: skip
-    with _quiet():
-        trainer.fit(module, train_dataloaders=_Batches(batches))
+    with quiet():
+        trainer.fit(module, train_dataloaders=Batches(batches))
     tokens = trainer.strategy.reduce(torch.tensor(float(meter.tokens), device=trainer.strategy.root_device),
                                      reduce_op="sum")  # fmt: skip
     return {"tokens": float(tokens), "seconds": meter.seconds}
@@ -85,12 +87,18 @@ def _worker(rank: int, world_size: int, port: int, spec: dict[str, Any], out: st
     settings, sizes, device = E2ESettings(**spec["settings"]), spec["batch_sizes"], spec["device"]
     steps = settings.segment_steps
     runs: dict[str, list[dict[str, float]]] = {str(b): [] for b in sizes}
-    for repeat in range(settings.repeats):
-        shift = repeat % len(sizes)
-        for size in [*sizes[shift:], *sizes[:shift]]:
+
+    def runner(size: int) -> Callable[[int], float]:
+        def run(_: int) -> float:
             sized = settings.with_overrides(batch_size=size)
             every = make_batches(sized, steps * world_size, vocab_size=MoEGPTConfig().vocab_size)
             runs[str(size)].append(_segment(sized, every[rank * steps : (rank + 1) * steps], world_size, device))
+            return runs[str(size)][-1]["seconds"]
+
+        return run
+
+    # Every rank runs the same rounds in the same rotated order: the segments' collectives pair up.
+    interleave({str(size): runner(size) for size in sizes}, settings.repeats, warmup=0)
     Path(out, f"rank{rank}.json").write_text(json.dumps(runs))
 
 
@@ -155,7 +163,7 @@ def run_scaling_benchmark(
         result = run_scaling_benchmark((1, 2), (1,), repeats=2)
         result["scaling"]["1"]["2"]["efficiency"]
     """
-    from lightning_llmfast.bench.harness import git_commit, machine
+    from lightning_llmfast.bench.suite import git_commit, machine
 
     if 1 not in world_sizes or min(world_sizes) < 1 or not batch_sizes or min(batch_sizes) < 1:
         raise ConfigError(f"scaling needs world sizes including 1 and batch sizes >= 1, got {world_sizes}, "
@@ -165,13 +173,16 @@ def run_scaling_benchmark(
     settings = settings.with_overrides(measured_steps=measured_steps, repeats=repeats)
     spec = {"settings": settings.__dict__, "batch_sizes": list(batch_sizes), "device": device}
     start = time.perf_counter()
-    rates: dict[int, dict[int, list[float]]] = {b: {} for b in batch_sizes}
-    for n in world_sizes:
-        log(f"scaling: {n} process(es), batch sizes {list(batch_sizes)}, {settings.repeats} repeats")
-        ranks = _run_world(n, spec, timeout)
-        for b in batch_sizes:
-            segments = zip(*(r[str(b)] for r in ranks), strict=True)
-            rates[b][n] = [s[0]["tokens"] / max(max(r["seconds"] for r in s), 1e-9) for s in segments]
+    rates: dict[int, dict[int, list[float]]] = {b: {n: [] for n in world_sizes} for b in batch_sizes}
+    once = {**spec, "settings": settings.with_overrides(repeats=1).__dict__}
+    for repeat in range(settings.repeats):
+        # World sizes interleaved (fresh processes each repeat): a shared machine's load drifts between them alike.
+        for n in world_sizes:
+            log(f"scaling: repeat {repeat + 1}/{settings.repeats}, {n} process(es), batch sizes {list(batch_sizes)}")
+            ranks = _run_world(n, once, timeout)
+            for b in batch_sizes:
+                segment = [r[str(b)][0] for r in ranks]
+                rates[b][n].append(segment[0]["tokens"] / max(max(s["seconds"] for s in segment), 1e-9))
     return {
         "profile": "scaling",
         "device": device,

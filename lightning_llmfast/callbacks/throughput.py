@@ -18,7 +18,52 @@ if TYPE_CHECKING:
 
     import lightning.pytorch as pl
 
-__all__ = ["TokenThroughputMonitor"]
+__all__ = ["PEAK_FLOPS", "TokenThroughputMonitor", "peak_flops"]
+
+# Dense peak FLOP/s (no 2:4 sparsity) per chip and dtype; "tfloat32" is float32 matmuls with TF32 allowed.
+# Sources: NVIDIA H200 Tensor Core GPU datasheet (SXM and NVL columns) and NVIDIA H100 Tensor Core GPU datasheet
+# (SXM, PCIe and NVL columns). Their tensor-core figures are quoted "with sparsity": the dense peak is half.
+# float32 is the non-tensor FP32 figure.
+PEAK_FLOPS: dict[str, dict[torch.dtype | str, float]] = {
+    "h200 sxm": {torch.float32: 67e12, "tfloat32": 494.7e12, torch.bfloat16: 989.4e12, torch.float16: 989.4e12},
+    "h200 nvl": {torch.float32: 60e12, "tfloat32": 417.5e12, torch.bfloat16: 835.5e12, torch.float16: 835.5e12},
+    "h100 sxm": {torch.float32: 67e12, "tfloat32": 494.7e12, torch.bfloat16: 989.4e12, torch.float16: 989.4e12},
+    "h100 nvl": {torch.float32: 60e12, "tfloat32": 417.5e12, torch.bfloat16: 835.5e12, torch.float16: 835.5e12},
+    "h100 pcie": {torch.float32: 51e12, "tfloat32": 378e12, torch.bfloat16: 756e12, torch.float16: 756e12},
+}
+"""Our peak table for the Hopper families, used where Lightning's ``get_available_flops`` finds nothing."""
+
+
+def _hopper_chip(device_name: str) -> str | None:
+    """The :data:`PEAK_FLOPS` key of a CUDA device name (``"NVIDIA H200"``, ``"NVIDIA H100 80GB HBM3"``...)."""
+    name = device_name.lower()
+    for family in ("h200", "h100"):  # GH200 superchips carry a Hopper GPU with the SXM figures
+        if family in name:
+            if "nvl" in name:
+                return f"{family} nvl"
+            return f"{family} pcie" if "pcie" in name else f"{family} sxm"
+    return None
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Peak FLOP/s of ``device`` for ``dtype`` matmuls: Lightning's table, else :data:`PEAK_FLOPS`, else ``None``.
+
+    Example::
+
+        peak_flops(torch.device("cuda"), torch.bfloat16)  # 989.4e12 on an "NVIDIA H200"
+    """
+    if device.type != "cuda":
+        return None
+    found = get_available_flops(device, dtype)
+    if found is not None:
+        return float(found)
+    chip = _hopper_chip(torch.cuda.get_device_name(device))
+    if chip is None:
+        return None
+    key: torch.dtype | str = dtype
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        key = "tfloat32"
+    return PEAK_FLOPS[chip].get(key)
 
 
 def _batch_tokens(batch: Any) -> tuple[int, int, int]:
@@ -52,7 +97,8 @@ class TokenThroughputMonitor(Callback):
             previous log point, which leaves the warm-up before the first log point out).
         num_tokens_fn: maps a batch to ``(real_tokens, padded_tokens, sequences)`` for batches that are not a
             :class:`~lightning_llmfast.data.PackedBatch`.
-        peak_flops: the device's peak FLOP/s for MFU; by default looked up from the device and precision.
+        peak_flops: the device's peak FLOP/s for MFU; by default looked up from the device and precision
+            (:func:`peak_flops`: Lightning's table, then ours for the H100/H200 families).
 
     Raises:
         ConfigError: ``log_every_n_steps`` is not an int >= 1, ``window_size`` not an int >= 2, ``peak_flops``
@@ -104,8 +150,7 @@ class TokenThroughputMonitor(Callback):
         self.total_tokens = 0
         peak = self.peak_flops
         if peak is None:
-            dtype = _compute_dtype(trainer)
-            peak = get_available_flops(pl_module.device, dtype) if pl_module.device.type == "cuda" else None
+            peak = peak_flops(pl_module.device, _compute_dtype(trainer))
         # Both instances see world_size=1: the global one is fed all-reduced counts, so its "device" rate is the
         # true sum over ranks rather than rank 0's rate times world size.
         self._local = Throughput(available_flops=peak, world_size=1, window_size=self.window_size)

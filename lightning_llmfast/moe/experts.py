@@ -16,8 +16,10 @@ M=T*k=65536, E=64 (T=8192, k=8)       986-1236 ms  3754-4032 ms         1245-186
 ``grouped_mm`` is as fast as one dense GEMM over the same rows (the limit) and needs no host offsets. Wrapped in
 a custom op (the built-in meta function is bf16-only) it traces with ``torch.compile(fullgraph=True)`` in any
 dtype. It is the path wherever the op accepts the inputs: CPU float32 / bfloat16 / float16 and CUDA bfloat16 on
-sm80+, with 16-byte aligned sizes and strides. Elsewhere (float64, older GPUs, odd sizes) the fallback is the
-per-expert loop, which needs the offsets on the host: one ``# NOTE:`` sync. A "gather the weights per row" trick
+sm80+, with 16-byte aligned sizes and strides. Odd sizes are zero-padded to the alignment and CUDA float32/float16
+go through a Triton grouped GEMM (:mod:`~lightning_llmfast.moe.grouped_fallback`), both without a host read; only
+float64 (or a GPU without Triton) falls back to the per-expert loop, which needs the offsets on the host: one
+``# NOTE:`` sync. A "gather the weights per row" trick
 is sync-free but materialises ``(M, H, 2F)`` weights, so it loses at any useful size and is not offered.
 """
 
@@ -33,12 +35,16 @@ from torch import Tensor
 
 from lightning_llmfast._autograd import eager_custom_op
 from lightning_llmfast.errors import RoutingError
+from lightning_llmfast.moe.grouped_fallback import (
+    aligned_operands,
+    grouped_mm_dtype_ok,
+    triton_grouped_swiglu,
+    use_triton,
+)
 from lightning_llmfast.moe.kernels import _scale_rows_, pair_dots
 from lightning_llmfast.moe.naive import SwiGLUExperts
 
 __all__ = ["GroupedExperts", "autocast_inputs", "check_swiglu_inputs", "grouped_swiglu", "grouped_mm_supported"]
-
-_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def grouped_mm_supported(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
@@ -51,13 +57,7 @@ def grouped_mm_supported(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
         gate_up: ``(E, H, 2F)`` weights (a view with any strides).
         down: ``(E, F, H)`` weights (a view with any strides).
     """
-    if not hasattr(F, "grouped_mm") or gate_up.dtype != x.dtype or down.dtype != x.dtype:
-        return False
-    if x.device.type == "cuda":
-        # grouped_mm's CUDA kernels are bf16-only and need sm80+ (CUTLASS grouped GEMM).
-        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
-            return False
-    elif x.device.type != "cpu" or x.dtype not in _CPU_DTYPES:
+    if not grouped_mm_dtype_ok(x, gate_up, down):
         return False
     align = 16 // x.element_size()
     # Every operand, the intermediate (M, F) activations and the gradients included, needs 16-byte aligned
@@ -347,12 +347,19 @@ def grouped_swiglu(
             "outside autocast"
         )
     grouped = grouped_mm_supported(x, gate_up, down)
+    aligned = None if grouped else aligned_operands(x, gate_up, down)
+    loop = not grouped and aligned is None and not use_triton(x)
     bounds = None
-    if validate or not grouped:
+    if validate or loop:
         # NOTE: host sync: the offsets read on the host (one .tolist()), to check them (validate=True) or
-        # because the per-expert fallback slices rows with them.
+        # because the per-expert loop (float64, or no Triton for a CUDA float32/float16 input) slices rows with them.
         bounds = offsets.tolist()
         _check_offsets_values(bounds, x.shape[0], padded)
+    if aligned is not None:  # sync-free: zero-padded to grouped_mm's alignment, exact after the slice
+        xp, gate_up_p, down_p = aligned
+        return grouped_swiglu(xp, offsets, gate_up_p, down_p, act, padded=padded, validate=False)[:, : x.shape[1]]
+    if not grouped and not loop:  # sync-free: the Triton grouped GEMM (CUDA float32/float16)
+        return triton_grouped_swiglu(x, offsets.to(x.device), gate_up, down, act)
     if grouped:
         # grouped_mm takes the group ends (offsets[1:]) as its int32 `offs`, on x's device.
         ends = offsets[1:].to(device=x.device, dtype=torch.int32)

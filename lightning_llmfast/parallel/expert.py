@@ -166,12 +166,13 @@ def expert_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter, Ex
             yield f"{prefix}.experts.{name}" if prefix else f"experts.{name}", param, dispatch
 
 
-def reduce_expert_gradients(module: nn.Module, dims: ParallelDims) -> None:
+def reduce_expert_gradients(module: nn.Module, dims: ParallelDims, reduce_dtype: torch.dtype | None = None) -> None:
     """Average the expert gradients as DDP averages the dense ones: sum over ``"edp"`` (one all-reduce), ``/ world``.
 
     Each holder's gradient already sums, over its ``"ep"`` group, every rank's loss; the ``"edp"`` sum adds the
     other groups' ranks, and dividing by the world size makes it the gradient of the mean of all ranks' losses.
-    Call it once per optimizer step, after the last backward (missing gradients count as zeros).
+    Call it once per optimizer step, after the last backward (missing gradients count as zeros). With
+    ``reduce_dtype`` the all-reduce runs in that dtype, as DDP's bf16 hook does (cast, divide, sum, cast back).
 
     Example::
 
@@ -182,9 +183,13 @@ def reduce_expert_gradients(module: nn.Module, dims: ParallelDims) -> None:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    if dims.edp > 1:
+    if dims.edp > 1 and reduce_dtype is not None:
+        flat = flat.to(reduce_dtype).div_(dist.get_world_size())
         dist.all_reduce(flat, group=dims.edp_mesh.get_group())
-    flat.div_(dist.get_world_size())
+    else:
+        if dims.edp > 1:
+            dist.all_reduce(flat, group=dims.edp_mesh.get_group())
+        flat.div_(dist.get_world_size())
     for param, chunk in zip(params, flat.split([p.numel() for p in params]), strict=True):
         param.grad = chunk.view_as(param).to(param.dtype)
 
