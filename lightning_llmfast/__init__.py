@@ -19,6 +19,7 @@ import importlib
 
 from lightning_llmfast._lazy import lazy_dir, lazy_getattr
 from lightning_llmfast.errors import (
+    CheckpointError,
     ConfigError,
     DataError,
     LLMFastError,
@@ -54,6 +55,7 @@ _LAZY: dict[str, str] = {
     "SystemMetricsMonitor": "lightning_llmfast.callbacks",
     "GroupedRouterMixin": "lightning_llmfast.mixin",
     "LLMFastStrategy": "lightning_llmfast.strategy",
+    "VerifiedCheckpointIO": "lightning_llmfast.integrity",
     "MoEGPTLightningModule": "lightning_llmfast.models",
     "causal_lm_loss": "lightning_llmfast.losses",
     "HFCausalLMModule": "lightning_llmfast.hf",
@@ -61,7 +63,7 @@ _LAZY: dict[str, str] = {
     "scale_by_token_share": "lightning_llmfast.losses",
 }
 
-_ERRORS = (ConfigError, DataError, LLMFastError, MetadataError, OffloadError, RoutingError)
+_ERRORS = (CheckpointError, ConfigError, DataError, LLMFastError, MetadataError, OffloadError, RoutingError)
 
 __all__ = sorted([*_LAZY, *(error.__name__ for error in _ERRORS), "__version__"])
 

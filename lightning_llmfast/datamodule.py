@@ -79,8 +79,9 @@ class PackedDataModule(LightningDataModule):
         num_workers: ``DataLoader`` worker processes (0 packs in the main process).
         pin_memory: pin batches when training on an accelerator, for asynchronous host-to-device copies.
         max_docs: use at most this many documents per split.
-        val_fraction: share of documents in the validation split.
-        test_fraction: share of documents in the test split (also what ``trainer.predict`` packs).
+        val_fraction: share of documents in the validation split; 0 runs no validation.
+        test_fraction: share of documents in the test split (also what ``trainer.predict`` packs); 0 gives no
+            test or predict batches.
         synthetic_num_docs: training documents of the synthetic corpus.
         synthetic_mean_len: mean document length of the synthetic corpus.
         synthetic_distribution: length distribution of the synthetic corpus (see ``SyntheticCorpus``).
@@ -131,29 +132,6 @@ class PackedDataModule(LightningDataModule):
         lookahead: int = DEFAULT_LOOKAHEAD,
     ) -> None:
         super().__init__()
-        if corpus not in _CORPORA:
-            raise ConfigError(f"corpus must be one of {_CORPORA}, got {corpus!r}")
-        if (corpus == "files") != bool(paths):
-            raise ConfigError(f"paths must be given exactly when corpus='files' (corpus={corpus!r}, paths={paths!r})")
-        check_int("num_workers", num_workers, low=0)
-        check_bool("pin_memory", pin_memory)
-        check_bool("shuffle", shuffle)
-        limits = {"limit_batches": limit_batches, "limit_val_batches": limit_val_batches}
-        for name, value in {**limits, "limit_test_batches": limit_test_batches}.items():
-            if value is not None:
-                check_int(name, value, low=1)
-        # Corpus arguments: checked here (DataError, as the corpora raise) rather than at the first corpus_for().
-        if max_docs is not None:
-            check_int("max_docs", max_docs, low=1, error=DataError)
-        check_number("val_fraction", val_fraction, low=0, high=1, error=DataError)
-        check_number("test_fraction", test_fraction, low=0, high=1 - val_fraction, error=DataError)
-        check_int("synthetic_num_docs", synthetic_num_docs, low=1, error=DataError)
-        check_number("synthetic_mean_len", synthetic_mean_len, low=1, error=DataError)
-        if synthetic_distribution not in _DISTRIBUTIONS:
-            raise DataError(f"synthetic_distribution must be one of {_DISTRIBUTIONS}, got {synthetic_distribution!r}")
-        # The validation and test corpora use seed + 1 and seed + 2.
-        check_int("seed", seed, low=-_MAX_SEED, high=_MAX_SEED - 2, error=DataError)
-        check_packing_args(seq_len, batch_size, pad_id=pad_id, vocab_size=VOCAB_SIZE, lookahead=lookahead)
         self.save_hyperparameters()
         self.corpus, self.paths = corpus, paths
         self.seq_len, self.batch_size = seq_len, batch_size
@@ -165,6 +143,7 @@ class PackedDataModule(LightningDataModule):
         self.seed, self.shuffle = seed, shuffle
         self.limits = {"train": limit_batches, "val": limit_val_batches, "test": limit_test_batches}
         self.pad_id, self.lookahead = pad_id, lookahead
+        self._check_arguments()
         self._corpora: dict[str, Sequence[Sequence[int]]] = {}
         self._train: PackedDocumentDataset | None = None
         self._resume: dict[str, Any] | None = None  # a loaded position, applied at the next training iteration
@@ -172,6 +151,36 @@ class PackedDataModule(LightningDataModule):
         self._consumed = 0  # batches of that epoch the training loop has taken
         self._logged: set[str] = set()
         self._iterations = 0  # train iterations without a trainer: the epoch
+
+    def _check_arguments(self) -> None:
+        """Every init argument against its type and range (see the class docstring's Raises)."""
+        corpus, paths = self.corpus, self.paths
+        if corpus not in _CORPORA:
+            raise ConfigError(f"corpus must be one of {_CORPORA}, got {corpus!r}")
+        if (corpus == "files") != bool(paths):
+            raise ConfigError(f"paths must be given exactly when corpus='files' (corpus={corpus!r}, paths={paths!r})")
+        check_int("num_workers", self.num_workers, low=0)
+        check_bool("pin_memory", self.pin_memory)
+        check_bool("shuffle", self.shuffle)
+        for split, value in self.limits.items():
+            if value is not None:
+                check_int({"train": "limit_batches"}.get(split, f"limit_{split}_batches"), value, low=1)
+        # Corpus arguments: checked here (DataError, as the corpora raise) rather than at the first corpus_for().
+        if self.max_docs is not None:
+            check_int("max_docs", self.max_docs, low=1, error=DataError)
+        check_number("val_fraction", self.val_fraction, low=0, high=1, error=DataError)
+        check_number("test_fraction", self.test_fraction, low=0, high=1 - self.val_fraction, error=DataError)
+        check_int("synthetic_num_docs", self.synthetic_num_docs, low=1, error=DataError)
+        check_number("synthetic_mean_len", self.synthetic_mean_len, low=1, error=DataError)
+        if self.synthetic_distribution not in _DISTRIBUTIONS:
+            raise DataError(
+                f"synthetic_distribution must be one of {_DISTRIBUTIONS}, got {self.synthetic_distribution!r}"
+            )
+        # The validation and test corpora use seed + 1 and seed + 2.
+        check_int("seed", self.seed, low=-_MAX_SEED, high=_MAX_SEED - 2, error=DataError)
+        check_packing_args(
+            self.seq_len, self.batch_size, pad_id=self.pad_id, vocab_size=VOCAB_SIZE, lookahead=self.lookahead
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -210,7 +219,12 @@ class PackedDataModule(LightningDataModule):
         # bad paths or an empty split still fail before the first step.
         splits = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}
         for split in splits.get(stage, ()):
-            self.corpus_for(split)
+            if self._has_split(split):
+                self.corpus_for(split)
+
+    def _has_split(self, split: str) -> bool:
+        """``val_fraction=0`` (or ``test_fraction=0``) leaves that split out: no loop runs on it."""
+        return {"val": self.val_fraction, "test": self.test_fraction}.get(split, 1.0) > 0
 
     @override
     def train_dataloader(self) -> DataLoader[PackedBatch]:
@@ -221,16 +235,22 @@ class PackedDataModule(LightningDataModule):
         return _PositionedLoader(dataset, self._next_position, **self._loader_kwargs(persistent=False))
 
     @override
-    def val_dataloader(self) -> DataLoader[PackedBatch]:
-        return DataLoader(self._dataset("val"), **self._loader_kwargs(persistent=True))
+    def val_dataloader(self) -> DataLoader[PackedBatch] | list[DataLoader[PackedBatch]]:
+        return self._eval_loader("val", persistent=True)
 
     @override
-    def test_dataloader(self) -> DataLoader[PackedBatch]:
-        return DataLoader(self._dataset("test"), **self._loader_kwargs(persistent=True))
+    def test_dataloader(self) -> DataLoader[PackedBatch] | list[DataLoader[PackedBatch]]:
+        return self._eval_loader("test", persistent=True)
 
     @override
-    def predict_dataloader(self) -> DataLoader[PackedBatch]:
-        return DataLoader(self._dataset("test"), **self._loader_kwargs(persistent=False))
+    def predict_dataloader(self) -> DataLoader[PackedBatch] | list[DataLoader[PackedBatch]]:
+        return self._eval_loader("test", persistent=False)
+
+    def _eval_loader(self, split: str, *, persistent: bool) -> DataLoader[PackedBatch] | list[DataLoader[PackedBatch]]:
+        # No loader (an empty list) for a split of fraction 0: Lightning then skips its loop.
+        if not self._has_split(split):
+            return []
+        return DataLoader(self._dataset(split), **self._loader_kwargs(persistent=persistent))
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ __all__ = [
     "RoutingError",
     "OffloadError",
     "ConfigError",
+    "CheckpointError",
 ]
 
 
@@ -38,3 +39,7 @@ class OffloadError(LLMFastError):
 
 class ConfigError(LLMFastError):
     """A model, strategy or callback configuration is invalid."""
+
+
+class CheckpointError(LLMFastError):
+    """A checkpoint is unreadable, truncated or differs from what was saved (its content digest does not match)."""

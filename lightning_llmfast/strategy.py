@@ -26,6 +26,7 @@ from typing_extensions import override
 from lightning_llmfast.callbacks.offload import ActivationOffload
 from lightning_llmfast.comm.grad import GradReduction, PowerSGDConfig, check_ddp_arguments
 from lightning_llmfast.errors import OffloadError
+from lightning_llmfast.integrity import VerifiedCheckpointIO
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 from lightning_llmfast.sharding import ShardedDataParallelBase
 
@@ -159,6 +160,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
                 "offload=True (force_offload is OffloadConfig(force=...), rebuild_gemms=True is rebuild='norms+gemms')"
             )
         self.offload_config = self._offload_config(offload)
+        kwargs.setdefault("checkpoint_io", VerifiedCheckpointIO())  # digests of every tensor, verified on load
         super().__init__(*args, sharding=sharding, expert_parallel_size=expert_parallel_size, **kwargs)
         self._layers_spec = layers
         config = self.offload_config

@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -61,6 +62,11 @@ class ExpertLoadMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Here rather than in setup(): configure_model (and GroupedRouterMixin's block swap) runs after setup.
         self._blocks = {name: m for name, m in pl_module.named_modules() if hasattr(m, "last_tokens_per_expert")}
+        if not self._blocks:
+            rank_zero_warn(
+                f"ExpertLoadMonitor: {type(pl_module).__name__} holds no MoE block to monitor (GroupedRouterMixin "
+                "recognised none to swap); no expert-load metric will be logged"
+            )
         self._metrics = {}
         self._nonfinite = {}
         self._batches = 0

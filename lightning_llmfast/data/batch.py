@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_llmfast._checks import check_int
 from lightning_llmfast.data.consistency import check_packed_fields, field_versions
 from lightning_llmfast.errors import DataError
 
@@ -107,9 +108,12 @@ class PackedBatch:
                 )
         total = shape[0] * shape[1]
         for name, low, high in (("max_seqlen", 0, shape[1]), ("num_tokens", 0, total)):
+            # Host ints (NumPy's pass and are stored as Python ints): a tensor here would be read with a sync.
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise DataError(f"PackedBatch.{name} must be a Python int in [{low}, {high}], got {value!r}")
+            try:
+                setattr(self, name, check_int(f"PackedBatch.{name}", value, low=low, high=high, error=DataError))
+            except DataError:
+                raise DataError(f"PackedBatch.{name} must be a Python int in [{low}, {high}], got {value!r}") from None
         if self.documents is not None and len(self.documents) != self.cu_seqlens.numel() - 1:
             raise DataError(
                 f"PackedBatch.documents has {len(self.documents)} entries for {self.cu_seqlens.numel() - 1} segments"

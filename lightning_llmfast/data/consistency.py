@@ -64,23 +64,8 @@ def check_packed_fields(
     """
     rows, seq_len = position_ids.shape
     total = rows * seq_len
-    cu = cu_seqlens_cpu.numpy().astype(np.int64)
-    if cu_seqlens_copy is not None and cu_seqlens_copy is not cu_seqlens_cpu:
-        # NOTE: host sync on an accelerator; PackedBatch.validate gets here only for a batch not moved by its `to`
-        # (which checks on the host first), or after an in-place edit.
-        copy = cu_seqlens_copy.detach().cpu().numpy().astype(np.int64)
-        if copy.shape != cu.shape or (copy != cu).any():
-            raise MetadataError("PackedBatch: cu_seqlens and cu_seqlens_cpu hold different boundaries")
-    if cu.size < 2 or cu[0] != 0 or cu[-1] != total or (np.diff(cu) < 0).any():
-        raise MetadataError(
-            f"PackedBatch.cu_seqlens: must rise from 0 to B * T = {total}, got {cu[:4].tolist()}...{cu[-2:].tolist()}"
-        )
+    cu = _checked_boundaries(cu_seqlens_cpu, cu_seqlens_copy, total, seq_len)
     row_starts = np.arange(0, total, seq_len)
-    missing = ~np.isin(row_starts, cu)
-    if missing.any():
-        raise MetadataError(
-            f"PackedBatch.cu_seqlens: row {int(np.argmax(missing))} does not start a segment (segments cross rows)"
-        )
     # NOTE: host sync when the positions live on an accelerator; done once per batch (see the docstring).
     positions = position_ids.detach().reshape(-1).cpu().numpy().astype(np.int64)
     lengths = np.diff(cu)
@@ -99,3 +84,26 @@ def check_packed_fields(
             f"PackedBatch.num_tokens: {num_tokens} real tokens is impossible for these boundaries (between "
             f"{total - int(last_lengths.sum())} and {total})"
         )
+
+
+def _checked_boundaries(cu_seqlens_cpu: Tensor, copy_of: Tensor | None, total: int, seq_len: int) -> np.ndarray:
+    """The boundaries as an int64 host array, checked: equal to their other copy, rising from 0 to ``total``, and a
+    boundary at every row start."""
+    cu = cu_seqlens_cpu.numpy().astype(np.int64)
+    if copy_of is not None and copy_of is not cu_seqlens_cpu:
+        # NOTE: host sync on an accelerator; PackedBatch.validate gets here only for a batch not moved by its `to`
+        # (which checks on the host first), or after an in-place edit.
+        copy = copy_of.detach().cpu().numpy().astype(np.int64)
+        if copy.shape != cu.shape or (copy != cu).any():
+            raise MetadataError("PackedBatch: cu_seqlens and cu_seqlens_cpu hold different boundaries")
+    if cu.size < 2 or cu[0] != 0 or cu[-1] != total or (np.diff(cu) < 0).any():
+        raise MetadataError(
+            f"PackedBatch.cu_seqlens: must rise from 0 to B * T = {total}, got {cu[:4].tolist()}...{cu[-2:].tolist()}"
+        )
+    row_starts = np.arange(0, total, seq_len)
+    missing = ~np.isin(row_starts, cu)
+    if missing.any():
+        raise MetadataError(
+            f"PackedBatch.cu_seqlens: row {int(np.argmax(missing))} does not start a segment (segments cross rows)"
+        )
+    return cu

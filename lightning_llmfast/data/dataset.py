@@ -131,17 +131,20 @@ class PackedDocumentDataset(IterableDataset[PackedBatch]):
         limit_batches: int | None = None,
         uneven: str = "drop",
     ) -> None:
-        check_packing_args(seq_len, batch_size, pad_id=pad_id, vocab_size=vocab_size, lookahead=lookahead)
+        seq_len, batch_size, pad_id, checked_vocab, lookahead = check_packing_args(
+            seq_len, batch_size, pad_id=pad_id, vocab_size=vocab_size, lookahead=lookahead
+        )
+        vocab_size = checked_vocab if checked_vocab is not None else vocab_size
         if not (hasattr(corpus, "__len__") and hasattr(corpus, "__getitem__")):
             raise DataError(f"corpus must be a sized, indexable sequence of documents, got {type(corpus).__name__}")
-        check_int("world_size", world_size, low=1)
-        check_int("rank", rank, low=0)
+        world_size = check_int("world_size", world_size, low=1)
+        rank = check_int("rank", rank, low=0)
         if rank >= world_size:
             raise ConfigError(f"rank must lie in [0, world_size={world_size}), got {rank}")
         if shuffle_seed is not None:
             shuffle_seed = check_int("shuffle_seed", shuffle_seed, low=_GENERATOR_SEED_MIN, high=_GENERATOR_SEED_MAX)
         if limit_batches is not None:
-            check_int("limit_batches", limit_batches, low=0)
+            limit_batches = check_int("limit_batches", limit_batches, low=0)
         if uneven not in _UNEVEN:
             raise ConfigError(f"uneven must be one of {_UNEVEN}, got {uneven!r}")
         self.corpus = corpus

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_llmfast._checks import check_int
 from lightning_llmfast.data.batch import PackedBatch
 from lightning_llmfast.errors import DataError
 
@@ -92,7 +93,9 @@ def pack_documents(
         tensor([[0, 1, 2, 3],
                 [0, 0, 1, 0]])
     """
-    check_packing_args(seq_len, batch_size, pad_id=pad_id, vocab_size=vocab_size, lookahead=lookahead)
+    seq_len, batch_size, pad_id, vocab_size, lookahead = check_packing_args(
+        seq_len, batch_size, pad_id=pad_id, vocab_size=vocab_size, lookahead=lookahead
+    )
     try:
         stream = iter(documents)
     except TypeError:
@@ -107,8 +110,13 @@ def check_packing_args(
     pad_id: int = 0,
     vocab_size: int | None = None,
     lookahead: int = DEFAULT_LOOKAHEAD,
-) -> None:
+) -> tuple[int, int, int, int | None, int]:
     """Raise :class:`DataError` naming the first invalid packing argument (see :func:`pack_documents`).
+
+    Python and NumPy integers pass (as everywhere in this package); ``bool`` does not.
+
+    Returns:
+        ``(seq_len, batch_size, pad_id, vocab_size, lookahead)`` as Python ints.
 
     Example::
 
@@ -117,25 +125,26 @@ def check_packing_args(
         ...
         lightning_llmfast.errors.DataError: seq_len must be an int >= 2 (one token and its next), got 1
     """
-    _check_int("seq_len", seq_len, 2, "one token and its next")
-    _check_int("batch_size", batch_size, 1, "at least one row")
-    _check_int("lookahead", lookahead, 1, "at least one waiting piece")
+    seq_len = _check_int("seq_len", seq_len, 2, "one token and its next")
+    batch_size = _check_int("batch_size", batch_size, 1, "at least one row")
+    lookahead = _check_int("lookahead", lookahead, 1, "at least one waiting piece")
     if vocab_size is not None:
-        _check_int("vocab_size", vocab_size, 1, "at least one token id")
+        vocab_size = _check_int("vocab_size", vocab_size, 1, "at least one token id")
     if batch_size * seq_len > _INT32_MAX:
         raise DataError(f"batch_size * seq_len = {batch_size * seq_len} does not fit the int32 cu_seqlens")
-    if (
-        isinstance(pad_id, bool)
-        or not isinstance(pad_id, int)
-        or pad_id < 0
-        or (vocab_size is not None and pad_id >= vocab_size)
-    ):
-        raise DataError(f"pad_id must be an int in [0, vocab_size={vocab_size}), got {pad_id!r}")
+    high = None if vocab_size is None else vocab_size - 1
+    try:
+        pad_id = check_int("pad_id", pad_id, low=0, high=high, error=DataError)
+    except DataError:
+        raise DataError(f"pad_id must be an int in [0, vocab_size={vocab_size}), got {pad_id!r}") from None
+    return seq_len, batch_size, pad_id, vocab_size, lookahead
 
 
-def _check_int(name: str, value: object, low: int, why: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise DataError(f"{name} must be an int >= {low} ({why}), got {value!r}")
+def _check_int(name: str, value: object, low: int, why: str) -> int:
+    try:
+        return check_int(name, value, low=low, error=DataError)
+    except DataError:
+        raise DataError(f"{name} must be an int >= {low} ({why}), got {value!r}") from None
 
 
 def _as_tokens(document: Any, index: int, vocab_size: int | None) -> Tensor:

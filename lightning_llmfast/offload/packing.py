@@ -83,7 +83,9 @@ class Packer:
     def enter_layer(self, layer: torch.nn.Module, inputs: Any) -> None:
         """A layer call starts with ``inputs``: note what it shares with other calls, and FSDP2's unsharded weights."""
         if self._unsharding:  # FSDP2 unsharded this layer's parameters in its own pre-hook, registered earlier
-            self._param_ptrs.update(p.untyped_storage().data_ptr() for p in layer.parameters())
+            # (a nested group, e.g. an expert-parallel MoE block's, is still sharded here: a DTensor, no storage)
+            gathered = (p for p in layer.parameters() if type(p) is not _DTensor)
+            self._param_ptrs.update(p.untyped_storage().data_ptr() for p in gathered)
         # Inputs that need no grad (RoPE tables, masks, ids) are shared by every layer and alive outside it:
         # offloading them would copy them once per layer and free nothing.
         self._shared_inputs = {t.untyped_storage().data_ptr() for t in tensors_in(inputs) if not t.requires_grad}

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.integrity import load_intact, verify_shard_digests, write_shard_digests
 
 __all__ = [
     "META_FILENAME",
@@ -103,6 +104,7 @@ def save_distributed_checkpoint(checkpoint: dict[str, Any], path: str | Path, *,
     if rank == 0:
         meta = {key: value for key, value in checkpoint.items() if key not in _TENSOR_ENTRIES}
         torch.save(meta, path / META_FILENAME)
+    write_shard_digests(path, rank, (".metadata", META_FILENAME) if rank == 0 else ())
 
 
 def load_distributed_checkpoint(
@@ -130,6 +132,7 @@ def load_distributed_checkpoint(
 
     Raises:
         ConfigError: ``path`` is not a distributed checkpoint, or it holds fewer optimizers than given.
+        CheckpointError: a shard differs from its digest (:mod:`lightning_llmfast.integrity`).
 
     Example::
 
@@ -139,6 +142,7 @@ def load_distributed_checkpoint(
     path = Path(path)
     if not is_distributed_checkpoint(path):
         raise ConfigError(f"{path} is not a distributed (DCP) checkpoint directory")
+    path = load_intact(path, _verified)  # a corrupt last* checkpoint: the newest intact one beside it
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     missing = [i for i in range(len(optimizers)) if not any(k.startswith(_optimizer_key(i) + ".") for k in saved)]
     if missing:
@@ -152,6 +156,11 @@ def load_distributed_checkpoint(
         set_optimizer_state_dict(module, optimizer, state[_optimizer_key(index)])
     kwargs = {} if weights_only is None else {"weights_only": weights_only}
     return torch.load(path / META_FILENAME, map_location="cpu", **kwargs)
+
+
+def _verified(path: Path) -> Path:
+    verify_shard_digests(path)
+    return path
 
 
 def consolidate_checkpoint(path: str | Path, output: str | Path, *, weights_only: bool | None = None) -> Path:

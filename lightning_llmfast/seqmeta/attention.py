@@ -305,6 +305,51 @@ def _auto_impl(q: torch.Tensor, v: torch.Tensor, meta: SequenceMetadata) -> str:
     return "bucketed"
 
 
+def _checked_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: Any, causal: Any, scale: Any, impl: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``varlen_attention``'s argument checks (shapes, dtypes and devices only: nothing here reads the device);
+    returns ``q, k, v`` in autocast's dtype when they differ under autocast."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        raise ConfigError(f"q, k, v: must be tensors, got {', '.join(type(t).__name__ for t in (q, k, v))}")
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ConfigError(
+            f"q, k, v: must be (num_tokens, heads, head_dim), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if not (q.device == k.device == v.device):
+        raise ConfigError(f"q, k, v: must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.is_floating_point() and k.is_floating_point() and v.is_floating_point()):
+        raise ConfigError(f"q, k, v: must be floating point, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        # Under autocast, attention computes in its dtype, as torch's SDPA would (e.g. q, k in float32 after RoPE).
+        if not torch.is_autocast_enabled(q.device.type):
+            raise ConfigError(f"q, k, v: must share one dtype outside autocast, got {q.dtype}, {k.dtype}, {v.dtype}")
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    _check_metadata(metadata)
+    check_bool("causal", causal)
+    if scale is not None:
+        check_number("scale", scale)
+    if not (q.shape[0] == k.shape[0] == v.shape[0] == metadata.num_tokens):
+        raise MetadataError(
+            f"num_tokens: q/k/v hold {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens but the metadata describes "
+            f"{metadata.num_tokens}; stale or mismatched metadata"
+        )
+    if q.shape[1] == 0:
+        raise ConfigError(f"heads: q must have at least one head, got shape {tuple(q.shape)}")
+    if k.shape[1] != v.shape[1] or k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ConfigError(
+            f"kv_heads: k has {k.shape[1]} heads and v {v.shape[1]}; they must match and divide q's {q.shape[1]} heads"
+        )
+    if q.shape[2] != k.shape[2]:
+        raise ConfigError(f"head_dim: q has {q.shape[2]} and k has {k.shape[2]}; they must match")
+    if q.shape[2] == 0 or v.shape[2] == 0:
+        raise ConfigError(f"head_dim: q/k and v must have at least one dim per head, got {q.shape[2]} and {v.shape[2]}")
+    if impl not in ("auto", *_IMPLS):
+        raise ConfigError(f"impl: must be one of 'auto', {', '.join(map(repr, _IMPLS))}; got {impl!r}")
+    return q, k, v
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -344,44 +389,7 @@ def varlen_attention(
         q = torch.randn(8, 4, 16); k = v = torch.randn(8, 2, 16)
         out = varlen_attention(q, k, v, meta)  # (8, 4, 16)
     """
-    # Shapes, dtypes and devices only: nothing here reads the device.
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        raise ConfigError(f"q, k, v: must be tensors, got {', '.join(type(t).__name__ for t in (q, k, v))}")
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ConfigError(
-            f"q, k, v: must be (num_tokens, heads, head_dim), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if not (q.device == k.device == v.device):
-        raise ConfigError(f"q, k, v: must be on one device, got {q.device}, {k.device}, {v.device}")
-    if not (q.is_floating_point() and k.is_floating_point() and v.is_floating_point()):
-        raise ConfigError(f"q, k, v: must be floating point, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        # Under autocast, attention computes in its dtype, as torch's SDPA would (e.g. q, k in float32 after RoPE).
-        if not torch.is_autocast_enabled(q.device.type):
-            raise ConfigError(f"q, k, v: must share one dtype outside autocast, got {q.dtype}, {k.dtype}, {v.dtype}")
-        dtype = torch.get_autocast_dtype(q.device.type)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    _check_metadata(metadata)
-    check_bool("causal", causal)
-    if scale is not None:
-        check_number("scale", scale)
-    if not (q.shape[0] == k.shape[0] == v.shape[0] == metadata.num_tokens):
-        raise MetadataError(
-            f"num_tokens: q/k/v hold {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens but the metadata describes "
-            f"{metadata.num_tokens}; stale or mismatched metadata"
-        )
-    if q.shape[1] == 0:
-        raise ConfigError(f"heads: q must have at least one head, got shape {tuple(q.shape)}")
-    if k.shape[1] != v.shape[1] or k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ConfigError(
-            f"kv_heads: k has {k.shape[1]} heads and v {v.shape[1]}; they must match and divide q's {q.shape[1]} heads"
-        )
-    if q.shape[2] != k.shape[2]:
-        raise ConfigError(f"head_dim: q has {q.shape[2]} and k has {k.shape[2]}; they must match")
-    if q.shape[2] == 0 or v.shape[2] == 0:
-        raise ConfigError(f"head_dim: q/k and v must have at least one dim per head, got {q.shape[2]} and {v.shape[2]}")
-    if impl not in ("auto", *_IMPLS):
-        raise ConfigError(f"impl: must be one of 'auto', {', '.join(map(repr, _IMPLS))}; got {impl!r}")
+    q, k, v = _checked_inputs(q, k, v, metadata, causal, scale, impl)
     if metadata.device != q.device:
         metadata = metadata.to(q.device)
     chosen = _auto_impl(q, v, metadata) if impl == "auto" else impl

@@ -17,17 +17,47 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_llmfast.data.consistency import tensor_version
 from lightning_llmfast.seqmeta.host import field
 from lightning_llmfast.seqmeta.metadata import SequenceMetadata
 
-__all__ = ["Binding", "has_source_fields", "mark_tokens", "marked_by", "unmark_tokens"]
+__all__ = [
+    "Binding",
+    "has_source_fields",
+    "input_embeddings",
+    "mark_tokens",
+    "marked_by",
+    "same_or_none",
+    "unmark_tokens",
+]
 
 _MARK = "_llmfast_seqmeta_cache"
 _SOURCE_FIELDS = ("cu_seqlens", "cu_seq_lens_q", "position_ids")
 _GUARDED_FIELDS = ("cu_seqlens", "cu_seqlens_cpu", "cu_seq_lens_q", "position_ids")
+
+
+def same_or_none(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are the same object, or either is ``None`` (identity, never ``==``: a dataclass batch
+    compares its tensors element-wise)."""
+    return a is None or b is None or a is b
+
+
+def input_embeddings(module: nn.Module) -> list[nn.Module]:
+    """The input embeddings named by ``get_input_embeddings()`` of any submodule (transformers models), else the first
+    ``nn.Embedding`` of ``module`` (or none)."""
+    embeddings: dict[int, nn.Module] = {}
+    for sub in module.modules():
+        get = getattr(sub, "get_input_embeddings", None)
+        found = get() if callable(get) else None
+        if isinstance(found, nn.Module):
+            embeddings.setdefault(id(found), found)
+    if not embeddings:
+        first = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+        if first is not None:
+            embeddings[id(first)] = first
+    return list(embeddings.values())
 
 
 def has_source_fields(obj: Any) -> bool:

@@ -40,7 +40,15 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_llmfast.errors import MetadataError
 from lightning_llmfast.seqmeta.active import activate_cache, active_cache, push, remove
-from lightning_llmfast.seqmeta.binding import Binding, has_source_fields, mark_tokens, marked_by, unmark_tokens
+from lightning_llmfast.seqmeta.binding import (
+    Binding,
+    has_source_fields,
+    input_embeddings,
+    mark_tokens,
+    marked_by,
+    same_or_none,
+    unmark_tokens,
+)
 from lightning_llmfast.seqmeta.host import field
 from lightning_llmfast.seqmeta.metadata import SequenceMetadata
 
@@ -54,11 +62,6 @@ def _token_count(hidden: torch.Tensor) -> int:
     if hidden.dim() == 0:
         raise MetadataError("hidden: must have at least one dimension (..., hidden_dim), got a scalar")
     return hidden.numel() // hidden.shape[-1] if hidden.shape[-1] else 0
-
-
-def _same_or_none(a: Any, b: Any) -> bool:
-    # Identity, never ==: a dataclass batch compares its tensors element-wise.
-    return a is None or b is None or a is b
 
 
 class SequenceMetadataCache:
@@ -221,7 +224,7 @@ class SequenceMetadataCache:
             self._bind_traced(tokens)
             return
         main = self._main
-        if main.tokens is None and self._foreign is None and _same_or_none(source, main.source):
+        if main.tokens is None and self._foreign is None and same_or_none(source, main.source):
             # The version's source named no tokens: the first forward's are the batch's.
             if main.source is None and source is not None:
                 main = self._main = Binding(source, None)
@@ -279,17 +282,7 @@ class SequenceMetadataCache:
 
             handles = cache.watch(model)
         """
-        embeddings: dict[int, nn.Module] = {}
-        for sub in module.modules():
-            get = getattr(sub, "get_input_embeddings", None)
-            found = get() if callable(get) else None
-            if isinstance(found, nn.Module):
-                embeddings.setdefault(id(found), found)
-        if not embeddings:
-            first = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
-            if first is not None:
-                embeddings[id(first)] = first
-        return [emb.register_forward_pre_hook(self._bind_hook) for emb in embeddings.values()]
+        return [emb.register_forward_pre_hook(self._bind_hook) for emb in input_embeddings(module)]
 
     def _bind_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         tokens = args[0] if args else None

@@ -182,6 +182,8 @@ class SequenceMetadata:
             raise MetadataError(f"position_ids: must be a tensor, got {type(position_ids).__name__}")
         if position_ids.dtype not in INTEGER_DTYPES:
             raise MetadataError(f"position_ids: must have an integer dtype, got {position_ids.dtype}")
+        if position_ids.device.type == "meta":
+            raise MetadataError("position_ids: a meta-device tensor holds no positions to read boundaries from")
         if position_ids.dim() not in (1, 2):
             raise MetadataError(f"position_ids: must be 1-D or [batch, seq_len], got shape {tuple(position_ids.shape)}")
         row_len = position_ids.shape[-1]

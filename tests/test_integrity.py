@@ -1,0 +1,138 @@
+"""Checkpoints that refuse corruption: a digest of every tensor written with the checkpoint and verified on load."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_llmfast import CheckpointError, LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule, PackedBatch
+from lightning_llmfast.data import pack_documents
+from lightning_llmfast.integrity import VerifiedCheckpointIO
+from lightning_llmfast.parallel.checkpoint import (
+    load_distributed_checkpoint,
+    model_state,
+    optimizer_state,
+    save_distributed_checkpoint,
+)
+
+STEPS = 3
+
+
+def _batches(n: int = STEPS) -> list[PackedBatch]:
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.randint(1, 64, (int(k),), generator=gen).tolist() for k in torch.randint(1, 15, (90,), generator=gen)]
+    return list(pack_documents(docs, seq_len=19, batch_size=2, vocab_size=64))[:n]
+
+
+def _module() -> MoEGPTLightningModule:
+    torch.manual_seed(0)
+    config = MoEGPTConfig(vocab_size=64, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_size=32,
+                          num_experts=4, top_k=2, router_backend="torch")  # fmt: skip
+    return MoEGPTLightningModule(config, warmup_steps=1)
+
+
+def _fit(module: MoEGPTLightningModule, root: Path, steps: int, ckpt_path: str | None = None) -> L.Trainer:
+    trainer = L.Trainer(
+        default_root_dir=root, max_steps=steps, accelerator="cpu", devices=1, strategy=LLMFastStrategy(),
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_top_k=-1, save_last=True)],
+    )  # fmt: skip
+    trainer.fit(module, train_dataloaders=DataLoader(_batches(), batch_size=None), ckpt_path=ckpt_path)
+    return trainer
+
+
+def _corrupt_middle(file: Path, size: int = 1024) -> None:
+    data = bytearray(file.read_bytes())
+    middle = len(data) // 2
+    garbage = torch.randint(0, 256, (size,), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    data[middle : middle + size] = bytes(garbage.tolist())
+    file.write_bytes(bytes(data))
+
+
+def _truncate(file: Path) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) * 2 // 3])
+
+
+def _assert_bitwise(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert torch.equal(got[key], tensor) and got[key].dtype == tensor.dtype, key
+
+
+def test_single_file_checkpoints_refuse_corruption_and_last_falls_back(tmp_path: Path) -> None:
+    module = _module()
+    _fit(module, tmp_path, STEPS)
+    ckpt = tmp_path / "ckpt"
+    last, newest = ckpt / "last.ckpt", ckpt / f"epoch=0-step={STEPS}.ckpt"
+    io = VerifiedCheckpointIO()
+    # intact: every tensor back bitwise, and the digests are not handed to Lightning
+    loaded = io.load_checkpoint(newest)
+    assert "llmfast_tensor_digests" not in loaded and loaded["global_step"] == STEPS
+    _assert_bitwise(loaded["state_dict"], module.state_dict())
+    for damage in (_corrupt_middle, _truncate):
+        broken = tmp_path / f"{damage.__name__}.ckpt"
+        shutil.copy(newest, broken)
+        damage(broken)
+        with pytest.raises(CheckpointError, match=rf"{broken.name}: (tensor '.+' differs|unreadable checkpoint)"):
+            io.load_checkpoint(broken)
+    # 1 KiB inside a tensor's bytes: the error names that tensor
+    tensor_damage = tmp_path / "tensor.ckpt"
+    shutil.copy(newest, tensor_damage)
+    _corrupt_middle(tensor_damage, size=8)
+    with pytest.raises(CheckpointError, match=r"tensor\.ckpt: tensor '(state_dict|optimizer_states)/.+' differs"):
+        io.load_checkpoint(tensor_damage)
+    # a corrupt last.ckpt: ckpt_path="last" resumes from the newest intact checkpoint, with a warning
+    _corrupt_middle(last)
+    os.utime(newest, (last.stat().st_mtime + 1,) * 2)  # newer than the other step checkpoints
+    resumed = _module()
+    with pytest.warns(UserWarning, match=rf"last\.ckpt.*loading the newest intact checkpoint .*{newest.name}"):
+        trainer = _fit(resumed, tmp_path / "again", STEPS + 1, ckpt_path=str(last))
+    assert trainer.global_step == STEPS + 1
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(37, 29)
+        self.b = nn.Linear(29, 3, bias=False)
+
+
+def _dcp_save(path: Path) -> tuple[_Tiny, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = _Tiny()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model.b(model.a(torch.randn(5, 37))).sum().backward()
+    optimizer.step()
+    checkpoint = {"state_dict": model_state(model), "optimizer_states": [optimizer_state(model, optimizer)], "step": 1}
+    save_distributed_checkpoint(checkpoint, path, rank=0)
+    return model, optimizer
+
+
+def test_distributed_checkpoints_refuse_corruption_and_last_falls_back(tmp_path: Path) -> None:
+    saved, _ = _dcp_save(tmp_path / "step=1.ckpt")
+    target = _Tiny()
+    meta = load_distributed_checkpoint(tmp_path / "step=1.ckpt", target)
+    assert meta["step"] == 1
+    _assert_bitwise(target.state_dict(), saved.state_dict())  # intact: bitwise
+    for damage in (_corrupt_middle, _truncate):
+        broken = tmp_path / f"{damage.__name__}.ckpt"
+        shutil.copytree(tmp_path / "step=1.ckpt", broken)
+        damage(broken / "__0_0.distcp")
+        with pytest.raises(CheckpointError, match=r"__0_0\.distcp: tensor '(state_dict|optimizer_0)\..+' differs"):
+            load_distributed_checkpoint(broken, _Tiny())
+    last = tmp_path / "last.ckpt"
+    shutil.copytree(tmp_path / "step=1.ckpt", last)
+    _corrupt_middle(last / "__0_0.distcp")
+    fallback = _Tiny()
+    with pytest.warns(UserWarning, match=r"loading the newest intact checkpoint .*step=1\.ckpt"):
+        load_distributed_checkpoint(last, fallback)
+    _assert_bitwise(fallback.state_dict(), saved.state_dict())
