@@ -20,6 +20,7 @@ from lightning_llmfast.offload.handles import Block, Rebuilt, Recast, Saved, Seg
 from lightning_llmfast.offload.layercalls import LayerCalls, tensors_in
 from lightning_llmfast.offload.pool import PinnedBufferPool
 from lightning_llmfast.offload.rebuild import RebuildRecord, rebuild_origin, rebuild_record
+from lightning_llmfast.offload.recompute import recomputed_by_selective
 from lightning_llmfast.offload.residents import Residents
 
 __all__ = ["Packer"]
@@ -258,13 +259,17 @@ class Packer:
 
     @staticmethod
     def measure(t: torch.Tensor, seg: Segment) -> None:
-        # The "auto" measuring step counts what offloading would copy, deduplicated as `_offload` does.
+        # The measuring step counts what offloading would copy, deduplicated as `offload` does, and what selective
+        # recomputation would drop (outputs of ops it does not keep; a layer's inputs are kept).
         storage = t.untyped_storage()
         key = (storage.data_ptr(), t._version)
         known = seg.seen.get(key)
         if known is None or known() is None:
             seg.seen[key] = weakref.ref(storage)
             seg.candidate_bytes += storage.nbytes()
+            fn = (t._base if t._base is not None else t).grad_fn
+            if fn is not None and recomputed_by_selective(fn.name()):
+                seg.recompute_bytes += storage.nbytes()
 
     def offload(self, saved: Saved, seg: Segment) -> bool:
         """Offload ``saved`` into ``seg``; ``False`` (and nothing changes) when it would exceed ``seg``'s budget."""
