@@ -1,8 +1,9 @@
-"""Worker of tests/test_fsdp.py: trains the reference model under "llmfast_fsdp" on 1, 2 or 4 CPU processes.
+"""Worker of tests/test_fsdp.py: trains the reference model under "llmfast_fsdp" on 1, 2 or 4 CPU processes, with
+gradient clipping by the global norm, and FSDP2 x expert parallelism with ``--ep N``.
 
 Run as a script (Lightning relaunches it once per rank): ``python fsdp_worker.py DEVICES OUT [--resume CKPT]
-[--meta]``. Every step's global batch is the same 4 rows for every world size, split evenly over the ranks; every
-row holds 3 documents, so every rank has the same number of label tokens and the mean of the ranks' per-rank mean
+[--meta] [--ep N]``. Every step's global batch is the same 4 rows for every world size, split evenly over the ranks;
+every row holds 3 documents, so every rank has the same number of label tokens and the mean of the ranks' per-rank mean
 losses is the one-process loss. The router's load-balancing loss depends on how tokens are split over ranks, so its
 weight is 0 here. Rank 0 writes ``OUT/result.pt``; every rank writes ``OUT/rank<r>.pt`` (its shard sizes).
 """
@@ -34,6 +35,8 @@ from lightning_llmfast import (
 from lightning_llmfast.models import MoEGPT
 
 ROWS, SEQ_LEN, DOCS_PER_ROW, STEPS, VOCAB = 4, 24, 3, 10, 64
+CLIP = 0.5  # gradient clipping by the global norm, active in the first steps
+EP = 1  # expert_parallel_size (--ep)
 CONFIG = {"vocab_size": VOCAB, "hidden_size": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_size": 32}
 CONFIG.update(num_experts=4, router_backend="torch")
 
@@ -102,10 +105,11 @@ class MetaModule(MoEGPTLightningModule):
 
 class Recorder(L.Callback):
     def __init__(self, out: Path, tag: str) -> None:
-        self.out, self.tag, self.losses = out, tag, []
+        self.out, self.tag, self.losses, self.norms = out, tag, [], []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.losses.append(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item())
+        self.norms.append(trainer.callback_metrics["train/grad_norm"].item())
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         full, shards = {}, {}
@@ -124,7 +128,8 @@ class Recorder(L.Callback):
                 "dtype": p.dtype,
             }
         tied = pl_module.model.lm_head.weight is pl_module.model.embed.weight
-        record = {"losses": self.losses, "shards": shards, "world": trainer.world_size, "tied": tied}
+        record = {"losses": self.losses, "norms": self.norms, "shards": shards, "world": trainer.world_size}
+        record["tied"] = tied
         record["compute_dtypes"] = sorted(str(d) for d in getattr(pl_module, "compute_dtypes", ()))
         for callback in trainer.callbacks:
             if isinstance(callback, SequenceMetadataCallback):
@@ -139,7 +144,9 @@ class Recorder(L.Callback):
 def fit(
     devices: int, out: Path, tag: str, module: L.LightningModule, steps: int, precision: str = "32-true", **kwargs: Any
 ) -> None:
-    strategy = LLMFastStrategy(**StrategyRegistry["llmfast_fsdp"]["init_params"], timeout=timedelta(seconds=90))
+    strategy = LLMFastStrategy(
+        **StrategyRegistry["llmfast_fsdp"]["init_params"], expert_parallel_size=EP, timeout=timedelta(seconds=90)
+    )
     callbacks: list[L.Callback] = [Recorder(out, tag)]
     if tag == "meta":  # the package's callbacks on top of FSDP2, unchanged
         callbacks += [SequenceMetadataCallback(), TokenThroughputMonitor(log_every_n_steps=1)]
@@ -148,7 +155,7 @@ def fit(
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False, callbacks=callbacks,
-        enable_checkpointing=tag == "fresh", precision=precision,
+        enable_checkpointing=tag == "fresh", precision=precision, gradient_clip_val=CLIP,
     )  # fmt: skip
     world, rank = devices, int(os.environ.get("LOCAL_RANK", 0))
     data = [rank_batch(step, rank, world) for step in global_batches()]
@@ -161,7 +168,10 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--resume", type=Path)
     parser.add_argument("--meta", action="store_true")
+    parser.add_argument("--ep", type=int, default=1, help="expert_parallel_size (FSDP2 x EP)")
     args = parser.parse_args()
+    global EP
+    EP = args.ep
     args.out.mkdir(parents=True, exist_ok=True)
 
     def module() -> MoEGPTLightningModule:

@@ -45,7 +45,8 @@ def _launch(devices: int, out: Path, *args: str, timeout: int) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """2 processes (fresh, resumed from their own half-way checkpoint, meta init), 1 process in this one (fresh,
-    resumed from the 2-process checkpoint), 4 processes (fresh, resumed from the 2-process checkpoint)."""
+    resumed from the 2-process checkpoint), 4 processes as FSDP2(2) x EP(2) (fresh, resumed from the 2-process
+    FSDP2 checkpoint)."""
     root = tmp_path_factory.mktemp("fsdp")
     dirs = {n: root / f"world{n}" for n in (1, 2, 4)}
     _launch(2, dirs[2], "--resume", str(dirs[2] / "ckpts" / HALF), "--meta", timeout=240)
@@ -56,7 +57,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         worker.main()
     finally:
         sys.argv = sys_argv
-    _launch(4, dirs[4], "--resume", str(dirs[2] / "ckpts" / HALF), timeout=300)
+    _launch(4, dirs[4], "--resume", str(dirs[2] / "ckpts" / HALF), "--ep", "2", timeout=300)  # FSDP2 x EP
     return dirs
 
 
@@ -79,6 +80,8 @@ def test_n_processes_equal_one_process_on_the_same_global_batch(runs: dict[str, 
     assert one["world"] == 1 and many["world"] == world
     assert len(many["losses"]) == worker.STEPS
     _assert_rel(many["losses"], one["losses"])
+    _assert_rel(many["norms"], one["norms"])  # train/grad_norm: the global norm, clipped at worker.CLIP
+    assert max(one["norms"]) > worker.CLIP  # clipping was active
     _assert_rel(many["weights"], one["weights"])
     torch.manual_seed(0)
     init = MoEGPTLightningModule(MoEGPTConfig(**worker.CONFIG)).state_dict()
@@ -94,9 +97,10 @@ def test_each_rank_holds_one_nth_of_every_parameter_and_its_optimizer_state(runs
     assert ranks[0].keys() == single.keys()
     for name, full in single.items():
         numel = torch.Size(full["global"]).numel()
+        expert = world == 4 and ".experts." in name  # FSDP2(2) x EP(2): E / 2 experts per rank, split over 2
         for shards in ranks:
             s = shards[name]
-            assert s["dtensor"] and s["placements"] == ["S(0)"], name
+            assert s["dtensor"] and s["placements"] == (["_S(0, 2)", "S(0)"] if expert else ["S(0)"]), name
             assert s["global"] == full["global"]
             assert s["local"] == (full["global"][0] // world, *full["global"][1:]), name
             assert s["opt_local"] == {"exp_avg": numel // world, "exp_avg_sq": numel // world}, name

@@ -104,42 +104,6 @@ def test_size_class_bounds_rounding_waste(nbytes: int) -> None:
     assert size_class(nbytes + 1) >= cls  # monotone
 
 
-def test_pool_reuses_buffers_and_sizes_after_first_step() -> None:
-    pool = PinnedBufferPool(headroom=1.5, pin_memory=False)
-    bufs = [pool.acquire(n) for n in (10_000, 10_000, 5_000)]
-    assert pool.checked_out == 3 and all(b.numel() >= n for b, n in zip(bufs, (10_000, 10_000, 5_000)))
-    for b in bufs:
-        pool.release(b)
-    pool.reserve_measured()  # peaks: 2 x class(10k), 1 x class(5k) -> ceil(3) + ceil(1.5)=2
-    assert pool.stats()["pool_buffers"] == 5 and pool.checked_out == 0
-    size = pool.pool_bytes
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # reuse must not warn
-        again = [pool.acquire(n) for n in (10_000, 10_000, 10_000, 5_000, 5_000)]
-    assert pool.pool_bytes == size and pool.grow_events == 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # growth is counted, reported once by warn_growth
-        pool.acquire(3_000)  # every buffer is out: the sized pool has to grow (to class(4096 * 1.5) = 6144)
-        pool.acquire(5_000)  # again: grows by class(class(5000) * 1.5) = 8192
-    assert pool.grow_events == 2 and pool.pool_bytes == size + 6144 + 8192
-    with pytest.warns(RuntimeWarning, match=r"grew 2 times by 14336 bytes in total"):
-        assert pool.warn_growth()
-    assert not pool.warn_growth()  # once: the count starts again
-    for b in again:
-        pool.release(b)
-    assert pool.checked_out == 2
-
-
-def test_pool_serves_smaller_requests_from_larger_free_buffers() -> None:
-    pool = PinnedBufferPool(pin_memory=False)
-    big = pool.acquire(1 << 16)
-    pool.release(big)
-    pool.reserve_measured()
-    size = pool.pool_bytes
-    small = pool.acquire(5_000)  # varying MoE sizes: reuse a free larger buffer instead of growing
-    assert small.numel() == 1 << 16 and pool.pool_bytes == size and pool.grow_events == 0
-
-
 def test_pool_release_of_unknown_buffer_and_bad_headroom_raise() -> None:
     pool = PinnedBufferPool(pin_memory=False)
     with pytest.raises(OffloadError, match="not checked out"):

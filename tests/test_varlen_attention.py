@@ -183,10 +183,10 @@ def test_no_tokens_keeps_a_gradient_path(impl: str) -> None:
 @pytest.mark.parametrize("impl", IMPLS)
 def test_no_host_syncs_forward_backward(impl: str) -> None:
     batch = {"cu_seqlens": torch.tensor([0, 5, 6, 30, 33, 64], dtype=torch.int32), "max_seqlen": 31}
-    batch["cu_seqlens_cpu"] = batch["cu_seqlens"]
+    batch["cu_seqlens_cpu"] = batch["cu_seqlens"].clone()  # the collator's host copy (cu_seqlens stands for the device)
     cache = SequenceMetadataCache()
     q, k, v = _inputs(64, 4, 2, 8, 1)
-    with SyncCounter() as sc, cache.batch(batch):
+    with SyncCounter(host=batch["cu_seqlens_cpu"]) as sc, cache.batch(batch):
         for _ in range(3):  # three "layers" share one metadata
             meta = cache.get(q.flatten(1))  # hidden states are (..., hidden_dim)
             varlen_attention(q, k, v, meta, impl=impl).sum().backward()

@@ -8,13 +8,14 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_to_all", "comm_device", "masked_gather"]
+__all__ = ["all_to_all", "comm_device", "masked_gather", "stage_to_device"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -70,6 +71,26 @@ def comm_device(group: dist.ProcessGroup, fallback: torch.device) -> torch.devic
     if backend == "nccl" and fallback.type == "cpu":
         return torch.device("cuda", torch.cuda.current_device())
     return fallback
+
+
+def stage_to_device(values: Sequence[int], device: torch.device) -> Tensor:
+    """Host integers (split sizes, handshake headers) as an int64 tensor on ``device``, without blocking the host.
+
+    ``torch.tensor(values, device=cuda)`` copies from pageable memory, which the host waits for. Here the values are
+    written into pinned memory and copied with ``non_blocking=True`` on the current stream, so later kernels on that
+    stream see them and the host moves on. The pinned block comes from torch's caching host allocator, which does not
+    hand it out again before the copy that read it has completed (so no staging buffer is overwritten in flight).
+
+    Example::
+
+        header = stage_to_device([num_tokens, dtype_code, hidden], counts.device)
+    """
+    staged = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cpu":
+        return staged
+    if torch.accelerator.is_available():
+        staged = staged.pin_memory()
+    return staged.to(device, non_blocking=True)
 
 
 def all_to_all(

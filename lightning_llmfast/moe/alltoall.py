@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_llmfast.errors import RoutingError
-from lightning_llmfast.moe._exchange import all_to_all, comm_device, masked_gather
+from lightning_llmfast.moe._exchange import all_to_all, comm_device, masked_gather, stage_to_device
 from lightning_llmfast.moe.dispatcher import ExpertRows, TokenDispatcher
 from lightning_llmfast.moe.permute import permute, unpermute
 from lightning_llmfast.moe.routing import RoutingPlan
@@ -141,7 +141,7 @@ class AllToAllDroplessDispatcher(AllToAllDispatcher):
         counts = plan.tokens_per_expert.to(torch.int64)
         # Every rank gets every source's full counts and token count (W * (E + 3) integers, not W * E_l): its own
         # experts' receive splits, and the batch-wide counts of the load-balancing loss without an all-reduce.
-        header = torch.tensor([plan.num_tokens, *signature], dtype=torch.int64, device=counts.device)
+        header = stage_to_device([plan.num_tokens, *signature], counts.device)  # pinned, non-blocking
         send = torch.cat([counts, header]).expand(world, -1).contiguous()
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)

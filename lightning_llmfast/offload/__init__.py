@@ -17,9 +17,11 @@ from __future__ import annotations
 
 from lightning_llmfast.offload.config import REBUILD_MODES, OffloadConfig
 from lightning_llmfast.offload.copier import Copier, CpuCopier, CudaStreamCopier
+from lightning_llmfast.offload.memplan import MemoryPlan, plan_memory
 from lightning_llmfast.offload.offloader import ActivationOffloader, resolve_layers
 from lightning_llmfast.offload.plan import plan_offload, plan_offload_layers, plan_partial_bytes
 from lightning_llmfast.offload.pool import PinnedBufferPool, size_class
+from lightning_llmfast.offload.profile import LayerProfile, MemoryProfile
 from lightning_llmfast.offload.rebuild import RebuildRecord, mark_rebuildable
 from lightning_llmfast.offload.recompute import recompute_layer, recompute_policy
 
@@ -29,10 +31,14 @@ __all__ = [
     "Copier",
     "CpuCopier",
     "CudaStreamCopier",
+    "LayerProfile",
+    "MemoryPlan",
+    "MemoryProfile",
     "OffloadConfig",
     "PinnedBufferPool",
     "RebuildRecord",
     "mark_rebuildable",
+    "plan_memory",
     "plan_offload",
     "plan_offload_layers",
     "plan_partial_bytes",

@@ -18,6 +18,7 @@ from typing import Literal
 from lightning_llmfast._checks import check_bool, check_int, check_number
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload.pool import MAX_HEADROOM
+from lightning_llmfast.offload.profile import parse_budget
 from lightning_llmfast.offload.recompute import RECOMPUTE_MODES
 
 __all__ = ["REBUILD_MODES", "OffloadConfig"]
@@ -49,6 +50,12 @@ class OffloadConfig:
             backward), or ``None`` (nothing; kept or offloaded like any activation).
         rebuild_gemm_layers: with ``"norms+gemms"``, only the first this many layers rebuild GEMM outputs (each takes
             the same share off the forward's peak, so it trades memory for backward time linearly); ``None``: all.
+        plan: ``"auto"``: measure the first step, then keep, recompute or offload each layer so that the saved
+            activations fit ``budget`` at the least predicted time (:func:`~lightning_llmfast.offload.plan_memory`);
+            the plan is logged as a table and kept as ``ActivationOffloader.memory_plan``. ``None``: the fixed
+            settings above.
+        budget: with ``plan="auto"``, the most bytes of saved activations the layers may keep: bytes (int), a size
+            (``"40GiB"``) or a fraction of the device's memory (float ``<= 1``).
 
     Raises:
         OffloadError: naming the field, the rule and the value.
@@ -67,6 +74,8 @@ class OffloadConfig:
     recompute: Literal["selective"] | None = None
     rebuild: Literal["norms", "norms+gemms"] | None = "norms"
     rebuild_gemm_layers: int | None = None
+    plan: Literal["auto"] | None = None
+    budget: int | float | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("min_offload_bytes", "keep_last_layers", "prefetch_layers"):
@@ -84,6 +93,19 @@ class OffloadConfig:
             raise OffloadError(f"OffloadConfig: recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if self.rebuild not in REBUILD_MODES:
             raise OffloadError(f"OffloadConfig: rebuild must be one of {REBUILD_MODES}, got {self.rebuild!r}")
+        if self.plan not in (None, "auto"):
+            raise OffloadError(f"OffloadConfig: plan must be None or 'auto', got {self.plan!r}")
+        if (self.plan is None) != (self.budget is None):
+            raise OffloadError(
+                f"OffloadConfig: plan='auto' and budget go together, got plan={self.plan!r}, budget={self.budget!r}"
+            )
+        if self.budget is not None:
+            parse_budget(self.budget)
+            if self.offload_layers is not None or self.recompute is not None:
+                raise OffloadError(
+                    "OffloadConfig: plan='auto' chooses offload_layers and recompute per layer; "
+                    f"got offload_layers={self.offload_layers!r}, recompute={self.recompute!r}"
+                )
         if self.rebuild_gemm_layers is not None:
             check_int("OffloadConfig: rebuild_gemm_layers", self.rebuild_gemm_layers, low=0, error=OffloadError)
             if self.rebuild != "norms+gemms":

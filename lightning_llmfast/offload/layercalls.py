@@ -42,11 +42,12 @@ class LayerCalls:
         self.config = config
         self.eligible = max(num_layers - config.keep_last_layers, 0)
         layers = config.offload_layers
-        # How many leading layers offload; None until the "auto" plan is made after its measuring step.
+        # How many leading layers offload; None until an "auto" plan is made after its measuring step.
         self.planned: int | None = None
-        if layers != "auto":
+        if layers != "auto" and config.plan is None:
             self.planned = self.eligible if layers is None else min(layers, self.eligible)
         self.partial = 0  # bytes layer `planned` offloads too ("auto": what whole layers left of the budget)
+        self.chosen: frozenset[int] | None = None  # a memory plan's offloading layers (then `planned` counts them)
         self.measuring = False
         self.packing = False  # inside the forward of a step
         self.hot = False  # whether the pack hook looks at saved tensors at all (see wants_pack)
@@ -66,6 +67,10 @@ class LayerCalls:
     def adopt(self, planned: int, partial: int) -> None:
         """Adopt a plan: the first ``planned`` layers offload, and layer ``planned`` its first ``partial`` bytes."""
         self.planned, self.partial = planned, partial
+
+    def adopt_layers(self, layers: frozenset[int]) -> None:
+        """Adopt a memory plan: exactly ``layers`` offload."""
+        self.chosen, self.planned, self.partial = layers, len(layers), 0
 
     def offload_layers(self) -> int:
         """How many leading layers offload under the plan (0 while measuring)."""
@@ -96,7 +101,8 @@ class LayerCalls:
         seg = Segment(
             index=len(self.segments),
             layer_index=index,
-            offload=planned is not None and (index < planned or partial),
+            offload=planned is not None
+            and (index in self.chosen if self.chosen is not None else index < planned or partial),
             budget=self.partial if partial else None,
         )
         seg.keeps = not seg.offload and not self.measuring

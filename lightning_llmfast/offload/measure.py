@@ -14,8 +14,9 @@ import torch
 from lightning_llmfast.offload.copier import Copier
 from lightning_llmfast.offload.handles import Segment
 from lightning_llmfast.offload.plan import AUTO_MARGIN, plan_offload, plan_partial_bytes
+from lightning_llmfast.offload.profile import LayerProfile, MemoryProfile
 
-__all__ = ["auto_plan", "layer_times", "measured_freed"]
+__all__ = ["auto_plan", "layer_times", "measure_profile", "measured_freed", "probe_bandwidth"]
 
 # The bandwidth probe copies the largest layer's bytes, within these bounds (long enough to time, short).
 _PROBE_MIN_BYTES = 1 << 20
@@ -48,9 +49,7 @@ def auto_plan(
     """
     compute_ms, backward, bytes_per_layer = layer_times(segments, num_layers, copier, backward_end)
     freed = measured_freed(segments, num_layers)
-    probe = min(max(max(bytes_per_layer), _PROBE_MIN_BYTES), _PROBE_MAX_BYTES)
-    # A temporary buffer, pinned like the pool's: through the pool it would count towards the pool's sizing.
-    bandwidth = copier.bandwidth(probe, torch.empty(probe, dtype=torch.uint8, pin_memory=pinned))
+    bandwidth = probe_bandwidth(copier, max(bytes_per_layer), pinned)
     chosen, depth = plan_offload(
         compute_ms, bytes_per_layer, bandwidth, margin=AUTO_MARGIN, backward_ms=backward, freed_bytes=freed
     )
@@ -78,6 +77,28 @@ def auto_plan(
         "partial_bytes": partial_bytes,
         "prefetch_layers": depth,
     }
+
+
+def probe_bandwidth(copier: Copier, nbytes: int, pinned: bool) -> float:
+    """Host-link bytes/ms of the slower direction, copying ``nbytes`` (within the probe's bounds) each way."""
+    probe = min(max(nbytes, _PROBE_MIN_BYTES), _PROBE_MAX_BYTES)
+    # A temporary buffer, pinned like the pool's: through the pool it would count towards the pool's sizing.
+    return copier.bandwidth(probe, torch.empty(probe, dtype=torch.uint8, pin_memory=pinned))
+
+
+def measure_profile(
+    segments: list[Segment], num_layers: int, copier: Copier, *, pinned: bool, backward_end: Any
+) -> MemoryProfile:
+    """The :class:`~lightning_llmfast.offload.MemoryProfile` of a measuring step: per layer its saved and
+    recomputable bytes, forward and backward time (backward estimated as twice the forward where a call's was not
+    timed), the recompute cost (the replay of its forward), and the host link's bandwidth."""
+    forward, backward, saved = layer_times(segments, num_layers, copier, backward_end)
+    recompute = [0] * num_layers
+    for seg in segments:
+        recompute[seg.layer_index] += seg.recompute_bytes
+    back = backward if backward is not None else [2.0 * f for f in forward]
+    layers = tuple(LayerProfile(saved[i], recompute[i], forward[i], back[i], forward[i]) for i in range(num_layers))
+    return MemoryProfile(layers, probe_bandwidth(copier, max(saved), pinned))
 
 
 def layer_times(

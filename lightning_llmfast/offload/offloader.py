@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -60,11 +61,15 @@ from lightning_llmfast.offload.layercalls import (
     saved_tensor_hooks,
     tensors_in,
 )
+from lightning_llmfast.offload.memplan import MemoryPlan, plan_memory
 from lightning_llmfast.offload.packing import Packer
 from lightning_llmfast.offload.pool import PinnedBufferPool
+from lightning_llmfast.offload.profile import resolve_budget
 from lightning_llmfast.offload.recompute import RecomputeHandle, recompute_layer
 from lightning_llmfast.offload.reload import Reloader
 from lightning_llmfast.offload.residents import Residents
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ActivationOffloader", "resolve_layers"]
 
@@ -129,6 +134,7 @@ class ActivationOffloader:
             )
         self.layers = resolve_layers(nn.Module(), layers)
         self.auto_plan: dict[str, Any] | None = None
+        self.memory_plan: MemoryPlan | None = None
         self.pool = PinnedBufferPool(headroom=float(config.pool_headroom))
         self.calls = LayerCalls(config, len(self.layers))
         self._residents = Residents(self.layers)
@@ -217,8 +223,9 @@ class ActivationOffloader:
         return make_copier(device)
 
     def begin_step(self) -> None:
-        """Start a step: release the previous step's buffers and reset the per-step counters."""
-        self._release_all()
+        """Start a step: release what the previous step still holds (without waiting) and reset the counters."""
+        self.reloader.end_step([b for seg in self.calls.take() for b in seg.blocks])
+        self.reloader.release_ordered()
         device = self._device()
         if device.type == "cuda" or self.config.force:
             if self._copier is None or self._copier.device != device:
@@ -240,7 +247,9 @@ class ActivationOffloader:
         """
         self._remove_recompute()
         planned = self.calls.planned
-        if self.config.recompute is not None and self._copier is not None and planned is not None:
+        if self._copier is not None and self.memory_plan is not None:
+            self._recomputed = [recompute_layer(self.layers[i]) for i in sorted(self.memory_plan.layers("recompute"))]
+        elif self.config.recompute is not None and self._copier is not None and planned is not None:
             self._recomputed = [recompute_layer(layer) for layer in self.layers[planned:]]
         self._recompute_layers = len(self._recomputed)
 
@@ -276,12 +285,12 @@ class ActivationOffloader:
         if failed:
             self.reloader.release_all()
             return
-        self.reloader.release_done()
+        self.reloader.release_ordered()
         if measured:
             # A step whose layers ran no backward (a forward under no_grad, an evaluation pass) measured nothing to
             # plan from: the next step measures again.
             if any(seg.backward_started is not None for seg in segments):
-                self._adopt_plan(segments)
+                (self._adopt_memory_plan if self.config.plan == "auto" else self._adopt_plan)(segments)
         elif not self._sized and self._copier is not None:
             self.pool.reserve_measured()  # the first step that offloaded under the final plan sizes the pool
             self._sized = True
@@ -302,15 +311,33 @@ class ActivationOffloader:
         )
         self.calls.adopt(plan["offload_layers"], plan["partial_bytes"])
         self.reloader.set_depth(plan["prefetch_layers"])
+        # Sized from the plan before its first step: what the planned layers offload (a partial layer: its budget, at
+        # most what it saves).
+        sizes, planned = plan["bytes_per_layer"], plan["offload_layers"]
+        partial = min(plan["partial_bytes"], sizes[planned]) if planned < len(sizes) else 0
+        self.pool.reserve(sum(sizes[:planned]) + partial)
+        self._sized = True
         self.auto_plan = plan
 
-    def _release_all(self) -> None:
-        self.reloader.end_step([b for seg in self.calls.take() for b in seg.blocks])
-        self.reloader.release_all()
+    def _adopt_memory_plan(self, segments: list[Any]) -> None:
+        """Profile the measuring step, plan every layer for the budget (:func:`~.memplan.plan_memory`), log the plan
+        as a table, and adopt it from the next step."""
+        copier = self._copier
+        assert copier is not None and self.config.budget is not None
+        end = copier.timestamp()
+        profile = measure.measure_profile(segments, len(self.layers), copier, pinned=self.pool.pinned, backward_end=end)
+        plan = plan_memory(profile, resolve_budget(self.config.budget, copier.device))
+        offloading = plan.layers("offload")
+        self.calls.adopt_layers(offloading)
+        self.pool.reserve(sum(profile.layers[i].saved_bytes for i in offloading))
+        self._sized = True
+        self.memory_plan = plan
+        log.info("ActivationOffloader memory plan:\n%s", plan.table())
 
     def synchronize(self) -> None:
-        """Wait for every outstanding copy and return all host buffers to the pool."""
-        self._release_all()
+        """Wait for every outstanding copy and return all host buffers to the pool (blocks the host)."""
+        self.reloader.end_step([b for seg in self.calls.take() for b in seg.blocks])
+        self.reloader.release_all()
 
     def close(self) -> None:
         """Remove the layer hooks and the global registration hooks, free the pool and the device buffer sets, and

@@ -20,6 +20,7 @@ from lightning_llmfast.offload.handles import Block, Rebuilt, Recast, Saved, Seg
 from lightning_llmfast.offload.layercalls import LayerCalls, tensors_in
 from lightning_llmfast.offload.pool import PinnedBufferPool
 from lightning_llmfast.offload.rebuild import RebuildRecord, rebuild_origin, rebuild_record
+from lightning_llmfast.offload.recompute import recomputed_by_selective
 from lightning_llmfast.offload.residents import Residents
 
 __all__ = ["Packer"]
@@ -82,7 +83,9 @@ class Packer:
     def enter_layer(self, layer: torch.nn.Module, inputs: Any) -> None:
         """A layer call starts with ``inputs``: note what it shares with other calls, and FSDP2's unsharded weights."""
         if self._unsharding:  # FSDP2 unsharded this layer's parameters in its own pre-hook, registered earlier
-            self._param_ptrs.update(p.untyped_storage().data_ptr() for p in layer.parameters())
+            # (a nested group, e.g. an expert-parallel MoE block's, is still sharded here: a DTensor, no storage)
+            gathered = (p for p in layer.parameters() if type(p) is not _DTensor)
+            self._param_ptrs.update(p.untyped_storage().data_ptr() for p in gathered)
         # Inputs that need no grad (RoPE tables, masks, ids) are shared by every layer and alive outside it:
         # offloading them would copy them once per layer and free nothing.
         self._shared_inputs = {t.untyped_storage().data_ptr() for t in tensors_in(inputs) if not t.requires_grad}
@@ -256,13 +259,17 @@ class Packer:
 
     @staticmethod
     def measure(t: torch.Tensor, seg: Segment) -> None:
-        # The "auto" measuring step counts what offloading would copy, deduplicated as `_offload` does.
+        # The measuring step counts what offloading would copy, deduplicated as `offload` does, and what selective
+        # recomputation would drop (outputs of ops it does not keep; a layer's inputs are kept).
         storage = t.untyped_storage()
         key = (storage.data_ptr(), t._version)
         known = seg.seen.get(key)
         if known is None or known() is None:
             seg.seen[key] = weakref.ref(storage)
             seg.candidate_bytes += storage.nbytes()
+            fn = (t._base if t._base is not None else t).grad_fn
+            if fn is not None and recomputed_by_selective(fn.name()):
+                seg.recompute_bytes += storage.nbytes()
 
     def offload(self, saved: Saved, seg: Segment) -> bool:
         """Offload ``saved`` into ``seg``; ``False`` (and nothing changes) when it would exceed ``seg``'s budget."""

@@ -1,33 +1,40 @@
-"""Reusable host buffers for offloaded activations, grouped by size class.
+"""Reusable host memory for offloaded activations: a few large chunks handed out front to back within a step.
 
-The host allocator behind ``pin_memory`` rounds every request up to a power of two and page-locks it; allocating
-fresh pinned memory per step is slow and the rounding makes memory grow by up to 2x. :class:`PinnedBufferPool`
-instead hands out flat ``uint8`` buffers from free lists keyed by a *size class* with four classes per octave
-(at most 25% rounding waste), sizes itself from the first step's measured need times a headroom factor, and
-afterwards only grows when a step needs more than it has: by a buffer of the size class of the request times the
-headroom, so that the next larger requests (MoE layers' sizes vary per step) reuse it instead of growing again. The
-growth is counted, and reported once by :meth:`PinnedBufferPool.warn_growth` (the offloader calls it when it closes).
+A step's offloaded storages vary in size (sequence lengths, MoE loads), but all of them are given back together when
+the step ends, and their total varies far less than their sizes. :class:`PinnedBufferPool` therefore keeps a list
+of large chunks and hands out aligned slices of them in order (a bump pointer per chunk); when nothing is checked
+out, every chunk is free again. Sizing is by bytes: :meth:`PinnedBufferPool.reserve` (the planned bytes of a step
+times the headroom) or :meth:`PinnedBufferPool.reserve_measured` (the first offloading step's total times the
+headroom), not by the sizes of the first step's tensors, so a later step with other sizes but no more bytes never
+grows the pool. A growth after sizing is logged with its cause, counted, and reported once by
+:meth:`PinnedBufferPool.warn_growth`.
+
+Chunks are powers of two: PyTorch's host caching allocator rounds every pinned allocation up to one, so the pool asks
+for exactly what it is given and ``pool_bytes`` is the real pinned size. When pinning fails (no CUDA driver, locked
+memory limit) the pool warns once and continues in pageable memory (copies are then synchronous).
 
 Example::
 
     pool = PinnedBufferPool(headroom=1.5)
-    buf = pool.acquire(3000)  # (capacity,) uint8, capacity >= 3000
+    buf = pool.acquire(3000)  # (>= 3000,) uint8 view of a chunk
     pool.release(buf)
-    pool.reserve_measured()  # after step 1: keep peak need x headroom, never shrink below it
+    pool.reserve_measured()  # after step 1: its total x headroom, never shrinks
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
-from collections import defaultdict
 
 import torch
 
 from lightning_llmfast._checks import check_int, check_number
 from lightning_llmfast.errors import OffloadError
 
-__all__ = ["MAX_HEADROOM", "PinnedBufferPool", "size_class"]
+__all__ = ["MAX_HEADROOM", "PinnedBufferPool", "pinned_bytes", "size_class"]
+
+log = logging.getLogger(__name__)
 
 # The largest headroom accepted: a pool of 16x the measured need is already more pinned memory than a step uses; a
 # larger factor is a mistake (an infinite one would overflow when the pool is sized).
@@ -37,16 +44,23 @@ MAX_HEADROOM = 16.0
 _MIN_CLASS_BYTES = 4096
 # Four classes per octave: 1, 1.25, 1.5, 1.75 x 2**k. Bounds rounding waste at 25% instead of 100%.
 _STEPS_PER_OCTAVE = 4
+# Slices start at multiples of this: every dtype view of a slice is aligned like a fresh allocation.
+_ALIGN = 256
+# The smallest chunk: a step of many small storages takes a few chunks, not one per storage.
+_MIN_CHUNK_BYTES = 1 << 20
 
 
 def size_class(nbytes: int) -> int:
     """Round ``nbytes`` up to its size class (a multiple of 4096 of the form ``(4 + j) * 2**(k - 2)``).
 
+    The device buffer sets are sized in these classes, so that steps whose sizes differ a little ask the device
+    allocator for the same block again.
+
     Args:
         nbytes: requested size in bytes, ``>= 0``.
 
     Returns:
-        The capacity of the buffer that serves the request.
+        The class's size.
 
     Example::
 
@@ -61,13 +75,25 @@ def size_class(nbytes: int) -> int:
     return min(octave * 2, octave + step * math.ceil((nbytes - octave) / step))
 
 
+def pinned_bytes(nbytes: int) -> int:
+    """The bytes PyTorch's host caching allocator reserves for a pinned request of ``nbytes``: the next power of two.
+
+    Example::
+
+        >>> pinned_bytes(5 << 20) == 8 << 20
+        True
+    """
+    return 1 << max(nbytes - 1, 0).bit_length()
+
+
 class PinnedBufferPool:
-    """Pool of flat host ``uint8`` buffers (page-locked when the build supports it), reused across steps.
+    """Host ``uint8`` chunks (page-locked when the build supports it), handed out in aligned slices, reused every step.
 
     Args:
-        headroom: factor in ``[1, MAX_HEADROOM]`` applied to the first step's peak need when the pool is sized.
-        pin_memory: page-lock the buffers. ``None`` pins when CUDA is available; if pinning fails (CPU-only
-            builds), the pool falls back to plain memory once and reports ``pinned=False`` in :attr:`stats`.
+        headroom: factor in ``[1, MAX_HEADROOM]`` applied to the bytes a step needs when the pool is sized, and to a
+            shortfall when a sized pool has to grow.
+        pin_memory: page-lock the chunks. ``None`` pins when CUDA is available; when pinning fails the pool warns
+            once, falls back to plain memory and reports ``pinned=False`` in :attr:`stats`.
 
     Example::
 
@@ -82,11 +108,9 @@ class PinnedBufferPool:
             "PinnedBufferPool: headroom", headroom, low=1, high=MAX_HEADROOM, error=OffloadError
         )
         self.pinned = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
-        self._out: dict[int, torch.Tensor] = {}  # data_ptr -> buffer, for checked-out buffers
-        self._count: dict[int, int] = defaultdict(int)  # capacity -> buffers owned (free + out)
-        self._out_per_class: dict[int, int] = defaultdict(int)
-        self._peak_per_class: dict[int, int] = defaultdict(int)
+        self._chunks: list[torch.Tensor] = []
+        self._used: list[int] = []  # bytes handed out from the front of each chunk since it was last all free
+        self._out: dict[int, int] = {}  # data_ptr -> bytes, of the slices checked out
         self._sized = False
         self.pool_bytes = 0
         self.out_bytes = 0
@@ -94,76 +118,94 @@ class PinnedBufferPool:
         self.grow_events = 0
         self.grown_bytes = 0
 
-    def _allocate(self, capacity: int) -> torch.Tensor:
+    def _allocate(self, nbytes: int, cause: str) -> None:
+        capacity = pinned_bytes(max(nbytes, _MIN_CHUNK_BYTES))
+        chunk = None
         if self.pinned:
             try:
-                buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
-            except RuntimeError:
-                # NOTE: CPU-only builds cannot page-lock memory; plain memory keeps the mechanism testable.
+                chunk = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError as err:
                 self.pinned = False
-                buf = torch.empty(capacity, dtype=torch.uint8)
-        else:
-            buf = torch.empty(capacity, dtype=torch.uint8)
-        self._count[capacity] += 1
+                warnings.warn(
+                    f"PinnedBufferPool: pinning {capacity} bytes of host memory failed ({err}); offloaded activations "
+                    "go to pageable memory from now on, so their copies are synchronous",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+        if chunk is None:
+            chunk = torch.empty(capacity, dtype=torch.uint8)
+        self._chunks.append(chunk)
+        self._used.append(0)
         self.pool_bytes += capacity
-        return buf
+        if self._sized:
+            self.grow_events += 1
+            self.grown_bytes += capacity
+            log.warning(
+                "PinnedBufferPool grew by %d bytes to %d after it was sized: %s", capacity, self.pool_bytes, cause
+            )
 
     def acquire(self, nbytes: int) -> torch.Tensor:
-        """Check out a buffer of at least ``nbytes`` bytes.
+        """Check out ``nbytes`` bytes: a slice of the first chunk with room (a new chunk only when none has).
 
-        Prefers a free buffer of the exact size class, then the smallest free larger buffer (varying MoE sizes
-        then reuse what the pool has), and only then allocates; after the pool has been sized that allocation
-        is counted as growth (see :meth:`warn_growth`).
+        After the pool has been sized, a new chunk is counted and logged as growth (see :meth:`warn_growth`).
 
         Args:
             nbytes: bytes needed.
 
         Returns:
-            A ``(capacity,)`` ``uint8`` CPU tensor, ``capacity >= nbytes``; give it back with :meth:`release`.
+            A ``(>= nbytes,)`` ``uint8`` CPU tensor; give it back with :meth:`release`.
         """
-        cls = size_class(nbytes)
-        if self._free[cls]:
-            buf = self._free[cls].pop()
-        else:
-            larger = [c for c, bufs in self._free.items() if c > cls and bufs]
-            if larger:
-                cls = min(larger)
-                buf = self._free[cls].pop()
-            else:
-                if self._sized:
-                    cls = size_class(math.ceil(cls * self.headroom))
-                    self.grow_events += 1
-                    self.grown_bytes += cls
-                buf = self._allocate(cls)
-        self._out[buf.data_ptr()] = buf
-        self._out_per_class[cls] += 1
-        self._peak_per_class[cls] = max(self._peak_per_class[cls], self._out_per_class[cls])
-        self.out_bytes += cls
+        size = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+        index = next((i for i, c in enumerate(self._chunks) if self._used[i] + size <= c.numel()), None)
+        if index is None:
+            # The pool grows by the shortfall times the headroom, so that the next larger step fits as well.
+            need = self.out_bytes + size
+            self._allocate(
+                max(size, math.ceil(need * self.headroom) - self.capacity()),
+                f"a step needed {need} bytes at once ({size} requested with {self.out_bytes} out), more than sized",
+            )
+            index = len(self._chunks) - 1
+        start = self._used[index]
+        self._used[index] = start + size
+        buf = self._chunks[index][start : start + size]
+        self._out[buf.data_ptr()] = size
+        self.out_bytes += size
         self.peak_out_bytes = max(self.peak_out_bytes, self.out_bytes)
         return buf
 
     def release(self, buf: torch.Tensor) -> None:
-        """Return a buffer obtained from :meth:`acquire` to its free list.
+        """Give back a slice obtained from :meth:`acquire`; when none is out, every chunk is free again.
 
         Args:
-            buf: the ``(capacity,)`` buffer.
+            buf: the slice.
         """
-        if self._out.pop(buf.data_ptr(), None) is None:
+        size = self._out.pop(buf.data_ptr(), None)
+        if size is None:
             raise OffloadError(f"PinnedBufferPool.release: buffer at {buf.data_ptr():#x} is not checked out")
-        cls = buf.numel()
-        self._out_per_class[cls] -= 1
-        self.out_bytes -= cls
-        self._free[cls].append(buf)
+        self.out_bytes -= size
+        if not self._out:
+            self._used = [0] * len(self._chunks)
+
+    def reserve(self, nbytes: int) -> None:
+        """Size the pool for steps that need ``nbytes`` at once (times the headroom); never shrinks it.
+
+        Args:
+            nbytes: bytes a step checks out at most (e.g. what the plan offloads).
+        """
+        check_int("PinnedBufferPool.reserve: nbytes", nbytes, low=0, error=OffloadError)
+        missing = math.ceil(nbytes * self.headroom) - self.capacity()
+        if missing > 0:
+            self._allocate(missing, f"reserved for {nbytes} bytes")
+        self._sized = True
 
     def reserve_measured(self) -> None:
-        """Size the pool from the peak need measured so far times the headroom (called after the first step).
+        """Size the pool from the most bytes checked out at once so far, times the headroom (after the first step)."""
+        if not self._sized:
+            self.reserve(self.peak_out_bytes)
 
-        Buffers are only added, never dropped, so the pool is stable from the second step on.
-        """
-        for cls, peak in self._peak_per_class.items():
-            for _ in range(math.ceil(peak * self.headroom) - self._count[cls]):
-                self._free[cls].append(self._allocate(cls))
-        self._sized = True
+    def capacity(self) -> int:
+        """The bytes of all chunks (a step's slices spread over them)."""
+        return sum(c.numel() for c in self._chunks)
 
     def warn_growth(self, owner: str = "PinnedBufferPool") -> bool:
         """Warn once about the growth since the pool was sized (if any), with its total, and reset the count.
@@ -188,26 +230,25 @@ class PinnedBufferPool:
 
     @property
     def checked_out(self) -> int:
-        """Number of buffers currently checked out."""
+        """Number of slices currently checked out."""
         return len(self._out)
 
     def clear(self) -> None:
-        """Drop every buffer (checked-out ones are forgotten; callers release them first)."""
-        self._free.clear()
+        """Drop every chunk (checked-out slices are forgotten; callers release them first)."""
+        self._chunks.clear()
+        self._used.clear()
         self._out.clear()
-        self._count.clear()
-        self._out_per_class.clear()
-        self._peak_per_class.clear()
         self._sized = False
         self.pool_bytes = self.out_bytes = self.peak_out_bytes = 0
 
     def stats(self) -> dict[str, int | bool]:
-        """Pool counters: ``pool_bytes``, ``checked_out``, ``pool_buffers``, ``pool_grow_events`` and
-        ``pool_grown_bytes`` (growth after sizing, not yet reported by :meth:`warn_growth`), ``pinned``."""
+        """Pool counters: ``pool_bytes`` (real host bytes), ``checked_out``, ``pool_buffers`` (chunks),
+        ``pool_grow_events`` and ``pool_grown_bytes`` (growth after sizing, not yet reported by :meth:`warn_growth`),
+        ``pinned``."""
         return {
             "pool_bytes": self.pool_bytes,
             "checked_out": self.checked_out,
-            "pool_buffers": sum(self._count.values()),
+            "pool_buffers": len(self._chunks),
             "pool_grow_events": self.grow_events,
             "pool_grown_bytes": self.grown_bytes,
             "pinned": self.pinned,

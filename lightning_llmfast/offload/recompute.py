@@ -39,7 +39,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from lightning_llmfast._autograd import in_backward
 from lightning_llmfast.seqmeta.cache import activate_cache, active_cache
 
-__all__ = ["RECOMPUTE_MODES", "RecomputeHandle", "recompute_layer", "recompute_policy"]
+__all__ = ["RECOMPUTE_MODES", "RecomputeHandle", "recompute_layer", "recompute_policy", "recomputed_by_selective"]
 
 RECOMPUTE_MODES = (None, "selective")
 
@@ -81,6 +81,22 @@ def _policy_for(op: Any) -> CheckpointPolicy:
     if attention or name in _SAVED_OPS or name in _ROUTING_OPS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def recomputed_by_selective(node_name: str) -> bool:
+    """Whether selective recomputation drops a saved output made by the autograd node ``node_name`` (an estimate from
+    the name, for the memory profile: matmul, grouped GEMM, attention and ``topk`` outputs are kept).
+
+    Example::
+
+        recomputed_by_selective("MulBackward0"), recomputed_by_selective("MmBackward0")  # (True, False)
+    """
+    name = node_name.lower().replace("_", "")
+    return not any(key in name for key in _KEPT_NODE_KEYS)
+
+
+# Lowercase pieces of the backward-node names of the ops `recompute_policy` keeps.
+_KEPT_NODE_KEYS = ("mm", "attention", "attn", "topk", "swiglu", "grouped")
 
 
 class _RecomputeContext:

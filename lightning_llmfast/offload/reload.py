@@ -14,7 +14,7 @@ from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload.copier import Copier
 from lightning_llmfast.offload.handles import Block, Recipe, Saved, Segment
 from lightning_llmfast.offload.layercalls import LayerCalls
-from lightning_llmfast.offload.pool import PinnedBufferPool
+from lightning_llmfast.offload.pool import PinnedBufferPool, size_class
 
 __all__ = ["Reloader"]
 
@@ -131,8 +131,9 @@ class Reloader:
         total = sum(_aligned(b.nbytes) for b in seg.blocks)
         flat = self._sets[s]
         if flat is None or flat.numel() < total:
-            # Grows to the largest layer (MoE layers differ per step, a partial layer is smaller).
-            flat = self._sets[s] = torch.empty(total, dtype=torch.uint8, device=copier.device)
+            # Grows to the largest layer (MoE layers differ per step, a partial layer is smaller), in size classes:
+            # the next steps ask the device allocator for the very block it has cached.
+            flat = self._sets[s] = torch.empty(size_class(total), dtype=torch.uint8, device=copier.device)
             copier.protect(flat)
         # The set was last used by a layer whose backward has finished; copies wait for that compute.
         compute_done = copier.mark_compute()
@@ -183,18 +184,23 @@ class Reloader:
         typed = flat.view(saved.dtype)
         return torch.as_strided(typed, saved.size, saved.stride, offset // saved.dtype.itemsize + saved.storage_offset)
 
-    def release_done(self) -> None:
-        """Give back the host buffers of ended steps whose copies have all completed (never waits)."""
+    def release_ordered(self) -> None:
+        """Give back every ended step's host buffers and device sources without blocking the host.
+
+        A copy that may still run is ordered before the compute stream's next work instead (a device-side wait on its
+        event, never ``event.synchronize()``): the next step's device-to-host copies into these buffers wait for
+        compute (:meth:`send`), so they come after it, and the device allocator hands a released source to compute
+        work only, which now comes after its copy too.
+        """
         copier = self._copier
-        if copier is None:
-            return  # nothing was offloaded
-        still = []
+        if copier is not None:
+            events = {id(e): e for b in self._retired for e in (b.d2h_event, *b.reads) if e is not None}
+            for event in events.values():
+                copier.compute_waits(event)
         for block in self._retired:
-            if all(copier.done(e) for e in (block.d2h_event, *block.reads)):
-                self._give_back(block)
-            else:
-                still.append(block)
-        self._retired = still
+            self._give_back(block)
+        self._retired = []
+        self._pending_sources = []  # their blocks were among the retired ones
 
     def release_all(self) -> None:
         """Wait for every copy of every ended step and give all host buffers back (errors and teardown)."""

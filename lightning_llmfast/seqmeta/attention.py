@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
 from lightning_llmfast._checks import check_bool, check_number
 from lightning_llmfast.errors import ConfigError, MetadataError
+from lightning_llmfast.seqmeta.buckets import Bucket, bucket_plan
 from lightning_llmfast.seqmeta.metadata import SequenceMetadata
 
 __all__ = ["dense_block_causal_mask", "varlen_attention"]
@@ -55,7 +56,6 @@ _MASKED_SHORT_DOCS_MEAN_LEN = 4
 _PER_DOCUMENT_MAX_DOCS = 4
 _PER_DOCUMENT_LONG_DOCS_MAX_DOCS = 16
 _PER_DOCUMENT_LONG_DOCS_MEAN_LEN = 128
-_MIN_BUCKET = 16
 
 
 def dense_block_causal_mask(metadata: SequenceMetadata, *, causal: bool = True) -> torch.Tensor:
@@ -100,60 +100,6 @@ def _check_metadata(metadata: object) -> None:
         )
 
 
-class _Bucket(NamedTuple):
-    length: int  # padded length of every sequence in the bucket, a power of two
-    gather: torch.Tensor  # (docs * length,) int64 token index of each padded slot
-    lengths: torch.Tensor  # (docs, 1) int64 real length of each sequence
-
-
-def _bucket_plan(metadata: SequenceMetadata) -> tuple[list[_Bucket], torch.Tensor]:
-    """Gather plan of the bucketed path, memoised on the metadata.
-
-    Planned from the host-side lengths (``O(num_sequences)`` Python work) with sync-free tensor ops only, so it also
-    traces under ``torch.compile(fullgraph=True)``.
-
-    Returns:
-        ``(buckets, row_of_token)``: per bucket the padded length, the ``(docs * length,)`` gather index (a padding
-        slot repeats its sequence's first token) and the ``(docs, 1)`` real lengths; ``row_of_token`` ``(num_tokens,)``
-        int64 is the row of each token in the concatenation of every bucket's padded ``(docs * length)`` output.
-    """
-
-    def build() -> tuple[list[_Bucket], torch.Tensor]:
-        groups: dict[int, list[int]] = {}
-        for doc, length in enumerate(metadata.lengths):
-            if length > 0:
-                groups.setdefault(max(_MIN_BUCKET, 1 << (length - 1).bit_length()), []).append(doc)
-        device = metadata.device
-        base = [0] * metadata.num_sequences  # first padded output row of each sequence
-        buckets: list[_Bucket] = []
-        row = 0
-        for blen, docs in sorted(groups.items()):
-            for doc in docs:
-                base[doc] = row
-                row += blen
-            starts = _host_tensor([metadata.starts[d] for d in docs], device)[:, None]
-            lengths = _host_tensor([metadata.lengths[d] for d in docs], device)[:, None]
-            offsets = torch.arange(blen, dtype=torch.int64, device=device)
-            # Padding slots repeat the sequence's first token: causal attention never lets a real query see them
-            # (they come after every real key), and their outputs are never read, so they get no gradient.
-            gather = torch.where(offsets < lengths, starts + offsets, starts).reshape(-1)
-            buckets.append(_Bucket(blen, gather, lengths))
-        row_of_token = _host_tensor(base, device)[metadata.document_ids] + metadata.position_ids
-        return buckets, row_of_token
-
-    return metadata.memo("bucket_plan", build)
-
-
-def _host_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    # Built on the host and copied asynchronously from pinned memory: a pageable copy would block the host.
-    tensor = torch.tensor(values, dtype=torch.int64)
-    if device.type == "cpu":
-        return tensor
-    if device.type == "cuda":
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
-
-
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     # q: (batch, heads, L, D); k/v: (batch, kv_heads, L, D). Always 4-D: with 3-D inputs the CPU dispatcher skips the
     # flash kernel for the O(L^2)-memory math path (measured 2-6x slower). enable_gqa broadcasts the kv heads.
@@ -184,13 +130,13 @@ def _per_document(
 def _bucketed(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SequenceMetadata, causal: bool, scale: Any
 ) -> torch.Tensor:
-    buckets, row_of_token = _bucket_plan(meta)
+    buckets, row_of_token = bucket_plan(meta)
     heads, kv_heads, dim, vdim = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
     outs = []
     for bucket in buckets:
         blen = bucket.length
 
-        def pack(x: torch.Tensor, h: int, d: int, bucket: _Bucket = bucket) -> torch.Tensor:
+        def pack(x: torch.Tensor, h: int, d: int, bucket: Bucket = bucket) -> torch.Tensor:
             # (num_tokens, h, d) -> (docs, h, length, d), padded by repeating each sequence's first token
             return x.index_select(0, bucket.gather).view(-1, bucket.length, h, d).transpose(1, 2)
 
