@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
-from lightning_llmfast.moe import MoEBlock
+from lightning_llmfast.moe import MoEBlock, MoEConfig
 from lightning_llmfast.moe.expert_parallel import shard_experts
 from lightning_llmfast.parallel import (
     ParallelDims,
@@ -97,7 +97,7 @@ def _fsdp_and_dcp(device: torch.device, dtype: torch.dtype, tol: float) -> dict[
 
 def _expert_parallel(device: torch.device, dtype: torch.dtype, tol: float) -> dict[str, Any]:
     torch.manual_seed(2)
-    reference = MoEBlock(32, 48, 4, 2, backend="torch").to(device, dtype)
+    reference = MoEBlock(MoEConfig.build(32, 48, 4, 2, backend="torch")).to(device, dtype)
     block = shard_experts(copy.deepcopy(reference), dist.group.WORLD)
     x = torch.randn(37, 32, device=device, dtype=dtype, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()

@@ -25,7 +25,7 @@ from lightning_llmfast import ConfigError, LLMFastStrategy
 from lightning_llmfast.comm import PowerSGDConfig, with_reduce_dtype
 from lightning_llmfast.comm.grad import STATE_KEY
 from lightning_llmfast.comm.powersgd import BucketLayouts
-from lightning_llmfast.moe import MoEBlock
+from lightning_llmfast.moe import MoEBlock, MoEConfig
 from lightning_llmfast.parallel.expert import expert_parameters, reduce_expert_gradients
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -90,7 +90,7 @@ def _fsdp_bf16_worker(rank: int, world: int) -> None:
 
 def _expert_bf16_worker(rank: int, world: int) -> None:
     torch.manual_seed(0)
-    block = MoEBlock(8, 16, 4, 2, backend="torch")
+    block = MoEBlock(MoEConfig.build(8, 16, 4, 2, backend="torch"))
     params = [p for _, p, _ in expert_parameters(block)]
     g = torch.Generator().manual_seed(rank)
     local = [torch.randn(p.shape, generator=g) * 10.0**rank for p in params]  # ranks of different magnitude

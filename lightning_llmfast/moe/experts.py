@@ -302,20 +302,34 @@ def grouped_swiglu(
     if not grouped and not loop:  # sync-free: the Triton grouped GEMM (CUDA float32/float16)
         return triton_grouped_swiglu(x, offsets.to(x.device), gate_up, down, act)
     if grouped:
-        # grouped_mm takes the group ends (offsets[1:]) as its int32 `offs`, on x's device.
-        ends = offsets[1:].to(device=x.device, dtype=torch.int32)
-        valid = None
-        if padded:
-            # grouped_mm neither writes the padding rows of its output nor of its input gradient: mask both
-            # sides with a device-side compare (no sync) so garbage never reaches the combine or the tokens.
-            valid = (torch.arange(x.shape[0], device=x.device) < offsets[-1]).unsqueeze(-1)
-            x = torch.where(valid, x, 0)
-        hidden = _grouped_mm(x.contiguous(), gate_up, ends)
-        if act is F.silu:
-            out = _swiglu_down(hidden, down, ends, None, "torch")
-        else:
-            out = _grouped_mm(_swiglu(hidden, act), down, ends)
-        return out if valid is None else torch.where(valid, out, 0)
+        return _grouped_mm_swiglu(x, offsets, gate_up, down, act, padded)
+    return _per_expert_swiglu(x, bounds, gate_up, down, act)
+
+
+def _grouped_mm_swiglu(
+    x: Tensor, offsets: Tensor, gate_up: Tensor, down: Tensor, act: Callable[[Tensor], Tensor], padded: bool
+) -> Tensor:
+    """:func:`grouped_swiglu` through ``torch._grouped_mm`` (no host sync)."""
+    # grouped_mm takes the group ends (offsets[1:]) as its int32 `offs`, on x's device.
+    ends = offsets[1:].to(device=x.device, dtype=torch.int32)
+    valid = None
+    if padded:
+        # grouped_mm neither writes the padding rows of its output nor of its input gradient: mask both
+        # sides with a device-side compare (no sync) so garbage never reaches the combine or the tokens.
+        valid = (torch.arange(x.shape[0], device=x.device) < offsets[-1]).unsqueeze(-1)
+        x = torch.where(valid, x, 0)
+    hidden = _grouped_mm(x.contiguous(), gate_up, ends)
+    if act is F.silu:
+        out = _swiglu_down(hidden, down, ends, None, "torch")
+    else:
+        out = _grouped_mm(_swiglu(hidden, act), down, ends)
+    return out if valid is None else torch.where(valid, out, 0)
+
+
+def _per_expert_swiglu(
+    x: Tensor, bounds: list[int], gate_up: Tensor, down: Tensor, act: Callable[[Tensor], Tensor]
+) -> Tensor:
+    """:func:`grouped_swiglu` as a loop over experts, the rows sliced by offsets already read on the host."""
     out = x.new_zeros(x.shape[0], down.shape[-1])
     for expert in range(gate_up.shape[0]):
         start, end = bounds[expert], bounds[expert + 1]
