@@ -246,7 +246,7 @@ def test_pool_is_steady_after_the_first_epochs_shapes(mode: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["all"])  # one 400-step mode keeps CI in budget; the test above covers every mode
+@pytest.mark.parametrize("mode", list(MODES))
 def test_pool_and_rss_are_flat_over_400_steps(mode: str) -> None:
     sizes, rss, _ = _steady_run(mode, 400, hidden=64)
     first = len(EPOCH) + (1 if mode == "auto" else 0)
