@@ -11,7 +11,7 @@ import torch
 
 import lightning_llmfast.moe.routing as routing
 from lightning_llmfast.bench.counters import HOST_READ_METHODS, SyncCounter
-from lightning_llmfast.moe import MoEBlock
+from lightning_llmfast.moe import MoEBlock, MoEConfig
 from lightning_llmfast.moe.routing import route
 
 # (route, workload on a 1-D float tensor, expected counted names): each reads the device once on an accelerator.
@@ -140,7 +140,7 @@ def _plant_tolist(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_tolist_planted_in_route_turns_the_no_sync_checks_red(monkeypatch: pytest.MonkeyPatch) -> None:
     logits = torch.randn(33, 8, requires_grad=True)
-    block = MoEBlock(8, 12, 4, 2, backend="torch")
+    block = MoEBlock(MoEConfig.build(8, 12, 4, 2, backend="torch"))
     x = torch.randn(2, 5, 8)
 
     def step() -> SyncCounter:
