@@ -26,6 +26,7 @@ from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.moe.balance import update_expert_bias
 from lightning_llmfast.moe.config import RoutingConfig
 from lightning_llmfast.moe.kernels import resolve_backend, stable_counting_sort
+from lightning_llmfast.moe.kernels.plan import PlanTensors, plan_from_permutation, routing_plan
 from lightning_llmfast.moe.losses import SequenceBoundaries, balance_loss, sequence_balance_loss, z_loss
 from lightning_llmfast.moe.selection import apply_capacity, expert_capacity, select_experts
 
@@ -74,6 +75,9 @@ class RoutingPlan(NamedTuple):
             losses and the expert-bias update count).
         router_probs: ``(T, E)`` float32 normalised routing probabilities ``P`` is the mean of, differentiable.
         token_mask: ``(T,)`` bool, or ``None`` (every token valid).
+        positions: ``(T, k)`` int64 row of each pair in the permuted layout (the inverse of ``permutation``),
+            clamped into ``num_rows`` (a dropped pair's row is padding or another pair's), or ``None``.
+        row_tokens: ``(num_rows,)`` int64 token of each row (``permutation[:num_rows] // k``), or ``None``.
 
     Example::
 
@@ -97,6 +101,8 @@ class RoutingPlan(NamedTuple):
     routed_per_expert: Tensor | None = None
     router_probs: Tensor | None = None
     token_mask: Tensor | None = None
+    positions: Tensor | None = None
+    row_tokens: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -263,26 +269,27 @@ def _count(
     capacity: int | None,
     token_mask: Tensor | None,
     backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The one counting pass: ``(routed, tokens_per_expert, kept, permutation)``.
+) -> PlanTensors:
+    """The one counting pass: counts before and after the capacity limit, offsets, kept pairs, rows and tokens.
 
     ``routed`` counts the valid pairs per expert before the capacity limit (what the losses and the bias update
-    count); the other three are after it. Masked tokens' pairs get the extra key ``E``: they sort after every
-    expert's pairs and are never kept.
+    count); the rest is after it. Masked tokens' pairs get the extra key ``E``: they sort after every expert's pairs
+    and are never kept.
     """
     keys = expert_ids.reshape(-1)
     num_bins = num_experts
+    top_k = routing.top_k
     if token_mask is not None:
-        keys = torch.where(token_mask.repeat_interleave(routing.top_k), keys, num_experts)
+        keys = torch.where(token_mask.repeat_interleave(top_k), keys, num_experts)
         num_bins += 1
-    counts, dest, order = stable_counting_sort(keys, num_bins, backend=backend, validate=False)
-    routed = counts[:num_experts]
-    if capacity is None:
-        return routed, routed, keys < num_experts, order
+    if capacity is None or routing.drop_policy == "position":
+        return routing_plan(keys, num_bins, num_experts, capacity, top_k, backend=backend)
+    counts, dest, _ = stable_counting_sort(keys, num_bins, backend=backend, validate=False)
     kept_counts, kept, permutation = apply_capacity(
         keys, weights.detach().reshape(-1), counts, dest, capacity, num_experts, routing.drop_policy, backend
     )
-    return routed, kept_counts, kept, permutation
+    num_rows = min(keys.numel(), num_experts * capacity)
+    return plan_from_permutation(counts[:num_experts], kept_counts, kept, permutation, num_rows, top_k)
 
 
 def route(
@@ -350,35 +357,34 @@ def _plan(
     probs: Tensor,
     expert_ids: Tensor,
     weights: Tensor,
-    counted: tuple[Tensor, Tensor, Tensor, Tensor],
+    counted: PlanTensors,
     score: str,
     capacity: int | None,
     nonfinite: Tensor | None,
     token_mask: Tensor | None,
 ) -> RoutingPlan:
     """The :class:`RoutingPlan` of the counted selection, with the losses from the same counts."""
-    routed, tokens_per_expert, kept, permutation = counted
     num_tokens, top_k = expert_ids.shape
-    offsets = torch.nn.functional.pad(tokens_per_expert.cumsum(0), (1, 0))
     router_probs = probs if score == "softmax" else probs / (probs.sum(dim=-1, keepdim=True) + _NORM_EPS)
-    valid_pairs = num_tokens * top_k if token_mask is None else routed.sum()
     return RoutingPlan(
         expert_ids=expert_ids.to(torch.int32),
         weights=weights,
-        tokens_per_expert=tokens_per_expert.to(torch.int32),
-        offsets=offsets.to(torch.int32),
-        permutation=permutation.to(torch.int32),
-        kept=kept.view(num_tokens, top_k),
-        num_dropped=valid_pairs - offsets[-1],
-        aux_loss=balance_loss(routed, router_probs, token_mask),
+        tokens_per_expert=counted.tokens_per_expert,
+        offsets=counted.offsets,
+        permutation=counted.permutation,
+        kept=counted.kept.view(num_tokens, top_k),
+        num_dropped=counted.num_dropped,
+        aux_loss=balance_loss(counted.routed, router_probs, token_mask),
         z_loss=z_loss(logits32, token_mask),
         nonfinite=nonfinite,
         capacity=capacity,
         num_experts=probs.shape[1],
         top_k=top_k,
-        routed_per_expert=routed.to(torch.int32),
+        routed_per_expert=counted.routed,
         router_probs=router_probs,
         token_mask=token_mask,
+        positions=counted.positions.view(num_tokens, top_k),
+        row_tokens=counted.tokens,
     )
 
 
