@@ -25,6 +25,7 @@ from torch import Tensor
 from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.moe.balance import update_expert_bias
 from lightning_llmfast.moe.config import RoutingConfig
+from lightning_llmfast.moe.fused_routing import fused_route, fused_route_supported
 from lightning_llmfast.moe.kernels import resolve_backend, stable_counting_sort
 from lightning_llmfast.moe.kernels.plan import PlanTensors, plan_from_permutation, routing_plan
 from lightning_llmfast.moe.losses import SequenceBoundaries, balance_loss, sequence_balance_loss, z_loss
@@ -78,6 +79,8 @@ class RoutingPlan(NamedTuple):
         positions: ``(T, k)`` int64 row of each pair in the permuted layout (the inverse of ``permutation``),
             clamped into ``num_rows`` (a dropped pair's row is padding or another pair's), or ``None``.
         row_tokens: ``(num_rows,)`` int64 token of each row (``permutation[:num_rows] // k``), or ``None``.
+        row_weights: ``(num_rows,)`` float32 combine weight of each row (0 for a dropped pair's), differentiable
+            like ``weights``, or ``None`` (the fused Triton routing makes it in its counting pass).
 
     Example::
 
@@ -103,6 +106,7 @@ class RoutingPlan(NamedTuple):
     token_mask: Tensor | None = None
     positions: Tensor | None = None
     row_tokens: Tensor | None = None
+    row_weights: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -339,17 +343,31 @@ def route(
     capacity = None
     if capacity_factor is not None:
         capacity = expert_capacity(capacity_factor, num_tokens * routing.top_k, num_experts, routing.min_capacity)
-    logits32 = logits.float()
+    backend = resolve_backend(routing.backend, logits.device)
+    fused = backend == "triton" and fused_route_supported(routing, num_experts, token_mask)
+    logits32 = logits if fused and validate is None else logits.float()  # the fused kernels read any float dtype
     if token_mask is not None:
         # Masked tokens (padding) may hold anything: zeroed first, they reach no NaN check, loss or gradient.
         logits32 = logits32.masked_fill(~token_mask.unsqueeze(1), 0.0)
     nonfinite = None
     if validate is not None:
         nonfinite = _check_finite(logits32, expert_bias) if validate else _nonfinite_flag(logits32)
+    if fused:
+        return _fused_plan(fused_route(logits, routing, expert_bias, capacity), capacity, nonfinite)
     probs, expert_ids, weights = _select(logits32, routing, expert_bias)
-    backend = resolve_backend(routing.backend, logits.device)
     counted = _count(expert_ids, weights, num_experts, routing, capacity, token_mask, backend)
     return _plan(logits32, probs, expert_ids, weights, counted, routing.score, capacity, nonfinite, token_mask)
+
+
+def _fused_plan(outputs: tuple[Tensor, ...], capacity: int | None, nonfinite: Tensor | None) -> RoutingPlan:
+    """The :class:`RoutingPlan` of :func:`~lightning_llmfast.moe.fused_routing.fused_route`'s tensors."""
+    ids, weights, probs, aux, z, routed, per_expert, offsets, permutation, positions, tokens, kept, dropped, rows = (
+        outputs
+    )
+    return RoutingPlan(
+        ids, weights, per_expert, offsets, permutation, kept, dropped, aux, z, nonfinite, capacity, probs.shape[1],
+        ids.shape[1], routed, probs, None, positions, tokens, rows,
+    )  # fmt: skip
 
 
 def _plan(

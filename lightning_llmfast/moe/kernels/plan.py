@@ -21,12 +21,13 @@ import torch
 from torch import Tensor
 
 from lightning_llmfast.moe.kernels.backend import is_triton
-from lightning_llmfast.moe.kernels.sort import launch_counting_sort, stable_counting_sort_reference
+from lightning_llmfast.moe.kernels.sort import PlanBuffers, launch_counting_sort, stable_counting_sort_reference
 
 __all__ = [
     "PlanTensors",
     "capacity_layout_reference",
     "plan_from_permutation",
+    "plan_with_losses_triton",
     "routing_plan",
     "routing_plan_reference",
     "routing_plan_triton",
@@ -138,6 +139,25 @@ def routing_plan_triton(
     keys: Tensor, num_bins: int, num_experts: int, capacity: int | None, top_k: int
 ) -> PlanTensors:
     """Triton :func:`routing_plan`: the counting sort's three launches write every output."""
+    return plan_with_losses_triton(keys, num_bins, num_experts, capacity, top_k)[0]
+
+
+def plan_with_losses_triton(
+    keys: Tensor,
+    num_bins: int,
+    num_experts: int,
+    capacity: int | None,
+    top_k: int,
+    weights: Tensor | None = None,
+    sums: tuple[Tensor, Tensor] | None = None,
+) -> tuple[PlanTensors, Tensor | None, Tensor | None, Tensor | None]:
+    """:func:`routing_plan_triton`, plus each row's pair weight from ``weights`` ``(n,)`` float32 and the balance
+    and z-losses from the router kernel's per-block ``sums`` (``(blocks, E)`` probabilities, ``(blocks,)``
+    ``logsumexp ** 2``; :func:`~lightning_llmfast.moe.kernels.topk.topk_scores_triton`), in the same launches.
+
+    Returns:
+        The plan, the ``(R,)`` row weights (or ``None``), the 0-d balance loss and z-loss (or ``None``).
+    """
     keys = keys.contiguous()
     n, device = keys.numel(), keys.device
     num_rows = _num_rows(n, num_experts, capacity)
@@ -149,21 +169,21 @@ def routing_plan_triton(
     permutation = torch.empty(n, dtype=torch.int32, device=device)
     kept = torch.empty(n, dtype=torch.bool, device=device)
     tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
+    row_weights = None if weights is None else torch.empty(num_rows, dtype=torch.float32, device=device)
+    aux, z = (None, None) if sums is None else (torch.empty((), device=device), torch.empty((), device=device))
     if n == 0:
         zeros = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
-        return PlanTensors(zeros[1:], zeros[1:], zeros, permutation, positions, tokens, kept, num_dropped.zero_())
-    sizes = (n if capacity is None else capacity, num_experts, num_rows, top_k)
-    launch_counting_sort(keys, num_bins, counts, positions, permutation, (layout, offsets, num_dropped, kept, tokens, *sizes))
-    return PlanTensors(
-        counts[:num_experts],
-        layout[:num_experts],
-        offsets,
-        permutation,
-        positions,
-        tokens,
-        kept,
-        num_dropped,
+        plan = PlanTensors(zeros[1:], zeros[1:], zeros, permutation, positions, tokens, kept, num_dropped.zero_())
+        return plan, row_weights, None if aux is None else aux.zero_(), None if z is None else z.zero_()
+    buffers = PlanBuffers(
+        layout, offsets, num_dropped, kept, tokens, n if capacity is None else capacity, num_experts, num_rows, top_k,
+        weights, row_weights, *(sums or (None, None)), aux, z, n // top_k,
+    )  # fmt: skip
+    launch_counting_sort(keys, num_bins, counts, positions, permutation, buffers)
+    plan = PlanTensors(
+        counts[:num_experts], layout[:num_experts], offsets, permutation, positions, tokens, kept, num_dropped
     )
+    return plan, row_weights, aux, z
 
 
 def routing_plan(

@@ -23,6 +23,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -31,6 +33,7 @@ from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe.kernels.backend import _jit, resolve_backend, tl, triton
 
 __all__ = [
+    "PlanBuffers",
     "launch_counting_sort",
     "stable_counting_sort",
     "stable_counting_sort_reference",
@@ -109,16 +112,25 @@ def _block_scan_kernel(
     dropped_ptr,
     capacity,
     num_experts,
+    prob_sums_ptr,
+    lse_sums_ptr,
+    aux_ptr,
+    z_ptr,
+    num_token_blocks,
+    num_tokens,
     CHUNK: tl.constexpr,
     BINS: tl.constexpr,
     PLAN: tl.constexpr,
+    LOSSES: tl.constexpr,
 ):
     """Exclusive scan of the histograms over blocks, total counts per key, and the keys' start offsets.
 
     With ``PLAN`` (:func:`~lightning_llmfast.moe.kernels.plan.routing_plan`) the capacity bookkeeping too: per key
     the kept pairs ``min(count, capacity)`` (none for the masked key ``num_experts``), their starts, the starts of
     the dropped pairs after all kept ones (``plan_ptr``: three rows of ``num_bins``), the int32 group offsets and
-    the number of dropped valid pairs.
+    the number of dropped valid pairs. With ``LOSSES`` (needs ``PLAN``) also the balance loss
+    ``E * sum_e f_e * P_e`` and the z-loss from the router kernel's per-block sums of the probabilities and of
+    ``logsumexp ** 2`` (:mod:`~lightning_llmfast.moe.kernels.topk`), summed here in a fixed order.
     """
     bins = tl.arange(0, BINS)
     rows = tl.arange(0, CHUNK)
@@ -150,6 +162,21 @@ def _block_scan_kernel(
         tl.store(offsets_ptr + 1 + bins, kept_end.to(tl.int32), mask=is_expert)
         tl.store(offsets_ptr + bins, tl.zeros([BINS], dtype=tl.int32), mask=bins == 0)
         tl.store(dropped_ptr, tl.sum(tl.where(is_expert, dropped, 0), axis=0))
+        if LOSSES:
+            prob_sums = tl.zeros([BINS], dtype=tl.float32)
+            lse_sums = tl.zeros([CHUNK], dtype=tl.float32)
+            for start in range(0, num_token_blocks, CHUNK):
+                blocks = start + rows
+                ptrs = blocks[:, None].to(tl.int64) * num_experts + bins[None, :]
+                ok = (blocks[:, None] < num_token_blocks) & is_expert[None, :]
+                prob_sums += tl.sum(tl.load(prob_sums_ptr + ptrs, mask=ok, other=0), axis=0)
+                lse_sums += tl.load(lse_sums_ptr + blocks, mask=blocks < num_token_blocks, other=0)
+            routed = tl.where(is_expert, total, 0)
+            pairs = tl.maximum(tl.sum(routed, axis=0), 1).to(tl.float32)
+            tokens = tl.maximum(num_tokens, 1).to(tl.float32)
+            aux = tl.sum(routed.to(tl.float32) * prob_sums, axis=0) * (num_experts / pairs / tokens)
+            tl.store(aux_ptr, aux)
+            tl.store(z_ptr, tl.sum(lse_sums, axis=0) / tokens)
 
 
 @_jit
@@ -167,14 +194,17 @@ def _scatter_kernel(
     tokens_ptr,
     num_rows,
     top_k,
+    weights_ptr,
+    row_weights_ptr,
     BLOCK: tl.constexpr,
     PLAN: tl.constexpr,
+    WEIGHTS: tl.constexpr,
 ):
     """``dest = starts[key] + earlier_blocks[block, key] + rank_in_block`` (the stable position); ``order[dest]``.
 
     With ``PLAN``: each pair's row in the capacity layout (kept pairs grouped by expert, then the dropped ones), the
     int32 permutation at it, ``dest`` clamped into the ``num_rows`` rows, whether the pair is kept, and each row's
-    token (``pair // top_k``).
+    token (``pair // top_k``); with ``WEIGHTS`` each row's pair weight (0 for a dropped pair).
     """
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -195,6 +225,9 @@ def _scatter_kernel(
         tl.store(dest_ptr + offs, tl.maximum(tl.minimum(dest, num_rows - 1), 0), mask=in_range)
         tl.store(kept_ptr + offs, kept.to(kept_ptr.dtype.element_ty), mask=in_range)
         tl.store(tokens_ptr + dest, offs.to(tl.int64) // top_k, mask=valid & (dest < num_rows))
+        if WEIGHTS:
+            weight = tl.load(weights_ptr + offs, mask=kept, other=0)
+            tl.store(row_weights_ptr + dest, weight, mask=valid & (dest < num_rows))
     else:
         dest = tl.where(valid, tl.load(starts_ptr + keys, mask=valid, other=0) + rank, -1)
         tl.store(dest_ptr + offs, dest, mask=in_range)
@@ -222,20 +255,35 @@ def stable_counting_sort_triton(keys: Tensor, num_bins: int) -> tuple[Tensor, Te
     return counts, dest, order
 
 
+class PlanBuffers(NamedTuple):
+    """Where :func:`launch_counting_sort` writes the routing plan (:mod:`~lightning_llmfast.moe.kernels.plan`)."""
+
+    layout: Tensor  # (3 * B,) int32: kept pairs per key, their start rows, the dropped pairs' start rows
+    offsets: Tensor  # (E + 1,) int32
+    num_dropped: Tensor  # 0-d int64
+    kept: Tensor  # (n,) bool
+    tokens: Tensor  # (R,) int64
+    capacity: int
+    num_experts: int
+    num_rows: int
+    top_k: int
+    weights: Tensor | None = None  # (n,) float32 pair weights, read with row_weights
+    row_weights: Tensor | None = None  # (R,) float32
+    prob_sums: Tensor | None = None  # (blocks, E) float32 per-block probability sums, read with the next four
+    lse_sums: Tensor | None = None  # (blocks,) float32 per-block sums of logsumexp ** 2
+    aux: Tensor | None = None  # 0-d float32 balance loss
+    z: Tensor | None = None  # 0-d float32 z-loss
+    num_tokens: int = 0
+
+
 def launch_counting_sort(
-    keys: Tensor,
-    num_bins: int,
-    counts: Tensor,
-    dest: Tensor,
-    order: Tensor,
-    plan: tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int, int, int, int] | None = None,
+    keys: Tensor, num_bins: int, counts: Tensor, dest: Tensor, order: Tensor, plan: PlanBuffers | None = None
 ) -> None:
     """The three counting-sort launches into caller-made buffers (``keys`` contiguous, ``n >= 1``).
 
-    ``plan``: ``(layout, offsets, num_dropped, kept, tokens, capacity, num_experts, num_rows, top_k)`` for the
-    routing plan's capacity layout (:func:`~lightning_llmfast.moe.kernels.plan.routing_plan`; ``layout``: three
-    rows of ``num_bins``, the kept pairs per key first); ``counts`` then may be int32, ``dest`` holds the clamped
-    rows and ``order`` the permutation.
+    With ``plan`` they write the routing plan's capacity layout into it
+    (:func:`~lightning_llmfast.moe.kernels.plan.routing_plan`); ``counts`` then may be int32, ``dest`` holds the
+    clamped rows and ``order`` the permutation.
     """
     n, device = keys.numel(), keys.device
     num_blocks = triton.cdiv(n, _SORT_BLOCK)
@@ -245,16 +293,20 @@ def launch_counting_sort(
     _block_histogram_kernel[(num_blocks,)](keys, hist, rank, n, num_bins, BLOCK=_SORT_BLOCK, BINS=bins)
     prefix = torch.empty_like(hist)
     starts = torch.empty(num_bins, dtype=torch.int64, device=device)
-    unused = (starts, starts, starts, dest, dest, 0, 0, 0, 1)  # never read or written without PLAN
-    layout, offsets, dropped, kept, tokens, capacity, num_experts, num_rows, top_k = plan or unused
-    chunk = max(1, min(triton.next_power_of_2(num_blocks), _SCAN_TILE // bins))
+    # Arguments a mode leaves unread get any tensor.
+    p = plan or PlanBuffers(starts, starts, starts, dest, dest, 0, 0, 0, 1)
+    losses = p.prob_sums is not None
+    token_blocks = p.lse_sums.numel() if losses else 0
+    chunk = max(1, min(triton.next_power_of_2(max(num_blocks, token_blocks)), _SCAN_TILE // bins))
     _block_scan_kernel[(1,)](
-        hist, prefix, counts, starts, num_blocks, num_bins, layout, offsets, dropped, capacity, num_experts,
-        CHUNK=chunk, BINS=bins, PLAN=plan is not None,
+        hist, prefix, counts, starts, num_blocks, num_bins, p.layout, p.offsets, p.num_dropped, p.capacity,
+        p.num_experts, *((p.prob_sums, p.lse_sums, p.aux, p.z) if losses else (starts,) * 4), token_blocks,
+        p.num_tokens, CHUNK=chunk, BINS=bins, PLAN=plan is not None, LOSSES=losses,
     )  # fmt: skip
+    weights = (p.weights, p.row_weights) if p.weights is not None else (starts, starts)
     _scatter_kernel[(num_blocks,)](
-        keys, rank, prefix, starts, dest, order, n, num_bins, layout, kept, tokens, num_rows, top_k,
-        BLOCK=_SORT_BLOCK, PLAN=plan is not None,
+        keys, rank, prefix, starts, dest, order, n, num_bins, p.layout, p.kept, p.tokens, p.num_rows, p.top_k,
+        *weights, BLOCK=_SORT_BLOCK, PLAN=plan is not None, WEIGHTS=p.weights is not None,
     )  # fmt: skip
 
 
