@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor, nn

@@ -12,6 +12,7 @@ import torch
 
 from lightning_llmfast.bench.kernels import KernelCounter
 from lightning_llmfast.moe import MoEBlock, MoEConfig, NaiveMoEBlock
+from lightning_llmfast.moe.kernels import triton_available
 
 _SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "moe_kernel_counts.py"
 _spec = importlib.util.spec_from_file_location("moe_kernel_counts", _SCRIPT)
@@ -62,3 +63,22 @@ def test_the_block_compiles_to_one_graph_without_breaks(capacity_factor: float |
     explanation = torch._dynamo.explain(block)(torch.randn(2, 7, H))
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
+
+
+@pytest.mark.skipif(not triton_available(torch.device("cpu")), reason="Triton kernels need TRITON_INTERPRET=1 on CPU")
+@pytest.mark.parametrize("capacity_factor", [None, 1.25])
+def test_the_triton_path_launches_fewer_kernels_than_transformers_grouped_mm(capacity_factor: float | None) -> None:
+    """The CUDA path (Triton, counted under the interpreter) at its floor: below the peer, the same at every size."""
+    totals = set()
+    for tokens, num_experts, top_k in ((64, 8, 2), (97, 16, 6)):
+        torch.manual_seed(tokens)
+        x = torch.randn(tokens, counts.HIDDEN)
+        config = MoEConfig.build(
+            counts.HIDDEN, counts.FFN, num_experts, top_k, capacity_factor=capacity_factor, backend="triton"
+        )
+        ours = counts.count_block(MoEBlock(config), x)
+        peer = counts.count_block(counts.transformers_grouped_mm(num_experts, top_k), x[None])
+        assert ours.kernels < peer.kernels, (ours.kernel_ops, ours.triton_launches)
+        assert ours.counts["_local_scalar_dense"] == 0 and ours.counts["nonzero"] == 0
+        totals.add(ours.kernels)
+    assert len(totals) == 1, totals

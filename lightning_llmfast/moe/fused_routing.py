@@ -1,5 +1,5 @@
-"""Routing on the Triton path in four launches forward and one backward: the whole of :func:`~lightning_llmfast.moe.route`
-for the common configurations.
+"""Routing on the Triton path in four launches forward and one backward: all of
+:func:`~lightning_llmfast.moe.route` for the common configurations.
 
 :func:`~lightning_llmfast.moe.route` with ``backend="triton"`` (``"auto"`` on CUDA) takes this path when the routing
 has no expert groups, no token mask, and keeps pairs by position under a capacity limit (or has none): the router

@@ -135,9 +135,7 @@ def routing_plan_reference(
     return _plan(routed, limit, offsets, permutation, position, kept, num_rows, top_k)
 
 
-def routing_plan_triton(
-    keys: Tensor, num_bins: int, num_experts: int, capacity: int | None, top_k: int
-) -> PlanTensors:
+def routing_plan_triton(keys: Tensor, num_bins: int, num_experts: int, capacity: int | None, top_k: int) -> PlanTensors:
     """Triton :func:`routing_plan`: the counting sort's three launches write every output."""
     return plan_with_losses_triton(keys, num_bins, num_experts, capacity, top_k)[0]
 

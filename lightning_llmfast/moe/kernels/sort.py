@@ -5,8 +5,8 @@ it returns how many pairs each key has and where each pair lands when the pairs 
 key staying in ascending index order. The Triton version does this without a global sort:
 
 1. ``_block_histogram_kernel``: every block of ``BLOCK`` pairs counts its keys into its own histogram row
-   (a compare-and-sum, no atomics, so no zero-filled buffer) and ranks each pair among the earlier pairs of the block with the same
-   key;
+   (a compare-and-sum, no atomics, so no zero-filled buffer) and ranks each pair among the earlier pairs of the
+   block with the same key;
 2. ``_block_scan_kernel``: one program walks the blocks in order and turns the histograms into, for each block
    and key, the number of pairs with that key in all earlier blocks; it also sums the counts and scans them into
    the per-key start offsets;

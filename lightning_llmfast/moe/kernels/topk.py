@@ -58,7 +58,7 @@ def _topk_scores_kernel(
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, E_PAD)
     t_ok, e_ok = t < num_tokens, e < num_experts
-    lse, softmax, scores = _scores(logits_ptr, t, e, t_ok, e_ok, num_experts, SIGMOID)
+    lse, _softmax, scores = _scores(logits_ptr, t, e, t_ok, e_ok, num_experts, SIGMOID)
     select = scores
     if HAS_BIAS:
         select = select + tl.load(bias_ptr + e, mask=e_ok, other=0).to(tl.float32)[None, :]
