@@ -101,36 +101,14 @@ def _block_histogram_kernel(keys_ptr, hist_ptr, rank_ptr, n, num_bins, BLOCK: tl
 
 @_jit
 def _block_scan_kernel(
-    hist_ptr,
-    prefix_ptr,
-    counts_ptr,
-    starts_ptr,
-    num_blocks,
-    num_bins,
-    plan_ptr,
-    offsets_ptr,
-    dropped_ptr,
-    capacity,
-    num_experts,
-    prob_sums_ptr,
-    lse_sums_ptr,
-    aux_ptr,
-    z_ptr,
-    num_token_blocks,
-    num_tokens,
-    CHUNK: tl.constexpr,
-    BINS: tl.constexpr,
-    PLAN: tl.constexpr,
-    LOSSES: tl.constexpr,
-):
+    hist_ptr, prefix_ptr, counts_ptr, starts_ptr, num_blocks, num_bins, plan_ptr, offsets_ptr, dropped_ptr,
+    capacity, num_experts, prob_sums_ptr, lse_sums_ptr, aux_ptr, z_ptr, num_token_blocks, num_tokens,
+    CHUNK: tl.constexpr, BINS: tl.constexpr, PLAN: tl.constexpr, LOSSES: tl.constexpr,
+):  # fmt: skip
     """Exclusive scan of the histograms over blocks, total counts per key, and the keys' start offsets.
 
-    With ``PLAN`` (:func:`~lightning_llmfast.moe.kernels.plan.routing_plan`) the capacity bookkeeping too: per key
-    the kept pairs ``min(count, capacity)`` (none for the masked key ``num_experts``), their starts, the starts of
-    the dropped pairs after all kept ones (``plan_ptr``: three rows of ``num_bins``), the int32 group offsets and
-    the number of dropped valid pairs. With ``LOSSES`` (needs ``PLAN``) also the balance loss
-    ``E * sum_e f_e * P_e`` and the z-loss from the router kernel's per-block sums of the probabilities and of
-    ``logsumexp ** 2`` (:mod:`~lightning_llmfast.moe.kernels.topk`), summed here in a fixed order.
+    With ``PLAN`` (:func:`~lightning_llmfast.moe.kernels.plan.routing_plan`) the capacity bookkeeping too
+    (:func:`_plan_layout`); with ``LOSSES`` (needs ``PLAN``) the balance and z-losses (:func:`_losses`).
     """
     bins = tl.arange(0, BINS)
     rows = tl.arange(0, CHUNK)
@@ -149,34 +127,55 @@ def _block_scan_kernel(
     tl.store(counts_ptr + bins, total.to(counts_ptr.dtype.element_ty), mask=bin_ok)
     tl.store(starts_ptr + bins, tl.cumsum(total, axis=0) - total, mask=bin_ok)
     if PLAN:
-        is_expert = bins < num_experts
-        limit = tl.where(is_expert, tl.minimum(total, capacity), 0)
-        kept_end = tl.cumsum(limit, axis=0)
-        dropped = total - limit
-        kept_total = tl.sum(limit, axis=0)
-        dropped_start = kept_total + tl.cumsum(dropped, axis=0) - dropped
-        layout_type = plan_ptr.dtype.element_ty
-        tl.store(plan_ptr + bins, limit.to(layout_type), mask=bin_ok)
-        tl.store(plan_ptr + num_bins + bins, (kept_end - limit).to(layout_type), mask=bin_ok)
-        tl.store(plan_ptr + 2 * num_bins + bins, dropped_start.to(layout_type), mask=bin_ok)
-        tl.store(offsets_ptr + 1 + bins, kept_end.to(tl.int32), mask=is_expert)
-        tl.store(offsets_ptr + bins, tl.zeros([BINS], dtype=tl.int32), mask=bins == 0)
-        tl.store(dropped_ptr, tl.sum(tl.where(is_expert, dropped, 0), axis=0))
-        if LOSSES:
-            prob_sums = tl.zeros([BINS], dtype=tl.float32)
-            lse_sums = tl.zeros([CHUNK], dtype=tl.float32)
-            for start in range(0, num_token_blocks, CHUNK):
-                blocks = start + rows
-                ptrs = blocks[:, None].to(tl.int64) * num_experts + bins[None, :]
-                ok = (blocks[:, None] < num_token_blocks) & is_expert[None, :]
-                prob_sums += tl.sum(tl.load(prob_sums_ptr + ptrs, mask=ok, other=0), axis=0)
-                lse_sums += tl.load(lse_sums_ptr + blocks, mask=blocks < num_token_blocks, other=0)
-            routed = tl.where(is_expert, total, 0)
-            pairs = tl.maximum(tl.sum(routed, axis=0), 1).to(tl.float32)
-            tokens = tl.maximum(num_tokens, 1).to(tl.float32)
-            aux = tl.sum(routed.to(tl.float32) * prob_sums, axis=0) * (num_experts / pairs / tokens)
-            tl.store(aux_ptr, aux)
-            tl.store(z_ptr, tl.sum(lse_sums, axis=0) / tokens)
+        _plan_layout(total, bins, num_bins, plan_ptr, offsets_ptr, dropped_ptr, capacity, num_experts)
+    if LOSSES:
+        _losses(
+            total, bins, rows, num_experts, prob_sums_ptr, lse_sums_ptr, aux_ptr, z_ptr, num_token_blocks,
+            num_tokens, CHUNK, BINS,
+        )  # fmt: skip
+
+
+@_jit
+def _plan_layout(total, bins, num_bins, plan_ptr, offsets_ptr, dropped_ptr, capacity, num_experts):
+    """Per key the kept pairs ``min(count, capacity)`` (none for the masked key ``num_experts``), their start rows,
+    the dropped pairs' start rows after all kept ones (three rows of ``num_bins`` at ``plan_ptr``), the int32 group
+    offsets and the number of dropped valid pairs."""
+    bin_ok = bins < num_bins
+    is_expert = bins < num_experts
+    limit = tl.where(is_expert, tl.minimum(total, capacity), 0)
+    kept_end = tl.cumsum(limit, axis=0)
+    dropped = total - limit
+    dropped_start = tl.sum(limit, axis=0) + tl.cumsum(dropped, axis=0) - dropped
+    layout_type = plan_ptr.dtype.element_ty
+    tl.store(plan_ptr + bins, limit.to(layout_type), mask=bin_ok)
+    tl.store(plan_ptr + num_bins + bins, (kept_end - limit).to(layout_type), mask=bin_ok)
+    tl.store(plan_ptr + 2 * num_bins + bins, dropped_start.to(layout_type), mask=bin_ok)
+    tl.store(offsets_ptr + 1 + bins, kept_end.to(tl.int32), mask=is_expert)
+    tl.store(offsets_ptr + bins, tl.zeros([bins.shape[0]], dtype=tl.int32), mask=bins == 0)
+    tl.store(dropped_ptr, tl.sum(tl.where(is_expert, dropped, 0), axis=0))
+
+
+@_jit
+def _losses(
+    total, bins, rows, num_experts, prob_sums_ptr, lse_sums_ptr, aux_ptr, z_ptr, num_token_blocks, num_tokens,
+    CHUNK: tl.constexpr, BINS: tl.constexpr,
+):  # fmt: skip
+    """The balance loss ``E * sum_e f_e * P_e`` and the z-loss from the router kernel's per-block sums of the
+    probabilities and of ``logsumexp ** 2`` (:mod:`~lightning_llmfast.moe.kernels.topk`), in a fixed order."""
+    is_expert = bins < num_experts
+    prob_sums = tl.zeros([BINS], dtype=tl.float32)
+    lse_sums = tl.zeros([CHUNK], dtype=tl.float32)
+    for start in range(0, num_token_blocks, CHUNK):
+        blocks = start + rows
+        ptrs = blocks[:, None].to(tl.int64) * num_experts + bins[None, :]
+        ok = (blocks[:, None] < num_token_blocks) & is_expert[None, :]
+        prob_sums += tl.sum(tl.load(prob_sums_ptr + ptrs, mask=ok, other=0), axis=0)
+        lse_sums += tl.load(lse_sums_ptr + blocks, mask=blocks < num_token_blocks, other=0)
+    routed = tl.where(is_expert, total, 0)
+    pairs = tl.maximum(tl.sum(routed, axis=0), 1).to(tl.float32)
+    tokens = tl.maximum(num_tokens, 1).to(tl.float32)
+    tl.store(aux_ptr, tl.sum(routed.to(tl.float32) * prob_sums, axis=0) * (num_experts / pairs / tokens))
+    tl.store(z_ptr, tl.sum(lse_sums, axis=0) / tokens)
 
 
 @_jit
