@@ -52,8 +52,8 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from lightning_llmfast.bench.harness import interleave
+from lightning_llmfast.comm.payload import exchange
 from lightning_llmfast.moe import MoEBlock, MoEConfig
-from lightning_llmfast.moe._exchange import all_to_all
 from lightning_llmfast.moe.expert_parallel import shard_experts
 from lightning_llmfast.moe.experts import grouped_swiglu
 
@@ -84,7 +84,7 @@ class TitanStyleDispatch(nn.Module):
         in_splits = counts.view(world, local).sum(dim=1).tolist()
         out_splits = recv_counts.view(world, local).sum(dim=1).tolist()
         self.host_reads += 2
-        received = all_to_all(rows, out_splits, in_splits, self.dispatch.group)
+        received = exchange(rows, out_splits, in_splits, self.dispatch.group, wire=None, grad_wire=None)
         # Regroup by local expert: expert id of every received row, from host-side repeats (data-dependent sizes).
         local_ids = torch.arange(local).repeat(world).repeat_interleave(recv_counts.cpu())
         regroup = torch.argsort(local_ids, stable=True)
@@ -93,7 +93,7 @@ class TitanStyleDispatch(nn.Module):
         experts = block.experts
         hidden = grouped_swiglu(grouped, offsets, experts.gate_up_proj, experts.down_proj, validate=False)
         back = torch.empty_like(hidden).index_copy(0, regroup, hidden)
-        returned = all_to_all(back, in_splits, out_splits, self.dispatch.group)
+        returned = exchange(back, in_splits, out_splits, self.dispatch.group, wire=None, grad_wire=None)
         weighted = returned * weights.flatten()[order].unsqueeze(1).to(returned.dtype)
         return torch.zeros_like(x).index_add(0, order // block.config.routing.top_k, weighted)
 
