@@ -57,7 +57,7 @@ from lightning_llmfast.moe import MoEBlock, MoEConfig
 from lightning_llmfast.moe.expert_parallel import shard_experts
 from lightning_llmfast.moe.experts import grouped_swiglu
 
-__all__ = ["run"]
+__all__ = ["init_worker", "run", "spawn", "timed"]
 
 
 class TitanStyleDispatch(nn.Module):
@@ -103,11 +103,33 @@ def _step(fn: Callable[[Tensor], Tensor], x: Tensor, grad: Tensor) -> None:
     fn(x).backward(grad)
 
 
-def _worker(rank: int, world: int, port: int, shape: tuple[int, ...], repeats: int, out: str) -> None:
+def timed(fn: Callable[[Tensor], Tensor], x: Tensor, grad: Tensor) -> Callable[[int], float | None]:
+    """An :func:`interleave` implementation: one forward+backward, timed as its slowest rank's (every rank calls it)."""
+
+    def step(r: int) -> float | None:
+        if r < 0:  # warm-up (and the capacity mode's one-time size check) or the counted call
+            _step(fn, x, grad)
+            return None
+        dist.barrier()
+        start = time.perf_counter()
+        _step(fn, x, grad)
+        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+        return float(elapsed)
+
+    return step
+
+
+def init_worker(rank: int, world: int, port: int) -> None:
+    """One thread, and the gloo process group of a spawned benchmark worker (a timeout on every collective)."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
     )
+
+
+def _worker(rank: int, world: int, port: int, shape: tuple[int, ...], repeats: int, out: str) -> None:
+    init_worker(rank, world, port)
     tokens, hidden, ffn, experts, top_k, factor = shape
     torch.manual_seed(0)
     dropless = shard_experts(MoEBlock(MoEConfig.build(hidden, ffn, experts, top_k, backend="torch")))
@@ -124,22 +146,8 @@ def _worker(rank: int, world: int, port: int, shape: tuple[int, ...], repeats: i
     x = torch.randn(tokens, hidden, requires_grad=True)
     grad = torch.randn(tokens, hidden)
 
-    def timed(fn: Callable[[Tensor], Tensor]) -> Callable[[int], float | None]:
-        def step(r: int) -> float | None:
-            if r < 0:  # warm-up (and the capacity mode's one-time size check) or the counted call
-                _step(fn, x, grad)
-                return None
-            dist.barrier()
-            start = time.perf_counter()
-            _step(fn, x, grad)
-            elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-            return float(elapsed)
-
-        return step
-
     # Every rank runs the same rounds in the same rotated order, so the collectives pair up.
-    measured = interleave({name: timed(fn) for name, fn in impls.items()}, repeats, count=True)
+    measured = interleave({name: timed(fn, x, grad) for name, fn in impls.items()}, repeats, count=True)
     syncs = {name: m.syncs for name, m in measured.items()}
     limit = tokens * top_k * hidden * x.element_size()
     sent = {name: block.dispatcher.send_rows * hidden * x.element_size() for name, block in
@@ -177,11 +185,16 @@ def run(world: int = 2, quick: bool = False, repeats: int | None = None, timeout
         report["host_syncs_per_step"]  # {"titan_style": ..., "ours_dropless": 1, "ours_capacity": 0}
     """
     shape = (256, 64, 128, 4 * world, 2, 1.25) if quick else (2048, 256, 512, 8, 2, 1.25)
-    repeats = repeats or (3 if quick else 7)
+    return spawn(_worker, world, (shape, repeats or (3 if quick else 7)), timeout)
+
+
+def spawn(worker: Callable[..., None], world: int, args: tuple[Any, ...], timeout: float) -> dict[str, Any]:
+    """``worker(rank, world, port, *args, out)`` on ``world`` spawned processes; the JSON rank 0 wrote to ``out``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "report.json")
-        args = (world, _free_port(), shape, repeats, out)
-        context = mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn", join=False)
+        context = mp.start_processes(
+            worker, args=(world, _free_port(), *args, out), nprocs=world, start_method="spawn", join=False
+        )
         deadline = time.monotonic() + timeout
         while not context.join(timeout=5):
             if time.monotonic() > deadline:
