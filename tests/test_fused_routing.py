@@ -13,6 +13,7 @@ from torch import Tensor
 from lightning_llmfast.moe import RoutingConfig, route
 from lightning_llmfast.moe.fused_routing import fused_route_supported
 from lightning_llmfast.moe.kernels import triton_available
+from lightning_llmfast.moe.permute import _plan_indices
 
 needs_interpreter = pytest.mark.skipif(
     not triton_available(torch.device("cpu")), reason="Triton kernels need TRITON_INTERPRET=1 on CPU"
@@ -90,8 +91,10 @@ def test_fused_routing_matches_the_float64_formulas_forward_and_backward(num_tok
     torch.testing.assert_close(leaf.grad.double(), leaf64.grad, rtol=1e-4, atol=1e-5)
     # the PyTorch composition gives the same plan
     torch_plan = route(logits, dataclasses.replace(config, backend="torch"), expert_bias=bias, validate=None)
-    for name in ("expert_ids", "tokens_per_expert", "offsets", "permutation", "kept", "num_dropped", "positions"):
+    for name in ("expert_ids", "tokens_per_expert", "offsets", "permutation", "kept", "num_dropped"):
         assert torch.equal(getattr(plan, name), getattr(torch_plan, name)), name
+    derived = _plan_indices(torch_plan)  # what the dispatcher derives on the PyTorch path
+    assert torch.equal(plan.positions, derived.positions) and torch.equal(plan.row_tokens, derived.tokens)
 
 
 @needs_interpreter

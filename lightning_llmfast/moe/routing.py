@@ -77,8 +77,10 @@ class RoutingPlan(NamedTuple):
         router_probs: ``(T, E)`` float32 normalised routing probabilities ``P`` is the mean of, differentiable.
         token_mask: ``(T,)`` bool, or ``None`` (every token valid).
         positions: ``(T, k)`` int64 row of each pair in the permuted layout (the inverse of ``permutation``),
-            clamped into ``num_rows`` (a dropped pair's row is padding or another pair's), or ``None``.
-        row_tokens: ``(num_rows,)`` int64 token of each row (``permutation[:num_rows] // k``), or ``None``.
+            clamped into ``num_rows`` (a dropped pair's row is padding or another pair's); ``None`` on the PyTorch
+            path (the dispatcher derives it from ``permutation``), set by the fused Triton routing's counting pass.
+        row_tokens: ``(num_rows,)`` int64 token of each row (``permutation[:num_rows] // k``), or ``None`` (as
+            ``positions``).
         row_weights: ``(num_rows,)`` float32 combine weight of each row (0 for a dropped pair's), differentiable
             like ``weights``, or ``None`` (the fused Triton routing makes it in its counting pass).
 
@@ -401,8 +403,10 @@ def _plan(
         routed_per_expert=counted.routed,
         router_probs=router_probs,
         token_mask=token_mask,
-        positions=counted.positions.view(num_tokens, top_k),
-        row_tokens=counted.tokens,
+        # Not kept in the plan on this path: MoEStats holds the plan until the next forward, and with activation
+        # recomputation these (T * k) indices would outlive the layer's forward; the dispatcher derives them.
+        positions=None,
+        row_tokens=None,
     )
 
 
