@@ -84,7 +84,8 @@ def _parser() -> argparse.ArgumentParser:
         "--profile",
         choices=sorted([*PROFILES, "fsdp", "scaling"]),
         default="quick",
-        help="quick (CPU), full (GPU), fsdp (2 CPU processes: FSDP2 vs DDP vs Lightning's FSDP2 peer), "
+        help="quick (CPU), full (GPU), fsdp (--world-size CPU processes: FSDP2 vs DDP vs Lightning's FSDP2 peer; "
+        "with --expert-parallel-size also EP alone and FSDP2 x EP), "
         "scaling (tokens/s and efficiency on 1, 2, 4 processes at 3 batch sizes)",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
