@@ -29,7 +29,7 @@ def _fit(tmp_path: Path, steps: int = 5) -> tuple[dict[str, list[float]], list[s
     config = MoEGPTConfig(vocab_size=258, hidden_size=16, n_layers=6, n_heads=2, n_kv_heads=1, ffn_size=32,
                           num_experts=4, top_k=2)  # fmt: skip
     data = PackedDataModule(corpus="synthetic", synthetic_num_docs=60, synthetic_mean_len=12, seq_len=16,
-                            batch_size=2, num_workers=0, pin_memory=False, val_fraction=0.1, test_fraction=0.1)  # fmt: skip
+                            batch_size=2, num_workers=0, pin_memory=False)  # fmt: skip
     # The layers save 6 x 34.6 kB here: 150 kB makes the plan offload some of them (asserted through the stats).
     offload = ActivationOffload(OffloadConfig(force=True, min_offload_bytes=0, plan="auto", budget=150_000))
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy="llmfast", max_steps=steps, log_every_n_steps=1,
