@@ -63,7 +63,7 @@ class Copier(ABC):
             overlap = None if times is None or not times[0] else 1 - times[1] / times[0]
         """
         spans = self._ended
-        if not spans or not all(self.done(end) for _, _, end in spans):
+        if not spans or not all(self.stamp_done(end) for _, _, end in spans):
             return None
         total = {"copy": 0.0, "wait": 0.0}
         for kind, start, end in spans:
@@ -101,6 +101,10 @@ class Copier(ABC):
     @abstractmethod
     def elapsed_ms(self, start: Any, end: Any) -> float:
         """Milliseconds between two :meth:`timestamp` points."""
+
+    def stamp_done(self, stamp: Any) -> bool:
+        """Whether the device has reached :meth:`timestamp` point ``stamp`` (reading it then never blocks)."""
+        return self.done(stamp)
 
     @abstractmethod
     def allocated(self) -> int | None:
@@ -165,6 +169,10 @@ class CpuCopier(Copier):
     @override
     def elapsed_ms(self, start: Any, end: Any) -> float:
         return (end - start) * 1e3
+
+    @override
+    def stamp_done(self, stamp: Any) -> bool:
+        return True  # the host clock: read when taken
 
     @override
     def allocated(self) -> int | None:

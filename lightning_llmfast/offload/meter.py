@@ -84,7 +84,7 @@ class StepMeter:
     def measured_ms(self, copier: Copier) -> float | None:
         """Forward plus backward ms of the newest ended step whose timestamps have completed (``None``: none yet)."""
         for marks in reversed(self._timed):
-            if copier.done(marks["end"]) and copier.done(marks["forward_end"]):
+            if copier.stamp_done(marks["end"]) and copier.stamp_done(marks["forward_end"]):
                 forward = copier.elapsed_ms(marks["start"], marks["forward_end"])
                 return forward + copier.elapsed_ms(marks["backward_start"], marks["end"])
         return None
