@@ -52,12 +52,12 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from lightning_llmfast.bench.harness import interleave
+from lightning_llmfast.comm.payload import exchange
 from lightning_llmfast.moe import MoEBlock, MoEConfig
-from lightning_llmfast.moe._exchange import all_to_all
 from lightning_llmfast.moe.expert_parallel import shard_experts
 from lightning_llmfast.moe.experts import grouped_swiglu
 
-__all__ = ["run"]
+__all__ = ["init_worker", "run", "spawn", "timed"]
 
 
 class TitanStyleDispatch(nn.Module):
@@ -84,7 +84,7 @@ class TitanStyleDispatch(nn.Module):
         in_splits = counts.view(world, local).sum(dim=1).tolist()
         out_splits = recv_counts.view(world, local).sum(dim=1).tolist()
         self.host_reads += 2
-        received = all_to_all(rows, out_splits, in_splits, self.dispatch.group)
+        received = exchange(rows, out_splits, in_splits, self.dispatch.group, wire=None, grad_wire=None)
         # Regroup by local expert: expert id of every received row, from host-side repeats (data-dependent sizes).
         local_ids = torch.arange(local).repeat(world).repeat_interleave(recv_counts.cpu())
         regroup = torch.argsort(local_ids, stable=True)
@@ -93,7 +93,7 @@ class TitanStyleDispatch(nn.Module):
         experts = block.experts
         hidden = grouped_swiglu(grouped, offsets, experts.gate_up_proj, experts.down_proj, validate=False)
         back = torch.empty_like(hidden).index_copy(0, regroup, hidden)
-        returned = all_to_all(back, in_splits, out_splits, self.dispatch.group)
+        returned = exchange(back, in_splits, out_splits, self.dispatch.group, wire=None, grad_wire=None)
         weighted = returned * weights.flatten()[order].unsqueeze(1).to(returned.dtype)
         return torch.zeros_like(x).index_add(0, order // block.config.routing.top_k, weighted)
 
@@ -103,11 +103,33 @@ def _step(fn: Callable[[Tensor], Tensor], x: Tensor, grad: Tensor) -> None:
     fn(x).backward(grad)
 
 
-def _worker(rank: int, world: int, port: int, shape: tuple[int, ...], repeats: int, out: str) -> None:
+def timed(fn: Callable[[Tensor], Tensor], x: Tensor, grad: Tensor) -> Callable[[int], float | None]:
+    """An :func:`interleave` implementation: one forward+backward, timed as its slowest rank's (every rank calls it)."""
+
+    def step(r: int) -> float | None:
+        if r < 0:  # warm-up (and the capacity mode's one-time size check) or the counted call
+            _step(fn, x, grad)
+            return None
+        dist.barrier()
+        start = time.perf_counter()
+        _step(fn, x, grad)
+        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+        return float(elapsed)
+
+    return step
+
+
+def init_worker(rank: int, world: int, port: int) -> None:
+    """One thread, and the gloo process group of a spawned benchmark worker (a timeout on every collective)."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
     )
+
+
+def _worker(rank: int, world: int, port: int, shape: tuple[int, ...], repeats: int, out: str) -> None:
+    init_worker(rank, world, port)
     tokens, hidden, ffn, experts, top_k, factor = shape
     torch.manual_seed(0)
     dropless = shard_experts(MoEBlock(MoEConfig.build(hidden, ffn, experts, top_k, backend="torch")))
@@ -124,22 +146,8 @@ def _worker(rank: int, world: int, port: int, shape: tuple[int, ...], repeats: i
     x = torch.randn(tokens, hidden, requires_grad=True)
     grad = torch.randn(tokens, hidden)
 
-    def timed(fn: Callable[[Tensor], Tensor]) -> Callable[[int], float | None]:
-        def step(r: int) -> float | None:
-            if r < 0:  # warm-up (and the capacity mode's one-time size check) or the counted call
-                _step(fn, x, grad)
-                return None
-            dist.barrier()
-            start = time.perf_counter()
-            _step(fn, x, grad)
-            elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-            return float(elapsed)
-
-        return step
-
     # Every rank runs the same rounds in the same rotated order, so the collectives pair up.
-    measured = interleave({name: timed(fn) for name, fn in impls.items()}, repeats, count=True)
+    measured = interleave({name: timed(fn, x, grad) for name, fn in impls.items()}, repeats, count=True)
     syncs = {name: m.syncs for name, m in measured.items()}
     limit = tokens * top_k * hidden * x.element_size()
     sent = {name: block.dispatcher.send_rows * hidden * x.element_size() for name, block in
@@ -177,11 +185,16 @@ def run(world: int = 2, quick: bool = False, repeats: int | None = None, timeout
         report["host_syncs_per_step"]  # {"titan_style": ..., "ours_dropless": 1, "ours_capacity": 0}
     """
     shape = (256, 64, 128, 4 * world, 2, 1.25) if quick else (2048, 256, 512, 8, 2, 1.25)
-    repeats = repeats or (3 if quick else 7)
+    return spawn(_worker, world, (shape, repeats or (3 if quick else 7)), timeout)
+
+
+def spawn(worker: Callable[..., None], world: int, args: tuple[Any, ...], timeout: float) -> dict[str, Any]:
+    """``worker(rank, world, port, *args, out)`` on ``world`` spawned processes; the JSON rank 0 wrote to ``out``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "report.json")
-        args = (world, _free_port(), shape, repeats, out)
-        context = mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn", join=False)
+        context = mp.start_processes(
+            worker, args=(world, _free_port(), *args, out), nprocs=world, start_method="spawn", join=False
+        )
         deadline = time.monotonic() + timeout
         while not context.join(timeout=5):
             if time.monotonic() > deadline:

@@ -9,9 +9,12 @@ label tokens (all ranks, all accumulated micro-batches).
 How: during training (several ranks or accumulation) the returned tensor's *value* is the plain mean of this
 micro-batch (what you log) while its *gradient* is that of the unnormalised token-loss sum. A callback, added to
 the trainer on first use, counts the label tokens of each micro-batch on the device and, in
-``on_before_optimizer_step`` (before Lightning clips gradients), all-reduces the step's count once and rescales the
-accumulated gradients by ``world_size * accumulate_grad_batches / count``: this undoes DDP's mean over ranks and
-Lightning's division by ``accumulate_grad_batches``. No host sync is added.
+``on_before_optimizer_step`` (before Lightning clips gradients), all-reduces the step's count once over the
+data-parallel group and rescales the accumulated gradients by ``dp_size * accumulate_grad_batches / count``: this
+undoes DDP's (or FSDP2's) mean over the data-parallel ranks and Lightning's division by ``accumulate_grad_batches``.
+Under :class:`~lightning_llmfast.LLMFastStrategy` the group is the ``"dp_shard"`` group of its
+:class:`~lightning_llmfast.parallel.ParallelDims` (the ranks that see different data; expert-parallel ranks are among
+them); under another strategy, its world. No host sync is added.
 
 Every term of a loss that goes through this weighting must use one of the two functions: a term added
 unweighted would be rescaled by the step's token count as well.
@@ -22,11 +25,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch import Callback
 from typing_extensions import override
 
 from lightning_llmfast.errors import DataError
+from lightning_llmfast.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -153,7 +158,7 @@ def _weighting(module: pl.LightningModule | None) -> _StepTokenWeighting | None:
         or not trainer.training
         or not module.automatic_optimization
         or not torch.is_grad_enabled()
-        or trainer.world_size * trainer.accumulate_grad_batches == 1
+        or _data_parallel(trainer)[1] * trainer.accumulate_grad_batches == 1
     ):
         return None
     for callback in trainer.callbacks:
@@ -162,6 +167,15 @@ def _weighting(module: pl.LightningModule | None) -> _StepTokenWeighting | None:
     callback = _StepTokenWeighting()
     trainer.callbacks.append(callback)
     return callback
+
+
+def _data_parallel(trainer: pl.Trainer) -> tuple[dist.ProcessGroup | None, int]:
+    """The data-parallel group and size: the strategy's ``ParallelDims`` ``"dp_shard"`` group when it has one, else
+    ``(None, world_size)`` (the strategy's own reduce over its world)."""
+    dims = getattr(trainer.strategy, "parallel_dims", None)
+    if isinstance(dims, ParallelDims) and dims.dp_group is not None:
+        return dims.dp_group, dims.dp_shard
+    return None, trainer.world_size
 
 
 class _StepTokenWeighting(Callback):
@@ -190,9 +204,14 @@ class _StepTokenWeighting(Callback):
     ) -> None:
         if self._count is None:
             return
-        # One all-reduce of a count per step; the division stays on the device.
-        total = trainer.strategy.reduce(self._count, reduce_op="sum")
-        factor = (trainer.world_size * trainer.accumulate_grad_batches) / total.clamp_min(1)
+        # One all-reduce of a count per step over the data-parallel ranks; the division stays on the device.
+        group, dp_size = _data_parallel(trainer)
+        if group is None:
+            total = trainer.strategy.reduce(self._count, reduce_op="sum")
+        else:
+            total = self._count.clone()
+            dist.all_reduce(total, group=group)
+        factor = (dp_size * trainer.accumulate_grad_batches) / total.clamp_min(1)
         factors: dict[torch.dtype, Tensor] = {}
         for group in optimizer.param_groups:
             for param in group["params"]:

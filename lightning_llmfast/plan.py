@@ -8,7 +8,7 @@ of every parameter from the resulting DTensors. :func:`formula_plan` computes th
 
 Per rank: parameter bytes (dense and routed experts), gradient bytes (as the parameters) and AdamW state bytes (two
 fp32 moments). Per step and rank: bytes received by FSDP2's all-gathers (in the compute dtype; every group gathered
-in forward and again in backward, except the roots and the last layer's own group, once), bytes sent by its
+in forward and again in backward, the roots included, except the last layer's own group, once), bytes sent by its
 reduce-scatters (in the reduce dtype, once per group) and the expected all-to-all bytes of the token exchange
 (dispatch and combine, forward and backward, the ``(ep - 1) / ep`` of the rows that leave the rank under uniform
 routing).
@@ -213,8 +213,9 @@ def _build(name: str, backend: str) -> tuple[nn.Module, list[nn.Module], int, in
 def param_shapes(module: nn.Module, layers: Sequence[nn.Module]) -> list[ParamShape]:
     """Every parameter's plan entry, from the unsharded ``module`` (its MoE blocks grouped).
 
-    Routed experts: the parameters of a grouped MoE block's ``experts``. Gathered once per step: the FSDP2 roots' own
-    parameters and the last layer's own group (its MoE block's groups twice, as every other group).
+    Routed experts: the parameters of a grouped MoE block's ``experts``. Gathered once per step: the last layer's own
+    group, which stays gathered from its forward to its backward (its MoE block's groups twice, as every other group,
+    the roots included: they are resharded after forward).
 
     Example::
 
@@ -222,11 +223,10 @@ def param_shapes(module: nn.Module, layers: Sequence[nn.Module]) -> list[ParamSh
     """
     moe = {id(p): name for _, block in grouped_moe_blocks(module) for name, p in block.named_parameters()}
     last = {id(p) for p in layers[-1].parameters()} if layers else set()
-    in_layers = {id(p) for layer in layers for p in layer.parameters()}
     out = []
     for name, p in module.named_parameters():
         expert = moe.get(id(p), "").startswith("experts.")
-        once = id(p) not in in_layers or (id(p) in last and id(p) not in moe)
+        once = id(p) in last and id(p) not in moe
         out.append(ParamShape(name, tuple(p.shape), p.element_size(), expert, 1 if once else 2))
     return out
 

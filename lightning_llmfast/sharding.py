@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.optim import Optimizer
 
+    from lightning_llmfast.comm.payload import DispatchPayload
+
 __all__ = ["LayersSpec", "ShardedDataParallelBase"]
 
 LayersSpec = Sequence[nn.Module] | nn.Module | str | None
@@ -125,7 +127,7 @@ class ShardedDataParallelBase(DDPStrategy):
     def _setup_expert_parallel(self) -> None:
         """DDP with expert parallelism: each rank keeps its experts, which DDP's wrapper then leaves alone."""
         assert self.lightning_module is not None and self._parallel_dims is not None
-        parallelize(self.lightning_module, self._parallel_dims, device=self.root_device)
+        parallelize(self.lightning_module, self._parallel_dims, device=self.root_device, dispatch=self._dispatch())
 
     @property
     def _ddp_experts(self) -> bool:
@@ -174,6 +176,10 @@ class ShardedDataParallelBase(DDPStrategy):
         """The dtype gradients are reduced in (``None``: their own); a subclass may choose one."""
         return None
 
+    def _dispatch(self) -> DispatchPayload | None:
+        """The expert-parallel all-to-all payloads (``None``: the activations' dtype); a subclass may choose them."""
+        return None
+
     def _fsdp_mp_policy(self) -> MixedPrecisionPolicy | None:
         """FSDP2's mixed-precision policy for the precision setting, reducing in :meth:`_grad_reduce_dtype`."""
         return with_reduce_dtype(mixed_precision_policy(self.precision_plugin.precision), self._grad_reduce_dtype())
@@ -187,7 +193,9 @@ class ShardedDataParallelBase(DDPStrategy):
         assert module is not None
         policy = self._fsdp_mp_policy()
         layers = self._check_fsdp_config(layers)
-        parallelize(module, self._parallel_dims, layers, device=self.root_device, mp_policy=policy)
+        parallelize(
+            module, self._parallel_dims, layers, device=self.root_device, mp_policy=policy, dispatch=self._dispatch()
+        )
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()

@@ -25,7 +25,8 @@ from typing_extensions import override
 
 from lightning_llmfast.callbacks.offload import ActivationOffload
 from lightning_llmfast.comm.grad import GradReduction, PowerSGDConfig, check_ddp_arguments
-from lightning_llmfast.errors import OffloadError
+from lightning_llmfast.comm.payload import DispatchPayload
+from lightning_llmfast.errors import ConfigError, OffloadError
 from lightning_llmfast.integrity import VerifiedCheckpointIO
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 from lightning_llmfast.sharding import ShardedDataParallelBase
@@ -100,6 +101,11 @@ class LLMFastStrategy(ShardedDataParallelBase):
             ``"edp"`` (each rank holds ``1 / world`` of every parameter). ``N`` must divide the world size and every
             block's experts. Gradient clipping by norm (``Trainer(gradient_clip_val=...)``) takes the global norm
             over both meshes under every layout, on the device, and logs it as ``train/grad_norm``.
+        dispatch_dtype: with ``expert_parallel_size > 1``, the tokens' payload on the all-to-all: ``None`` (the
+            activations' dtype), ``"bf16"``, or ``"fp8"`` (e4m3 with one fp32 scale per row, ``H + 4`` bytes: half of
+            bf16 plus the scales); the expert outputs and gradients then come back in bf16. A
+            :class:`~lightning_llmfast.comm.payload.DispatchPayload` chooses both (``combine="fp32"``). The error
+            bound is in :mod:`~lightning_llmfast.moe.expert_parallel`.
         grad_reduce_dtype: ``"bf16"`` reduces gradients in bf16 (half the bytes): DDP through torch's
             ``bf16_compress_hook``, FSDP2 through ``MixedPrecisionPolicy.reduce_dtype`` (experts included), the DDP
             experts of ``expert_parallel_size > 1`` in their all-reduce; ``None`` keeps their dtype
@@ -112,8 +118,10 @@ class LLMFastStrategy(ShardedDataParallelBase):
     Raises:
         OffloadError: at construction for an ``offload`` that is neither an ``OffloadConfig``, a bool nor ``None``;
             at :meth:`setup`, before any step, when ``layers`` matches nothing.
-        ConfigError: ``expert_parallel_size`` not an int ``>= 1``; before any step, when it does not divide the
-            world size or a block's experts, or the model has no grouped MoE block.
+        ConfigError: ``expert_parallel_size`` not an int ``>= 1``, a ``dispatch_dtype`` other than ``None``,
+            ``"bf16"``, ``"fp8"`` or a ``DispatchPayload``, or one without expert parallelism; before any step,
+            when ``expert_parallel_size`` does not divide the world size or a block's experts, or the model has no
+            grouped MoE block.
         ConfigError: at construction for a ``grad_reduce_dtype`` other than ``None``/``"bf16"``, a
             ``grad_compression`` other than ``None``/``"powersgd"``/a ``PowerSGDConfig``, both together, PowerSGD
             with ``sharding="fsdp"``, or either with a ``ddp_comm_hook``.
@@ -133,6 +141,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
         trainer.fit(module, datamodule=dm, ckpt_path="ckpts/last.ckpt")  # a DCP directory, any world size
 
         strategy = LLMFastStrategy(sharding="fsdp", expert_parallel_size=4)  # FSDP2 x EP on one mesh
+        strategy = LLMFastStrategy(expert_parallel_size=8, dispatch_dtype="fp8")  # e4m3 tokens, bf16 outputs
         trainer = L.Trainer(strategy=strategy, devices=8, precision="bf16-mixed", gradient_clip_val=1.0)
     """
 
@@ -145,6 +154,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
         offload: OffloadConfig | bool | None = None,
         layers: Sequence[nn.Module] | nn.Module | str | None = None,
         expert_parallel_size: int = 1,
+        dispatch_dtype: str | DispatchPayload | None = None,
         grad_reduce_dtype: str | None = None,
         grad_compression: str | PowerSGDConfig | None = None,
         **kwargs: Any,
@@ -153,6 +163,13 @@ class LLMFastStrategy(ShardedDataParallelBase):
         """The gradient reduction (dtype or PowerSGD; bytes per step in ``wire_bytes``)."""
         check_ddp_arguments(self.grad_reduction, sharding, kwargs, owner=type(self).__name__)
         self._user_comm_hook = kwargs.get("ddp_comm_hook") is not None
+        self.dispatch_payload = DispatchPayload.of(dispatch_dtype)
+        """The expert-parallel all-to-all payloads (``DispatchPayload()``: the activations' dtype both ways)."""
+        if self.dispatch_payload != DispatchPayload() and expert_parallel_size == 1:
+            raise ConfigError(
+                f"{type(self).__name__}: dispatch_dtype={dispatch_dtype!r} needs expert_parallel_size > 1 "
+                "(without expert parallelism no token is sent)"
+            )
         removed = sorted(set(kwargs) & _REMOVED_OFFLOAD_KEYWORDS)
         if removed:
             raise OffloadError(
@@ -251,6 +268,10 @@ class LLMFastStrategy(ShardedDataParallelBase):
         super().configure_ddp()
         if not self._user_comm_hook:  # DDP takes one hook: the user's own (Lightning registers it) wins
             self.grad_reduction.register(self.model)
+
+    @override
+    def _dispatch(self) -> DispatchPayload:
+        return self.dispatch_payload
 
     @override
     def _grad_reduce_dtype(self) -> torch.dtype | None:

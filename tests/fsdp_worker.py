@@ -2,9 +2,13 @@
 gradient clipping by the global norm, and FSDP2 x expert parallelism with ``--ep N``.
 
 Run as a script (Lightning relaunches it once per rank): ``python fsdp_worker.py DEVICES OUT [--resume CKPT]
-[--meta] [--ep N]``. Every step's global batch is the same 4 rows for every world size, split evenly over the ranks;
-every row holds 3 documents, so every rank has the same number of label tokens and the mean of the ranks' per-rank mean
-losses is the one-process loss. The router's load-balancing loss depends on how tokens are split over ranks, so its
+[--resume-other CKPT] [--meta] [--ep N] [--kill-at STEP]``. ``--resume-other`` resumes a checkpoint of another run
+(tag ``"other"``: a SIGKILLed one, or one of another world size); ``--kill-at`` SIGKILLs every rank at the start of
+step ``STEP + 1``, after the half-way checkpoint is written.
+
+Every step's global batch is the same 4 rows for every world size, split evenly over the ranks; every row holds 3
+documents, so every rank has the same number of label tokens and the mean of the ranks' per-rank mean losses is the
+one-process loss. The router's load-balancing loss depends on how tokens are split over ranks, so its
 weight is 0 here. Rank 0 writes ``OUT/result.pt``; every rank writes ``OUT/rank<r>.pt`` (its shard sizes).
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -103,6 +108,17 @@ class MetaModule(MoEGPTLightningModule):
             qkv.register_forward_pre_hook(lambda m, args: self.compute_dtypes.add(m.weight.dtype))
 
 
+class Killer(L.Callback):
+    """SIGKILLs this rank at the start of the step after ``step``: no teardown, no final checkpoint, a crash."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Recorder(L.Callback):
     def __init__(self, out: Path, tag: str) -> None:
         self.out, self.tag, self.losses, self.norms = out, tag, [], []
@@ -142,20 +158,27 @@ class Recorder(L.Callback):
 
 
 def fit(
-    devices: int, out: Path, tag: str, module: L.LightningModule, steps: int, precision: str = "32-true", **kwargs: Any
+    devices: int,
+    out: Path,
+    tag: str,
+    module: L.LightningModule,
+    steps: int,
+    precision: str = "32-true",
+    extra: list[L.Callback] | None = None,
+    **kwargs: Any,
 ) -> None:
     strategy = LLMFastStrategy(
         **StrategyRegistry["llmfast_fsdp"]["init_params"], expert_parallel_size=EP, timeout=timedelta(seconds=90)
     )
-    callbacks: list[L.Callback] = [Recorder(out, tag)]
+    callbacks: list[L.Callback] = [Recorder(out, tag), *(extra or [])]
     if tag == "meta":  # the package's callbacks on top of FSDP2, unchanged
         callbacks += [SequenceMetadataCallback(), TokenThroughputMonitor(log_every_n_steps=1)]
-    if tag == "fresh":
+    if tag in ("fresh", "killed"):
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=STEPS // 2, save_top_k=-1))
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False, callbacks=callbacks,
-        enable_checkpointing=tag == "fresh", precision=precision, gradient_clip_val=CLIP,
+        enable_checkpointing=tag in ("fresh", "killed"), precision=precision, gradient_clip_val=CLIP,
     )  # fmt: skip
     world, rank = devices, int(os.environ.get("LOCAL_RANK", 0))
     data = [rank_batch(step, rank, world) for step in global_batches()]
@@ -167,6 +190,8 @@ def main() -> None:
     parser.add_argument("devices", type=int)
     parser.add_argument("out", type=Path)
     parser.add_argument("--resume", type=Path)
+    parser.add_argument("--resume-other", type=Path, help="a checkpoint of another run (SIGKILLed or resharded)")
+    parser.add_argument("--kill-at", type=int, help="SIGKILL every rank after this step (and its checkpoint)")
     parser.add_argument("--meta", action="store_true")
     parser.add_argument("--ep", type=int, default=1, help="expert_parallel_size (FSDP2 x EP)")
     args = parser.parse_args()
@@ -178,9 +203,13 @@ def main() -> None:
         torch.manual_seed(0)
         return MoEGPTLightningModule(MoEGPTConfig(**CONFIG), lr=1e-2, aux_loss_coef=0.0, warmup_steps=3)
 
+    if args.kill_at is not None:
+        fit(args.devices, args.out, "killed", module(), STEPS, extra=[Killer(args.kill_at)])
     fit(args.devices, args.out, "fresh", module(), STEPS)
     if args.resume is not None:
         fit(args.devices, args.out, "resumed", module(), STEPS, ckpt_path=args.resume)
+    if args.resume_other is not None:
+        fit(args.devices, args.out, "other", module(), STEPS, ckpt_path=args.resume_other)
     if args.meta:
         torch.manual_seed(0)
         fit(args.devices, args.out, "meta", MetaModule(), 2, precision="bf16-mixed")

@@ -40,3 +40,13 @@ def test_scaling_profile_measures_every_world_and_batch_size_and_its_efficiency(
     assert table.count("\n| 1 |") == 1 and table.count("\n| 2 |") == 1 and "B=2: efficiency" in table
     plotted = plot_scaling(result, tmp_path / "scaling.png")
     assert plotted == (importlib.util.find_spec("matplotlib") is not None) == (tmp_path / "scaling.png").exists()
+
+
+@pytest.mark.slow
+def test_the_time_budget_stops_before_a_repeat_that_would_pass_it() -> None:
+    tiny = SCALING_SETTINGS.with_overrides(seq_len=32, mean_doc_len=8)
+    # Any budget below the first repeat's time: the first repeat always runs, no second starts.
+    result = run_scaling_benchmark((1,), (1,), settings=tiny, repeats=3, measured_steps=1, max_seconds=1e-3,
+                                   log=lambda _: None)  # fmt: skip
+    assert len(result["scaling"]["1"]["1"]["tokens_per_sec_repeats"]) == 1
+    assert "time budget: 1 of 3 repeats run" in result["notes"]

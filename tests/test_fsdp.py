@@ -34,22 +34,28 @@ WORKER = Path(worker.__file__)
 HALF = f"epoch=0-step={worker.STEPS // 2}.ckpt"
 
 
-def _launch(devices: int, out: Path, *args: str, timeout: int) -> None:
+def _launch(devices: int, out: Path, *args: str, timeout: int, returncode: int = 0) -> None:
     proc = subprocess.run(
         [sys.executable, str(WORKER), str(devices), str(out), *args],
         cwd=out.parent, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == returncode, proc.stderr[-4000:]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """2 processes (fresh, resumed from their own half-way checkpoint, meta init), 1 process in this one (fresh,
-    resumed from the 2-process checkpoint), 4 processes as FSDP2(2) x EP(2) (fresh, resumed from the 2-process
-    FSDP2 checkpoint)."""
+    """4 processes as FSDP2(2) x EP(2) SIGKILLed after their half-way checkpoint; 2 processes (fresh, resumed from
+    their own half-way checkpoint, resumed from the killed 4-process one, meta init); 1 process in this one (fresh,
+    resumed from the 2-process checkpoint); 4 processes as FSDP2(2) x EP(2) again (fresh, resumed from the 2-process
+    FSDP2 checkpoint, resumed from the killed run's checkpoint)."""
     root = tmp_path_factory.mktemp("fsdp")
     dirs = {n: root / f"world{n}" for n in (1, 2, 4)}
-    _launch(2, dirs[2], "--resume", str(dirs[2] / "ckpts" / HALF), "--meta", timeout=240)
+    killed = root / "killed"
+    _launch(4, killed, "--ep", "2", "--kill-at", str(worker.STEPS // 2), timeout=300, returncode=-9)
+    assert not list(killed.glob("result-*.pt"))  # it died mid-run
+    killed_ckpt = str(killed / "ckpts" / HALF)
+    _launch(2, dirs[2], "--resume", str(dirs[2] / "ckpts" / HALF), "--resume-other", killed_ckpt, "--meta",
+            timeout=300)  # fmt: skip
     dirs[1].mkdir()
     sys_argv = sys.argv  # the worker's one-process path, run here: no process group
     try:
@@ -57,7 +63,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         worker.main()
     finally:
         sys.argv = sys_argv
-    _launch(4, dirs[4], "--resume", str(dirs[2] / "ckpts" / HALF), "--ep", "2", timeout=300)  # FSDP2 x EP
+    _launch(4, dirs[4], "--resume", str(dirs[2] / "ckpts" / HALF), "--resume-other", killed_ckpt, "--ep", "2",
+            timeout=400)  # fmt: skip
     return dirs
 
 
@@ -113,6 +120,25 @@ def test_resume_with_two_processes_is_bitwise_the_uninterrupted_run(runs: dict[s
     assert all(torch.equal(resumed["weights"][k], w) for k, w in fresh["weights"].items())
     assert is_distributed_checkpoint(runs[2] / "ckpts" / HALF)
     assert sorted(p.name for p in (runs[2] / "ckpts" / HALF).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def test_sigkill_on_fsdp_x_ep_and_resume_is_bitwise_the_uninterrupted_run(runs: dict[str, Path]) -> None:
+    fresh, resumed = _result(runs[4], "fresh"), _result(runs[4], "other")  # "other": the SIGKILLed run's checkpoint
+    half = worker.STEPS // 2
+    assert len(resumed["losses"]) == worker.STEPS - half > 0
+    assert resumed["losses"] == fresh["losses"][half:] and resumed["norms"] == fresh["norms"][half:]
+    assert all(torch.equal(resumed["weights"][k], w) for k, w in fresh["weights"].items())
+    killed = runs[4].parent / "killed" / "ckpts"
+    assert sorted(p.name for p in killed.iterdir()) == [HALF]  # nothing was written after the kill
+
+
+def test_a_four_process_fsdp_x_ep_checkpoint_continues_on_two_with_equal_losses(runs: dict[str, Path]) -> None:
+    four, one, resharded = _result(runs[4], "fresh"), _result(runs[1], "fresh"), _result(runs[2], "other")
+    assert resharded["world"] == 2
+    half = worker.STEPS // 2
+    _assert_rel(resharded["losses"], four["losses"][half:])
+    _assert_rel(resharded["losses"], one["losses"][half:])
+    _assert_rel(resharded["weights"], one["weights"])
 
 
 @pytest.mark.parametrize("world", [1, 4])

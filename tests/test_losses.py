@@ -196,3 +196,47 @@ def test_the_weighting_adds_no_host_sync() -> None:
     # the gradient sums are rescaled by world_size * accumulate / label tokens of the step, each counted once
     total = sum(int((labels != -100).sum()) for labels in seen)
     torch.testing.assert_close(param.grad, before * (2 * 3 / total))
+
+
+def test_the_step_count_is_reduced_over_the_layouts_data_parallel_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under LLMFastStrategy the count goes through one all-reduce on ``ParallelDims.dp_group`` (a spy on
+    ``torch.distributed.all_reduce`` sees it; the strategy's world-group ``reduce`` is not called), and the gradient
+    factor uses the layout's data-parallel size. Torch's fake process group gives a 4-rank FSDP2 x EP(2) layout in
+    this process (its all-reduce is a no-op: the total is this rank's count). The layout's "dp_shard" spans every
+    rank, so torch hands out the default group for it; the spy proves which object the weighting asks for."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_llmfast.losses import _StepTokenWeighting
+    from lightning_llmfast.parallel import ParallelDims
+
+    def world_reduce(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the count was reduced over the world group")
+
+    calls: list[Any] = []
+    real_all_reduce = dist.all_reduce
+    monkeypatch.setattr(
+        dist, "all_reduce", lambda t, group=None, **kw: calls.append(group) or real_all_reduce(t, group=group, **kw)
+    )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        dims = ParallelDims(4, "fsdp", 2)
+        dims.build_mesh("cpu")
+        trainer = SimpleNamespace(strategy=SimpleNamespace(parallel_dims=dims, reduce=world_reduce), world_size=4,
+                                  accumulate_grad_batches=1)  # fmt: skip
+        g = torch.Generator().manual_seed(4)
+        param = nn.Parameter(torch.randn(V, generator=g))
+        param.grad = torch.randn(V, generator=g)
+        labels = _labels((3, 7), g)
+        weighting = _StepTokenWeighting()
+        weighting.on_train_batch_start(trainer, SimpleNamespace(), None, 0)  # type: ignore[arg-type]
+        weighting.count_micro_batch((labels != -100).sum())
+        before = param.grad.clone()
+        optimizer = SimpleNamespace(param_groups=[{"params": [param]}])
+        weighting.on_before_optimizer_step(trainer, SimpleNamespace(), optimizer)  # type: ignore[arg-type]
+        assert calls == [dims.dp_group] and dist.get_world_size(dims.dp_group) == dims.dp_shard == 4
+        torch.testing.assert_close(param.grad, before * (4 / int((labels != -100).sum())))
+    finally:
+        dist.destroy_process_group()

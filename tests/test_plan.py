@@ -4,6 +4,7 @@ model, every rank's row equal to the closed-form formula of docs/distributed.md.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -53,3 +54,77 @@ def test_plan_cli_prints_rows_and_refuses_a_layout_that_does_not_fit(capsys: pyt
     with pytest.raises(ConfigError, match="number of experts"):
         sharding_plan("mixtral-8x22b", world=48, ep=16)  # 8 experts cannot split over 16 ranks
     assert not dist.is_initialized()
+
+
+TOKENS = 16  # tokens per rank and step: with top-2 of 8 experts and capacity_factor 1.0, 4 rows per expert exactly
+
+
+def _measure_step(rank: int, world: int, ep: int, out: str) -> None:
+    """One forward+backward of the "reference" preset (capacity_factor 1.0) under the strategy's FSDP2 x EP layout;
+    spies on torch.distributed count the bytes each collective moves for this rank."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from lightning_llmfast.models import MoEGPT, MoEGPTConfig
+    from lightning_llmfast.parallel import ParallelDims, parallelize
+
+    torch.manual_seed(0)
+    config = MoEGPTConfig(capacity_factor=1.0, router_backend="torch")
+    module = nn.ModuleDict({"model": MoEGPT(config)})
+    dims = ParallelDims(world, "fsdp", ep)
+    dims.build_mesh("cpu")
+    parallelize(module, dims, list(module["model"].layers), device=torch.device("cpu"))
+    counts = {"all_gather": 0, "reduce_scatter": 0, "all_to_all": 0}
+
+    def spy(name: str, real: Any, moved: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += moved(*args, **kwargs)
+            return real(*args, **kwargs)
+
+        return call
+
+    def leaving(out: Any, inp: Any, out_splits: Any = None, in_splits: Any = None, group: Any = None, **_: Any) -> int:
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        rows = [inp.shape[0] // size] * size if in_splits is None else list(in_splits)
+        return (sum(rows) - rows[me]) * inp[:1].numel() * inp.element_size()
+
+    def gathered(out: Any, inp: Any, **_: Any) -> int:
+        return (out.numel() - inp.numel()) * out.element_size()
+
+    def scattered(output: Any, input: Any, **_: Any) -> int:
+        return (input.numel() - output.numel()) * input.element_size()
+
+    patches = {"all_gather_single": ("all_gather", gathered), "reduce_scatter_single": ("reduce_scatter", scattered),
+               "all_to_all_single": ("all_to_all", leaving)}  # fmt: skip
+    originals = {attr: getattr(dist, attr) for attr in patches}
+    for attr, (name, moved) in patches.items():
+        setattr(dist, attr, spy(name, originals[attr], moved))
+    try:
+        ids = torch.randint(0, config.vocab_size, (1, TOKENS + 1), generator=torch.Generator().manual_seed(rank))
+        logits = module["model"](ids[:, :-1])
+        F.cross_entropy(logits.reshape(-1, config.vocab_size), ids[:, 1:].reshape(-1)).backward()
+    finally:
+        for attr, real in originals.items():
+            setattr(dist, attr, real)
+    torch.save(counts, f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_plan_communication_equals_what_a_real_gloo_run_moves(world: int, tmp_path: Any) -> None:
+    """The plan of the "reference" preset (fp32 compute) against one real FSDP2 x EP(2) step on ``world`` gloo
+    processes: all-gather bytes received, reduce-scatter bytes sent and all-to-all bytes leaving each rank, counted
+    by spies on the collectives FSDP2 and the token exchange call."""
+    import torch
+    from _distributed import run_distributed
+
+    run_distributed(_measure_step, world, 2, str(tmp_path), timeout=300)
+    plan = sharding_plan("reference", world, 2, tokens_per_rank=TOKENS, compute_bytes=4)
+    for rank in range(world):
+        measured = torch.load(tmp_path / f"rank{rank}.pt")
+        assert measured == {
+            "all_gather": plan.all_gather[rank], "reduce_scatter": plan.reduce_scatter[rank],
+            "all_to_all": plan.all_to_all,
+        }, rank  # fmt: skip
+    assert plan.all_to_all > 0 and plan.reduce_scatter[0] > 0

@@ -107,6 +107,7 @@ def _scaling(args: argparse.Namespace, write_json: Callable[[dict[str, Any]], No
     result = run_scaling_benchmark(
         device=args.device, repeats=args.repeats, measured_steps=args.steps,
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
+        **({} if args.max_seconds is None else {"max_seconds": args.max_seconds}),
     )  # fmt: skip
     write_json(result)
     if args.plot is not None and not plot_scaling(result, args.plot):

@@ -43,7 +43,7 @@ from lightning_llmfast.bench.steps import Batches, quiet
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.models import MoEGPTConfig, MoEGPTLightningModule
 
-__all__ = ["SCALING_SETTINGS", "plot_scaling", "run_scaling_benchmark", "scaling_markdown"]
+__all__ = ["MAX_SECONDS", "SCALING_SETTINGS", "plot_scaling", "run_scaling_benchmark", "scaling_markdown"]
 
 SCALING_SETTINGS = E2ESettings(
     model={"hidden_size": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_size": 64, "num_experts": 4},
@@ -56,6 +56,9 @@ SCALING_SETTINGS = E2ESettings(
 )
 """Model and rows of the profile (``batch_size`` is replaced by each of the batch sizes)."""
 
+MAX_SECONDS = 540.0
+"""Default soft time budget of the profile: it ends within 10 minutes on a loaded 2-core CPU machine."""
+
 
 def _segment(settings: E2ESettings, batches: list[Any], world_size: int, device: str) -> dict[str, float]:
     from lightning_llmfast.strategy import LLMFastStrategy
@@ -63,13 +66,13 @@ def _segment(settings: E2ESettings, batches: list[Any], world_size: int, device:
     torch.manual_seed(settings.seed)
     module = MoEGPTLightningModule(MoEGPTConfig(**settings.model), lr=settings.lr, warmup_steps=1)
     meter = _Meter(settings.warmup_steps)
-    trainer = L.Trainer(
-        accelerator=device, devices=world_size, strategy=LLMFastStrategy(timeout=timedelta(seconds=120)),
-        max_steps=len(batches), callbacks=[meter], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        num_sanity_val_steps=0, limit_val_batches=0, precision=settings.precision,
-    )  # fmt: skip
-    with quiet():
+    with quiet():  # the Trainer's banners too: one Trainer per segment
+        trainer = L.Trainer(
+            accelerator=device, devices=world_size, strategy=LLMFastStrategy(timeout=timedelta(seconds=120)),
+            max_steps=len(batches), callbacks=[meter], logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+            num_sanity_val_steps=0, limit_val_batches=0, precision=settings.precision,
+        )  # fmt: skip
         trainer.fit(module, train_dataloaders=Batches(batches))
     tokens = trainer.strategy.reduce(torch.tensor(float(meter.tokens), device=trainer.strategy.root_device),
                                      reduce_op="sum")  # fmt: skip
@@ -140,6 +143,7 @@ def run_scaling_benchmark(
     repeats: int | None = None,
     measured_steps: int | None = None,
     timeout: float = 600.0,
+    max_seconds: float | None = MAX_SECONDS,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Measure tokens/sec and scaling efficiency; returns the result dictionary.
@@ -152,6 +156,8 @@ def run_scaling_benchmark(
         repeats: override of ``settings.repeats``.
         measured_steps: override of ``settings.measured_steps``.
         timeout: seconds each world size may take before its processes are killed.
+        max_seconds: soft budget: a repeat after the first starts only if, at the pace of those before it, it ends
+            within this many seconds of the start (``None``: every repeat runs). The result notes a cut.
         log: progress messages.
 
     Raises:
@@ -163,8 +169,6 @@ def run_scaling_benchmark(
         result = run_scaling_benchmark((1, 2), (1,), repeats=2)
         result["scaling"]["1"]["2"]["efficiency"]
     """
-    from lightning_llmfast.bench.suite import git_commit, machine
-
     if 1 not in world_sizes or min(world_sizes) < 1 or not batch_sizes or min(batch_sizes) < 1:
         raise ConfigError(f"scaling needs world sizes including 1 and batch sizes >= 1, got {world_sizes}, "
                           f"{batch_sizes}")  # fmt: skip
@@ -175,7 +179,13 @@ def run_scaling_benchmark(
     start = time.perf_counter()
     rates: dict[int, dict[int, list[float]]] = {b: {n: [] for n in world_sizes} for b in batch_sizes}
     once = {**spec, "settings": settings.with_overrides(repeats=1).__dict__}
+    done = 0
     for repeat in range(settings.repeats):
+        elapsed = time.perf_counter() - start
+        if repeat and max_seconds is not None and elapsed * (repeat + 1) / repeat > max_seconds:
+            log(f"scaling: stopping after {repeat} repeat(s), another would end past {max_seconds:.0f} s")
+            break
+        done += 1
         # World sizes interleaved (fresh processes each repeat): a shared machine's load drifts between them alike.
         for n in world_sizes:
             log(f"scaling: repeat {repeat + 1}/{settings.repeats}, {n} process(es), batch sizes {list(batch_sizes)}")
@@ -183,6 +193,21 @@ def run_scaling_benchmark(
             for b in batch_sizes:
                 segment = [r[str(b)][0] for r in ranks]
                 rates[b][n].append(segment[0]["tokens"] / max(max(s["seconds"] for s in segment), 1e-9))
+    return _result(settings, device, world_sizes, batch_sizes, rates, done, time.perf_counter() - start)
+
+
+def _result(
+    settings: E2ESettings,
+    device: str,
+    world_sizes: Sequence[int],
+    batch_sizes: Sequence[int],
+    rates: dict[int, dict[int, list[float]]],
+    done: int,
+    seconds: float,
+) -> dict[str, Any]:
+    from lightning_llmfast.bench.suite import git_commit, machine
+
+    cut = [] if done == settings.repeats else [f"time budget: {done} of {settings.repeats} repeats run"]
     return {
         "profile": "scaling",
         "device": device,
@@ -195,9 +220,10 @@ def run_scaling_benchmark(
         "notes": [
             f"weak scaling under strategy='llmfast' ({'gloo' if device == 'cpu' else 'nccl'}), 1 thread per process; "
             f"model {settings.model}, rows of {settings.seq_len} tokens, B rows per rank; median of "
-            f"{settings.repeats} interleaved segments of {settings.measured_steps} measured steps",
+            f"{done} interleaved segments of {settings.measured_steps} measured steps",
+            *cut,
         ],
-        "seconds": round(time.perf_counter() - start, 1),
+        "seconds": round(seconds, 1),
     }
 
 

@@ -47,7 +47,10 @@ class DispatchPayload:
             (their own dtype).
         combine: the expert outputs sent back, and every gradient exchange: ``"bf16"`` or ``None`` (``"fp32"``
             is accepted as a name for ``None``: the activations' own dtype, fp32 in fp32 training). Defaults to
-            ``"bf16"`` when ``dispatch`` is set.
+            ``"bf16"`` when ``dispatch`` is set: the outputs are weighted and summed over each token's experts at
+            home, in the activations' dtype, so each returned row is rounded once (``2**-8`` of each value) and the
+            roundings do not add up; gradients span too wide a range within a row for e4m3 (DeepEP and Megatron-Core
+            combine in bf16 too).
 
     Raises:
         ConfigError: an unknown name, or ``combine="fp8"`` (outputs and gradients are not sent in fp8).
@@ -72,6 +75,28 @@ class DispatchPayload:
         if combine not in (None, "bf16"):
             raise ConfigError(f"the combine payload must be None, 'bf16' or 'fp32', got {self.combine!r}")
         object.__setattr__(self, "combine", combine)
+
+    @classmethod
+    def of(cls, value: str | DispatchPayload | None) -> DispatchPayload:
+        """The payload of a ``dispatch_dtype`` argument: a name (``None``, ``"bf16"``, ``"fp8"``) or a payload.
+
+        Raises:
+            ConfigError: anything else, naming the value.
+
+        Example::
+
+            DispatchPayload.of("fp8") == DispatchPayload("fp8")
+        """
+        if isinstance(value, DispatchPayload):
+            return value
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"dispatch_dtype must be None, one of {WIRES} or a DispatchPayload, got {value!r}")
+        return cls(value)
+
+    @property
+    def code(self) -> int:
+        """One integer for both payloads (the ranks of an exchange must agree on it: it fixes the bytes per row)."""
+        return (1 + WIRES.index(self.dispatch) if self.dispatch else 0) * 2 + (self.combine == "bf16")
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,9 +1,10 @@
-"""Differentiable building blocks of the expert-parallel exchange: ``all_to_all_single`` with its reverse as the
-backward, and a masked gather whose backward is the inverse gather (no scatter, no atomics).
+"""Building blocks of the expert-parallel exchange (the exchange itself is
+:func:`lightning_llmfast.comm.payload.exchange`): a masked gather whose backward is the inverse gather (no scatter,
+no atomics), and the staging of host-side handshakes.
 
 Example::
 
-    received = all_to_all(rows, out_splits, in_splits, group)  # gradients travel back by the reverse exchange
+    grouped = masked_gather(rows, order, None, inverse, None)  # a permutation and its inverse
 """
 
 from __future__ import annotations
@@ -15,26 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_to_all", "comm_device", "masked_gather", "stage_to_device"]
-
-
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` whose backward is the reverse exchange (splits swapped)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: dist.ProcessGroup
-    ) -> Tensor:
-        ctx.splits, ctx.group = (in_splits, out_splits), group
-        rows = x.shape[0] if out_splits is None else sum(out_splits)
-        out = x.new_empty((rows, *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
-        out_splits, in_splits = ctx.splits
-        return _AllToAll.apply(grad.contiguous(), out_splits, in_splits, ctx.group), None, None, None
+__all__ = ["comm_device", "masked_gather", "stage_to_device"]
 
 
 class _MaskedGather(torch.autograd.Function):
@@ -91,18 +73,6 @@ def stage_to_device(values: Sequence[int], device: torch.device) -> Tensor:
     if torch.accelerator.is_available():
         staged = staged.pin_memory()
     return staged.to(device, non_blocking=True)
-
-
-def all_to_all(
-    x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: dist.ProcessGroup
-) -> Tensor:
-    """``all_to_all_single`` of the rows of ``x`` (``None`` splits: equal), differentiable (the reverse exchange).
-
-    Example::
-
-        received = all_to_all(rows, [3, 1], [2, 2], group)
-    """
-    return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
 def masked_gather(

@@ -18,8 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_llmfast.comm.payload import DispatchPayload, exchange
 from lightning_llmfast.errors import RoutingError
-from lightning_llmfast.moe._exchange import all_to_all, comm_device, masked_gather, stage_to_device
+from lightning_llmfast.moe._exchange import comm_device, masked_gather, stage_to_device
 from lightning_llmfast.moe.dispatcher import ExpertRows, TokenDispatcher
 from lightning_llmfast.moe.permute import permute, unpermute
 from lightning_llmfast.moe.routing import RoutingPlan
@@ -45,12 +46,15 @@ class AllToAllDispatcher(TokenDispatcher):
     The base of :class:`AllToAllDroplessDispatcher` and :class:`AllToAllCapacityDispatcher` (built by
     :func:`shard_experts`). Holds no parameters; buffers whose contents depend only on sizes are built once per size.
     The combine weights never travel: outputs come back in the order they were sent and are weighted at home.
+    Rows travel as ``payload`` says (:class:`~lightning_llmfast.comm.payload.DispatchPayload`: tokens in bf16 or fp8,
+    outputs and every gradient in bf16 or the activations' dtype) and arrive in the activations' dtype.
 
     Args:
         group: the expert-parallel process group.
         num_experts: ``E`` (global).
         loss_group: the ranks whose tokens form one batch for :func:`global_aux_loss` (default: the world).
         backend: permutation kernels (``"auto"``, ``"torch"``, ``"triton"``).
+        payload: what the exchanges put on the wire (default: the activations' dtype both ways).
 
     Attributes:
         host_syncs: host reads of device values so far (dropless: one per forward; capacity: one per size change).
@@ -67,8 +71,10 @@ class AllToAllDispatcher(TokenDispatcher):
         num_experts: int,
         loss_group: dist.ProcessGroup | None = None,
         backend: str = "auto",
+        payload: DispatchPayload | None = None,
     ) -> None:
         self.group = group
+        self.payload = DispatchPayload() if payload is None else payload
         self.loss_group = dist.group.WORLD if loss_group is None else loss_group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -104,13 +110,23 @@ class AllToAllDispatcher(TokenDispatcher):
     def _signature(self, rows: Tensor) -> list[int]:
         if rows.dtype not in _DTYPES:
             raise RoutingError(f"expert parallelism exchanges {_DTYPES} activations, got {rows.dtype}")
-        return [_DTYPES.index(rows.dtype), rows.shape[1]]
+        return [_DTYPES.index(rows.dtype), rows.shape[1], self.payload.code]
+
+    def _send(self, rows: Tensor, out_splits: list[int] | None, in_splits: list[int] | None) -> Tensor:
+        """Tokens to their experts in the dispatch payload (their gradients come back in the combine one)."""
+        payload = self.payload
+        return exchange(rows, out_splits, in_splits, self.group, wire=payload.dispatch, grad_wire=payload.combine)
+
+    def _return(self, rows: Tensor, out_splits: list[int] | None, in_splits: list[int] | None) -> Tensor:
+        """Expert outputs back to their tokens' ranks, and their gradients to the experts, in the combine payload."""
+        payload = self.payload
+        return exchange(rows, out_splits, in_splits, self.group, wire=payload.combine, grad_wire=payload.combine)
 
     def _raise_disagreement(self, kind: str, theirs: list[list[int]]) -> None:
         raise RoutingError(
             f"expert-parallel ranks disagree on the {kind} of their all-to-all exchange (per rank of the group, "
             f"rank {self.rank} of {self.world} sees {theirs}): every rank must run the same block with the same "
-            "dtype and hidden size (and, with capacity_factor, the same number of tokens)"
+            "dtype, hidden size and dispatch payload (and, with capacity_factor, the same number of tokens)"
         )
 
     def _cached(self, key: tuple[Any, ...], build: Callable[[], Tensor]) -> Tensor:
@@ -139,7 +155,7 @@ class AllToAllDroplessDispatcher(AllToAllDispatcher):
         world, local, num_experts = self.world, self.num_local, self.num_experts
         signature = self._signature(source)
         counts = plan.tokens_per_expert.to(torch.int64)
-        # Every rank gets every source's full counts and token count (W * (E + 3) integers, not W * E_l): its own
+        # Every rank gets every source's full counts and token count (W * (E + 4) integers, not W * E_l): its own
         # experts' receive splits, and the batch-wide counts of the load-balancing loss without an all-reduce.
         header = stage_to_device([plan.num_tokens, *signature], counts.device)  # pinned, non-blocking
         send = torch.cat([counts, header]).expand(world, -1).contiguous()
@@ -155,12 +171,13 @@ class AllToAllDroplessDispatcher(AllToAllDispatcher):
         host = torch.cat([send_rows, mine.sum(dim=1), recv[:, num_experts + 1 :].flatten()]).tolist()
         self.host_syncs += 1
         in_splits, out_splits, theirs = host[:world], host[world : 2 * world], host[2 * world :]
-        received = [theirs[2 * i : 2 * i + 2] for i in range(world)]
+        width = len(signature)
+        received = [theirs[width * i : width * (i + 1)] for i in range(world)]
         if any(r != signature for r in received):
-            self._raise_disagreement("dtype or hidden size", received)
+            self._raise_disagreement("dtype, hidden size or dispatch payload", received)
         self.global_stats = recv[:, : num_experts + 1].sum(dim=0)
         self.send_rows, self.recv_rows = sum(in_splits), sum(out_splits)
-        recv_rows = all_to_all(rows, out_splits, in_splits, self.group)
+        recv_rows = self._send(rows, out_splits, in_splits)
         # Received rows are grouped by (source rank, local expert); the grouped GEMM wants (local expert, source).
         order, inverse = self._expert_major(mine, self.recv_rows)
         grouped = masked_gather(recv_rows, order, None, inverse, None)
@@ -170,7 +187,7 @@ class AllToAllDroplessDispatcher(AllToAllDispatcher):
     def combine(self, rows: Tensor, ctx: _Return) -> Tensor:
         """Send the experts' outputs back to their tokens' ranks and weight them at home: ``(T, H)``."""
         inverse, order = ctx.maps
-        back = all_to_all(masked_gather(rows, inverse, None, order, None), ctx.in_splits, ctx.out_splits, self.group)
+        back = self._return(masked_gather(rows, inverse, None, order, None), ctx.in_splits, ctx.out_splits)
         return unpermute(back, ctx.plan, backend=self.backend)
 
     @staticmethod
@@ -206,7 +223,7 @@ class AllToAllCapacityDispatcher(AllToAllDispatcher):
         slot_src, slot_valid, row_slot, row_valid = self._slot_maps(plan, rows.device)
         send = masked_gather(rows, slot_src, slot_valid, row_slot, row_valid)  # (E * C, H)
         self.send_rows = self.recv_rows = send.shape[0]
-        recv = all_to_all(send, None, None, self.group)  # (W * E_l * C, H): source, local expert, slot
+        recv = self._send(send, None, None)  # (W * E_l * C, H): source, local expert, slot
         hidden_size = recv.shape[1]
         grouped = recv.view(world, local, capacity, hidden_size).transpose(0, 1).reshape(-1, hidden_size)
         # Every local expert owns W * C rows; the free slots are zero rows, whose outputs and gradients are zero.
@@ -222,7 +239,7 @@ class AllToAllCapacityDispatcher(AllToAllDispatcher):
         """Send the experts' outputs back to their slots' ranks and weight them at home: ``(T, H)``."""
         capacity, hidden_size = ctx.plan.capacity, rows.shape[1]
         back = rows.view(self.num_local, self.world, capacity, hidden_size).transpose(0, 1).reshape(-1, hidden_size)
-        slots = all_to_all(back, None, None, self.group)
+        slots = self._return(back, None, None)
         row_slot, row_valid, slot_src, slot_valid = ctx.maps
         return unpermute(
             masked_gather(slots, row_slot, row_valid, slot_src, slot_valid), ctx.plan, backend=self.backend
@@ -253,7 +270,7 @@ class AllToAllCapacityDispatcher(AllToAllDispatcher):
         theirs = torch.stack(everyone).tolist()
         self.host_syncs += 1
         if any(t != sizes for t in theirs):
-            self._raise_disagreement("tokens, capacity, dtype or hidden size", theirs)
+            self._raise_disagreement("tokens, capacity, dtype, hidden size or dispatch payload", theirs)
         self._checked_sizes = tuple(sizes)
         self._static.clear()  # the size-derived buffers of the old sizes are not needed again
 

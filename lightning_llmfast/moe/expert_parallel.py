@@ -11,12 +11,12 @@ order they were sent and ``unpermute`` applies the weights at home.
 Two dispatchers, chosen by the block's routing config:
 
 - :class:`AllToAllDroplessDispatcher` (no ``capacity_factor``): one ``all_to_all_single`` of the ``E`` counts,
-  the token count and a two-integer signature per rank gives the receive splits (and the batch-wide counts of the
+  the token count and a signature per rank gives the receive splits (and the batch-wide counts of the
   load-balancing loss, so that it needs no all-reduce). It is issued before the local permutation is queued and
   read on the host after: one host read per layer and forward (:attr:`AllToAllDispatcher.host_syncs` counts it);
-  the combine and both backward exchanges reuse the same splits, swapped. The signature (dtype, hidden size) is
-  checked on every rank with that read, so ranks that disagree raise :class:`~lightning_llmfast.errors.RoutingError`
-  instead of hanging.
+  the combine and both backward exchanges reuse the same splits, swapped. The signature (dtype, hidden size,
+  payload) is checked on every rank with that read, so ranks that disagree raise
+  :class:`~lightning_llmfast.errors.RoutingError` instead of hanging.
 - :class:`AllToAllCapacityDispatcher` (``capacity_factor`` set): every rank sends exactly ``capacity`` rows per
   expert (zeros pad the free slots), so both exchanges have fixed, equal splits and nothing is read on the host.
   The capacity rule is the plan's, per source rank: ``C = ceil(cf * T_r * k / E)`` from that rank's own ``T_r``
@@ -26,6 +26,24 @@ Two dispatchers, chosen by the block's routing config:
   sizes change.
 
 Every exchange is differentiable: the backward of an all-to-all is the reverse all-to-all.
+
+Payloads (``dispatch_dtype``, a :class:`~lightning_llmfast.comm.payload.DispatchPayload`): ``None`` sends every row
+in the activations' dtype; ``"bf16"`` sends the tokens in bf16 (``2 H`` bytes a row) and ``"fp8"`` as e4m3 with one
+fp32 scale per row (``H + 4`` bytes: half of bf16 plus the scales), both quantized after the local permutation and
+decoded to the activations' dtype before the experts. The expert outputs and every gradient come back in bf16 (the
+default ``combine``, as DeepEP does; ``DispatchPayload(dispatch, combine="fp32")`` keeps the activations' dtype):
+the outputs are weighted and summed over each token's ``k`` experts at home in the activations' dtype, so each
+returned row is rounded once, by at most ``2**-8`` of each value, and that rounding does not add up over the
+exchanges; gradients are straight-through (the quantization counts as the identity). Error of a dispatched element
+``x`` of a row with ``m = max|row|`` (e4m3 keeps 3 mantissa bits, so rounding to nearest is within ``2**-4`` of the
+value for normals; the per-row scale ``s = m / 448`` maps the row into e4m3's range, whose subnormals are spaced
+``2**-9``)::
+
+    |fp8(x) - x|  <= max(2**-4 * |x|, 2**-10 * m / 448)
+    |bf16(x) - x| <= 2**-8 * |x|
+    |fp8(x) - bf16(x)| <= max(2**-4 * |x|, 2**-10 * m / 448) + 2**-8 * |x|
+
+(fp32 activations; with bf16 activations the decoded fp8 value is rounded to bf16 once more, ``+ 2**-8 * |x|``).
 
 Example::
 
@@ -41,6 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_llmfast.comm.payload import DispatchPayload
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.moe._exchange import comm_device
 from lightning_llmfast.moe.alltoall import (
@@ -79,7 +98,11 @@ def _num_experts(block: nn.Module) -> int:
 
 
 def shard_experts(
-    block: nn.Module, group: dist.ProcessGroup | None = None, *, loss_group: dist.ProcessGroup | None = None
+    block: nn.Module,
+    group: dist.ProcessGroup | None = None,
+    *,
+    loss_group: dist.ProcessGroup | None = None,
+    dispatch_dtype: str | DispatchPayload | None = None,
 ) -> nn.Module:
     """Shard an MoE block's experts over ``group`` in place: each rank keeps ``Parameter`` s of its ``E / W`` only.
 
@@ -96,18 +119,23 @@ def shard_experts(
             :class:`~lightning_llmfast.GroupedRouterMixin`.
         group: the expert-parallel process group (default: the whole world).
         loss_group: the ranks whose tokens form one batch for the load-balancing loss (default: the whole world).
+        dispatch_dtype: the tokens' payload on the wire: ``None`` (their dtype), ``"bf16"`` or ``"fp8"`` (outputs and
+            gradients then come back in bf16), or a :class:`~lightning_llmfast.comm.payload.DispatchPayload`.
 
     Returns:
         ``block``, for chaining.
 
     Raises:
-        ConfigError: not a grouped MoE block, already sharded, ``W`` does not divide ``E``, or (checked with one
-            all-gather over ``group``, on every rank) the ranks' blocks differ in their expert shapes.
+        ConfigError: an unknown ``dispatch_dtype``, not a grouped MoE block, already sharded, ``W`` does not divide
+            ``E``, or (checked with one all-gather over ``group``, on every rank) the ranks' blocks differ in their
+            expert shapes.
 
     Example::
 
         shard_experts(block, dist.new_group([0, 1]))
+        shard_experts(block, group, dispatch_dtype="fp8")  # e4m3 tokens out, bf16 outputs back
     """
+    payload = DispatchPayload.of(dispatch_dtype)
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("shard_experts needs an initialised torch.distributed process group")
     group = dist.group.WORLD if group is None else group
@@ -124,7 +152,7 @@ def shard_experts(
     _check_same_blocks(params, group)
     routing = block.config.routing
     kind = AllToAllDroplessDispatcher if routing.capacity_factor is None else AllToAllCapacityDispatcher
-    dispatcher = kind(group, num_experts, loss_group, routing.backend)
+    dispatcher = kind(group, num_experts, loss_group, routing.backend, payload)
     experts = dispatcher.local_experts
     for name, param in params.items():
         local = nn.Parameter(param.detach()[experts.start : experts.stop].clone(), requires_grad=param.requires_grad)

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from lightning_llmfast.comm.payload import DispatchPayload
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.moe.alltoall import AllToAllDispatcher
 from lightning_llmfast.moe.block import GroupedMoE
@@ -53,7 +54,7 @@ __all__ = [
 ]
 
 
-def shard_model_experts(module: nn.Module, dims: ParallelDims) -> None:
+def shard_model_experts(module: nn.Module, dims: ParallelDims, dispatch: DispatchPayload | None = None) -> None:
     """Shard every grouped MoE block of ``module`` over the ``"ep"`` groups of ``dims``' mesh.
 
     Call it on every rank after :meth:`ParallelDims.build_mesh`, with the ranks' experts equal (same seed, or after
@@ -66,6 +67,7 @@ def shard_model_experts(module: nn.Module, dims: ParallelDims) -> None:
         module: the model (or LightningModule); its MoE blocks must be grouped (:class:`~lightning_llmfast.moe.
             MoEBlock`, or transformers blocks after :class:`~lightning_llmfast.GroupedRouterMixin` swapped them).
         dims: the layout, its mesh built; ``dims.ep`` must divide every block's number of experts.
+        dispatch: the all-to-all payloads (``shard_experts``' ``dispatch_dtype``; ``None``: the activations' dtype).
 
     Raises:
         ConfigError: no grouped MoE block, or (from ``shard_experts``) ``dims.ep`` not dividing a block's experts.
@@ -82,7 +84,7 @@ def shard_model_experts(module: nn.Module, dims: ParallelDims) -> None:
             "(MoEBlock, or a transformers block swapped by GroupedRouterMixin)"
         )
     for _, block in blocks:
-        shard_experts(block, dims.ep_mesh.get_group(), loss_group=dims.dp_group)
+        shard_experts(block, dims.ep_mesh.get_group(), loss_group=dims.dp_group, dispatch_dtype=dispatch)
     if dims.sharding == "fsdp":
         for _, block in blocks:
             for name, param in list(block.experts.named_parameters(recurse=False)):

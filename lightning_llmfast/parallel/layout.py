@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from lightning_llmfast.comm.payload import DispatchPayload
 from lightning_llmfast.parallel.dims import ParallelDims
 from lightning_llmfast.parallel.expert import fully_shard_experts, shard_model_experts
 from lightning_llmfast.parallel.fsdp import broadcast_module_states, materialize_module, shard_module
@@ -41,6 +42,7 @@ def parallelize(
     device: torch.device,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
+    dispatch: DispatchPayload | None = None,
 ) -> list[nn.Module]:
     """Shard ``module`` in place as ``dims`` says (its mesh built); under DDP only the experts (DDP wraps later).
 
@@ -51,6 +53,7 @@ def parallelize(
         device: this rank's device (the one its process group serves).
         mp_policy: FSDP2 mixed precision.
         reshard_after_forward: FSDP2's ZeRO-3 (``True``) or ZeRO-2 behaviour.
+        dispatch: the expert-parallel all-to-all payloads (``None``: the activations' dtype).
 
     Returns:
         The FSDP2 root modules (empty under DDP).
@@ -67,7 +70,7 @@ def parallelize(
     if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
         broadcast_module_states(module, device)
     if dims.ep_enabled:
-        shard_model_experts(module, dims)
+        shard_model_experts(module, dims, dispatch)
     if not dims.fsdp_enabled:
         return []
     if dims.ep_enabled:
