@@ -43,6 +43,7 @@ from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 FRACTIONS = (0.9, 0.7, 0.5)
 VOCAB = 512
 TOLERANCE = 0.15
+STAT_KEYS = ("offloaded_bytes", "recompute_layers", "copy_ms", "exposed_copy_ms")
 
 
 def _model(hidden: int, layers: int) -> MoEGPT:
@@ -126,8 +127,7 @@ def run(hidden: int = 64, layers: int = 12, tokens: int = 128, repeats: int = 15
             "time_ratio_range": [min(ratios), max(ratios)],
             "time_within_15pct": abs(statistics.median(ratios) - 1) <= TOLERANCE,
             "step_vs_off": statistics.median(s["wall_ms"] for s in rows) / off_ms,
-            "stats": {k: off.stats[k] for k in ("offloaded_bytes", "recompute_layers", "copy_ms", "exposed_copy_ms")
-                      if k in off.stats},  # fmt: skip
+            "stats": {k: v for k, v in off.stats.items() if k in STAT_KEYS},
         }
         off.close()
     report["off_step_ms_median"] = off_ms
