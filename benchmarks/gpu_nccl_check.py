@@ -8,7 +8,10 @@ live on the GPU, counts exchanged by ``all_to_all_single`` must be device tensor
    forward+backward, outputs and gradients equal the unsharded model's;
 2. a DCP save of the sharded model and a load into a second, differently initialised one: equal weights;
 3. expert parallelism: :func:`~lightning_llmfast.moe.expert_parallel.shard_experts` over the world group (the count
-   exchange and both all-to-alls), one dropless forward+backward equal to the unsharded block.
+   exchange and both all-to-alls), one dropless forward+backward equal to the unsharded block;
+4. fp8 dispatch (``dispatch_dtype="fp8"``: e4m3 rows and their scales as bytes through NCCL), dropless and capacity:
+   outputs within e4m3's rounding of the unsharded block (relative 2-norm error below ``2**-3``), finite input
+   gradients.
 
 Usage (one GPU; a CPU test runs it with ``--backend gloo --device cpu`` so it cannot rot)::
 
@@ -110,6 +113,19 @@ def _expert_parallel(device: torch.device, dtype: torch.dtype, tol: float) -> di
     return {"ep_tokens": x.shape[0]}
 
 
+def _fp8_dispatch(device: torch.device, dtype: torch.dtype, tol: float) -> dict[str, Any]:
+    for factor in (None, 1.0):
+        torch.manual_seed(3)
+        reference = MoEBlock(MoEConfig.build(32, 48, 4, 2, capacity_factor=factor, backend="torch")).to(device, dtype)
+        block = shard_experts(copy.deepcopy(reference), dist.group.WORLD, dispatch_dtype="fp8")
+        x = torch.randn(37, 32, device=device, dtype=dtype, requires_grad=True)
+        y = block(x)
+        _close(y, reference(x.detach()), f"fp8 dispatch forward (capacity_factor={factor})", max(tol, 2.0**-3))
+        y.backward(torch.randn_like(y))
+        assert x.grad is not None and bool(torch.isfinite(x.grad).all()), "fp8 dispatch: non-finite input gradient"
+    return {"fp8_dispatch_modes": 2}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -117,7 +133,7 @@ def _free_port() -> int:
 
 
 def run(backend: str = "nccl", device: str = "cuda") -> dict[str, Any]:
-    """Initialise a world-size-1 group on ``backend``, run the three checks, tear the group down; their report.
+    """Initialise a world-size-1 group on ``backend``, run the four checks, tear the group down; their report.
 
     Example::
 
@@ -133,7 +149,8 @@ def run(backend: str = "nccl", device: str = "cuda") -> dict[str, Any]:
     dist.init_process_group(backend, rank=0, world_size=1, timeout=timedelta(seconds=60))
     report: dict[str, Any] = {"backend": backend, "device": str(dev), "dtype": str(dtype).removeprefix("torch.")}
     try:
-        for name, check in (("fsdp_dcp", _fsdp_and_dcp), ("expert_parallel", _expert_parallel)):
+        checks = (("fsdp_dcp", _fsdp_and_dcp), ("expert_parallel", _expert_parallel), ("fp8_dispatch", _fp8_dispatch))
+        for name, check in checks:
             start = time.perf_counter()
             report.update(check(dev, dtype, tol))
             report[f"{name}_s"] = round(time.perf_counter() - start, 2)

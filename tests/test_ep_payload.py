@@ -24,6 +24,8 @@ from lightning_llmfast.moe.expert_parallel import (
     AllToAllDroplessDispatcher,
     shard_experts,
 )
+from lightning_llmfast.parallel.dims import ParallelDims
+from lightning_llmfast.parallel.layout import parallelize
 
 HIDDEN = 24
 SLACK = 1 + 2.0**-20  # fp32 rounding of the scaling (x / s, q * s)
@@ -203,6 +205,30 @@ def _disagreement(rank: int, world: int) -> None:
             block(torch.randn(4, HIDDEN))
 
 
+def _fsdp_case(rank: int, world: int) -> None:
+    """FSDP2 x EP through ``parallelize`` (the strategy's path): the payload reaches every block, and the fp8 model's
+    loss and gradients stay within e4m3's rounding of the same model's with the activations' dtype on the wire."""
+    results = []
+    for dispatch in (None, DispatchPayload("fp8")):
+        torch.manual_seed(6)
+        layer = torch.nn.Sequential(
+            torch.nn.Linear(HIDDEN, HIDDEN), MoEBlock(MoEConfig.build(HIDDEN, 16, 2 * world, 2))
+        )
+        model = torch.nn.Sequential(layer)
+        dims = ParallelDims(world, "fsdp", world)
+        dims.build_mesh("cpu")
+        parallelize(model, dims, [layer], device=torch.device("cpu"), dispatch=dispatch)
+        assert layer[1].dispatcher.payload == DispatchPayload.of(dispatch)
+        x, _, _ = _case(world, rank, 2 * world, 2, 5, "spread", 60)
+        loss = model(x).square().mean()
+        loss.backward()
+        grad = layer[0].weight.grad.full_tensor()
+        results.append((loss.detach(), grad))
+    (loss, grad), (loss8, grad8) = results
+    assert 0 < abs(loss8 - loss) <= 2.0**-3 * loss
+    assert (grad8 - grad).norm() <= 2.0**-3 * grad.norm()
+
+
 def _worker(rank: int, world: int) -> None:
     # (experts, top_k, tokens per rank, routing, capacity factor): spread, one expert takes everything, one token
     for case in [(4, 2, 7, "spread", None), (4, 1, 6, "one", None), (2, 1, 1, "spread", None),
@@ -212,6 +238,7 @@ def _worker(rank: int, world: int) -> None:
         _block_case(rank, world, cf, combine)
     _steady_capacity_without_syncs(rank, world)
     _disagreement(rank, world)
+    _fsdp_case(rank, world)
 
 
 @pytest.mark.slow

@@ -64,10 +64,11 @@ def test_cuda_marker_selects_tests_that_skip_without_cuda_and_name_their_reason(
 
 @pytest.mark.slow
 def test_nccl_stage_script_runs_its_checks_on_gloo(tmp_path: Path) -> None:
-    """The NCCL stage's script, on a one-rank gloo group: FSDP2 sharding, the DCP round trip, expert parallelism."""
+    """The NCCL stage's script, on a one-rank gloo group: FSDP2 sharding, the DCP round trip, expert parallelism,
+    fp8 dispatch."""
     out = tmp_path / "nccl_check.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_nccl_check.py"), "--backend", "gloo", "--device", "cpu"]
     run = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "PASS fsdp_dcp" in run.stdout and "PASS expert_parallel" in run.stdout
+    assert "PASS fsdp_dcp" in run.stdout and "PASS expert_parallel" in run.stdout and "PASS fp8_dispatch" in run.stdout
     assert '"passed": true' in out.read_text()

@@ -70,6 +70,7 @@ class Packer:
         self._scanned: set[int] = set()
         self._nested_hooks: list[Any] = []
         self._shared_inputs: set[int] = set()
+        self._inputs: set[int] = set()
         # Whether autocast caches its weight copies in the running layer call (read at the call: the pack hook runs
         # below the autocast dispatch key, where autocast always reads as disabled).
         self._autocast_caches = False
@@ -99,6 +100,8 @@ class Packer:
         # Inputs that need no grad (RoPE tables, masks, ids) are shared by every layer and alive outside it:
         # offloading them would copy them once per layer and free nothing.
         self._shared_inputs = {t.untyped_storage().data_ptr() for t in tensors_in(inputs) if not t.requires_grad}
+        # The others (the hidden states) are what recomputation starts from: kept, never recomputed.
+        self._inputs = {t.untyped_storage().data_ptr() for t in tensors_in(inputs) if t.requires_grad}
         self._autocast_caches = self._copier is not None and (
             torch.is_autocast_cache_enabled() and torch.is_autocast_enabled(self._copier.device.type)
         )
@@ -124,11 +127,12 @@ class Packer:
                 continue
             if seg.offload:
                 self.offload(saved, seg)  # over a partial layer's budget it stays on the device
-            elif self._calls.measuring:
+            elif self._calls.counts():
                 self.measure(saved.tensor, seg)
 
     def leave_layer(self) -> None:
         self._shared_inputs = set()
+        self._inputs = set()
 
     def pack(self, t: torch.Tensor) -> Any:
         """The pack hook's handle for ``t``: ``t`` itself (kept) or a :class:`Saved`/:class:`Recipe`."""
@@ -181,7 +185,7 @@ class Packer:
                 if rebuilt is not None:
                     return rebuilt
         if seg is not None and not seg.offload:
-            if calls.measuring:
+            if calls.counts():
                 self.measure(t, seg)
             return kept(t)  # a layer that keeps what it saves
         saved = Saved(tensor=kept(t))
@@ -280,10 +284,10 @@ class Packer:
         self.counters["recast_bytes"] += t.untyped_storage().nbytes()
         return Recast(param=param, version=param._version, dtype=t.dtype, view=view_of(t, base))
 
-    @staticmethod
-    def measure(t: torch.Tensor, seg: Segment) -> None:
-        # The measuring step counts what offloading would copy, deduplicated as `offload` does, and what selective
-        # recomputation would drop (outputs of ops it does not keep; a layer's inputs are kept).
+    def measure(self, t: torch.Tensor, seg: Segment) -> None:
+        """Count ``t`` as kept by ``seg``: the measuring step counts what offloading would copy, deduplicated as
+        `offload` does, and what selective recomputation would drop (outputs of ops it does not keep; a layer's
+        inputs are kept); a memory plan's steps count what each layer keeps."""
         storage = t.untyped_storage()
         key = (storage.data_ptr(), t._version)
         known = seg.seen.get(key)
@@ -291,8 +295,15 @@ class Packer:
             seg.seen[key] = weakref.ref(storage)
             seg.candidate_bytes += storage.nbytes()
             fn = (t._base if t._base is not None else t).grad_fn
-            if fn is not None and recomputed_by_selective(fn.name()):
+            if fn is not None and key[0] not in self._inputs and recomputed_by_selective(fn.name()):
                 seg.recompute_bytes += storage.nbytes()
+
+    def count_stored(self, t: torch.Tensor) -> None:
+        """Count an output a recomputed layer stores for its backward (not through the pack hook) as kept by the
+        running layer call, when layer calls count what they keep."""
+        seg = self._calls.current
+        if seg is not None and self._calls.counts() and t.untyped_storage().nbytes() >= self.config.min_offload_bytes:
+            self.measure(t, seg)
 
     def offload(self, saved: Saved, seg: Segment) -> bool:
         """Offload ``saved`` into ``seg``; ``False`` (and nothing changes) when it would exceed ``seg``'s budget."""
