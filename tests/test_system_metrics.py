@@ -148,7 +148,8 @@ def _readme_metric_names() -> set[str]:
     return {name for cell in rows for name in re.findall(r"`([^`]+)`", cell)}
 
 
-# Logged only on a GPU (device events and memory), with the offloader's copy timings, or with several processes
+# Logged only on a GPU (device events and memory), with the offloader's copy timings or memory plan
+# (tests/test_offload_plan_metrics.py reads them from a fit's CSV file), or with several processes
 # (gradient sync: tests/test_grad_compression.py reads it from a 2-process fit's CSV file).
 _NOT_IN_ONE_CPU_PROCESS = {
     "train/device_busy",
@@ -156,6 +157,10 @@ _NOT_IN_ONE_CPU_PROCESS = {
     "train/memory_fraction",
     "offload/overlap",
     "train/grad_sync_ms",
+    "offload/predicted_peak",
+    "offload/measured_peak",
+    "offload/predicted_ms",
+    "offload/measured_ms",
 }
 
 

@@ -66,13 +66,13 @@ def _segment(settings: E2ESettings, batches: list[Any], world_size: int, device:
     torch.manual_seed(settings.seed)
     module = MoEGPTLightningModule(MoEGPTConfig(**settings.model), lr=settings.lr, warmup_steps=1)
     meter = _Meter(settings.warmup_steps)
-    trainer = L.Trainer(
-        accelerator=device, devices=world_size, strategy=LLMFastStrategy(timeout=timedelta(seconds=120)),
-        max_steps=len(batches), callbacks=[meter], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        num_sanity_val_steps=0, limit_val_batches=0, precision=settings.precision,
-    )  # fmt: skip
-    with quiet():
+    with quiet():  # the Trainer's banners too: one Trainer per segment
+        trainer = L.Trainer(
+            accelerator=device, devices=world_size, strategy=LLMFastStrategy(timeout=timedelta(seconds=120)),
+            max_steps=len(batches), callbacks=[meter], logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+            num_sanity_val_steps=0, limit_val_batches=0, precision=settings.precision,
+        )  # fmt: skip
         trainer.fit(module, train_dataloaders=Batches(batches))
     tokens = trainer.strategy.reduce(torch.tensor(float(meter.tokens), device=trainer.strategy.root_device),
                                      reduce_op="sum")  # fmt: skip

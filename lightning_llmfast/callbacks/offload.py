@@ -5,6 +5,13 @@ It owns the :class:`~lightning_llmfast.offload.ActivationOffloader`'s lifecycle 
 ``on_before_backward`` (the forward), its step ended at ``on_after_backward`` (or at the batch's end when no backward
 ran), released at ``teardown``, also after an exception. ``strategy="llmfast_offload"`` uses it too.
 
+With a memory plan (``OffloadConfig(plan="auto")``) it logs, after each step whose index Lightning logs, the plan's
+prediction against that step: ``offload/predicted_peak`` and ``offload/measured_peak`` (bytes of live saved
+activations), ``offload/predicted_ms`` and ``offload/measured_ms`` (the layers' forward and backward; on a GPU once
+the step's events have completed, else at a later log point), and warns once per quantity (rank zero) when measured
+and predicted differ by more than :data:`PLAN_TOLERANCE`. Nothing is synchronised: the numbers are the offloader's
+own counts and completed timestamps (:meth:`~lightning_llmfast.offload.ActivationOffloader.step_metrics`).
+
 Example::
 
     trainer = L.Trainer(strategy="fsdp", callbacks=[ActivationOffload(OffloadConfig(offload_layers="auto"))])
@@ -23,7 +30,12 @@ from lightning_llmfast._layers import LayersSpec
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig, resolve_layers
 
-__all__ = ["ActivationOffload"]
+__all__ = ["PLAN_METRICS", "PLAN_TOLERANCE", "ActivationOffload"]
+
+PLAN_METRICS = ("offload/predicted_peak", "offload/measured_peak", "offload/predicted_ms", "offload/measured_ms")
+"""The names a memory plan's steps are logged under."""
+PLAN_TOLERANCE = 0.15
+"""Relative difference between measured and predicted peak (or time) above which the callback warns."""
 
 
 class ActivationOffload(L.Callback):
@@ -58,7 +70,11 @@ class ActivationOffload(L.Callback):
         self.layers = layers
         self._offloader: ActivationOffloader | None = None
         self._forward: contextlib.ExitStack | None = None
-        self._last_stats: dict[str, int | bool] | None = None
+        self._last_stats: dict[str, int | bool | float] | None = None
+        self._step = self._logged_step = -1
+        self._warned: set[str] = set()
+        self.last_metrics: dict[str, float] = {}
+        """What the last log point logged (:data:`PLAN_METRICS`)."""
 
     @property
     def offloader(self) -> ActivationOffloader | None:
@@ -66,7 +82,7 @@ class ActivationOffload(L.Callback):
         return self._offloader
 
     @property
-    def stats(self) -> dict[str, int | bool] | None:
+    def stats(self) -> dict[str, int | bool | float] | None:
         """:attr:`ActivationOffloader.stats <lightning_llmfast.offload.ActivationOffloader.stats>` of the last step,
         while fitting and after it (``None`` before any offloading fit)."""
         return self._offloader.stats if self._offloader is not None else self._last_stats
@@ -89,6 +105,7 @@ class ActivationOffload(L.Callback):
     ) -> None:
         if self._offloader is None:
             return
+        self._step = trainer.global_step
         self._offloader.begin_step()
         self._forward = contextlib.ExitStack()
         self._forward.enter_context(self._offloader.forward_context())
@@ -101,6 +118,7 @@ class ActivationOffload(L.Callback):
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._offloader is not None and pl_module.automatic_optimization:
             self._offloader.end_step()
+            self._log_plan(trainer)
 
     @override
     def on_train_batch_end(
@@ -110,6 +128,7 @@ class ActivationOffload(L.Callback):
         self._end_forward()
         if self._offloader is not None and self._offloader.in_step:
             self._offloader.end_step()
+            self._log_plan(trainer)
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
@@ -124,6 +143,33 @@ class ActivationOffload(L.Callback):
             self._last_stats = self._offloader.stats  # kept for `stats`: the offloader is released
             self._offloader.close()
             self._offloader = None
+
+    def _log_plan(self, trainer: L.Trainer) -> None:
+        """Log the memory plan's prediction against the step that just ended, on the steps Lightning logs (once per
+        optimizer step), and warn once per quantity that is off by more than :data:`PLAN_TOLERANCE`."""
+        assert self._offloader is not None
+        step = self._step
+        if step == self._logged_step or (step + 1) % trainer.log_every_n_steps:
+            return
+        metrics = self._offloader.step_metrics()
+        if not metrics:
+            return  # no plan yet (its measuring steps), or it copied and kept nothing
+        self._logged_step = step
+        self.last_metrics = {f"offload/{name}": value for name, value in metrics.items()}
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(self.last_metrics, step=step)
+        for what, unit in (("peak", "bytes of live saved activations"), ("ms", "ms of forward and backward")):
+            predicted, measured = metrics.get(f"predicted_{what}"), metrics.get(f"measured_{what}")
+            if predicted is None or measured is None or what in self._warned:
+                continue
+            if abs(measured - predicted) > PLAN_TOLERANCE * predicted:
+                self._warned.add(what)
+                rank_zero_warn(
+                    f"{type(self).__name__}: the memory plan predicted {predicted:.6g} {unit} and step {step} "
+                    f"measured {measured:.6g} ({measured / predicted - 1:+.1%}, more than {PLAN_TOLERANCE:.0%}); "
+                    "the profile it was made from (the second step) may not represent the run (warned once)"
+                )
 
     def _end_forward(self) -> None:
         if self._forward is not None:

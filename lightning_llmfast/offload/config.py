@@ -50,10 +50,10 @@ class OffloadConfig:
             backward), or ``None`` (nothing; kept or offloaded like any activation).
         rebuild_gemm_layers: with ``"norms+gemms"``, only the first this many layers rebuild GEMM outputs (each takes
             the same share off the forward's peak, so it trades memory for backward time linearly); ``None``: all.
-        plan: ``"auto"``: measure the first step, then keep, recompute or offload each layer so that the saved
-            activations fit ``budget`` at the least predicted time (:func:`~lightning_llmfast.offload.plan_memory`);
-            the plan is logged as a table and kept as ``ActivationOffloader.memory_plan``. ``None``: the fixed
-            settings above.
+        plan: ``"auto"``: measure the second step (the first, which keeps everything too, warms up), then keep,
+            recompute or offload each layer so that the saved activations fit ``budget`` at the least predicted time
+            (:func:`~lightning_llmfast.offload.plan_memory`); the plan is logged as a table and kept as
+            ``ActivationOffloader.memory_plan``. ``None``: the fixed settings above.
         budget: with ``plan="auto"``, the most bytes of saved activations the layers may keep: bytes (int), a size
             (``"40GiB"``) or a fraction of the device's memory (float ``<= 1``).
 

@@ -4,6 +4,12 @@
 host-to-device stream with an event per batch of copies, :class:`CpuCopier` copies synchronously (``force=True`` on
 CPU: the tests prove the bookkeeping with it, or with a subclass that defers every copy until something waits).
 
+Every copier times its copies for ``offload/overlap``: ``copy`` spans (how long the copies ran) and ``wait`` spans
+(how long compute waited for them), read after the step with :meth:`Copier.copy_times` once they have completed (no
+host sync). On CUDA both are event pairs: a copy span on its side stream, a wait span on the compute stream around
+the first wait for each copy event (later waits on a completed event cost nothing). On CPU a copy runs on the host
+thread that computes, so every copy span is also a wait span: the overlap is 0 by construction.
+
 Example::
 
     copier = make_copier(torch.device("cpu"))
@@ -35,6 +41,34 @@ class Copier(ABC):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
+        self._spans: list[tuple[str, Any, Any]] = []  # this step's ("copy" | "wait", start, end)
+        self._ended: list[tuple[str, Any, Any]] = []  # the last ended step's
+        self._waited: set[int] = set()  # ids of the events compute has waited on this step
+
+    def _span(self, kind: str, start: Any, end: Any) -> None:
+        self._spans.append((kind, start, end))
+
+    def end_step(self) -> None:
+        """The step ended: its spans are the ones :meth:`copy_times` reads from now on."""
+        self._ended, self._spans = self._spans, []
+        self._waited = set()
+
+    def copy_times(self) -> tuple[float, float] | None:
+        """``(copy_ms, exposed_copy_ms)`` of the last ended step: the time its copies ran, and the time compute waited
+        on them; ``None`` when it copied nothing or some span has not completed yet (read again later: never blocks).
+
+        Example::
+
+            times = copier.copy_times()
+            overlap = None if times is None or not times[0] else 1 - times[1] / times[0]
+        """
+        spans = self._ended
+        if not spans or not all(self.stamp_done(end) for _, _, end in spans):
+            return None
+        total = {"copy": 0.0, "wait": 0.0}
+        for kind, start, end in spans:
+            total[kind] += self.elapsed_ms(start, end)
+        return total["copy"], total["wait"]
 
     @abstractmethod
     def mark_compute(self) -> Any:
@@ -67,6 +101,10 @@ class Copier(ABC):
     @abstractmethod
     def elapsed_ms(self, start: Any, end: Any) -> float:
         """Milliseconds between two :meth:`timestamp` points."""
+
+    def stamp_done(self, stamp: Any) -> bool:
+        """Whether the device has reached :meth:`timestamp` point ``stamp`` (reading it then never blocks)."""
+        return self.done(stamp)
 
     @abstractmethod
     def allocated(self) -> int | None:
@@ -104,8 +142,12 @@ class CpuCopier(Copier):
 
     @override
     def copy(self, pairs: Pairs, to_host: bool, after: Sequence[Any] = ()) -> Any:
+        start = self.timestamp()
         for dst, src in pairs:
             dst.copy_(src)
+        end = self.timestamp()
+        self._span("copy", start, end)
+        self._span("wait", start, end)  # the host that computes ran the copy: all of it is exposed
         return None
 
     @override
@@ -127,6 +169,10 @@ class CpuCopier(Copier):
     @override
     def elapsed_ms(self, start: Any, end: Any) -> float:
         return (end - start) * 1e3
+
+    @override
+    def stamp_done(self, stamp: Any) -> bool:
+        return True  # the host clock: read when taken
 
     @override
     def allocated(self) -> int | None:
@@ -152,14 +198,26 @@ class CudaStreamCopier(Copier):
             for event in after:
                 if event is not None:
                     stream.wait_event(event)
+            start = self.timestamp()  # on the copy stream, once its waits are met: the copies' own time
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
-            return stream.record_event()
+            end = self.timestamp()
+        self._span("copy", start, end)
+        return end
 
     @override
     def compute_waits(self, event: Any) -> None:
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+        if event is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if id(event) in self._waited:
+            stream.wait_event(event)
+            return
+        self._waited.add(id(event))
+        # Compute reaches `before` when its earlier work is done and `after` once the copy is too: the stall.
+        before = self.timestamp()
+        stream.wait_event(event)
+        self._span("wait", before, self.timestamp())
 
     @override
     def done(self, event: Any) -> bool:
@@ -173,7 +231,7 @@ class CudaStreamCopier(Copier):
     @override
     def timestamp(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(torch.cuda.current_stream(self.device))  # the current stream: the copy stream inside copy()
         return event
 
     @override

@@ -13,13 +13,38 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
+from lightning_llmfast._layers import LayersSpec
+from lightning_llmfast._layers import resolve_layers as _resolve
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload.config import OffloadConfig
 from lightning_llmfast.offload.copier import Copier
 from lightning_llmfast.offload.handles import Recipe, Saved, Segment, kept
 
-__all__ = ["LayerCalls", "backward_begins", "layer_post", "layer_pre", "saved_tensor_hooks", "tensors_in"]
+__all__ = [
+    "LayerCalls",
+    "backward_begins",
+    "layer_post",
+    "layer_pre",
+    "resolve_layers",
+    "saved_tensor_hooks",
+    "tensors_in",
+]
+
+
+def resolve_layers(root: nn.Module, layers: LayersSpec) -> list[nn.Module]:
+    """The layer stack whose activations are offloaded: ``None`` (the largest ``nn.ModuleList`` of identical
+    blocks), an attribute path such as ``"model.layers"``, or the modules (one module is a stack of one).
+
+    Raises:
+        OffloadError: when nothing matches.
+
+    Example::
+
+        layers = resolve_layers(model, "layers")
+    """
+    return _resolve(root, layers, error=OffloadError, single=True)
 
 
 class LayerCalls:
@@ -49,6 +74,8 @@ class LayerCalls:
         self.partial = 0  # bytes layer `planned` offloads too ("auto": what whole layers left of the budget)
         self.chosen: frozenset[int] | None = None  # a memory plan's offloading layers (then `planned` counts them)
         self.measuring = False
+        # A memory plan compares what its steps keep with its prediction: every layer call counts what it keeps.
+        self.accounting = config.plan == "auto"
         self.packing = False  # inside the forward of a step
         self.hot = False  # whether the pack hook looks at saved tensors at all (see wants_pack)
         self.segments: list[Segment] = []
@@ -105,7 +132,7 @@ class LayerCalls:
             and (index in self.chosen if self.chosen is not None else index < planned or partial),
             budget=self.partial if partial else None,
         )
-        seg.keeps = not seg.offload and not self.measuring
+        seg.keeps = not seg.offload and not self.measuring and not self.accounting
         self.segments.append(seg)
         self.calls += 1
         self.current = seg
@@ -138,8 +165,12 @@ class LayerCalls:
             seg.backward_started = self._copier.timestamp()
             seg.backward_allocated = self._copier.allocated()
 
+    def counts(self) -> bool:
+        """Whether layer calls that keep what they save count it (the measuring step, and steps of a memory plan)."""
+        return self.measuring or self.accounting
+
     def wants_pack(self, seg: Segment | None) -> bool:
-        """Whether saved tensors need a look now: inside any layer call (offloading, measuring, or rebuilding) or
+        """Whether saved tensors need a look now: inside any layer call (offloading, measuring, counting, rebuilding) or
         between layers before the last offloading call (checkpoint inputs).
 
         Every other saved tensor (the embedding, the head and loss) returns from the pack hook at once: on a
@@ -148,7 +179,7 @@ class LayerCalls:
         if self._copier is None or not self.packing:
             return False
         if seg is not None:
-            return seg.offload or self.measuring or self.config.rebuild is not None
+            return seg.offload or self.measuring or self.accounting or self.config.rebuild is not None
         return len(self._offload_calls) < (self.planned or 0) + (1 if self.partial else 0)
 
 

@@ -13,10 +13,11 @@ import torch
 
 from lightning_llmfast.offload.copier import Copier
 from lightning_llmfast.offload.handles import Segment
+from lightning_llmfast.offload.memplan import MemoryPlan, plan_memory
 from lightning_llmfast.offload.plan import AUTO_MARGIN, plan_offload, plan_partial_bytes
-from lightning_llmfast.offload.profile import LayerProfile, MemoryProfile
+from lightning_llmfast.offload.profile import LayerProfile, MemoryProfile, resolve_budget
 
-__all__ = ["auto_plan", "layer_times", "measure_profile", "measured_freed", "probe_bandwidth"]
+__all__ = ["auto_plan", "layer_times", "measure_profile", "measured_freed", "memory_plan", "probe_bandwidth"]
 
 # The bandwidth probe copies the largest layer's bytes, within these bounds (long enough to time, short).
 _PROBE_MIN_BYTES = 1 << 20
@@ -98,7 +99,22 @@ def measure_profile(
         recompute[seg.layer_index] += seg.recompute_bytes
     back = backward if backward is not None else [2.0 * f for f in forward]
     layers = tuple(LayerProfile(saved[i], recompute[i], forward[i], back[i], forward[i]) for i in range(num_layers))
-    return MemoryProfile(layers, probe_bandwidth(copier, max(saved), pinned))
+    return MemoryProfile(layers, probe_bandwidth(copier, max(saved), pinned), copies_overlap=copier.is_cuda)
+
+
+def memory_plan(
+    segments: list[Segment],
+    num_layers: int,
+    copier: Copier,
+    budget: int | float | str,
+    pinned: bool,
+    prefetch_layers: int,
+) -> MemoryPlan:
+    """The ``plan="auto"`` plan: the measuring step's profile (:func:`measure_profile`, its backward ending now)
+    planned for ``budget`` (``OffloadConfig.budget``) at the offloader's prefetch depth."""
+    end = copier.timestamp()
+    profile = measure_profile(segments, num_layers, copier, pinned=pinned, backward_end=end)
+    return plan_memory(profile, resolve_budget(budget, copier.device), prefetch_layers=prefetch_layers)
 
 
 def layer_times(

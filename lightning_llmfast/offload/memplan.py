@@ -8,13 +8,21 @@ The model, per layer ``i`` of a :class:`~lightning_llmfast.offload.MemoryProfile
 - recompute (selective): frees ``r_i``, costs ``c_i`` in backward;
 - offload to pinned host memory: frees ``s_i``; its copy ``d_i = s_i / w * (1 + margin)`` overlaps the next layer's
   forward (device to host) and, prefetched one layer ahead, the next layer's backward (host to device), so it costs
-  ``max(0, d_i - f_{i+1}) + max(0, d_i - b_{i+1})`` (the last layer hides nothing).
+  ``max(0, d_i - f_{i+1}) + max(0, d_i - b_{i+1})`` (the last layer hides nothing); where copies cannot run beside
+  compute (``MemoryProfile.copies_overlap=False``: CPU) it costs ``2 d_i``.
 
-The predicted peak of saved bytes is what the layers keep, ``sum(s_i - freed_i)``, and the predicted step time the
-measured one plus the costs. The optimiser is exact: a multiple-choice knapsack over the layers, solved by dynamic
-programming over the Pareto frontier of (bytes freed, capped at the need; added time), layer by layer. Greedy by cost
-per byte is not optimal with a few large items (a dozen layers), and the frontier stays small (at most the number of
-distinct freed sums that are cheaper than every larger one), so the exact answer costs milliseconds.
+The predicted step time is the measured one plus the costs. The predicted peak of live saved bytes follows the step
+(:func:`predict_peak`): the forward ends holding what every layer keeps, ``sum(s_i - freed_i)``; in backward each
+layer's kept bytes go when its backward is done, while the prefetched layers' bytes come back into
+``prefetch_layers + 1`` device buffer sets, each as large as the largest layer it held (in the pool's size classes).
+
+The optimiser is exact for this model: dynamic programming over the layers from last to first (the order of backward),
+whose states are the largest layer in each buffer set, the kept bytes of the layers whose peak constraint waits for the
+prefetch decision, and one number folding every checked constraint (how much the earlier layers may still keep), with
+Pareto pruning on (that number, added time). Greedy by cost per byte is not optimal with a few large items (a dozen
+layers); a knapsack on the forward's peak alone misses the backward, where buffer sets of late offloaded layers meet
+the kept bytes of early ones. The states stay few (layer sizes per set times the Pareto fronts), so the exact answer
+costs milliseconds for a dozen layers (brute force agrees in the tests).
 
 Example::
 
@@ -31,9 +39,10 @@ from dataclasses import dataclass
 from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload.plan import AUTO_MARGIN
+from lightning_llmfast.offload.pool import size_class
 from lightning_llmfast.offload.profile import MemoryProfile
 
-__all__ = ["MECHANISMS", "MemoryPlan", "mechanism_cost", "plan_memory"]
+__all__ = ["MECHANISMS", "MemoryPlan", "mechanism_cost", "plan_memory", "predict_peak"]
 
 MECHANISMS = ("keep", "recompute", "offload")
 TIERS = ("pinned",)
@@ -48,9 +57,10 @@ class MemoryPlan:
         freed_bytes: per layer, the bytes its mechanism removes.
         cost_ms: per layer, the time its mechanism adds.
         budget_bytes: the budget planned for.
-        predicted_peak: saved bytes kept at the end of the forward.
+        predicted_peak: the most live saved bytes at once over the step (:func:`predict_peak`).
         predicted_ms: the measured step time plus the added costs.
         profile: what it was planned from.
+        prefetch_layers: the prefetch depth the peak was predicted for.
     """
 
     choices: tuple[str, ...]
@@ -60,6 +70,7 @@ class MemoryPlan:
     predicted_peak: int
     predicted_ms: float
     profile: MemoryProfile
+    prefetch_layers: int = 1
 
     def layers(self, mechanism: str) -> frozenset[int]:
         """The layers planned with ``mechanism``."""
@@ -101,21 +112,103 @@ def mechanism_cost(
     if mechanism != "offload":
         raise OffloadError(f"plan_memory: unknown mechanism {mechanism!r}; one of {MECHANISMS}")
     copy_ms = layer.saved_bytes / profile.bandwidth_bytes_per_ms * (1.0 + margin)
+    if not profile.copies_overlap:
+        return layer.saved_bytes, 2.0 * copy_ms
     after = layers[index + 1] if index + 1 < len(layers) else None
     forward, backward = (after.forward_ms, after.backward_ms) if after is not None else (0.0, 0.0)
     return layer.saved_bytes, max(0.0, copy_ms - forward) + max(0.0, copy_ms - backward)
 
 
+def predict_peak(profile: MemoryProfile, choices: Sequence[str], freed: Sequence[int], prefetch_layers: int = 1) -> int:
+    """The most live saved bytes at once over a step that runs ``choices`` (see the module's model).
+
+    Example::
+
+        predict_peak(profile, ["offload"] * n, [l.saved_bytes for l in profile.layers])  # two layers' buffer sets
+    """
+    kept = [layer.saved_bytes - f for layer, f in zip(profile.layers, freed)]
+    live = peak = sum(kept)
+    sets = [0] * (prefetch_layers + 1)
+    for j in reversed(range(len(kept))):
+        if j + 1 < len(kept):
+            live -= kept[j + 1]  # layer j + 1's backward is done when layer j's starts
+        for k in range(j, max(j - prefetch_layers, 0) - 1, -1):  # prefetched when layer j's backward starts
+            if choices[k] == "offload" and profile.layers[k].saved_bytes:
+                s = k % len(sets)
+                sets[s] = max(sets[s], size_class(profile.layers[k].saved_bytes))
+        peak = max(peak, live + sum(sets))
+    return peak
+
+
+def _pareto(states: list[tuple[int, float, tuple[str, ...]]]) -> list[tuple[int, float, tuple[str, ...]]]:
+    """The states not beaten by one with less need and less cost."""
+    kept, cheapest = [], math.inf
+    for state in sorted(states, key=lambda st: (st[0], st[1])):
+        if state[1] < cheapest:
+            kept.append(state)
+            cheapest = state[1]
+    return kept
+
+
+def _cheapest(
+    profile: MemoryProfile, options: list[list[tuple[str, int, float]]], budget: int, prefetch_layers: int
+) -> tuple[str, ...] | None:
+    """The least-cost choice per layer whose :func:`predict_peak` fits ``budget`` (``None``: none does).
+
+    Layers are decided last to first (the order of backward). The peak's constraint at layer ``j`` is
+    ``K_j + S_j <= budget``: ``K_j`` the bytes layers ``0..j`` keep, ``S_j`` the buffer sets allocated by then (a
+    maximum over the offloaded layers ``>= j - prefetch_layers``, known once those are decided). Folding the evaluated
+    constraints into ``need = max_i (kept of j..i + S_i)`` leaves one number per state that only ever grows, so a
+    state is kept only if no other with the same sets and pending layers has both less need and less cost.
+    """
+    layers, sets = profile.layers, prefetch_layers + 1
+    # (largest layer per buffer set, kept bytes of the layers whose constraint is still pending) -> Pareto states
+    states: dict[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, float, tuple[str, ...]]]] = {
+        ((0,) * sets, ()): [(0, 0.0, ())]
+    }
+    for k in reversed(range(len(layers))):
+        grown: dict[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, float, tuple[str, ...]]]] = {}
+        for (largest, pending), front in states.items():
+            for name, freed, added in options[k]:
+                grew = largest
+                if name == "offload" and layers[k].saved_bytes:
+                    s = k % sets
+                    grew = (*largest[:s], max(largest[s], size_class(layers[k].saved_bytes)), *largest[s + 1 :])
+                waiting = (layers[k].saved_bytes - freed, *pending)
+                due = len(waiting) > prefetch_layers  # layer k + prefetch_layers' constraint is known now
+                key = (grew, waiting[:-1] if due else waiting)
+                for need, cost, chosen in front:
+                    if due:
+                        need = waiting[-1] + max(need, sum(grew))
+                    if need <= budget:
+                        grown.setdefault(key, []).append((need, cost + added, (name, *chosen)))
+        states = {key: _pareto(front) for key, front in grown.items()}
+    best: tuple[float, tuple[str, ...]] | None = None
+    for (largest, pending), front in states.items():
+        for need, cost, chosen in front:
+            for kept in reversed(pending):  # the first layers' constraints: every set is allocated by then
+                need = kept + max(need, sum(largest))
+            if need <= budget and (best is None or cost < best[0]):
+                best = (cost, chosen)
+    return None if best is None else best[1]
+
+
 def plan_memory(
-    profile: MemoryProfile, budget_bytes: int, tiers: Sequence[str] = TIERS, *, margin: float = AUTO_MARGIN
+    profile: MemoryProfile,
+    budget_bytes: int,
+    tiers: Sequence[str] = TIERS,
+    *,
+    margin: float = AUTO_MARGIN,
+    prefetch_layers: int = 1,
 ) -> MemoryPlan:
-    """The plan of least predicted step time whose saved bytes fit ``budget_bytes``.
+    """The plan of least predicted step time whose saved bytes fit ``budget_bytes`` over the whole step.
 
     Args:
         profile: the measured step.
         budget_bytes: the most saved-activation bytes the layers may keep at once.
         tiers: where offloaded bytes may go; ``("pinned",)`` (pinned host memory); ``()``: no offload.
         margin: fraction added to every copy time.
+        prefetch_layers: the offloader's prefetch depth (``prefetch_layers + 1`` device buffer sets in backward).
 
     Raises:
         OffloadError: an unknown tier, a budget below 1, or one that no plan meets (with the least it could reach).
@@ -126,28 +219,14 @@ def plan_memory(
         raise OffloadError(f"plan_memory: unknown tiers {unknown}; available: {list(TIERS)}")
     mechanisms = [m for m in MECHANISMS if m != "offload" or tiers]
     options = [[(m, *mechanism_cost(profile, i, m, margin)) for m in mechanisms] for i in range(len(profile.layers))]
-    total = profile.saved_bytes
-    need = max(total - budget_bytes, 0)
-    # (bytes freed so far, capped at `need`) -> (least added ms, choices), Pareto-pruned after every layer.
-    frontier: dict[int, tuple[float, tuple[str, ...]]] = {0: (0.0, ())}
-    for layer_options in options:
-        grown: dict[int, tuple[float, tuple[str, ...]]] = {}
-        for freed_so_far, (cost, chosen) in frontier.items():
-            for name, freed, added in layer_options:
-                key = min(need, freed_so_far + freed)
-                if key not in grown or cost + added < grown[key][0]:
-                    grown[key] = (cost + added, (*chosen, name))
-        frontier, cheapest = {}, math.inf
-        for key in sorted(grown, reverse=True):  # kept only if cheaper than every state freeing more
-            if grown[key][0] < cheapest:
-                frontier[key], cheapest = grown[key], grown[key][0]
-    if need not in frontier:
-        most = sum(max(o[1] for o in layer_options) for layer_options in options)
+    choices = _cheapest(profile, options, budget_bytes, prefetch_layers)
+    if choices is None:
+        least = predict_peak(profile, ["offload"] * len(options), [o[-1][1] for o in options], prefetch_layers)
         raise OffloadError(
-            f"plan_memory: no plan keeps the saved bytes under budget_bytes={budget_bytes}: the layers save {total} "
-            f"bytes and {mechanisms} remove at most {most}"
+            f"plan_memory: no plan keeps the saved bytes under budget_bytes={budget_bytes}: the layers save "
+            f"{profile.saved_bytes} bytes, and with {mechanisms} and {prefetch_layers + 1} device buffer sets for "
+            f"prefetching in backward the least peak is above it (offloading every layer: {least})"
         )
-    choices = frontier[need][1]
     costs = [mechanism_cost(profile, i, c, margin) for i, c in enumerate(choices)]
     freed = tuple(f for f, _ in costs)
     return MemoryPlan(
@@ -155,7 +234,8 @@ def plan_memory(
         freed_bytes=freed,
         cost_ms=tuple(c for _, c in costs),
         budget_bytes=budget_bytes,
-        predicted_peak=total - sum(freed),
+        predicted_peak=predict_peak(profile, choices, freed, prefetch_layers),
         predicted_ms=profile.step_ms + sum(c for _, c in costs),
         profile=profile,
+        prefetch_layers=prefetch_layers,
     )

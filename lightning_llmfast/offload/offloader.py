@@ -47,8 +47,6 @@ import torch
 from torch import nn
 
 from lightning_llmfast._autograd import in_backward
-from lightning_llmfast._layers import LayersSpec
-from lightning_llmfast._layers import resolve_layers as _resolve
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload import measure
 from lightning_llmfast.offload.config import OffloadConfig
@@ -58,13 +56,14 @@ from lightning_llmfast.offload.layercalls import (
     backward_begins,
     layer_post,
     layer_pre,
+    resolve_layers,
     saved_tensor_hooks,
     tensors_in,
 )
-from lightning_llmfast.offload.memplan import MemoryPlan, plan_memory
+from lightning_llmfast.offload.memplan import MemoryPlan
+from lightning_llmfast.offload.meter import StepMeter
 from lightning_llmfast.offload.packing import Packer
 from lightning_llmfast.offload.pool import PinnedBufferPool
-from lightning_llmfast.offload.profile import resolve_budget
 from lightning_llmfast.offload.recompute import RecomputeHandle, recompute_layer
 from lightning_llmfast.offload.reload import Reloader
 from lightning_llmfast.offload.residents import Residents
@@ -72,20 +71,6 @@ from lightning_llmfast.offload.residents import Residents
 log = logging.getLogger(__name__)
 
 __all__ = ["ActivationOffloader", "resolve_layers"]
-
-
-def resolve_layers(root: nn.Module, layers: LayersSpec) -> list[nn.Module]:
-    """The layer stack whose activations are offloaded: ``None`` (the largest ``nn.ModuleList`` of identical
-    blocks), an attribute path such as ``"model.layers"``, or the modules (one module is a stack of one).
-
-    Raises:
-        OffloadError: when nothing matches.
-
-    Example::
-
-        layers = resolve_layers(model, "layers")
-    """
-    return _resolve(root, layers, error=OffloadError, single=True)
 
 
 class ActivationOffloader:
@@ -142,11 +127,13 @@ class ActivationOffloader:
         self._pack_hook, self._unpack_hook = saved_tensor_hooks(self._weak_self)
         self.packer = Packer(config, self.calls, self.pool, self._residents, self._pack_hook)
         self.reloader = Reloader(self.calls, self.pool, config.prefetch_layers)
+        self.meter = StepMeter()
         self._copier: Copier | None = None
         self._recomputed: list[RecomputeHandle] = []
         self._recompute_layers = 0  # layers wrapped in the last step
         self._in_step = False
         self._sized = False
+        self._warm_up = True  # plan="auto": the first measuring step only warms up
         self._handles = [h for i, layer in enumerate(self.layers) for h in self._hook_layer(i, layer)]
 
     @property
@@ -185,6 +172,8 @@ class ActivationOffloader:
         seg, waiting = self.calls.enter(index)
         self.packer.place(waiting, seg)
         self.calls.started(seg)
+        if self._metered():
+            self.meter.mark("start", self._copier.timestamp(), first=True)  # type: ignore[union-attr]
 
     def _layer_ends(self, output: Any) -> None:
         if self.calls.current is None or in_backward():
@@ -200,6 +189,9 @@ class ActivationOffloader:
         # tensor that one op never reads back dies with that op's node, not at the end of the step.
         seg.rebuilt.clear()
         self.reloader.hold_sources(seg)
+        if self._metered():
+            self.meter.layer_ended(seg.index, 0 if seg.offload else seg.candidate_bytes)
+            self.meter.mark("forward_end", self._copier.timestamp())  # type: ignore[union-attr]
         grad_fn = next((t.grad_fn for t in tensors_in(output) if t.grad_fn is not None), None)
         if grad_fn is not None:
             grad_fn.register_prehook(functools.partial(backward_begins, self._weak_self, seg.index))
@@ -209,6 +201,13 @@ class ActivationOffloader:
             return  # the step already ended (graph retained past it)
         self.calls.backward_started(seg_index)
         self.reloader.backward_begins(seg_index)
+        if self._metered():
+            self.meter.backward_begins(seg_index, sum(t.numel() for t in self.reloader.sets_held()))
+            self.meter.mark("backward_start", self._copier.timestamp(), first=True)  # type: ignore[union-attr]
+
+    def _metered(self) -> bool:
+        """Whether this step runs a memory plan, whose live saved bytes and time are compared with its prediction."""
+        return self.memory_plan is not None and self._copier is not None
 
     # ------------------------------------------------------------------ lifecycle
     def _device(self) -> torch.device:
@@ -237,6 +236,7 @@ class ActivationOffloader:
         self.reloader.begin_step(self._copier)
         self._apply_recompute()
         self.pool.reset_peak()
+        self.meter.begin_step()
         self._in_step = True
 
     def _apply_recompute(self) -> None:
@@ -248,7 +248,8 @@ class ActivationOffloader:
         self._remove_recompute()
         planned = self.calls.planned
         if self._copier is not None and self.memory_plan is not None:
-            self._recomputed = [recompute_layer(self.layers[i]) for i in sorted(self.memory_plan.layers("recompute"))]
+            recomputed = sorted(self.memory_plan.layers("recompute"))
+            self._recomputed = [recompute_layer(self.layers[i], self.packer.count_stored) for i in recomputed]
         elif self.config.recompute is not None and self._copier is not None and planned is not None:
             self._recomputed = [recompute_layer(layer) for layer in self.layers[planned:]]
         self._recompute_layers = len(self._recomputed)
@@ -282,14 +283,23 @@ class ActivationOffloader:
         segments = self.calls.take()
         self.reloader.end_step([b for seg in segments for b in seg.blocks])
         measured, self.calls.measuring = self.calls.measuring, False
+        if self._copier is not None:
+            if self._metered() and not failed:
+                self.meter.end_step(self._copier.timestamp())
+            self._copier.end_step()
         if failed:
             self.reloader.release_all()
             return
         self.reloader.release_ordered()
         if measured:
             # A step whose layers ran no backward (a forward under no_grad, an evaluation pass) measured nothing to
-            # plan from: the next step measures again.
-            if any(seg.backward_started is not None for seg in segments):
+            # plan from: the next step measures again. A memory plan's times come from the second such step: the
+            # first one's carry one-time costs (first calls of each op, lazily built caches) of several times a step.
+            if not any(seg.backward_started is not None for seg in segments):
+                return
+            if self.config.plan == "auto" and self._warm_up:
+                self._warm_up = False
+            else:
                 (self._adopt_memory_plan if self.config.plan == "auto" else self._adopt_plan)(segments)
         elif not self._sized and self._copier is not None:
             self.pool.reserve_measured()  # the first step that offloaded under the final plan sizes the pool
@@ -320,16 +330,15 @@ class ActivationOffloader:
         self.auto_plan = plan
 
     def _adopt_memory_plan(self, segments: list[Any]) -> None:
-        """Profile the measuring step, plan every layer for the budget (:func:`~.memplan.plan_memory`), log the plan
-        as a table, and adopt it from the next step."""
-        copier = self._copier
-        assert copier is not None and self.config.budget is not None
-        end = copier.timestamp()
-        profile = measure.measure_profile(segments, len(self.layers), copier, pinned=self.pool.pinned, backward_end=end)
-        plan = plan_memory(profile, resolve_budget(self.config.budget, copier.device))
+        """Profile the measuring step and plan every layer for the budget (:func:`~.measure.memory_plan`), log the
+        plan as a table, and adopt it from the next step."""
+        assert self._copier is not None and self.config.budget is not None
+        plan = measure.memory_plan(
+            segments, len(self.layers), self._copier, self.config.budget, self.pool.pinned, self.prefetch_layers
+        )
         offloading = plan.layers("offload")
         self.calls.adopt_layers(offloading)
-        self.pool.reserve(sum(profile.layers[i].saved_bytes for i in offloading))
+        self.pool.reserve(sum(plan.profile.layers[i].saved_bytes for i in offloading))
         self._sized = True
         self.memory_plan = plan
         log.info("ActivationOffloader memory plan:\n%s", plan.table())
@@ -346,6 +355,7 @@ class ActivationOffloader:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.packer.close()
         self._residents.close()
         self.pool.warn_growth(owner="ActivationOffloader")
         self.pool.clear()
@@ -362,8 +372,15 @@ class ActivationOffloader:
         del self._ctx
         self.end_step(failed=exc_type is not None)
 
+    def step_metrics(self) -> dict[str, float]:
+        """The memory plan's prediction against the last step that ran it (:meth:`.meter.StepMeter.metrics`): empty
+        without a plan or before a planned step."""
+        if self.memory_plan is None or self._copier is None:
+            return {}
+        return self.meter.metrics(self.memory_plan, self._copier)
+
     @property
-    def stats(self) -> dict[str, int | bool]:
+    def stats(self) -> dict[str, int | bool | float]:
         """Counters of the last step and of the pool.
 
         ``offloaded_bytes`` (storages copied to the host in the last step), ``offloaded_tensors``,
@@ -376,9 +393,14 @@ class ActivationOffloader:
         in use now), ``peak_inflight`` (most host bytes in use at once during the last step), ``pool_buffers``,
         ``pool_grow_events``, ``pool_grown_bytes``, ``pinned``, ``device_set_bytes``, ``offload_layers`` (leading
         layers that offload; 0 during an ``"auto"`` measuring step and when offload is off),
-        ``partial_offload_bytes`` (the ``"auto"`` plan's budget for the layer after them), ``recompute_layers``.
+        ``partial_offload_bytes`` (the ``"auto"`` plan's budget for the layer after them), ``recompute_layers``;
+        ``copy_ms`` and ``exposed_copy_ms`` (ms the last ended step's copies ran, and ms compute waited on them; see
+        :meth:`~.copier.Copier.copy_times`), once they can be read without waiting.
         """
+        times = self._copier.copy_times() if self._copier is not None else None
+        copies = {"copy_ms": times[0], "exposed_copy_ms": times[1]} if times is not None else {}
         return {
+            **copies,
             **self.packer.counters,
             **self.reloader.counters,
             "segments": self.calls.calls,

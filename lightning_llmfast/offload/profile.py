@@ -63,10 +63,13 @@ class MemoryProfile:
         layers: per layer.
         bandwidth_bytes_per_ms: host link bandwidth, the slower direction (one timed copy each way; on CPU the
             measured memcpy rate).
+        copies_overlap: whether copies run beside compute (CUDA side streams); ``False`` where the host that computes
+            also copies (CPU), so every copy adds its whole time to the step.
     """
 
     layers: tuple[LayerProfile, ...]
     bandwidth_bytes_per_ms: float
+    copies_overlap: bool = True
 
     def __post_init__(self) -> None:
         if not self.layers:

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_llmfast._autograd import in_backward
@@ -123,8 +124,19 @@ class _RecomputeContext:
         return self._stacks.pop().__exit__(*exc)
 
 
-def _contexts(cache: Any) -> tuple[Any, Any]:
-    forward, recompute = create_selective_checkpoint_contexts(recompute_policy)
+def _stored_policy(on_stored: Callable[[torch.Tensor], None], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """:func:`recompute_policy`, handing each output it keeps in the forward to ``on_stored``."""
+    policy = _policy_for(op)
+    if policy == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+        for out in tree_leaves(getattr(ctx, "op_output", None)):
+            if isinstance(out, torch.Tensor):
+                on_stored(out)
+    return policy
+
+
+def _contexts(cache: Any, on_stored: Callable[[torch.Tensor], None] | None) -> tuple[Any, Any]:
+    policy = recompute_policy if on_stored is None else functools.partial(_stored_policy, on_stored)
+    forward, recompute = create_selective_checkpoint_contexts(policy)
     return forward, _RecomputeContext(recompute, cache)
 
 
@@ -146,7 +158,7 @@ class RecomputeHandle:
             layer.forward = self._previous  # type: ignore[method-assign]
 
 
-def recompute_layer(layer: nn.Module) -> RecomputeHandle:
+def recompute_layer(layer: nn.Module, on_stored: Callable[[torch.Tensor], None] | None = None) -> RecomputeHandle:
     """Run ``layer`` under selective recomputation (:func:`recompute_policy`) whenever it runs with grad enabled.
 
     The layer keeps its class, parameters, state-dict keys and hooks: only its ``forward`` attribute is replaced
@@ -154,6 +166,7 @@ def recompute_layer(layer: nn.Module) -> RecomputeHandle:
 
     Args:
         layer: one transformer block (any ``nn.Module``).
+        on_stored: called in forward with each output the policy keeps for backward (the offloader counts them).
 
     Returns:
         A handle whose ``remove()`` undoes the wrapping.
@@ -172,7 +185,7 @@ def recompute_layer(layer: nn.Module) -> RecomputeHandle:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled() or in_backward():
             return inner(*args, **kwargs)  # eval, or already inside a recomputation / create_graph backward
-        context_fn = functools.partial(_contexts, active_cache())
+        context_fn = functools.partial(_contexts, active_cache(), on_stored)
         return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     layer.forward = forward  # type: ignore[method-assign]

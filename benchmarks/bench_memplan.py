@@ -1,0 +1,172 @@
+"""The memory planner against its own steps: predicted vs measured peak of live saved bytes and step time.
+
+For budgets at 90%, 70% and 50% of what the reference ``MoEGPT`` (12 layers) saves without any mechanism, an
+:class:`~lightning_llmfast.offload.ActivationOffloader` with ``OffloadConfig(plan="auto", budget=...)`` profiles its
+second step, plans, and then trains; the planned steps of the three budgets and a no-offload baseline run interleaved
+in one process (:func:`~lightning_llmfast.bench.harness.interleave`). Per budget it reports:
+
+- ``measured_peak / predicted_peak``: the offloader's own count of live saved bytes (see
+  :mod:`lightning_llmfast.offload.meter`) against the plan, and ``measured_peak / budget``;
+- ``time_ratio``: ``measured_ms / predicted_ms`` per planned step (the layers' forward and backward), median and range
+  over the repeats: whether the plan's predicted time holds (the issue's 15%);
+- ``step_vs_off``: the whole step's time over the baseline's, median;
+- the plan itself (mechanism per layer) and the machine's load average before and after.
+
+On CPU the offloader runs its forced path: copies are synchronous (a copy costs its whole time in the plan, and
+``offload/overlap`` is 0), and every time is host time on a machine that may be shared. Timings of the forward and
+backward of one profiled step decide the prediction, so its noise is the prediction's.
+
+Usage::
+
+    python benchmarks/bench_memplan.py                 # CPU, 12 layers, hidden 64, 2 x 128 tokens, 15 repeats
+    python benchmarks/bench_memplan.py --repeats 5 --hidden 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lightning_llmfast.bench.harness import interleave
+from lightning_llmfast.models import MoEGPT, MoEGPTConfig
+from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
+
+FRACTIONS = (0.9, 0.7, 0.5)
+VOCAB = 512
+TOLERANCE = 0.15
+STAT_KEYS = ("offloaded_bytes", "recompute_layers", "copy_ms", "exposed_copy_ms")
+
+
+def _model(hidden: int, layers: int) -> MoEGPT:
+    torch.manual_seed(0)
+    config = MoEGPTConfig(vocab_size=VOCAB, hidden_size=hidden, n_layers=layers, n_heads=4, n_kv_heads=2,
+                          ffn_size=2 * hidden)  # fmt: skip
+    return MoEGPT(config)
+
+
+def _step(model: MoEGPT, off: ActivationOffloader | None, ids: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)
+    with off if off is not None else torch.enable_grad():
+        loss = F.cross_entropy(model(ids).flatten(0, 1), ids.roll(-1, 1).flatten()) + 0.01 * model.aux_loss()
+        loss.backward()
+
+
+def _saved_bytes(hidden: int, layers: int, ids: torch.Tensor) -> int:
+    """What the layers save without any mechanism (the plan's profile under an unreachable budget)."""
+    model = _model(hidden, layers)
+    off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, force=True, plan="auto", budget=1 << 50))
+    for _ in range(2):
+        _step(model, off, ids)
+    assert off.memory_plan is not None
+    off.close()
+    return off.memory_plan.profile.saved_bytes
+
+
+def run(hidden: int = 64, layers: int = 12, tokens: int = 128, repeats: int = 15) -> dict[str, Any]:
+    load_before = os.getloadavg()
+    ids = torch.randint(0, VOCAB, (2, tokens), generator=torch.Generator().manual_seed(0))
+    saved = _saved_bytes(hidden, layers, ids)
+    runs: dict[str, tuple[MoEGPT, ActivationOffloader | None]] = {"off": (_model(hidden, layers), None)}
+    for fraction in FRACTIONS:
+        model = _model(hidden, layers)
+        config = OffloadConfig(min_offload_bytes=0, force=True, plan="auto", budget=int(saved * fraction))
+        runs[f"{fraction:.0%}"] = (model, ActivationOffloader(model.layers, config))
+    for model, off in runs.values():
+        for _ in range(2):  # warm-up and the profiled step
+            _step(model, off, ids)
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
+
+    def impl(name: str) -> Any:
+        model, off = runs[name]
+
+        def step(r: int) -> None:
+            start = time.perf_counter()
+            _step(model, off, ids)
+            wall = (time.perf_counter() - start) * 1e3
+            if r >= 0:
+                samples[name].append({"wall_ms": wall, **(off.step_metrics() if off is not None else {})})
+
+        return step
+
+    interleave({name: impl(name) for name in runs}, repeats)
+    off_ms = statistics.median(s["wall_ms"] for s in samples["off"])
+    report: dict[str, Any] = {
+        "device": "cpu",
+        "shape": {"hidden": hidden, "layers": layers, "tokens": [2, tokens]},
+        "repeats": repeats,
+        "saved_bytes": saved,
+        "budgets": {},
+        "date": datetime.date.today().isoformat(),
+    }
+    for name, (_, off) in runs.items():
+        if off is None:
+            continue
+        assert off.memory_plan is not None
+        plan, rows = off.memory_plan, samples[name]
+        ratios = [s["measured_ms"] / s["predicted_ms"] for s in rows]
+        peaks = [s["measured_peak"] for s in rows]
+        report["budgets"][name] = {
+            "budget_bytes": plan.budget_bytes,
+            "choices": list(plan.choices),
+            "predicted_peak": plan.predicted_peak,
+            "measured_peak_max": max(peaks),
+            "peak_ratio": max(peaks) / plan.predicted_peak,
+            "peak_within_budget": max(peaks) <= plan.budget_bytes,
+            "predicted_ms": plan.predicted_ms,
+            "measured_ms_median": statistics.median(s["measured_ms"] for s in rows),
+            "time_ratio_median": statistics.median(ratios),
+            "time_ratio_range": [min(ratios), max(ratios)],
+            "time_within_15pct": abs(statistics.median(ratios) - 1) <= TOLERANCE,
+            "step_vs_off": statistics.median(s["wall_ms"] for s in rows) / off_ms,
+            "stats": {k: v for k, v in off.stats.items() if k in STAT_KEYS},
+        }
+        off.close()
+    report["off_step_ms_median"] = off_ms
+    report["load_average"] = {"before": load_before, "after": os.getloadavg()}
+    return report
+
+
+def summary(report: dict[str, Any]) -> str:
+    rows = [
+        "| budget | plan (keep/recompute/offload) | measured / predicted peak | within budget | predicted ms | "
+        "measured / predicted ms: median [range] | step vs off |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, b in report["budgets"].items():
+        counts = "/".join(str(b["choices"].count(m)) for m in ("keep", "recompute", "offload"))
+        low, high = b["time_ratio_range"]
+        rows.append(
+            f"| {name} | {counts} | {b['peak_ratio']:.3f} | {b['peak_within_budget']} | {b['predicted_ms']:.1f} | "
+            f"{b['time_ratio_median']:.3f} [{low:.3f}, {high:.3f}] | {b['step_vs_off']:.3f} |"
+        )
+    load = report["load_average"]
+    rows.append(f"\nload average (1/5/15 min) before {load['before']}, after {load['after']}")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=None, help="JSON report path")
+    args = parser.parse_args()
+    report = run(args.hidden, args.layers, args.tokens, args.repeats)
+    out = args.out or Path(__file__).parent / "results" / f"cpu_memplan_{report['date']}.json"
+    out.write_text(json.dumps(report, indent=2, default=float))
+    print(summary(report))
+    print(f"report: {out}")
+
+
+if __name__ == "__main__":
+    main()
