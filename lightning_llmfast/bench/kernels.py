@@ -99,6 +99,12 @@ class KernelCounter(PatchingCounter):
         if func.namespace == _OPENED_NAMESPACE and not getattr(_STATE, "launching", False):
             with self:  # the implementation's own ATen ops and Triton launches are the kernels
                 return OPDEFS[f"{func.namespace}::{func.overloadpacket.__name__}"]._init_fn(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ == "to":
+            # Reaches the mode whole inside opened custom ops: a copy only when it returns a new tensor.
+            out = func(*args, **(kwargs or {}))
+            if out is not args[0]:
+                self._record("_to_copy", args, kwargs or {})
+            return out
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _record(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -121,7 +127,7 @@ def _counted_launch(kernel: Any, grid: Any) -> Any:
         if getattr(_STATE, "launching", False):
             return launch(*args, **kwargs)
         me = threading.get_ident()
-        for counter in _ACTIVE:
+        for counter in dict.fromkeys(_ACTIVE):  # a counter re-entered to open a custom op is listed twice
             if counter._thread == me and isinstance(counter, KernelCounter):
                 counter.triton_launches[_kernel_name(kernel)] += 1
         _STATE.launching = True

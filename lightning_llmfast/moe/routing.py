@@ -289,13 +289,14 @@ def _count(
         keys = torch.where(token_mask.repeat_interleave(top_k), keys, num_experts)
         num_bins += 1
     if capacity is None or routing.drop_policy == "position":
-        return routing_plan(keys, num_bins, num_experts, capacity, top_k, backend=backend)
+        return routing_plan(keys, num_bins, num_experts, capacity, top_k, backend=backend, rows=False)
     counts, dest, _ = stable_counting_sort(keys, num_bins, backend=backend, validate=False)
     kept_counts, kept, permutation = apply_capacity(
         keys, weights.detach().reshape(-1), counts, dest, capacity, num_experts, routing.drop_policy, backend
     )
     num_rows = min(keys.numel(), num_experts * capacity)
-    return plan_from_permutation(counts[:num_experts], kept_counts, kept, permutation, num_rows, top_k)
+    masked = token_mask is not None
+    return plan_from_permutation(counts[:num_experts], kept_counts, kept, permutation, num_rows, top_k, masked)
 
 
 def route(

@@ -41,8 +41,8 @@ class PlanTensors(NamedTuple):
     tokens_per_expert: Tensor  # (E,) int32 kept pairs per expert
     offsets: Tensor  # (E + 1,) int32 exclusive prefix sums of tokens_per_expert
     permutation: Tensor  # (n,) int32 pair at each row: kept pairs by expert, then the dropped ones by key
-    positions: Tensor  # (n,) int64 row of each pair, clamped into [0, R) (dropped pairs' rows are padding)
-    tokens: Tensor  # (R,) int64 token of each row (pair // k)
+    positions: Tensor | None  # (n,) int64 row of each pair, clamped into [0, R) (dropped pairs' rows are padding)
+    tokens: Tensor | None  # (R,) int64 token of each row (pair // k)
     kept: Tensor  # (n,) bool
     num_dropped: Tensor  # 0-d int64 valid pairs dropped by the capacity limit
 
@@ -84,13 +84,18 @@ def capacity_layout_reference(
 
 
 def plan_from_permutation(
-    routed: Tensor, tokens_per_expert: Tensor, kept: Tensor, permutation: Tensor, num_rows: int, top_k: int
+    routed: Tensor,
+    tokens_per_expert: Tensor,
+    kept: Tensor,
+    permutation: Tensor,
+    num_rows: int,
+    top_k: int,
+    masked: bool,
 ) -> PlanTensors:
-    """The :class:`PlanTensors` of a permutation made elsewhere (the score drop policy's): offsets, rows, tokens."""
+    """The :class:`PlanTensors` of a permutation made elsewhere (the score drop policy's), without rows or tokens;
+    ``masked``: some pairs have the masked key."""
     offsets = torch.nn.functional.pad(tokens_per_expert.cumsum(0), (1, 0))
-    pairs = torch.arange(permutation.numel(), device=permutation.device)
-    positions = torch.empty_like(permutation).scatter_(0, permutation, pairs)
-    return _plan(routed, tokens_per_expert, offsets, permutation, positions, kept, num_rows, top_k)
+    return _plan(routed, tokens_per_expert, offsets, permutation, None, kept, num_rows, top_k, masked)
 
 
 def _plan(
@@ -98,28 +103,31 @@ def _plan(
     tokens_per_expert: Tensor,
     offsets: Tensor,
     permutation: Tensor,
-    positions: Tensor,
+    positions: Tensor | None,
     kept: Tensor,
     num_rows: int,
     top_k: int,
+    masked: bool,
 ) -> PlanTensors:
     int32 = torch.int32
+    # Valid pairs: every pair without a mask (a host int, no launch), else the unmasked keys' count.
+    valid = routed.sum() if masked else kept.numel()
     return PlanTensors(
         routed.to(int32),
         tokens_per_expert.to(int32),
         offsets.to(int32),
         permutation.to(int32),
-        positions.clamp(max=max(num_rows - 1, 0)),
-        permutation[:num_rows] // top_k,
+        None if positions is None else positions.clamp(max=max(num_rows - 1, 0)),
+        None if positions is None else permutation[:num_rows] // top_k,
         kept,
-        routed.sum() - offsets[-1],
+        valid - offsets[-1],
     )
 
 
 def routing_plan_reference(
-    keys: Tensor, num_bins: int, num_experts: int, capacity: int | None, top_k: int
+    keys: Tensor, num_bins: int, num_experts: int, capacity: int | None, top_k: int, rows: bool = True
 ) -> PlanTensors:
-    """PyTorch reference of :func:`routing_plan`."""
+    """PyTorch reference of :func:`routing_plan`; ``rows=False`` leaves ``positions`` and ``tokens`` ``None``."""
     keys = keys.long()
     counts, dest, order = stable_counting_sort_reference(keys, num_bins)
     routed = counts[:num_experts]
@@ -127,12 +135,13 @@ def routing_plan_reference(
     if capacity is None and num_bins == num_experts:  # dropless without a mask: the sorted order itself
         offsets = torch.nn.functional.pad(routed.cumsum(0), (1, 0))
         kept = torch.ones_like(keys, dtype=torch.bool)
-        return _plan(routed, routed, offsets, order, dest, kept, num_rows, top_k)
+        return _plan(routed, routed, offsets, order, dest if rows else None, kept, num_rows, top_k, False)
     limit, kept, position, permutation = capacity_layout_reference(
         keys, counts, dest, keys.numel() if capacity is None else capacity, num_experts
     )
     offsets = torch.nn.functional.pad(limit.cumsum(0), (1, 0))
-    return _plan(routed, limit, offsets, permutation, position, kept, num_rows, top_k)
+    masked = num_bins > num_experts
+    return _plan(routed, limit, offsets, permutation, position if rows else None, kept, num_rows, top_k, masked)
 
 
 def routing_plan_triton(keys: Tensor, num_bins: int, num_experts: int, capacity: int | None, top_k: int) -> PlanTensors:
@@ -185,7 +194,14 @@ def plan_with_losses_triton(
 
 
 def routing_plan(
-    keys: Tensor, num_bins: int, num_experts: int, capacity: int | None, top_k: int, *, backend: str = "torch"
+    keys: Tensor,
+    num_bins: int,
+    num_experts: int,
+    capacity: int | None,
+    top_k: int,
+    *,
+    backend: str = "torch",
+    rows: bool = True,
 ) -> PlanTensors:
     """Counts, capacity layout, rows and tokens of ``n = T * k`` pairs, pairs ``t * k + s`` keyed by expert.
 
@@ -196,6 +212,8 @@ def routing_plan(
         capacity: kept pairs per expert at most (the first ones in index order), or ``None`` (dropless).
         top_k: ``k``.
         backend: ``"torch"`` or ``"triton"`` (already resolved).
+        rows: also each pair's row and each row's token (the Triton kernels write them anyway; the reference skips
+            them when ``False``, leaving ``None``).
 
     Returns:
         :class:`PlanTensors`.
@@ -206,4 +224,4 @@ def routing_plan(
     """
     if is_triton(backend):
         return routing_plan_triton(keys, num_bins, num_experts, capacity, top_k)
-    return routing_plan_reference(keys, num_bins, num_experts, capacity, top_k)
+    return routing_plan_reference(keys, num_bins, num_experts, capacity, top_k, rows)
