@@ -261,6 +261,31 @@ def test_meta_modules_without_reset_parameters_raise_before_allocating() -> None
     assert all(torch.equal(gpt.get_submodule(n).weight, torch.ones(32)) for n in ("norm", "layers.0.attn_norm"))
 
 
+def test_a_meta_transformers_model_is_materialised_by_reset_parameters_and_its_init_weights() -> None:
+    """RMSNorm and the rotary tables of a transformers model have no ``reset_parameters()``: its ``_init_weights``
+    initialises them as transformers does (the eagerly built model is the reference)."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_llmfast.moe.adapters import swap_moe_blocks
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, rope_theta=500.0,
+    )  # fmt: skip
+    eager = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    swap_moe_blocks(model, backend="torch")
+    assert materialize_module(model, torch.device("cpu"))
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    norms = [p for name, p in model.named_parameters() if "norm" in name]
+    assert len(norms) == 4 * 2 + 1 and all(torch.equal(p, torch.ones_like(p)) for p in norms)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, eager.model.rotary_emb.inv_freq, rtol=0, atol=0)
+    assert torch.isfinite(model(input_ids=torch.arange(9)[None]).logits).all()
+    std = config.initializer_range  # transformers' init, not torch's (Embedding std 1, Linear Kaiming uniform)
+    for layer in (model.model.embed_tokens, model.lm_head, model.model.layers[0].self_attn.q_proj):
+        assert abs(layer.weight.std().item() / std - 1) < 0.15 and abs(layer.weight.mean().item()) < std / 4
+
+
 def test_single_process_fsdp_is_plain_and_refuses_a_non_distributed_checkpoint(tmp_path: Path) -> None:
     bad = tmp_path / "plain.ckpt"
     torch.save({"state_dict": {}}, bad)
