@@ -17,6 +17,8 @@
 #   nccl          benchmarks/gpu_nccl_check.py: a world-size-1 NCCL group, FSDP2 sharding, a DCP save/load, expert
 #                 parallelism (count exchange, dropless forward+backward)               -> nccl_check.json
 #   kernel_check  Triton kernels against their references at T=65536, E=64, k=8, sync-free, timed -> kernel_check.json
+#   cuda_graphs   benchmarks/gpu_cuda_graphs.py: an MoE block with MoEConfig(cuda_graphs=True) captured, replayed,
+#                 compared with eager and both timed (dropless and capacity)           -> cuda_graphs.json
 #   offload       benchmarks/bench_offload.py at hidden 4096 (OFFLOAD_SHAPES, OFFLOAD_MODES)  -> offload_<shape>.json
 #   bench         python -m lightning_llmfast.bench --profile full --device cuda (bf16; micro: metadata, moe)
 #                                                                                   -> bench.json, bench.png
@@ -200,6 +202,10 @@ raise SystemExit(1 if failures else 0)
 EOF
 }
 
+stage_cuda_graphs() {
+    "$PY" benchmarks/gpu_cuda_graphs.py --json "$OUT/cuda_graphs.json"
+}
+
 stage_offload() {
     local shape failed=0
     for shape in ${OFFLOAD_SHAPES:-large}; do
@@ -220,9 +226,9 @@ stage_bench() {
 }
 
 # ------------------------------------------------------------------------------------------------------- the runner
-export -f stage_env stage_cuda_tests stage_nccl stage_kernel_check stage_offload stage_bench
+export -f stage_env stage_cuda_tests stage_nccl stage_kernel_check stage_cuda_graphs stage_offload stage_bench
 # name:max seconds:min seconds (the min of every later selected stage is reserved when a stage's limit is set)
-STAGES=(env:30:10 cuda_tests:150:60 nccl:50:20 kernel_check:40:15 offload:80:30 bench:110:60)
+STAGES=(env:30:10 cuda_tests:150:60 nccl:50:20 kernel_check:40:15 cuda_graphs:40:15 offload:80:30 bench:110:60)
 declare -a RESULTS
 FAILED=0
 PLANNED=0  # dry run: every stage is assumed to use its whole limit

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).parents[1]
-STAGES = ("env", "cuda_tests", "nccl", "kernel_check", "offload", "bench")
+STAGES = ("env", "cuda_tests", "nccl", "kernel_check", "cuda_graphs", "offload", "bench")
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="gpu_check.sh is a bash script")
 
 
@@ -32,6 +32,7 @@ def test_dry_run_plans_every_stage_within_eight_minutes(tmp_path: Path) -> None:
     assert sum(limits.values()) <= 480 and all(s >= 10 for s in limits.values())
     assert "-m cuda" in run.stdout and "LLMFAST_TEST_DEVICE=cuda" in run.stdout
     assert "gpu_nccl_check.py --backend nccl" in run.stdout
+    assert "gpu_cuda_graphs.py --json" in run.stdout  # capture, replay, compare with eager, time both
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
 
 

@@ -27,12 +27,20 @@ from lightning_llmfast.moe.checks import check_block_input
 from lightning_llmfast.moe.config import MoEConfig
 from lightning_llmfast.moe.dispatch import LocalDispatcher, compute_copy, expert_swiglu
 from lightning_llmfast.moe.dispatcher import TokenDispatcher
-from lightning_llmfast.moe.experts import GroupedExperts
+from lightning_llmfast.moe.experts import GroupedExperts, autocast_inputs, per_expert_loop
 from lightning_llmfast.moe.losses import SequenceBoundaries
 from lightning_llmfast.moe.routing import RoutingPlan, route, update_expert_bias
 from lightning_llmfast.moe.stats import MoEStats
 
 __all__ = ["GroupedMoE", "MoEBlock", "SharedExperts"]
+
+# Devices where config.cuda_graphs captures the block (CUDA graphs exist there only).
+CAPTURE_DEVICES: tuple[str, ...] = ("cuda",)
+_LOCAL_ONLY = (
+    "cuda_graphs=True captures the local dispatcher only, got {}: the all-to-all dispatchers exchange split sizes "
+    "through the host (dropless) or are not proven capturable; set MoEConfig(cuda_graphs=False) under expert "
+    "parallelism"
+)
 
 # Training forwards with bias_update="step" after which a block that never saw finish_step() warns (once).
 _UNFINISHED_FORWARDS = 256
@@ -97,6 +105,7 @@ class GroupedMoE(nn.Module):
             raise ConfigError(f"config must be an MoEConfig, got {type(config).__name__}")
         self.config = config
         self.dispatcher: TokenDispatcher = LocalDispatcher(config.routing.backend)
+        self._graphed: Callable[..., Tensor] | None = None  # the captured path (config.cuda_graphs)
         if dispatcher is not None:
             self.set_dispatcher(dispatcher)
         self.dp_group: dist.ProcessGroup | None = None
@@ -126,7 +135,10 @@ class GroupedMoE(nn.Module):
         """
         if not isinstance(dispatcher, TokenDispatcher):
             raise ConfigError(f"dispatcher must be a TokenDispatcher, got {type(dispatcher).__name__}")
+        if self.config.cuda_graphs and not isinstance(dispatcher, LocalDispatcher):
+            raise ConfigError(_LOCAL_ONLY.format(type(dispatcher).__name__))
         self.dispatcher = dispatcher
+        self._graphed = None
 
     # ------------------------------------------------------------------ what a subclass provides
     def _router_logits(self, x_compute: Tensor) -> Tensor:
@@ -147,7 +159,30 @@ class GroupedMoE(nn.Module):
 
     # ------------------------------------------------------------------ the one path
     def _moe(self, x: Tensor, token_mask: Tensor | None, boundaries: SequenceBoundaries | None, shape: Size) -> Tensor:
-        """``(T, H)`` tokens to ``(T, H)`` outputs in the compute dtype; records :attr:`stats`."""
+        """``(T, H)`` tokens to ``(T, H)`` outputs in the compute dtype; records :attr:`stats`. With
+        ``config.cuda_graphs`` on CUDA through the captured graphs of :meth:`_path`."""
+        if self.config.cuda_graphs and x.device.type in CAPTURE_DEVICES and not torch.compiler.is_compiling():
+            if self._graphed is None:
+                self._check_capturable(x)
+                self._graphed = torch.compile(self._path, mode="reduce-overhead", fullgraph=True)
+            return self._graphed(x, token_mask, boundaries, shape)
+        return self._path(x, token_mask, boundaries, shape)
+
+    def _check_capturable(self, x: Tensor) -> None:
+        """Refuses what a CUDA graph would capture wrong: host reads of device values, data-dependent shapes."""
+        if not isinstance(self.dispatcher, LocalDispatcher):
+            raise ConfigError(_LOCAL_ONLY.format(type(self.dispatcher).__name__))
+        gate_up, down, _ = self._expert_weights()
+        x_compute = compute_copy(x)
+        gate_up, down = autocast_inputs(x.device, _local(gate_up), _local(down))
+        if per_expert_loop(x_compute, gate_up, down):
+            raise ConfigError(
+                f"cuda_graphs=True cannot capture the per-expert loop that {x_compute.dtype} experts take (it reads "
+                "the group offsets on the host); use bfloat16/float16 or float32 experts"
+            )
+
+    def _path(self, x: Tensor, token_mask: Tensor | None, boundaries: SequenceBoundaries | None, shape: Size) -> Tensor:
+        """:meth:`_moe` without CUDA graphs."""
         # Cast once for router and experts: both keep this one (T, H) copy for backward (dispatch.py).
         x_compute = compute_copy(x)
         logits = self._router_logits(x_compute)  # (T, E)

@@ -163,6 +163,13 @@ class MoEConfig:
         num_shared_experts: always-on experts added to every token's output; they form one SwiGLU of width
             ``shared_ffn_size``.
         shared_ffn_size: width of the shared SwiGLU; default ``num_shared_experts * ffn_size``.
+        cuda_graphs: on CUDA, run the block's route -> experts -> combine path as CUDA graphs
+            (``torch.compile(mode="reduce-overhead", fullgraph=True)``: captured once per input shape, replayed after;
+            fixed packed ``(B, T)`` batches keep one graph). Refused (:class:`~lightning_llmfast.errors.ConfigError`)
+            where capture would be wrong: a dispatcher other than the local one (the dropless all-to-all reads split
+            sizes on the host), ``aux_loss="global"`` and ``bias_update="forward"`` (collectives in the captured
+            forward), and experts that take the per-expert loop (float64: offsets read on the host). Without CUDA
+            the block runs as without it.
 
     Raises:
         ConfigError: naming the field and the value.
@@ -182,6 +189,7 @@ class MoEConfig:
     aux_loss: str = "micro_batch"
     num_shared_experts: int = 0
     shared_ffn_size: int | None = None
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "ffn_size", "num_experts"):
@@ -198,6 +206,13 @@ class MoEConfig:
             check_int("shared_ffn_size", self.shared_ffn_size, low=1)
             if not self.num_shared_experts:
                 raise ConfigError("shared_ffn_size needs num_shared_experts >= 1")
+        check_bool("cuda_graphs", self.cuda_graphs)
+        if self.cuda_graphs and (self.aux_loss == "global" or (self.expert_bias and self.bias_update == "forward")):
+            what = "aux_loss='global'" if self.aux_loss == "global" else "bias_update='forward'"
+            raise ConfigError(
+                f"cuda_graphs=True cannot capture {what}: it all-reduces counts inside the forward; use "
+                "aux_loss='micro_batch' or 'sequence' and bias_update='step' (finish_step runs outside the graph)"
+            )
         _freeze_floats(self, ("bias_update_rate",))
 
     @property

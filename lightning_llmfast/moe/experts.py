@@ -49,7 +49,14 @@ from lightning_llmfast.moe.kernels.swiglu import (
     swiglu_forward_reference,
 )
 
-__all__ = ["ExpertWeights", "GroupedExperts", "autocast_inputs", "grouped_swiglu", "grouped_mm_supported"]
+__all__ = [
+    "ExpertWeights",
+    "GroupedExperts",
+    "autocast_inputs",
+    "grouped_mm_supported",
+    "grouped_swiglu",
+    "per_expert_loop",
+]
 
 
 def grouped_mm_supported(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
@@ -292,6 +299,14 @@ def grouped_swiglu(
     if grouped:
         return _grouped_mm_swiglu(x, offsets, gate_up, down, act, padded)
     return _per_expert_swiglu(x, bounds, gate_up, down, act)
+
+
+def per_expert_loop(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
+    """Whether :func:`grouped_swiglu` takes the per-expert loop (offsets read on the host) for these inputs: neither
+    ``grouped_mm`` (directly or zero-padded to its alignment) nor the Triton grouped GEMM takes them."""
+    if grouped_mm_supported(x, gate_up, down):
+        return False
+    return aligned_operands(x, gate_up, down) is None and not use_triton(x)
 
 
 def _grouped_mm_swiglu(
