@@ -2,9 +2,10 @@
 gradient clipping by the global norm, and FSDP2 x expert parallelism with ``--ep N``.
 
 Run as a script (Lightning relaunches it once per rank): ``python fsdp_worker.py DEVICES OUT [--resume CKPT]
-[--resume-other CKPT] [--meta] [--ep N] [--kill-at STEP]``. ``--resume-other`` resumes a checkpoint of another run
-(tag ``"other"``: a SIGKILLed one, or one of another world size); ``--kill-at`` SIGKILLs every rank at the start of
-step ``STEP + 1``, after the half-way checkpoint is written.
+[--resume-other CKPT] [--meta [--offload]] [--ep N] [--kill-at STEP]``. ``--resume-other`` resumes a checkpoint of
+another run (tag ``"other"``: a SIGKILLed one, or one of another world size); ``--kill-at`` SIGKILLs every rank at the
+start of step ``STEP + 1``, after the half-way checkpoint is written. ``--offload`` offloads every layer's saved
+activations in the meta-device bf16-mixed run.
 
 Every step's global batch is the same 4 rows for every world size, split evenly over the ranks; every row holds 3
 documents, so every rank has the same number of label tokens and the mean of the ranks' per-rank mean losses is the
@@ -38,10 +39,12 @@ from lightning_llmfast import (
     TokenThroughputMonitor,
 )
 from lightning_llmfast.models import MoEGPT
+from lightning_llmfast.offload import OffloadConfig
 
 ROWS, SEQ_LEN, DOCS_PER_ROW, STEPS, VOCAB = 4, 24, 3, 10, 64
 CLIP = 0.5  # gradient clipping by the global norm, active in the first steps
 EP = 1  # expert_parallel_size (--ep)
+OFFLOAD = OffloadConfig(force=True, min_offload_bytes=0, keep_last_layers=0)  # every layer, whatever its size
 CONFIG = {"vocab_size": VOCAB, "hidden_size": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_size": 32}
 CONFIG.update(num_experts=4, router_backend="torch")
 
@@ -147,6 +150,7 @@ class Recorder(L.Callback):
         record = {"losses": self.losses, "norms": self.norms, "shards": shards, "world": trainer.world_size}
         record["tied"] = tied
         record["compute_dtypes"] = sorted(str(d) for d in getattr(pl_module, "compute_dtypes", ()))
+        record["offload_stats"] = trainer.strategy.offload_stats
         for callback in trainer.callbacks:
             if isinstance(callback, SequenceMetadataCallback):
                 record["metadata_builds_last_batch"] = callback.builds_last_batch
@@ -165,10 +169,13 @@ def fit(
     steps: int,
     precision: str = "32-true",
     extra: list[L.Callback] | None = None,
+    offload: OffloadConfig | None = None,
     **kwargs: Any,
 ) -> None:
     strategy = LLMFastStrategy(
-        **StrategyRegistry["llmfast_fsdp"]["init_params"], expert_parallel_size=EP, timeout=timedelta(seconds=90)
+        **{**StrategyRegistry["llmfast_fsdp"]["init_params"], "offload": offload},
+        expert_parallel_size=EP,
+        timeout=timedelta(seconds=90),
     )
     callbacks: list[L.Callback] = [Recorder(out, tag), *(extra or [])]
     if tag == "meta":  # the package's callbacks on top of FSDP2, unchanged
@@ -193,6 +200,7 @@ def main() -> None:
     parser.add_argument("--resume-other", type=Path, help="a checkpoint of another run (SIGKILLed or resharded)")
     parser.add_argument("--kill-at", type=int, help="SIGKILL every rank after this step (and its checkpoint)")
     parser.add_argument("--meta", action="store_true")
+    parser.add_argument("--offload", action="store_true", help="activation offload in the --meta run")
     parser.add_argument("--ep", type=int, default=1, help="expert_parallel_size (FSDP2 x EP)")
     args = parser.parse_args()
     global EP
@@ -212,7 +220,8 @@ def main() -> None:
         fit(args.devices, args.out, "other", module(), STEPS, ckpt_path=args.resume_other)
     if args.meta:
         torch.manual_seed(0)
-        fit(args.devices, args.out, "meta", MetaModule(), 2, precision="bf16-mixed")
+        offload = OFFLOAD if args.offload else None
+        fit(args.devices, args.out, "meta", MetaModule(), 2, precision="bf16-mixed", offload=offload)
 
 
 def finish() -> None:

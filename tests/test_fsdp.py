@@ -47,7 +47,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """4 processes as FSDP2(2) x EP(2) SIGKILLed after their half-way checkpoint; 2 processes (fresh, resumed from
     their own half-way checkpoint, resumed from the killed 4-process one, meta init); 1 process in this one (fresh,
     resumed from the 2-process checkpoint); 4 processes as FSDP2(2) x EP(2) again (fresh, resumed from the 2-process
-    FSDP2 checkpoint, resumed from the killed run's checkpoint)."""
+    FSDP2 checkpoint, resumed from the killed run's checkpoint, meta init with activation offload)."""
     root = tmp_path_factory.mktemp("fsdp")
     dirs = {n: root / f"world{n}" for n in (1, 2, 4)}
     killed = root / "killed"
@@ -64,7 +64,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     finally:
         sys.argv = sys_argv
     _launch(4, dirs[4], "--resume", str(dirs[2] / "ckpts" / HALF), "--resume-other", killed_ckpt, "--ep", "2",
-            timeout=400)  # fmt: skip
+            "--meta", "--offload", timeout=400)  # fmt: skip
     return dirs
 
 
@@ -150,8 +150,12 @@ def test_a_two_process_checkpoint_loads_into_one_and_four(runs: dict[str, Path],
     _assert_rel(resumed["weights"], reference["weights"])
 
 
-def test_meta_device_model_is_sharded_then_materialised_and_trains_in_bf16_mixed(runs: dict[str, Path]) -> None:
-    meta = _result(runs[2], "meta")
+@pytest.mark.parametrize("world", [2, 4])
+def test_meta_device_model_is_sharded_then_materialised_and_trains_in_bf16_mixed(
+    runs: dict[str, Path], world: int
+) -> None:
+    """2 processes: FSDP2; 4 processes: FSDP2(2) x EP(2) with every layer's saved activations offloaded."""
+    meta = _result(runs[world], "meta")
     assert len(meta["losses"]) == 2 and all(torch.isfinite(torch.tensor(meta["losses"])))
     assert meta["tied"]
     # "bf16-mixed": the sharded master weights stay fp32, FSDP2 gathers them in bf16 for compute
@@ -160,6 +164,13 @@ def test_meta_device_model_is_sharded_then_materialised_and_trains_in_bf16_mixed
     # the package's callbacks work on top: one metadata build per batch, global token counts of both ranks
     assert meta["metadata_builds_last_batch"] == 1
     assert meta["throughput"]["train/tokens"] == 2 * worker.ROWS * worker.SEQ_LEN  # 2 steps of the global batch
+    if world == 4:
+        experts = [s for name, s in meta["shards"].items() if ".experts." in name]
+        assert experts and all(s["placements"] == ["_S(0, 2)", "S(0)"] for s in experts)
+        stats = meta["offload_stats"]
+        assert stats["offloaded_bytes"] > 0 and stats["checked_out"] == 0, stats
+    else:
+        assert meta["offload_stats"] is None
     for name, w in meta["weights"].items():
         assert torch.isfinite(w).all(), name
         if name.endswith("norm.weight"):  # reset_parameters gave ones; two AdamW steps of lr 1e-2 move them < 0.05
@@ -248,6 +259,28 @@ def test_meta_modules_without_reset_parameters_raise_before_allocating() -> None
     assert materialize_module(gpt, torch.device("cpu")) and not materialize_module(gpt, torch.device("cpu"))
     assert not any(p.is_meta for p in gpt.parameters()) and gpt.lm_head.weight is gpt.embed.weight
     assert all(torch.equal(gpt.get_submodule(n).weight, torch.ones(32)) for n in ("norm", "layers.0.attn_norm"))
+
+
+def test_a_meta_transformers_model_is_materialised_by_reset_parameters_and_its_init_weights() -> None:
+    """RMSNorm and the rotary tables of a transformers model have no ``reset_parameters()``: its ``_init_weights``
+    initialises them as transformers does (the eagerly built model is the reference)."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_llmfast.moe.adapters import swap_moe_blocks
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, rope_theta=500.0,
+    )  # fmt: skip
+    eager = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    swap_moe_blocks(model, backend="torch")
+    assert materialize_module(model, torch.device("cpu"))
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    norms = [p for name, p in model.named_parameters() if "norm" in name]
+    assert len(norms) == 4 * 2 + 1 and all(torch.equal(p, torch.ones_like(p)) for p in norms)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, eager.model.rotary_emb.inv_freq, rtol=0, atol=0)
+    assert model.lm_head.weight.std() > 0 and torch.isfinite(model(input_ids=torch.arange(9)[None]).logits).all()
 
 
 def test_single_process_fsdp_is_plain_and_refuses_a_non_distributed_checkpoint(tmp_path: Path) -> None:

@@ -45,7 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lightning_llmfast.bench.fsdp import fsdp_markdown, run_fsdp_benchmark
 
         fsdp_result = run_fsdp_benchmark(
-            repeats=args.repeats, measured_steps=args.steps, log=lambda msg: print(msg, file=sys.stderr, flush=True)
+            args.world_size,
+            expert_parallel_size=args.expert_parallel_size,
+            repeats=args.repeats,
+            measured_steps=args.steps,
+            log=lambda msg: print(msg, file=sys.stderr, flush=True),
         )
         write_json(fsdp_result)
         print(fsdp_markdown(fsdp_result))
@@ -80,7 +84,8 @@ def _parser() -> argparse.ArgumentParser:
         "--profile",
         choices=sorted([*PROFILES, "fsdp", "scaling"]),
         default="quick",
-        help="quick (CPU), full (GPU), fsdp (2 CPU processes: FSDP2 vs DDP vs Lightning's FSDP2 peer), "
+        help="quick (CPU), full (GPU), fsdp (--world-size CPU processes: FSDP2 vs DDP vs Lightning's FSDP2 peer; "
+        "with --expert-parallel-size also EP alone and FSDP2 x EP), "
         "scaling (tokens/s and efficiency on 1, 2, 4 processes at 3 batch sizes)",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -96,6 +101,10 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated micro-benchmarks ('' for none)",
     )
     parser.add_argument("--repeats", type=int, help="override the profile's timed repeats")
+    parser.add_argument("--world-size", type=int, default=2, help="fsdp profile: CPU processes")
+    parser.add_argument(
+        "--expert-parallel-size", type=int, default=1, help="fsdp profile: N > 1 adds EP alone and FSDP2 x EP"
+    )
     parser.add_argument("--steps", type=int, help="override the profile's measured steps per segment")
     parser.add_argument("--max-seconds", type=float, help="soft time budget (fewer repeats, micro-benchmarks skipped)")
     return parser

@@ -354,6 +354,7 @@ class ActivationOffloader:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.packer.close()
         self._residents.close()
         self.pool.warn_growth(owner="ActivationOffloader")
         self.pool.clear()

@@ -11,6 +11,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor as _DTensor
 
 from lightning_llmfast._autograd import in_backward
@@ -65,6 +66,11 @@ class Packer:
         # Whether the layers' parameters are swapped for unsharded ones in forward (FSDP2): then each layer call
         # reads them again, so that the unsharded storages are never offloaded.
         self._unsharding = False
+        # Nested FSDP2 groups (an expert-parallel MoE block's) unshard inside the layer call, after enter_layer: a
+        # forward pre-hook notes their gathered storages, which FSDP2 frees again at the group's end, before the
+        # layer's copies are issued (copying them would read freed memory). Layers scanned, and the hooks.
+        self._scanned: set[int] = set()
+        self._nested_hooks: list[Any] = []
         self._shared_inputs: set[int] = set()
         self._inputs: set[int] = set()
         # Whether autocast caches its weight copies in the running layer call (read at the call: the pack hook runs
@@ -86,9 +92,13 @@ class Packer:
     def enter_layer(self, layer: torch.nn.Module, inputs: Any) -> None:
         """A layer call starts with ``inputs``: note what it shares with other calls, and FSDP2's unsharded weights."""
         if self._unsharding:  # FSDP2 unsharded this layer's parameters in its own pre-hook, registered earlier
-            # (a nested group, e.g. an expert-parallel MoE block's, is still sharded here: a DTensor, no storage)
-            gathered = (p for p in layer.parameters() if type(p) is not _DTensor)
-            self._param_ptrs.update(p.untyped_storage().data_ptr() for p in gathered)
+            # (a nested group, e.g. an expert-parallel MoE block's, is still sharded here: noted by its own pre-hook)
+            self._note_gathered(layer)
+            if id(layer) not in self._scanned:
+                self._scanned.add(id(layer))
+                nested = [m for m in layer.modules() if m is not layer and isinstance(m, FSDPModule)]
+                # FSDP2's own pre-hook is prepended: these run after it, on the unsharded parameters.
+                self._nested_hooks += [m.register_forward_pre_hook(self._note_gathered) for m in nested]
         # Inputs that need no grad (RoPE tables, masks, ids) are shared by every layer and alive outside it:
         # offloading them would copy them once per layer and free nothing.
         self._shared_inputs = {t.untyped_storage().data_ptr() for t in tensors_in(inputs) if not t.requires_grad}
@@ -97,6 +107,19 @@ class Packer:
         self._autocast_caches = self._copier is not None and (
             torch.is_autocast_cache_enabled() and torch.is_autocast_enabled(self._copier.device.type)
         )
+
+    def _note_gathered(self, module: torch.nn.Module, *_: Any) -> None:
+        # Expert parameters stay DTensors when gathered (FSDP2 over "edp" unshards to Shard(0) over "ep"): their local
+        # tensor holds the storage. A group not gathered yet adds its resident shards, which are never offloaded.
+        with torch.no_grad():  # to_local() would record an autograd node per parameter
+            local = [p.to_local() if type(p) is _DTensor else p for p in module.parameters()]
+        self._param_ptrs.update(t.untyped_storage().data_ptr() for t in local)
+
+    def close(self) -> None:
+        """Remove the hooks on nested FSDP2 groups."""
+        for handle in self._nested_hooks:
+            handle.remove()
+        self._nested_hooks, self._scanned = [], set()
 
     def place(self, waiting: list[Saved], seg: Segment) -> None:
         """Tensors saved between the previous layer call and ``seg``: offloaded (or measured) with ``seg``."""

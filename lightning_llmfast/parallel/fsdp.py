@@ -17,7 +17,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -193,15 +194,16 @@ def materialize_module(module: nn.Module, device: torch.device) -> bool:
     """Allocate parameters and buffers left on the meta device on ``device`` and initialise them.
 
     Call after :func:`shard_module`: each rank allocates only its shards. Every module that holds meta tensors is
-    re-initialised through its ``reset_parameters()`` (the convention of ``torch.nn`` layers, Lightning and FSDP).
-    Tied parameters stay tied.
+    re-initialised through its ``reset_parameters()`` (the convention of ``torch.nn`` layers, Lightning and FSDP);
+    one without it inside a transformers model (RMSNorm, rotary tables) through that model's ``_init_weights``, as
+    transformers initialises it. Tied parameters stay tied.
 
     Returns:
         Whether anything was on the meta device.
 
     Raises:
-        ConfigError: a module with meta parameters or buffers has no ``reset_parameters()`` (checked before
-            anything is allocated).
+        ConfigError: a module with meta parameters or buffers has no ``reset_parameters()`` and no transformers
+            model around it (checked before anything is allocated).
 
     Example::
 
@@ -217,11 +219,8 @@ def materialize_module(module: nn.Module, device: torch.device) -> bool:
     ]
     if not meta:
         return False
-    missing = [
-        f"{name or '<root>'} ({type(m).__name__})"
-        for name, m in meta
-        if not callable(getattr(m, "reset_parameters", None))
-    ]
+    inits = {name: _initializer(module, name, m) for name, m in meta}
+    missing = [f"{name or '<root>'} ({type(m).__name__})" for name, m in meta if inits[name] is None]
     if missing:
         raise ConfigError(
             f"sharding='fsdp': modules built on the meta device need reset_parameters() to be initialised; "
@@ -233,6 +232,18 @@ def materialize_module(module: nn.Module, device: torch.device) -> bool:
         if getattr(owner, name) is not getattr(source, source_name):
             setattr(owner, name, getattr(source, source_name))
     with torch.no_grad():
-        for _, m in meta:
-            m.reset_parameters()
+        for init in inits.values():
+            init()  # type: ignore[misc]
     return True
+
+
+def _initializer(root: nn.Module, name: str, m: nn.Module) -> Callable[[], None] | None:
+    """``m.reset_parameters``, else the ``_init_weights`` of the innermost transformers model holding ``m``."""
+    if callable(getattr(m, "reset_parameters", None)):
+        return m.reset_parameters
+    parts = name.split(".") if name else []
+    for depth in range(len(parts), -1, -1):  # innermost first; transformers models define `_init_weights(module)`
+        owner = root.get_submodule(".".join(parts[:depth]))
+        if callable(getattr(owner, "_init_weights", None)) and hasattr(owner, "config"):
+            return partial(owner._init_weights, m)
+    return None
