@@ -1,12 +1,13 @@
 """Kernel launches of one MoE block forward+backward: ours (dropless, capacity) against transformers' ``grouped_mm``.
 
-A kernel is an ATen op that launches one on an accelerator: views, reshapes, ``detach``, aliasing and metadata ops and
-bare allocations are left out (:data:`NOT_KERNELS`), and this package's custom ops are counted by the ATen ops inside
-them (:class:`KernelCounter`). Counted on CPU for the PyTorch path of our kernels (``backend="torch"``); the
-gradient seed ``ones_like`` of the harness is counted for every block alike. Shapes: T tokens, H=64, F=128, E experts,
-top-k; the counts depend on T only through the reference combine's cache-sized chunks.
+Counted by :class:`~lightning_llmfast.bench.kernels.KernelCounter`: ATen ops that launch a kernel on an accelerator
+(views, reshapes, ``detach``, aliasing and metadata ops and bare allocations left out), this package's custom ops
+opened into the ATen ops and Triton launches inside them. Our block is counted on both kernel paths: ``triton`` (what
+runs on CUDA; on CPU under ``TRITON_INTERPRET=1``, each launch counted once) and ``torch`` (the PyTorch reference, the
+CPU path). The gradient seed ``ones_like`` of the harness is counted for every block alike. Shapes: T tokens, H=64,
+F=128, E experts, top-k.
 
-Run: ``PYTHONPATH=. python benchmarks/moe_kernel_counts.py`` (prints a markdown table, writes
+Run: ``PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/moe_kernel_counts.py`` (prints a markdown table, writes
 ``benchmarks/results/moe_kernels.json``).
 """
 
@@ -14,66 +15,17 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch._library.custom_ops import OPDEFS
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_llmfast.bench.kernels import KernelCounter
 from lightning_llmfast.moe import MoEBlock, MoEConfig
+from lightning_llmfast.moe.kernels import triton_available
 
-NOT_KERNELS: frozenset[str] = frozenset(
-    {
-        "detach",
-        "empty",
-        "empty_like",
-        "empty_strided",
-        "new_empty",
-        "new_empty_strided",
-        "lift_fresh",
-        "sym_size",
-        "sym_stride",
-        "sym_numel",
-        "sym_storage_offset",
-        "is_same_size",
-        "_reshape_alias",
-        "_unsafe_view",
-    }
-)
 SHAPES = [(512, 8, 2), (512, 64, 8), (4096, 8, 2), (4096, 64, 8), (8192, 8, 2), (8192, 64, 8)]
 HIDDEN, FFN = 64, 128
-
-
-class KernelCounter(TorchDispatchMode):
-    """Counts kernel-launching ATen ops; this package's custom ops are opened and their ATen ops counted instead.
-
-    Example::
-
-        with KernelCounter() as counter:
-            block(x).sum().backward()
-        counter.total
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        if func.namespace == "lightning_llmfast":
-            with self:  # the implementation's own ATen ops are the launches
-                return OPDEFS[f"{func.namespace}::{name}"]._init_fn(*args, **kwargs)
-        if not (func.is_view or name in NOT_KERNELS):
-            self.ops[name] += 1
-        return func(*args, **kwargs)
 
 
 def count_block(block: nn.Module, x: Tensor) -> KernelCounter:
@@ -100,25 +52,32 @@ def transformers_grouped_mm(num_experts: int, top_k: int) -> nn.Module:
     return block
 
 
+def backends() -> tuple[str, ...]:
+    """The kernel paths to count: Triton (the CUDA path; on CPU under ``TRITON_INTERPRET=1``) and the reference."""
+    return ("triton", "torch") if triton_available(torch.device("cpu")) else ("torch",)
+
+
 def counts(tokens: int, num_experts: int, top_k: int) -> dict[str, int]:
-    """Kernels per block forward+backward at one shape: ours dropless, ours with capacity 1.25, the peer."""
+    """Kernels per block forward+backward at one shape: ours dropless and with capacity 1.25 (per kernel path), and
+    the peer."""
     torch.manual_seed(0)
     x = torch.randn(tokens, HIDDEN)
     out = {}
-    for name, factor in (("ours_dropless", None), ("ours_capacity", 1.25)):
-        block = MoEBlock(MoEConfig.build(HIDDEN, FFN, num_experts, top_k, capacity_factor=factor, backend="torch"))
-        out[name] = count_block(block, x).total
-    out["transformers_grouped_mm"] = count_block(transformers_grouped_mm(num_experts, top_k), x[None]).total
+    for backend in backends():
+        for name, factor in (("dropless", None), ("capacity", 1.25)):
+            config = MoEConfig.build(HIDDEN, FFN, num_experts, top_k, capacity_factor=factor, backend=backend)
+            out[f"ours_{name}_{backend}"] = count_block(MoEBlock(config), x).kernels
+    out["transformers_grouped_mm"] = count_block(transformers_grouped_mm(num_experts, top_k), x[None]).kernels
     return out
 
 
 def main() -> None:
     rows = [{"T": t, "E": e, "k": k, **counts(t, e, k)} for t, e, k in SHAPES]
-    print("| T | E | k | ours dropless | ours capacity 1.25 | transformers grouped_mm |")
-    print("|---|---|---|---|---|---|")
+    columns = [c for c in rows[0] if c.startswith("ours_")] + ["transformers_grouped_mm"]
+    print("| T | E | k | " + " | ".join(c.replace("_", " ") for c in columns) + " |")
+    print("|---|---|---|" + "---|" * len(columns))
     for r in rows:
-        print(f"| {r['T']} | {r['E']} | {r['k']} | {r['ours_dropless']} | {r['ours_capacity']} | "
-              f"{r['transformers_grouped_mm']} |")  # fmt: skip
+        print(f"| {r['T']} | {r['E']} | {r['k']} | " + " | ".join(str(r[c]) for c in columns) + " |")
     path = Path(__file__).parent / "results" / "moe_kernels.json"
     path.write_text(json.dumps({"torch": torch.__version__, "hidden": HIDDEN, "ffn": FFN, "rows": rows}, indent=1))
     print(f"wrote {path}", file=sys.stderr)

@@ -61,3 +61,16 @@ def test_triton_launches_count_once_and_the_interpreter_work_not_at_all() -> Non
     expected = {"_grouped_gemm_kernel": 2, "_grouped_wgrad_kernel": 1}  # forward, input grad, weight grad
     assert dict(outer.triton_launches) == dict(inner.triton_launches) == expected
     torch.testing.assert_close(y, torch.cat([x[:4] @ w[0], x[4:] @ w[2]]).detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not triton_available(torch.device("cpu")), reason="Triton kernels need TRITON_INTERPRET=1 on CPU")
+def test_custom_ops_are_opened_and_their_triton_launches_counted_once() -> None:
+    from lightning_llmfast.moe.permute import _permute_rows
+
+    x, tokens = torch.randn(5, 4), torch.tensor([4, 0, 0, 2])
+    positions = torch.tensor([[1, 2], [0, 0], [3, 3], [0, 0], [0, 0]])
+    with KernelCounter() as kc:
+        rows = _permute_rows.op(x, tokens, None, positions, None, "triton")  # the registered custom op
+    assert dict(kc.triton_launches) == {"_gather_rows_kernel": 1}
+    assert "permute_rows" not in kc.kernel_ops and kc.kernels == 1
+    torch.testing.assert_close(rows, x[tokens], rtol=0, atol=0)

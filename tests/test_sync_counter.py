@@ -128,14 +128,14 @@ def test_event_stream_and_device_synchronize_are_counted_with_fakes(monkeypatch:
 
 def _plant_tolist(monkeypatch: pytest.MonkeyPatch) -> None:
     """Adds ``tokens_per_expert.tolist()`` inside ``route()``: its counting pass's counts read on the host."""
-    original = routing.stable_counting_sort
+    original = routing.routing_plan
 
-    def counting_sort_then_read(*args: Any, **kwargs: Any) -> Any:
-        counts, dest, order = original(*args, **kwargs)
-        counts.tolist()
-        return counts, dest, order
+    def counting_pass_then_read(*args: Any, **kwargs: Any) -> Any:
+        plan = original(*args, **kwargs)
+        plan.tokens_per_expert.tolist()
+        return plan
 
-    monkeypatch.setattr(routing, "stable_counting_sort", counting_sort_then_read)
+    monkeypatch.setattr(routing, "routing_plan", counting_pass_then_read)
 
 
 def test_a_tolist_planted_in_route_turns_the_no_sync_checks_red(monkeypatch: pytest.MonkeyPatch) -> None:

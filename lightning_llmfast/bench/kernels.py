@@ -6,6 +6,8 @@ runs to emulate it are its own work, not counted). The ops that launch nothing a
 :data:`NON_KERNEL_OPS`: views, reshapes that alias, ``detach`` and other aliasing or metadata-only ops, and bare
 allocations (``empty``: the caching allocator hands out memory without a kernel). ``_local_scalar_dense`` (``.item()``)
 is a device-to-host memcpy, counted by :class:`~lightning_llmfast.bench.counters.SyncCounter` as a sync, not here.
+This package's custom ops (namespace ``lightning_llmfast``) are opened: the ATen ops and Triton launches inside them
+are the kernels, not the op itself (an opaque op wraps a gather and a GEMM, or one Triton kernel).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from typing import Any
+
+from torch._library.custom_ops import OPDEFS
 
 from lightning_llmfast.bench.counters import PatchingCounter
 
@@ -43,6 +47,7 @@ NON_KERNEL_OPS: frozenset[str] = frozenset(
 )  # fmt: skip
 """ATen op packet names that launch no kernel on a GPU."""
 
+_OPENED_NAMESPACE = "lightning_llmfast"
 _ACTIVE: list[PatchingCounter] = []
 _STATE = threading.local()  # .launching: inside a Triton launch (the interpreter's own ATen ops are not kernels)
 _SAVED: dict[str, Any] = {}
@@ -90,6 +95,18 @@ class KernelCounter(PatchingCounter):
         if "getitem" in _SAVED:
             KernelInterface.__getitem__ = _SAVED.pop("getitem")
 
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if func.namespace == _OPENED_NAMESPACE and not getattr(_STATE, "launching", False):
+            with self:  # the implementation's own ATen ops and Triton launches are the kernels
+                return OPDEFS[f"{func.namespace}::{func.overloadpacket.__name__}"]._init_fn(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ == "to":
+            # Reaches the mode whole inside opened custom ops: a copy only when it returns a new tensor.
+            out = func(*args, **(kwargs or {}))
+            if out is not args[0]:
+                self._record("_to_copy", args, kwargs or {})
+            return out
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
     def _record(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if getattr(_STATE, "launching", False):
             return
@@ -110,7 +127,7 @@ def _counted_launch(kernel: Any, grid: Any) -> Any:
         if getattr(_STATE, "launching", False):
             return launch(*args, **kwargs)
         me = threading.get_ident()
-        for counter in _ACTIVE:
+        for counter in dict.fromkeys(_ACTIVE):  # a counter re-entered to open a custom op is listed twice
             if counter._thread == me and isinstance(counter, KernelCounter):
                 counter.triton_launches[_kernel_name(kernel)] += 1
         _STATE.launching = True

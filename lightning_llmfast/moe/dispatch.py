@@ -64,8 +64,8 @@ def _permute_grouped_mm(
     offs: Tensor,
     backend: str,
 ) -> Tensor:
-    """``grouped_mm(x_compute[tokens], weight, offs)``: ``(R, N)``; rows from ``num_valid`` on are left unwritten
-    (``grouped_mm`` skips rows past the last group: the caller masks them, as it does the down projection's).
+    """``grouped_mm(x_compute[tokens], weight, offs)``: ``(R, N)``; rows from ``num_valid`` on are gathered as zeros
+    (padding: :func:`expert_swiglu` gives them to the last group, so that every row of every GEMM is written).
 
     ``x`` ``(T, H)`` is the differentiable input; its gradient comes back in its dtype, each token's rows summed in
     float32 (as ``permute`` after a cast would). ``x_compute`` is ``x`` in the compute dtype (``x`` itself, or the
@@ -127,10 +127,6 @@ def _permute_grouped_mm_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None,
     grad_x = grad_weight = None
     if ctx.needs_input_grad[0]:
         grad_rows = _grouped_mm(grad, weight.transpose(-1, -2), offs)
-        if num_valid is not None:
-            # grouped_mm leaves rows past the last group unwritten; a fill, as garbage * 0 may be NaN.
-            padding = torch.arange(grad_rows.shape[0], device=grad.device) >= num_valid
-            grad_rows = grad_rows.masked_fill(padding.unsqueeze(1), 0)
         grad_x = _combine_rows(grad_rows, positions, pair_mask, ctx.x_dtype, ctx.backend)
     if ctx.needs_input_grad[6]:
         rows = gather_rows(x_compute, tokens, num_valid, backend=ctx.backend)  # the forward's rows, rebuilt
@@ -171,8 +167,10 @@ class LocalDispatcher(TokenDispatcher):
         idx = _plan_indices(plan)
         kept = plan.kept if plan.padded else None
         pair_mask = kept.to(x.dtype) if kept is not None else None
-        weights = plan.weights if kept is None else plan.weights * kept.to(plan.weights.dtype)
-        row_weights = _pair_values_to_rows(weights, idx.pairs, idx.positions, kept)
+        row_weights = plan.row_weights
+        if row_weights is None:
+            weights = plan.weights if kept is None else plan.weights * kept.to(plan.weights.dtype)
+            row_weights = _pair_values_to_rows(weights, idx.pairs, idx.positions, kept)
         # x_compute is not detached: its grad_fn (a cast of the norm's output) lets the offloader rebuild it.
         gather = RowGather(x, idx.tokens, idx.positions, pair_mask, idx.num_valid, backend)
         rows = ExpertRows(compute_copy(x) if x_compute is None else x_compute, plan.offsets, plan.padded, gather)
@@ -219,7 +217,12 @@ def expert_swiglu(rows: ExpertRows, gate_up: Tensor, down: Tensor, act: Callable
         return expert_swiglu(
             ExpertRows(permuted, rows.offsets, rows.padded, None, rows.row_weights), gate_up, down, act
         )
-    ends = rows.offsets[1:].to(torch.int32)  # grouped_mm's `offs`: the group ends
+    # grouped_mm's `offs`: the group ends. It leaves rows past the last end unwritten, so with padding (capacity,
+    # token mask) the last group also takes the padding rows: gathered as zeros, with zero weight, they come out as
+    # zeros from both GEMMs, forward and backward, and add nothing to the weight gradients. No mask pass is needed.
+    ends = rows.offsets[1:]
+    if rows.padded:
+        ends = F.pad(rows.offsets[1:-1], (0, 1), value=gather.tokens.shape[0])
     hidden = _permute_grouped_mm(
         gather.x,
         x_compute,
@@ -231,12 +234,7 @@ def expert_swiglu(rows: ExpertRows, gate_up: Tensor, down: Tensor, act: Callable
         ends,
         gather.backend,
     )
-    out = _swiglu_down(hidden, down, ends, rows.row_weights, gather.backend)
-    if gather.num_valid is not None:
-        # grouped_mm leaves the padding rows unwritten: zero them (a select: garbage * 0 may be NaN).
-        valid = torch.arange(out.shape[0], device=out.device) < gather.num_valid
-        out = torch.where(valid.unsqueeze(1), out, 0)
-    return out
+    return _swiglu_down(hidden, down, ends, rows.row_weights, gather.backend)
 
 
 def routed_swiglu(

@@ -42,8 +42,12 @@ from lightning_llmfast.moe.grouped_fallback import (
     triton_grouped_swiglu,
     use_triton,
 )
-from lightning_llmfast.moe.kernels import row_dots
-from lightning_llmfast.moe.kernels.rows import _scale_rows_
+from lightning_llmfast.moe.kernels.swiglu import (
+    swiglu_backward,
+    swiglu_backward_reference,
+    swiglu_forward,
+    swiglu_forward_reference,
+)
 
 __all__ = ["ExpertWeights", "GroupedExperts", "autocast_inputs", "grouped_swiglu", "grouped_mm_supported"]
 
@@ -116,12 +120,7 @@ def _silu_glu(gate_up: Tensor) -> Tensor:
     until backward (46 MB at hidden 1024, ffn 1408, 8192 tokens, top-2: 9% of what a reference layer saves) to spare
     one elementwise pass (about 4% of the block's forward+backward on CPU; memory-bound and negligible on a GPU).
     """
-    return _silu_mul(gate_up)
-
-
-def _silu_mul(gate_up: Tensor) -> Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return swiglu_forward_reference(gate_up)
 
 
 @_silu_glu.register_fake
@@ -132,12 +131,7 @@ def _silu_glu_fake(gate_up: Tensor) -> Tensor:
 @torch.library.custom_op("lightning_llmfast::swiglu_backward", mutates_args=())
 def _silu_glu_backward(grad: Tensor, gate_up: Tensor) -> Tensor:
     """Gradient of :func:`_silu_glu` for ``gate_up``: ``(M, 2F)`` from ``grad`` ``(M, F)``."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    grad_gate_up = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
-    grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
-    torch.mul(grad, F.silu(gate), out=grad_up)
-    torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
-    return grad_gate_up
+    return swiglu_backward_reference(grad, gate_up, need_product=False, need_dots=False)[0]
 
 
 @_silu_glu_backward.register_fake
@@ -159,22 +153,21 @@ _silu_glu.register_autograd(_silu_glu_grad, setup_context=_silu_glu_setup)
 
 @torch.library.custom_op("lightning_llmfast::swiglu_down", mutates_args=())
 def _swiglu_down(gate_up: Tensor, down: Tensor, offs: Tensor, scale: Tensor | None, backend: str) -> Tensor:
-    """The down projection of the SwiGLU product, ``grouped_mm(silu(gate) * up, down)``: ``(M, 2F)`` -> ``(M, H)``.
+    """The down projection of the SwiGLU product, ``grouped_mm(scale * silu(gate) * up, down)``: ``(M, 2F)`` ->
+    ``(M, H)``.
 
     One op so that its backward can rebuild the ``(M, F)`` product from ``gate_up`` (saved anyway for the SwiGLU
     gradient) instead of keeping it as the GEMM's input: per reference layer at hidden 1024, ffn 1408, 8192 tokens,
-    top-2 that is 46 MB less held until backward, for one elementwise pass in backward. The rebuilt product has the
-    same bits, so without ``scale`` values and gradients equal the unfused
-    ``_grouped_mm(_silu_glu(gate_up), down, offs)`` exactly.
+    top-2 that is 46 MB less held until backward, for one elementwise pass in backward.
 
-    ``scale`` ``(M,)`` (optional) multiplies each output row, in float32, by its routing weight, so that the combine
-    after it is a plain sum that keeps no rows for backward. Its gradient ``<grad[r], out_unscaled[r]>`` is taken as
-    ``<(grad @ down^T)[r], product[r]>`` (the same value), from tensors the backward has anyway: the ``(M, H)``
-    output never needs keeping. ``down`` ``(E, F, H)``; ``offs`` ``(E,)`` int32 group ends; ``backend``: of that
-    dot product (``"torch"`` or ``"triton"``).
+    ``scale`` ``(M,)`` (optional) multiplies each row by its routing weight before the GEMM (the same as after it,
+    row by row), so that the combine after it is a plain sum that keeps no rows for backward. Its gradient
+    ``<grad[r], out_unscaled[r]>`` is taken as ``<(grad @ down^T)[r], product[r]>`` (the same value), from tensors
+    the backward has anyway. The activation and its backward are one launch each on the Triton path
+    (:mod:`~lightning_llmfast.moe.kernels.swiglu`). ``down`` ``(E, F, H)``; ``offs`` ``(E,)`` int32 group ends;
+    ``backend``: of the activation (``"torch"`` or ``"triton"``).
     """
-    out = F.grouped_mm(_silu_mul(gate_up), down, offs=offs)
-    return out if scale is None else _scale_rows_(out, scale)
+    return F.grouped_mm(swiglu_forward(gate_up, scale, backend=backend), down, offs=offs)
 
 
 @_swiglu_down.register_fake
@@ -192,22 +185,17 @@ def _swiglu_down_grad(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
     need_gate_up, need_down, _, need_scale, _ = ctx.needs_input_grad
     need_scale = need_scale and scale is not None
     grad = grad.contiguous()  # grouped_mm rejects stride-0 (expanded) gradients
-    product = _silu_glu(gate_up) if need_down or need_scale else None
-    grad_gate_up = grad_down = grad_scale = None
+    grad_gate_up = product = grad_scale = None
     if need_gate_up or need_scale:
-        # Gradient of the product before scaling: (grad @ down^T) * scale is (grad * scale) @ down^T.
-        grad_product = _grouped_mm(grad, down.transpose(-1, -2), offs)
-        if need_scale:
-            grad_scale = row_dots(product, grad_product, backend=ctx.backend).to(scale.dtype)
-        if need_gate_up:
-            if scale is not None:
-                grad_product = _scale_rows_(grad_product, scale)
-            grad_gate_up = _silu_glu_backward(grad_product, gate_up)
-    if need_down:
-        if scale is not None:
-            grad = _scale_rows_(grad, scale, out=torch.empty_like(grad))
-        grad_down = _grouped_mm(product.transpose(0, 1), grad, offs)
-    return grad_gate_up, grad_down, None, grad_scale, None
+        grad_product = _grouped_mm(grad, down.transpose(-1, -2), offs)  # of the scaled product
+        grad_gate_up, product, grad_scale = swiglu_backward(
+            grad_product, gate_up, scale, need_product=need_down, need_dots=need_scale, backend=ctx.backend
+        )
+        grad_scale = None if grad_scale is None else grad_scale.to(scale.dtype)
+    elif need_down:
+        product = swiglu_forward(gate_up, scale, backend=ctx.backend)
+    grad_down = _grouped_mm(product.transpose(0, 1), grad, offs) if need_down else None
+    return grad_gate_up if need_gate_up else None, grad_down, None, grad_scale, None
 
 
 _swiglu_down.register_autograd(_swiglu_down_grad, setup_context=_swiglu_down_setup)

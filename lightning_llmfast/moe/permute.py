@@ -30,25 +30,26 @@ __all__ = ["permute", "unpermute"]
 class _PlanIndices(NamedTuple):
     """Index tensors derived from a plan (O(T * k) integers, cheap next to the ``hidden``-wide gathers)."""
 
-    pairs: Tensor  # (R,) int64: flattened pair index of each permuted row
+    pairs: Tensor  # (R,) int32: flattened pair index of each permuted row
     tokens: Tensor  # (R,) int64: token of each permuted row
     positions: Tensor  # (T, k) int64: permuted row of each pair; clamped into range for dropped pairs
     num_valid: Tensor | None  # 0-d: offsets[-1] (kept rows) for a padded plan; None when every pair is kept
 
 
 def _plan_indices(plan: RoutingPlan) -> _PlanIndices:
-    num_pairs, num_rows = plan.permutation.numel(), plan.num_rows
-    permutation = plan.permutation.long()
-    pairs = permutation[:num_rows]
-    positions = torch.empty_like(permutation).scatter_(
-        0, permutation, torch.arange(num_pairs, device=permutation.device)
-    )
-    num_valid = None
-    if plan.padded:
+    num_rows = plan.num_rows
+    pairs = plan.permutation[:num_rows]
+    positions, tokens = plan.positions, plan.row_tokens
+    if positions is None or tokens is None:  # a plan built by hand: derive them from the permutation
+        permutation = plan.permutation.long()
+        positions = torch.empty_like(permutation).scatter_(
+            0, permutation, torch.arange(permutation.numel(), device=permutation.device)
+        )
         # Dropped (and masked) pairs sit beyond the kept rows; any in-range row will do, their weight is masked out.
-        positions = positions.clamp(max=max(num_rows - 1, 0))
-        num_valid = plan.offsets[-1]
-    return _PlanIndices(pairs, pairs // plan.top_k, positions.view(plan.num_tokens, plan.top_k), num_valid)
+        positions = positions.clamp(max=max(num_rows - 1, 0)).view(plan.num_tokens, plan.top_k)
+        tokens = permutation[:num_rows] // plan.top_k
+    num_valid = plan.offsets[-1] if plan.padded else None
+    return _PlanIndices(pairs, tokens, positions, num_valid)
 
 
 # The data movement runs inside custom ops rather than as torch.autograd.Function bodies, so that

@@ -25,7 +25,9 @@ from torch import Tensor
 from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.moe.balance import update_expert_bias
 from lightning_llmfast.moe.config import RoutingConfig
+from lightning_llmfast.moe.fused_routing import fused_route, fused_route_supported
 from lightning_llmfast.moe.kernels import resolve_backend, stable_counting_sort
+from lightning_llmfast.moe.kernels.plan import PlanTensors, plan_from_permutation, routing_plan
 from lightning_llmfast.moe.losses import SequenceBoundaries, balance_loss, sequence_balance_loss, z_loss
 from lightning_llmfast.moe.selection import apply_capacity, expert_capacity, select_experts
 
@@ -74,6 +76,13 @@ class RoutingPlan(NamedTuple):
             losses and the expert-bias update count).
         router_probs: ``(T, E)`` float32 normalised routing probabilities ``P`` is the mean of, differentiable.
         token_mask: ``(T,)`` bool, or ``None`` (every token valid).
+        positions: ``(T, k)`` int64 row of each pair in the permuted layout (the inverse of ``permutation``),
+            clamped into ``num_rows`` (a dropped pair's row is padding or another pair's); ``None`` on the PyTorch
+            path (the dispatcher derives it from ``permutation``), set by the fused Triton routing's counting pass.
+        row_tokens: ``(num_rows,)`` int64 token of each row (``permutation[:num_rows] // k``), or ``None`` (as
+            ``positions``).
+        row_weights: ``(num_rows,)`` float32 combine weight of each row (0 for a dropped pair's), differentiable
+            like ``weights``, or ``None`` (the fused Triton routing makes it in its counting pass).
 
     Example::
 
@@ -97,6 +106,9 @@ class RoutingPlan(NamedTuple):
     routed_per_expert: Tensor | None = None
     router_probs: Tensor | None = None
     token_mask: Tensor | None = None
+    positions: Tensor | None = None
+    row_tokens: Tensor | None = None
+    row_weights: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -263,26 +275,28 @@ def _count(
     capacity: int | None,
     token_mask: Tensor | None,
     backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The one counting pass: ``(routed, tokens_per_expert, kept, permutation)``.
+) -> PlanTensors:
+    """The one counting pass: counts before and after the capacity limit, offsets, kept pairs, rows and tokens.
 
     ``routed`` counts the valid pairs per expert before the capacity limit (what the losses and the bias update
-    count); the other three are after it. Masked tokens' pairs get the extra key ``E``: they sort after every
-    expert's pairs and are never kept.
+    count); the rest is after it. Masked tokens' pairs get the extra key ``E``: they sort after every expert's pairs
+    and are never kept.
     """
     keys = expert_ids.reshape(-1)
     num_bins = num_experts
+    top_k = routing.top_k
     if token_mask is not None:
-        keys = torch.where(token_mask.repeat_interleave(routing.top_k), keys, num_experts)
+        keys = torch.where(token_mask.repeat_interleave(top_k), keys, num_experts)
         num_bins += 1
-    counts, dest, order = stable_counting_sort(keys, num_bins, backend=backend, validate=False)
-    routed = counts[:num_experts]
-    if capacity is None:
-        return routed, routed, keys < num_experts, order
+    if capacity is None or routing.drop_policy == "position":
+        return routing_plan(keys, num_bins, num_experts, capacity, top_k, backend=backend, rows=False)
+    counts, dest, _ = stable_counting_sort(keys, num_bins, backend=backend, validate=False)
     kept_counts, kept, permutation = apply_capacity(
         keys, weights.detach().reshape(-1), counts, dest, capacity, num_experts, routing.drop_policy, backend
     )
-    return routed, kept_counts, kept, permutation
+    num_rows = min(keys.numel(), num_experts * capacity)
+    masked = token_mask is not None
+    return plan_from_permutation(counts[:num_experts], kept_counts, kept, permutation, num_rows, top_k, masked)
 
 
 def route(
@@ -332,17 +346,31 @@ def route(
     capacity = None
     if capacity_factor is not None:
         capacity = expert_capacity(capacity_factor, num_tokens * routing.top_k, num_experts, routing.min_capacity)
-    logits32 = logits.float()
+    backend = resolve_backend(routing.backend, logits.device)
+    fused = backend == "triton" and fused_route_supported(routing, num_experts, token_mask)
+    logits32 = logits if fused and validate is None else logits.float()  # the fused kernels read any float dtype
     if token_mask is not None:
         # Masked tokens (padding) may hold anything: zeroed first, they reach no NaN check, loss or gradient.
         logits32 = logits32.masked_fill(~token_mask.unsqueeze(1), 0.0)
     nonfinite = None
     if validate is not None:
         nonfinite = _check_finite(logits32, expert_bias) if validate else _nonfinite_flag(logits32)
+    if fused:
+        return _fused_plan(fused_route(logits, routing, expert_bias, capacity), capacity, nonfinite)
     probs, expert_ids, weights = _select(logits32, routing, expert_bias)
-    backend = resolve_backend(routing.backend, logits.device)
     counted = _count(expert_ids, weights, num_experts, routing, capacity, token_mask, backend)
     return _plan(logits32, probs, expert_ids, weights, counted, routing.score, capacity, nonfinite, token_mask)
+
+
+def _fused_plan(outputs: tuple[Tensor, ...], capacity: int | None, nonfinite: Tensor | None) -> RoutingPlan:
+    """The :class:`RoutingPlan` of :func:`~lightning_llmfast.moe.fused_routing.fused_route`'s tensors."""
+    ids, weights, probs, aux, z, routed, per_expert, offsets, permutation, positions, tokens, kept, dropped, rows = (
+        outputs
+    )
+    return RoutingPlan(
+        ids, weights, per_expert, offsets, permutation, kept, dropped, aux, z, nonfinite, capacity, probs.shape[1],
+        ids.shape[1], routed, probs, None, positions, tokens, rows,
+    )  # fmt: skip
 
 
 def _plan(
@@ -350,35 +378,36 @@ def _plan(
     probs: Tensor,
     expert_ids: Tensor,
     weights: Tensor,
-    counted: tuple[Tensor, Tensor, Tensor, Tensor],
+    counted: PlanTensors,
     score: str,
     capacity: int | None,
     nonfinite: Tensor | None,
     token_mask: Tensor | None,
 ) -> RoutingPlan:
     """The :class:`RoutingPlan` of the counted selection, with the losses from the same counts."""
-    routed, tokens_per_expert, kept, permutation = counted
     num_tokens, top_k = expert_ids.shape
-    offsets = torch.nn.functional.pad(tokens_per_expert.cumsum(0), (1, 0))
     router_probs = probs if score == "softmax" else probs / (probs.sum(dim=-1, keepdim=True) + _NORM_EPS)
-    valid_pairs = num_tokens * top_k if token_mask is None else routed.sum()
     return RoutingPlan(
         expert_ids=expert_ids.to(torch.int32),
         weights=weights,
-        tokens_per_expert=tokens_per_expert.to(torch.int32),
-        offsets=offsets.to(torch.int32),
-        permutation=permutation.to(torch.int32),
-        kept=kept.view(num_tokens, top_k),
-        num_dropped=valid_pairs - offsets[-1],
-        aux_loss=balance_loss(routed, router_probs, token_mask),
+        tokens_per_expert=counted.tokens_per_expert,
+        offsets=counted.offsets,
+        permutation=counted.permutation,
+        kept=counted.kept.view(num_tokens, top_k),
+        num_dropped=counted.num_dropped,
+        aux_loss=balance_loss(counted.routed, router_probs, token_mask),
         z_loss=z_loss(logits32, token_mask),
         nonfinite=nonfinite,
         capacity=capacity,
         num_experts=probs.shape[1],
         top_k=top_k,
-        routed_per_expert=routed.to(torch.int32),
+        routed_per_expert=counted.routed,
         router_probs=router_probs,
         token_mask=token_mask,
+        # Not kept in the plan on this path: MoEStats holds the plan until the next forward, and with activation
+        # recomputation these (T * k) indices would outlive the layer's forward; the dispatcher derives them.
+        positions=None,
+        row_tokens=None,
     )
 
 

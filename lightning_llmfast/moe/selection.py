@@ -22,6 +22,7 @@ from torch import Tensor
 from lightning_llmfast._checks import check_int, check_number
 from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe.kernels import stable_counting_sort
+from lightning_llmfast.moe.kernels.plan import capacity_layout_reference
 
 __all__ = ["apply_capacity", "check_groups", "expert_capacity", "select_experts"]
 
@@ -147,23 +148,15 @@ def apply_capacity(
         ``tokens_per_expert`` ``(E,)`` int64, ``kept`` ``(T * k,)`` bool and the permutation ``(T * k,)`` int64
         (kept pairs grouped by expert first, then the dropped ones by key, both stable).
     """
+    if drop_policy == "position":
+        limit, kept, _, permutation = capacity_layout_reference(keys, counts, dest, capacity, num_experts)
+        return limit, kept, permutation
     num_bins = counts.numel()
     starts = counts.cumsum(0) - counts
     # Exactly min(count, capacity) pairs of each expert survive, none of the masked key.
     limit = counts.clamp(max=capacity)
     if num_bins > num_experts:
         limit = torch.cat([limit[:num_experts], limit.new_zeros(num_bins - num_experts)])
-    if drop_policy == "position":
-        # Rank inside the key by flattened index: it falls out of the stable order.
-        rank = dest - starts[keys]
-        kept = rank < limit[keys]
-        # Kept pairs keep their rank; dropped ones line up after all kept pairs, by key, in the same order.
-        kept_start = (limit.cumsum(0) - limit)[keys]
-        dropped = counts - limit
-        dropped_start = limit.sum() + (dropped.cumsum(0) - dropped)[keys]
-        position = torch.where(kept, kept_start + rank, dropped_start + rank - limit[keys])
-        pairs = torch.arange(position.numel(), device=position.device)
-        return limit[:num_experts], kept, torch.empty_like(position).scatter_(0, position, pairs)
     # Rank inside the key by descending weight (ties by index): the same counting sort over the pairs visited in
     # descending-weight order.
     order = torch.sort(flat_weights, descending=True, stable=True).indices

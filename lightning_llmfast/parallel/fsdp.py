@@ -194,9 +194,9 @@ def materialize_module(module: nn.Module, device: torch.device) -> bool:
     """Allocate parameters and buffers left on the meta device on ``device`` and initialise them.
 
     Call after :func:`shard_module`: each rank allocates only its shards. Every module that holds meta tensors is
-    re-initialised through its ``reset_parameters()`` (the convention of ``torch.nn`` layers, Lightning and FSDP);
-    one without it inside a transformers model (RMSNorm, rotary tables) through that model's ``_init_weights``, as
-    transformers initialises it. Tied parameters stay tied.
+    re-initialised through its ``reset_parameters()`` (the convention of ``torch.nn`` layers, Lightning and FSDP),
+    except inside a transformers model, where ``torch.nn`` layers and modules without it (RMSNorm, rotary tables) go
+    through that model's ``_init_weights``, as transformers initialises them. Tied parameters stay tied.
 
     Returns:
         Whether anything was on the meta device.
@@ -238,12 +238,15 @@ def materialize_module(module: nn.Module, device: torch.device) -> bool:
 
 
 def _initializer(root: nn.Module, name: str, m: nn.Module) -> Callable[[], None] | None:
-    """``m.reset_parameters``, else the ``_init_weights`` of the innermost transformers model holding ``m``."""
-    if callable(getattr(m, "reset_parameters", None)):
+    """How ``m`` is initialised: as the innermost transformers model holding it would, for ``torch.nn`` layers and
+    modules without ``reset_parameters()`` (a Linear there gets ``normal(0, initializer_range)``, not torch's
+    Kaiming default); otherwise ``m.reset_parameters`` (our grouped experts inside a swapped model)."""
+    resettable = callable(getattr(m, "reset_parameters", None))
+    if resettable and not type(m).__module__.startswith("torch.nn"):
         return m.reset_parameters
     parts = name.split(".") if name else []
     for depth in range(len(parts), -1, -1):  # innermost first; transformers models define `_init_weights(module)`
         owner = root.get_submodule(".".join(parts[:depth]))
         if callable(getattr(owner, "_init_weights", None)) and hasattr(owner, "config"):
             return partial(owner._init_weights, m)
-    return None
+    return m.reset_parameters if resettable else None

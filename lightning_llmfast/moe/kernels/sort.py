@@ -5,8 +5,8 @@ it returns how many pairs each key has and where each pair lands when the pairs 
 key staying in ascending index order. The Triton version does this without a global sort:
 
 1. ``_block_histogram_kernel``: every block of ``BLOCK`` pairs counts its keys into its own histogram row
-   (integer atomics: exact in any order) and ranks each pair among the earlier pairs of the block with the same
-   key;
+   (a compare-and-sum, no atomics, so no zero-filled buffer) and ranks each pair among the earlier pairs of the
+   block with the same key;
 2. ``_block_scan_kernel``: one program walks the blocks in order and turns the histograms into, for each block
    and key, the number of pairs with that key in all earlier blocks; it also sums the counts and scans them into
    the per-key start offsets;
@@ -23,6 +23,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -30,7 +32,13 @@ from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe.kernels.backend import _jit, resolve_backend, tl, triton
 
-__all__ = ["stable_counting_sort", "stable_counting_sort_reference", "stable_counting_sort_triton"]
+__all__ = [
+    "PlanBuffers",
+    "launch_counting_sort",
+    "stable_counting_sort",
+    "stable_counting_sort_reference",
+    "stable_counting_sort_triton",
+]
 
 # Pairs per program of the counting kernels: the in-block rank compares every pair with every other pair of its
 # block, so the work per pair is O(BLOCK) whatever the number of experts.
@@ -70,7 +78,7 @@ def stable_counting_sort_reference(keys: Tensor, num_bins: int) -> tuple[Tensor,
 
 
 @_jit
-def _block_histogram_kernel(keys_ptr, hist_ptr, rank_ptr, n, num_bins, BLOCK: tl.constexpr):
+def _block_histogram_kernel(keys_ptr, hist_ptr, rank_ptr, n, num_bins, BLOCK: tl.constexpr, BINS: tl.constexpr):
     """Per-block histogram ``hist[block, key]`` and each pair's rank among earlier same-key pairs of its block."""
     pid = tl.program_id(0)
     idx = tl.arange(0, BLOCK)
@@ -85,15 +93,23 @@ def _block_histogram_kernel(keys_ptr, hist_ptr, rank_ptr, n, num_bins, BLOCK: tl
     same = (keys[:, None] == keys[None, :]) & (idx[None, :] < idx[:, None]) & valid[None, :]
     rank = tl.sum(same.to(tl.int32), axis=1)
     tl.store(rank_ptr + offs, rank, mask=in_range)
-    # Integer atomics into this block's own row: exact and order-independent.
-    tl.atomic_add(hist_ptr + pid * num_bins + keys, tl.full([BLOCK], 1, tl.int32), mask=valid)
+    # The whole histogram row from one compare-and-sum: no atomics, and no zero-filled buffer to launch first.
+    bins = tl.arange(0, BINS)
+    hits = (keys[:, None] == bins[None, :]) & valid[:, None]
+    tl.store(hist_ptr + pid * num_bins + bins, tl.sum(hits.to(tl.int32), axis=0), mask=bins < num_bins)
 
 
 @_jit
 def _block_scan_kernel(
-    hist_ptr, prefix_ptr, counts_ptr, starts_ptr, num_blocks, num_bins, CHUNK: tl.constexpr, BINS: tl.constexpr
-):
-    """Exclusive scan of the histograms over blocks, total counts per key, and the keys' start offsets."""
+    hist_ptr, prefix_ptr, counts_ptr, starts_ptr, num_blocks, num_bins, plan_ptr, offsets_ptr, dropped_ptr,
+    capacity, num_experts, prob_sums_ptr, lse_sums_ptr, aux_ptr, z_ptr, num_token_blocks, num_tokens,
+    CHUNK: tl.constexpr, BINS: tl.constexpr, PLAN: tl.constexpr, LOSSES: tl.constexpr,
+):  # fmt: skip
+    """Exclusive scan of the histograms over blocks, total counts per key, and the keys' start offsets.
+
+    With ``PLAN`` (:func:`~lightning_llmfast.moe.kernels.plan.routing_plan`) the capacity bookkeeping too
+    (:func:`_plan_layout`); with ``LOSSES`` (needs ``PLAN``) the balance and z-losses (:func:`_losses`).
+    """
     bins = tl.arange(0, BINS)
     rows = tl.arange(0, CHUNK)
     bin_ok = bins < num_bins
@@ -108,13 +124,87 @@ def _block_scan_kernel(
         inclusive = tl.cumsum(hist, axis=0)
         tl.store(prefix_ptr + ptrs, (inclusive - hist + total[None, :]).to(tl.int32), mask=ok)
         total += tl.sum(hist, axis=0)
-    tl.store(counts_ptr + bins, total, mask=bin_ok)
+    tl.store(counts_ptr + bins, total.to(counts_ptr.dtype.element_ty), mask=bin_ok)
     tl.store(starts_ptr + bins, tl.cumsum(total, axis=0) - total, mask=bin_ok)
+    if PLAN:
+        _plan_layout(total, bins, num_bins, plan_ptr, offsets_ptr, dropped_ptr, capacity, num_experts)
+    if LOSSES:
+        _losses(
+            total, bins, rows, num_experts, prob_sums_ptr, lse_sums_ptr, aux_ptr, z_ptr, num_token_blocks,
+            num_tokens, CHUNK, BINS,
+        )  # fmt: skip
 
 
 @_jit
-def _scatter_kernel(keys_ptr, rank_ptr, prefix_ptr, starts_ptr, dest_ptr, order_ptr, n, num_bins, BLOCK: tl.constexpr):
-    """``dest = starts[key] + earlier_blocks[block, key] + rank_in_block`` (the stable position); ``order[dest]``."""
+def _plan_layout(total, bins, num_bins, plan_ptr, offsets_ptr, dropped_ptr, capacity, num_experts):
+    """Per key the kept pairs ``min(count, capacity)`` (none for the masked key ``num_experts``), their start rows,
+    the dropped pairs' start rows after all kept ones (three rows of ``num_bins`` at ``plan_ptr``), the int32 group
+    offsets and the number of dropped valid pairs."""
+    bin_ok = bins < num_bins
+    is_expert = bins < num_experts
+    limit = tl.where(is_expert, tl.minimum(total, capacity), 0)
+    kept_end = tl.cumsum(limit, axis=0)
+    dropped = total - limit
+    dropped_start = tl.sum(limit, axis=0) + tl.cumsum(dropped, axis=0) - dropped
+    layout_type = plan_ptr.dtype.element_ty
+    tl.store(plan_ptr + bins, limit.to(layout_type), mask=bin_ok)
+    tl.store(plan_ptr + num_bins + bins, (kept_end - limit).to(layout_type), mask=bin_ok)
+    tl.store(plan_ptr + 2 * num_bins + bins, dropped_start.to(layout_type), mask=bin_ok)
+    tl.store(offsets_ptr + 1 + bins, kept_end.to(tl.int32), mask=is_expert)
+    tl.store(offsets_ptr + bins, tl.zeros([bins.shape[0]], dtype=tl.int32), mask=bins == 0)
+    tl.store(dropped_ptr, tl.sum(tl.where(is_expert, dropped, 0), axis=0))
+
+
+@_jit
+def _losses(
+    total, bins, rows, num_experts, prob_sums_ptr, lse_sums_ptr, aux_ptr, z_ptr, num_token_blocks, num_tokens,
+    CHUNK: tl.constexpr, BINS: tl.constexpr,
+):  # fmt: skip
+    """The balance loss ``E * sum_e f_e * P_e`` and the z-loss from the router kernel's per-block sums of the
+    probabilities and of ``logsumexp ** 2`` (:mod:`~lightning_llmfast.moe.kernels.topk`), in a fixed order."""
+    is_expert = bins < num_experts
+    prob_sums = tl.zeros([BINS], dtype=tl.float32)
+    lse_sums = tl.zeros([CHUNK], dtype=tl.float32)
+    for start in range(0, num_token_blocks, CHUNK):
+        blocks = start + rows
+        ptrs = blocks[:, None].to(tl.int64) * num_experts + bins[None, :]
+        ok = (blocks[:, None] < num_token_blocks) & is_expert[None, :]
+        prob_sums += tl.sum(tl.load(prob_sums_ptr + ptrs, mask=ok, other=0), axis=0)
+        lse_sums += tl.load(lse_sums_ptr + blocks, mask=blocks < num_token_blocks, other=0)
+    routed = tl.where(is_expert, total, 0)
+    pairs = tl.maximum(tl.sum(routed, axis=0), 1).to(tl.float32)
+    tokens = tl.maximum(num_tokens, 1).to(tl.float32)
+    tl.store(aux_ptr, tl.sum(routed.to(tl.float32) * prob_sums, axis=0) * (num_experts / pairs / tokens))
+    tl.store(z_ptr, tl.sum(lse_sums, axis=0) / tokens)
+
+
+@_jit
+def _scatter_kernel(
+    keys_ptr,
+    rank_ptr,
+    prefix_ptr,
+    starts_ptr,
+    dest_ptr,
+    order_ptr,
+    n,
+    num_bins,
+    plan_ptr,
+    kept_ptr,
+    tokens_ptr,
+    num_rows,
+    top_k,
+    weights_ptr,
+    row_weights_ptr,
+    BLOCK: tl.constexpr,
+    PLAN: tl.constexpr,
+    WEIGHTS: tl.constexpr,
+):
+    """``dest = starts[key] + earlier_blocks[block, key] + rank_in_block`` (the stable position); ``order[dest]``.
+
+    With ``PLAN``: each pair's row in the capacity layout (kept pairs grouped by expert, then the dropped ones), the
+    int32 permutation at it, ``dest`` clamped into the ``num_rows`` rows, whether the pair is kept, and each row's
+    token (``pair // top_k``); with ``WEIGHTS`` each row's pair weight (0 for a dropped pair).
+    """
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     in_range = offs < n
@@ -123,11 +213,24 @@ def _scatter_kernel(keys_ptr, rank_ptr, prefix_ptr, starts_ptr, dest_ptr, order_
     # is -1 and they write nothing, so a bad key can never make the kernel touch memory out of bounds.
     valid = in_range & (keys >= 0) & (keys < num_bins)
     rank = tl.load(rank_ptr + offs, mask=valid, other=0).to(tl.int64)
-    earlier = tl.load(prefix_ptr + pid * num_bins + keys, mask=valid, other=0).to(tl.int64)
-    start = tl.load(starts_ptr + keys, mask=valid, other=0)
-    dest = tl.where(valid, start + earlier + rank, -1)
-    tl.store(dest_ptr + offs, dest, mask=in_range)
-    tl.store(order_ptr + dest, offs.to(tl.int64), mask=valid)
+    rank += tl.load(prefix_ptr + pid * num_bins + keys, mask=valid, other=0).to(tl.int64)  # rank inside the key
+    if PLAN:
+        limit = tl.load(plan_ptr + keys, mask=valid, other=0).to(tl.int64)
+        kept = valid & (rank < limit)
+        kept_row = tl.load(plan_ptr + num_bins + keys, mask=valid, other=0).to(tl.int64) + rank
+        dropped_row = tl.load(plan_ptr + 2 * num_bins + keys, mask=valid, other=0).to(tl.int64) + rank - limit
+        dest = tl.where(kept, kept_row, dropped_row)
+        tl.store(order_ptr + dest, offs.to(order_ptr.dtype.element_ty), mask=valid)
+        tl.store(dest_ptr + offs, tl.maximum(tl.minimum(dest, num_rows - 1), 0), mask=in_range)
+        tl.store(kept_ptr + offs, kept.to(kept_ptr.dtype.element_ty), mask=in_range)
+        tl.store(tokens_ptr + dest, offs.to(tl.int64) // top_k, mask=valid & (dest < num_rows))
+        if WEIGHTS:
+            weight = tl.load(weights_ptr + offs, mask=kept, other=0)
+            tl.store(row_weights_ptr + dest, weight, mask=valid & (dest < num_rows))
+    else:
+        dest = tl.where(valid, tl.load(starts_ptr + keys, mask=valid, other=0) + rank, -1)
+        tl.store(dest_ptr + offs, dest, mask=in_range)
+        tl.store(order_ptr + dest, offs.to(tl.int64), mask=valid)
 
 
 def stable_counting_sort_triton(keys: Tensor, num_bins: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -140,25 +243,70 @@ def stable_counting_sort_triton(keys: Tensor, num_bins: int) -> tuple[Tensor, Te
         counts, dest, order = stable_counting_sort_triton(expert_ids.reshape(-1), num_experts)
     """
     keys = keys.contiguous()
-    n = keys.numel()
-    device = keys.device
+    n, device = keys.numel(), keys.device
     if n == 0:  # a launch grid of zero programs is an error
         empty = torch.empty(0, dtype=torch.int64, device=device)
         return torch.zeros(num_bins, dtype=torch.int64, device=device), empty, empty
-    num_blocks = triton.cdiv(n, _SORT_BLOCK)
-    hist = torch.zeros(num_blocks, num_bins, dtype=torch.int32, device=device)
-    rank = torch.empty(n, dtype=torch.int32, device=device)
-    _block_histogram_kernel[(num_blocks,)](keys, hist, rank, n, num_bins, BLOCK=_SORT_BLOCK)
-    prefix = torch.empty_like(hist)
     counts = torch.empty(num_bins, dtype=torch.int64, device=device)
-    starts = torch.empty_like(counts)
-    bins = triton.next_power_of_2(num_bins)
-    chunk = max(1, min(triton.next_power_of_2(num_blocks), _SCAN_TILE // bins))
-    _block_scan_kernel[(1,)](hist, prefix, counts, starts, num_blocks, num_bins, CHUNK=chunk, BINS=bins)
     dest = torch.empty(n, dtype=torch.int64, device=device)
     order = torch.empty_like(dest)
-    _scatter_kernel[(num_blocks,)](keys, rank, prefix, starts, dest, order, n, num_bins, BLOCK=_SORT_BLOCK)
+    launch_counting_sort(keys, num_bins, counts, dest, order)
     return counts, dest, order
+
+
+class PlanBuffers(NamedTuple):
+    """Where :func:`launch_counting_sort` writes the routing plan (:mod:`~lightning_llmfast.moe.kernels.plan`)."""
+
+    layout: Tensor  # (3 * B,) int32: kept pairs per key, their start rows, the dropped pairs' start rows
+    offsets: Tensor  # (E + 1,) int32
+    num_dropped: Tensor  # 0-d int64
+    kept: Tensor  # (n,) bool
+    tokens: Tensor  # (R,) int64
+    capacity: int
+    num_experts: int
+    num_rows: int
+    top_k: int
+    weights: Tensor | None = None  # (n,) float32 pair weights, read with row_weights
+    row_weights: Tensor | None = None  # (R,) float32
+    prob_sums: Tensor | None = None  # (blocks, E) float32 per-block probability sums, read with the next four
+    lse_sums: Tensor | None = None  # (blocks,) float32 per-block sums of logsumexp ** 2
+    aux: Tensor | None = None  # 0-d float32 balance loss
+    z: Tensor | None = None  # 0-d float32 z-loss
+    num_tokens: int = 0
+
+
+def launch_counting_sort(
+    keys: Tensor, num_bins: int, counts: Tensor, dest: Tensor, order: Tensor, plan: PlanBuffers | None = None
+) -> None:
+    """The three counting-sort launches into caller-made buffers (``keys`` contiguous, ``n >= 1``).
+
+    With ``plan`` they write the routing plan's capacity layout into it
+    (:func:`~lightning_llmfast.moe.kernels.plan.routing_plan`); ``counts`` then may be int32, ``dest`` holds the
+    clamped rows and ``order`` the permutation.
+    """
+    n, device = keys.numel(), keys.device
+    num_blocks = triton.cdiv(n, _SORT_BLOCK)
+    bins = triton.next_power_of_2(num_bins)
+    hist = torch.empty(num_blocks, num_bins, dtype=torch.int32, device=device)
+    rank = torch.empty(n, dtype=torch.int32, device=device)
+    _block_histogram_kernel[(num_blocks,)](keys, hist, rank, n, num_bins, BLOCK=_SORT_BLOCK, BINS=bins)
+    prefix = torch.empty_like(hist)
+    starts = torch.empty(num_bins, dtype=torch.int64, device=device)
+    # Arguments a mode leaves unread get any tensor.
+    p = plan or PlanBuffers(starts, starts, starts, dest, dest, 0, 0, 0, 1)
+    losses = p.prob_sums is not None
+    token_blocks = p.lse_sums.numel() if losses else 0
+    chunk = max(1, min(triton.next_power_of_2(max(num_blocks, token_blocks)), _SCAN_TILE // bins))
+    _block_scan_kernel[(1,)](
+        hist, prefix, counts, starts, num_blocks, num_bins, p.layout, p.offsets, p.num_dropped, p.capacity,
+        p.num_experts, *((p.prob_sums, p.lse_sums, p.aux, p.z) if losses else (starts,) * 4), token_blocks,
+        p.num_tokens, CHUNK=chunk, BINS=bins, PLAN=plan is not None, LOSSES=losses,
+    )  # fmt: skip
+    weights = (p.weights, p.row_weights) if p.weights is not None else (starts, starts)
+    _scatter_kernel[(num_blocks,)](
+        keys, rank, prefix, starts, dest, order, n, num_bins, p.layout, p.kept, p.tokens, p.num_rows, p.top_k,
+        *weights, BLOCK=_SORT_BLOCK, PLAN=plan is not None, WEIGHTS=p.weights is not None,
+    )  # fmt: skip
 
 
 def stable_counting_sort(

@@ -1,0 +1,128 @@
+"""Routing on the Triton path in four launches forward and one backward: all of
+:func:`~lightning_llmfast.moe.route` for the common configurations.
+
+:func:`~lightning_llmfast.moe.route` with ``backend="triton"`` (``"auto"`` on CUDA) takes this path when the routing
+has no expert groups, no token mask, and keeps pairs by position under a capacity limit (or has none): the router
+kernel (scores, top-k, combine weights, probabilities; :mod:`~lightning_llmfast.moe.kernels.topk`) and the counting
+sort's three launches, which also write every integer of the plan, each row's combine weight, the balance loss and the
+z-loss (:func:`~lightning_llmfast.moe.kernels.plan.plan_with_losses_triton`). Its backward is one launch from the
+gradients of the weights (per pair and per row), of the probabilities and of both losses to the logits. The PyTorch
+composition of :mod:`~lightning_llmfast.moe.routing` (differentiated by autograd) is its reference: same integers,
+the same floats to rounding.
+
+Example::
+
+    plan = route(logits, RoutingConfig(top_k=2, backend="triton"), validate=None)  # this path on CUDA
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_llmfast._autograd import eager_custom_op
+from lightning_llmfast.moe.config import RoutingConfig
+from lightning_llmfast.moe.kernels.plan import plan_with_losses_triton
+from lightning_llmfast.moe.kernels.topk import MAX_FUSED_EXPERTS, topk_scores_backward_triton, topk_scores_triton
+
+__all__ = ["fused_route", "fused_route_supported"]
+
+# (expert_ids, weights, router_probs, aux_loss, z_loss, routed, tokens_per_expert, offsets, permutation, positions,
+#  row_tokens, kept, num_dropped, row_weights)
+RouteOutputs = tuple[Tensor, ...]
+
+
+@torch.library.custom_op("lightning_llmfast::fused_route", mutates_args=())
+def _fused_route(
+    logits: Tensor,
+    bias: Tensor | None,
+    top_k: int,
+    sigmoid: bool,
+    normalize: bool,
+    scale: float,
+    capacity: int | None,
+) -> tuple[
+    Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor
+]:
+    """The routing plan's tensors of ``(T, E)`` logits (:data:`RouteOutputs` order)."""
+    num_tokens, num_experts = logits.shape
+    ids, weights, probs, sums = topk_scores_triton(
+        logits, bias, top_k, sigmoid=sigmoid, normalize=normalize, scale=scale
+    )
+    plan, row_weights, aux, z = plan_with_losses_triton(
+        ids.view(-1), num_experts, num_experts, capacity, top_k, weights.view(-1), sums
+    )
+    shape = (num_tokens, top_k)
+    return (
+        ids, weights, probs, aux, z, plan.routed, plan.tokens_per_expert, plan.offsets, plan.permutation,
+        plan.positions.view(shape), plan.tokens, plan.kept.view(shape), plan.num_dropped, row_weights,
+    )  # fmt: skip
+
+
+@_fused_route.register_fake
+def _fused_route_fake(
+    logits: Tensor,
+    bias: Tensor | None,
+    top_k: int,
+    sigmoid: bool,
+    normalize: bool,
+    scale: float,
+    capacity: int | None,
+) -> RouteOutputs:
+    (num_tokens, num_experts), n = logits.shape, logits.shape[0] * top_k
+    rows = n if capacity is None else min(n, num_experts * capacity)
+    i32, i64, f32 = torch.int32, torch.int64, torch.float32
+
+    def new(*shape: int, dtype: torch.dtype) -> Tensor:
+        return logits.new_empty(shape, dtype=dtype)
+
+    return (
+        new(num_tokens, top_k, dtype=i32), new(num_tokens, top_k, dtype=f32), new(num_tokens, num_experts, dtype=f32),
+        new(dtype=f32), new(dtype=f32), new(num_experts, dtype=i32), new(num_experts, dtype=i32),
+        new(num_experts + 1, dtype=i32), new(n, dtype=i32), new(num_tokens, top_k, dtype=i64), new(rows, dtype=i64),
+        new(num_tokens, top_k, dtype=torch.bool), new(dtype=i64), new(rows, dtype=f32),
+    )  # fmt: skip
+
+
+def _fused_route_setup(ctx: Any, inputs: tuple[Any, ...], output: RouteOutputs) -> None:
+    logits, _, _, ctx.sigmoid, ctx.normalize, ctx.scale, _ = inputs
+    ids, positions, kept, routed = output[0], output[9], output[11], output[5]
+    ctx.save_for_backward(logits, ids, positions, kept, routed)
+    ctx.set_materialize_grads(False)  # the integer outputs get no gradient, the others maybe none: no zero fills
+
+
+def _fused_route_backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+    logits, ids, positions, kept, routed = ctx.saved_tensors
+    if not ctx.needs_input_grad[0]:
+        return (None,) * 7
+    grad_weights, grad_probs, grad_aux, grad_z, grad_rows = (grads[i] for i in (1, 2, 3, 4, 13))
+    grad_logits = topk_scores_backward_triton(
+        logits, ids, (grad_weights, grad_rows, grad_probs, grad_aux, grad_z), positions, kept, routed,
+        sigmoid=ctx.sigmoid, normalize=ctx.normalize, scale=ctx.scale,
+    )  # fmt: skip
+    return grad_logits, None, None, None, None, None, None
+
+
+_fused_route.register_autograd(_fused_route_backward, setup_context=_fused_route_setup)
+# Eager calls skip the dispatcher, compiled ones keep the registered op (see eager_custom_op).
+_fused_route = eager_custom_op(_fused_route)
+
+
+def fused_route_supported(routing: RoutingConfig, num_experts: int, token_mask: Tensor | None) -> bool:
+    """Whether :func:`fused_route` computes this routing (else the PyTorch composition does)."""
+    grouped = routing.num_groups is not None and routing.topk_groups is not None
+    by_score = routing.capacity_factor is not None and routing.drop_policy == "score"
+    return not grouped and not by_score and token_mask is None and num_experts <= MAX_FUSED_EXPERTS
+
+
+def fused_route(
+    logits: Tensor, routing: RoutingConfig, expert_bias: Tensor | None, capacity: int | None
+) -> RouteOutputs:
+    """The routing plan's tensors in :data:`RouteOutputs` order (see the module docstring), differentiable in the
+    weights, row weights, probabilities and both losses."""
+    _, route_scale = routing.floats
+    bias = None if expert_bias is None else expert_bias.detach()
+    sigmoid = routing.score == "sigmoid"
+    return _fused_route(logits, bias, routing.top_k, sigmoid, routing.normalize, float(route_scale), capacity)

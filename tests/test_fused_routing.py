@@ -1,0 +1,129 @@
+"""The fused Triton routing (scores, top-k, weights, probabilities and both losses in one launch, the plan in the
+counting pass, one backward launch) against a float64 reference written from the formulas, forward and every
+gradient, and against the PyTorch composition; the configurations it leaves to the composition."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import Tensor
+
+from lightning_llmfast.moe import RoutingConfig, route
+from lightning_llmfast.moe.fused_routing import fused_route_supported
+from lightning_llmfast.moe.kernels import triton_available
+from lightning_llmfast.moe.permute import _plan_indices
+
+needs_interpreter = pytest.mark.skipif(
+    not triton_available(torch.device("cpu")), reason="Triton kernels need TRITON_INTERPRET=1 on CPU"
+)
+
+# (T, E, k, options): awkward sizes (one token, one expert, primes, k not a power of two) and every option
+CASES = [
+    (1, 1, 1, {}),
+    (1, 8, 2, {"capacity_factor": 1.0}),
+    (7, 5, 3, {"score": "sigmoid"}),
+    (13, 64, 8, {"normalize": False, "route_scale": 2.5}),
+    (37, 11, 6, {"score": "sigmoid", "bias": True, "route_scale": 1.7, "capacity_factor": 0.8}),
+    (29, 8, 2, {"bias": True, "capacity_factor": 1.25}),
+    (31, 8, 2, {"one_expert": True, "capacity_factor": 1.0}),
+    (23, 160, 4, {"score": "sigmoid", "normalize": False}),
+]
+
+
+def _reference(logits: Tensor, config: RoutingConfig, bias: Tensor | None) -> dict[str, Tensor]:
+    """Float64 routing from the published formulas (Switch balance loss, ST-MoE z-loss, DeepSeek-V3 scores)."""
+    num_experts = logits.shape[1]
+    scores = logits.softmax(-1) if config.score == "softmax" else logits.sigmoid()
+    selection = scores.detach() + (0 if bias is None else bias.double())
+    # A stable descending sort: equal scores keep the lower expert first.
+    ids = torch.sort(selection, dim=-1, descending=True, stable=True).indices[:, : config.top_k]
+    weights = scores.gather(1, ids)
+    if config.normalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if config.score == "sigmoid" else 0))
+    weights = weights * config.route_scale
+    probs = scores if config.score == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    ones = torch.ones(ids.numel(), dtype=torch.float64)
+    counts = torch.zeros(num_experts, dtype=torch.float64).index_add_(0, ids.reshape(-1), ones)
+    aux = num_experts * (counts / ids.numel() * probs.mean(0)).sum()
+    z = (logits.logsumexp(-1) ** 2).mean()
+    return {"ids": ids, "weights": weights, "probs": probs, "aux": aux, "z": z}
+
+
+def _loss(out: dict[str, Tensor], rows: Tensor, seeds: dict[str, Tensor]) -> Tensor:
+    """A weighted sum of every differentiable output, the per-row weights included."""
+    total = (out["weights"] * seeds["weights"]).sum() + (out["probs"] * seeds["probs"]).sum()
+    return total + (rows * seeds["rows"]).sum() + seeds["aux"] * out["aux"] + seeds["z"] * out["z"]
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "options"), CASES)
+def test_fused_routing_matches_the_float64_formulas_forward_and_backward(num_tokens, num_experts, top_k, options):
+    options = dict(options)
+    gen = torch.Generator().manual_seed(num_tokens * 31 + num_experts)
+    logits = torch.randn(num_tokens, num_experts, generator=gen) * 2
+    if options.pop("one_expert", False):
+        logits[:, 3] += 30  # every token's first choice is expert 3
+    bias = torch.randn(num_experts, generator=gen) * 0.1 if options.pop("bias", False) else None
+    config = RoutingConfig(top_k=top_k, backend="triton", **options)
+    assert fused_route_supported(config, num_experts, None)
+    leaf = logits.clone().requires_grad_()
+    plan = route(leaf, config, expert_bias=bias, validate=None)
+    assert plan.row_weights is not None  # the fused path made the plan
+    seeds = {
+        "weights": torch.randn(num_tokens, top_k, generator=gen),
+        "probs": torch.randn(num_tokens, num_experts, generator=gen),
+        "rows": torch.randn(plan.num_rows, generator=gen),
+        "aux": torch.randn((), generator=gen),
+        "z": torch.randn((), generator=gen),
+    }
+    got = {"weights": plan.weights, "probs": plan.router_probs, "aux": plan.aux_loss, "z": plan.z_loss}
+    _loss(got, plan.row_weights, seeds).backward()
+    leaf64 = logits.double().requires_grad_()
+    expected = _reference(leaf64, config, bias)
+    # a row's weight is its pair's when kept, else 0
+    rows = (expected["weights"] * plan.kept).reshape(-1)[plan.permutation.long()[: plan.num_rows]]
+    _loss(expected, rows, {k: v.double() for k, v in seeds.items()}).backward()
+    assert torch.equal(plan.expert_ids.long(), expected["ids"])
+    for name in ("weights", "probs", "aux", "z"):
+        torch.testing.assert_close(got[name].double(), expected[name].detach(), rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(leaf.grad.double(), leaf64.grad, rtol=1e-4, atol=1e-5)
+    # the PyTorch composition gives the same plan
+    torch_plan = route(logits, dataclasses.replace(config, backend="torch"), expert_bias=bias, validate=None)
+    for name in ("expert_ids", "tokens_per_expert", "offsets", "permutation", "kept", "num_dropped"):
+        assert torch.equal(getattr(plan, name), getattr(torch_plan, name)), name
+    derived = _plan_indices(torch_plan)  # what the dispatcher derives on the PyTorch path
+    assert torch.equal(plan.positions, derived.positions) and torch.equal(plan.row_tokens, derived.tokens)
+
+
+@needs_interpreter
+def test_fused_routing_gradient_of_the_losses_alone_and_bf16_logits():
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(19, 8, generator=gen) * 3).to(torch.bfloat16)
+    results = []
+    for backend in ("triton", "torch"):
+        leaf = logits.clone().requires_grad_()
+        plan = route(leaf, RoutingConfig(top_k=2, backend=backend), validate=None)
+        (plan.aux_loss + 0.1 * plan.z_loss).backward()
+        results.append((plan.aux_loss, plan.z_loss, leaf.grad))
+    for got, expected in zip(*results):
+        assert got.dtype == expected.dtype
+        torch.testing.assert_close(got.float(), expected.float(), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("options", "masked", "supported"),
+    [
+        ({}, False, True),
+        ({"capacity_factor": 1.0}, False, True),
+        ({"capacity_factor": 1.0, "drop_policy": "score"}, False, False),
+        ({"num_groups": 4, "topk_groups": 2}, False, False),
+        ({}, True, False),
+    ],
+)
+def test_configurations_left_to_the_composition(options, masked, supported):
+    config = RoutingConfig(top_k=2, **options)
+    mask = torch.ones(4, dtype=torch.bool) if masked else None
+    assert fused_route_supported(config, 8, mask) is supported
+    assert not fused_route_supported(RoutingConfig(top_k=2), 4096, None)  # more experts than the kernel holds
