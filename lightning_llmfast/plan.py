@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_llmfast.comm.payload import WIRES, DispatchPayload, wire_row_bytes
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.parallel.dims import ParallelDims
 from lightning_llmfast.parallel.expert import grouped_moe_blocks
@@ -184,10 +185,23 @@ def formula_plan(
     return ShardingPlan(name, world, ep, params, tuple(ranks), tuple(gathers), tuple(scatters), a2a_bytes)
 
 
-def a2a_bytes(tokens_per_rank: int, top_k: int, hidden: int, compute_bytes: int, ep: int, moe_layers: int) -> int:
+def a2a_bytes(
+    tokens_per_rank: int,
+    top_k: int,
+    hidden: int,
+    compute_bytes: int,
+    ep: int,
+    moe_layers: int,
+    payload: DispatchPayload | None = None,
+) -> int:
     """Expected all-to-all bytes per rank and step: 4 exchanges (dispatch, combine; forward, backward) per MoE layer
-    of ``tokens * top_k`` rows of ``hidden`` elements, ``(ep - 1) / ep`` of them leaving the rank."""
-    return 4 * tokens_per_rank * top_k * hidden * compute_bytes * (ep - 1) // ep * moe_layers
+    of ``tokens * top_k`` rows of ``hidden`` elements, ``(ep - 1) / ep`` of them leaving the rank. A row takes
+    :func:`~lightning_llmfast.comm.payload.wire_row_bytes` of the payload's wire: ``payload.dispatch`` for the
+    forward dispatch, ``payload.combine`` for the other three (``None``: ``compute_bytes`` an element)."""
+    payload = payload or DispatchPayload()
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[compute_bytes]
+    row = wire_row_bytes(payload.dispatch, hidden, dtype) + 3 * wire_row_bytes(payload.combine, hidden, dtype)
+    return tokens_per_rank * top_k * row * (ep - 1) // ep * moe_layers
 
 
 def _build(name: str, backend: str) -> tuple[nn.Module, list[nn.Module], int, int, int]:
@@ -262,7 +276,14 @@ def _measured_rows(module: nn.Module, shapes: Sequence[ParamShape], world: int) 
 
 
 def sharding_plan(
-    name: str, world: int, ep: int, *, tokens_per_rank: int = 4096, compute_bytes: int = 2, backend: str = "torch"
+    name: str,
+    world: int,
+    ep: int,
+    *,
+    tokens_per_rank: int = 4096,
+    compute_bytes: int = 2,
+    backend: str = "torch",
+    dispatch_dtype: str | DispatchPayload | None = None,
 ) -> ShardingPlan:
     """Apply the strategy's FSDP2 x EP sharding to the meta-device model on a fake process group; read the bytes.
 
@@ -273,6 +294,7 @@ def sharding_plan(
         tokens_per_rank: tokens per rank and step, for the all-to-all bytes.
         compute_bytes: bytes of the compute dtype (all-gathers and the token exchange; 2 for ``"bf16-mixed"``).
         backend: routing kernels of the swapped MoE blocks.
+        dispatch_dtype: the all-to-all payload, as ``LLMFastStrategy(dispatch_dtype=...)`` takes it.
 
     Returns:
         The :class:`ShardingPlan`; nothing is allocated and no process group stays behind.
@@ -287,6 +309,7 @@ def sharding_plan(
     if name not in PRESETS:
         raise ConfigError(f"sharding plan: model must be one of {PRESETS}, got {name!r}")
     dims = ParallelDims(world, "fsdp", ep)
+    payload = DispatchPayload.of(dispatch_dtype)
     if dist.is_initialized():
         raise ConfigError("sharding plan: runs on its own fake process group; one is already initialised")
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -296,11 +319,11 @@ def sharding_plan(
         module, layers, moe_layers, top_k, hidden = _build(name, backend)
         shapes = param_shapes(module, layers)
         dims.build_mesh("cpu")
-        parallelize(module, dims, layers, device=torch.device("meta"))
+        parallelize(module, dims, layers, device=torch.device("meta"), dispatch=payload)
         measured = _measured_rows(module, shapes, world)
     finally:
         dist.destroy_process_group()
-    a2a = a2a_bytes(tokens_per_rank, top_k, hidden, compute_bytes, ep, moe_layers)
+    a2a = a2a_bytes(tokens_per_rank, top_k, hidden, compute_bytes, ep, moe_layers, payload)
     ranks = tuple(RankBytes(r, d, e, d + e, ADAM_STATES * (d + e)) for r, (d, e, _, _) in enumerate(measured))
     gathered = tuple(g * compute_bytes for _, _, g, _ in measured)
     scattered = tuple(s * 4 for _, _, _, s in measured)
@@ -309,14 +332,17 @@ def sharding_plan(
 
 
 def main(argv: Sequence[str] | None = None) -> ShardingPlan:
-    """``python -m lightning_llmfast.plan MODEL --world W --ep N [--tokens T]``: print the plan's table."""
+    """``python -m lightning_llmfast.plan MODEL --world W --ep N [--tokens T] [--dispatch-dtype D]``: print it."""
     parser = argparse.ArgumentParser(prog="python -m lightning_llmfast.plan", description=__doc__.split("\n")[0])
     parser.add_argument("model", choices=PRESETS)
     parser.add_argument("--world", type=int, default=256)
     parser.add_argument("--ep", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank and step")
+    parser.add_argument("--dispatch-dtype", choices=WIRES, default=None, help="all-to-all dispatch payload")
     args = parser.parse_args(argv)
-    plan = sharding_plan(args.model, args.world, args.ep, tokens_per_rank=args.tokens)
+    plan = sharding_plan(
+        args.model, args.world, args.ep, tokens_per_rank=args.tokens, dispatch_dtype=args.dispatch_dtype
+    )
     print(plan.table())
     return plan
 

@@ -4,6 +4,7 @@ bit-identical, the plan runs as planned."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -69,18 +70,29 @@ def _peak(profile: MemoryProfile, choice: tuple[str, ...], freed: list[int], pre
     for j in range(n):
         held = [
             max((size_class(profile.layers[k].saved_bytes) for k in range(max(j - prefetch, 0), n)
-                 if k % sets == s and choice[k] == "offload" and profile.layers[k].saved_bytes), default=0)
+                 if k % sets == s and choice[k] in ("offload", "nvme") and profile.layers[k].saved_bytes),
+                default=0)
             for s in range(sets)
         ]  # fmt: skip
         peaks.append(sum(kept[: j + 1]) + sum(held))
     return max(peaks)
 
 
-def _brute_force(profile: MemoryProfile, budget: int, prefetch: int = 1) -> float | None:
-    """Least added ms over every assignment of a mechanism per layer whose step peak stays within budget."""
+def _brute_force(
+    profile: MemoryProfile,
+    budget: int,
+    prefetch: int = 1,
+    mechanisms: tuple[str, ...] = ("keep", "recompute", "offload"),
+    pinned: int | None = None,
+) -> float | None:
+    """Least added ms over every assignment of a mechanism per layer whose step peak stays within budget (and whose
+    pinned offloads within ``pinned``)."""
     best = None
-    for choice in itertools.product(MECHANISMS, repeat=len(profile.layers)):
+    for choice in itertools.product(mechanisms, repeat=len(profile.layers)):
         costs = [mechanism_cost(profile, i, m) for i, m in enumerate(choice)]
+        pinned_used = sum(layer.saved_bytes for layer, m in zip(profile.layers, choice) if m == "offload")
+        if pinned is not None and pinned_used > pinned:
+            continue
         if _peak(profile, choice, [f for f, _ in costs], prefetch) <= budget:
             total = sum(c for _, c in costs)
             best = total if best is None else min(best, total)
@@ -103,6 +115,28 @@ def test_plan_memory_fits_and_matches_brute_force(seed: int) -> None:
         assert plan.predicted_peak == _peak(profile, plan.choices, list(plan.freed_bytes), prefetch) <= budget
         assert plan.predicted_ms - profile.step_ms == pytest.approx(expected, abs=1e-9)  # exact
         assert "predicted peak" in plan.table() and len(plan.table().splitlines()) == len(profile.layers) + 2
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_memory_with_an_nvme_tier_and_a_pinned_budget_matches_brute_force(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    profile = _random_profile(rng, rng.choice([2, 4, 5]))
+    profile = dataclasses.replace(
+        profile, nvme_bandwidth_bytes_per_ms=profile.bandwidth_bytes_per_ms / rng.choice([2, 8])
+    )
+    pinned = rng.choice([0, max(layer.saved_bytes for layer in profile.layers)])
+    for fraction in (0.9, 0.5, 0.2):
+        budget = max(int(profile.saved_bytes * fraction), 1)
+        expected = _brute_force(profile, budget, 1, MECHANISMS, pinned)
+        if expected is None:
+            with pytest.raises(OffloadError, match="no plan keeps"):
+                plan_memory(profile, budget, ("pinned", "nvme"), pinned_bytes=pinned)
+            continue
+        plan = plan_memory(profile, budget, ("pinned", "nvme"), pinned_bytes=pinned)
+        assert plan.predicted_ms - profile.step_ms == pytest.approx(expected, abs=1e-9)
+        assert sum(profile.layers[i].saved_bytes for i in plan.layers("offload")) <= pinned
+    with pytest.raises(OffloadError, match="nvme_bandwidth"):
+        plan_memory(dataclasses.replace(profile, nvme_bandwidth_bytes_per_ms=None), 1, ("nvme",))
 
 
 def test_offloading_late_layers_while_keeping_early_ones_counts_the_buffer_sets() -> None:

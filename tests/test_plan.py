@@ -47,6 +47,8 @@ def test_plan_cli_prints_rows_and_refuses_a_layout_that_does_not_fit(capsys: pyt
     plan = main(["reference", "--world", "4", "--ep", "2", "--tokens", "16"])
     out = capsys.readouterr().out
     assert "reference" in out and "all-to-all" in out and len(plan.ranks) == 4
+    fp8 = main(["reference", "--world", "4", "--ep", "2", "--tokens", "16", "--dispatch-dtype", "fp8"])
+    assert fp8.rows() == plan.rows() and 0 < fp8.all_to_all < plan.all_to_all  # bf16 rows back, H + 4 bytes out
     with pytest.raises(ConfigError, match="must divide the world size"):
         sharding_plan("reference", world=6, ep=4)
     with pytest.raises(ConfigError, match="model must be one of"):
@@ -59,13 +61,14 @@ def test_plan_cli_prints_rows_and_refuses_a_layout_that_does_not_fit(capsys: pyt
 TOKENS = 16  # tokens per rank and step: with top-2 of 8 experts and capacity_factor 1.0, 4 rows per expert exactly
 
 
-def _measure_step(rank: int, world: int, ep: int, out: str) -> None:
+def _measure_step(rank: int, world: int, ep: int, out: str, dispatch_dtype: str | None) -> None:
     """One forward+backward of the "reference" preset (capacity_factor 1.0) under the strategy's FSDP2 x EP layout;
     spies on torch.distributed count the bytes each collective moves for this rank."""
     import torch
     import torch.nn.functional as F
     from torch import nn
 
+    from lightning_llmfast.comm import DispatchPayload
     from lightning_llmfast.models import MoEGPT, MoEGPTConfig
     from lightning_llmfast.parallel import ParallelDims, parallelize
 
@@ -74,7 +77,8 @@ def _measure_step(rank: int, world: int, ep: int, out: str) -> None:
     module = nn.ModuleDict({"model": MoEGPT(config)})
     dims = ParallelDims(world, "fsdp", ep)
     dims.build_mesh("cpu")
-    parallelize(module, dims, list(module["model"].layers), device=torch.device("cpu"))
+    payload = DispatchPayload.of(dispatch_dtype)
+    parallelize(module, dims, list(module["model"].layers), device=torch.device("cpu"), dispatch=payload)
     counts = {"all_gather": 0, "reduce_scatter": 0, "all_to_all": 0}
 
     def spy(name: str, real: Any, moved: Any) -> Any:
@@ -111,16 +115,19 @@ def _measure_step(rank: int, world: int, ep: int, out: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_plan_communication_equals_what_a_real_gloo_run_moves(world: int, tmp_path: Any) -> None:
+@pytest.mark.parametrize(("world", "dispatch_dtype"), [(2, "fp8"), (4, None)])
+def test_plan_communication_equals_what_a_real_gloo_run_moves(
+    world: int, dispatch_dtype: str | None, tmp_path: Any
+) -> None:
     """The plan of the "reference" preset (fp32 compute) against one real FSDP2 x EP(2) step on ``world`` gloo
     processes: all-gather bytes received, reduce-scatter bytes sent and all-to-all bytes leaving each rank, counted
-    by spies on the collectives FSDP2 and the token exchange call."""
+    by spies on the collectives FSDP2 and the token exchange call (on 2 processes with fp8 dispatch: ``H + 4``
+    bytes a row out, bf16 back and in the backward)."""
     import torch
     from _distributed import run_distributed
 
-    run_distributed(_measure_step, world, 2, str(tmp_path), timeout=300)
-    plan = sharding_plan("reference", world, 2, tokens_per_rank=TOKENS, compute_bytes=4)
+    run_distributed(_measure_step, world, 2, str(tmp_path), dispatch_dtype, timeout=300)
+    plan = sharding_plan("reference", world, 2, tokens_per_rank=TOKENS, compute_bytes=4, dispatch_dtype=dispatch_dtype)
     for rank in range(world):
         measured = torch.load(tmp_path / f"rank{rank}.pt")
         assert measured == {

@@ -148,9 +148,9 @@ class ActivationOffload(L.Callback):
         """Log the memory plan's prediction against the step that just ended, on the steps Lightning logs (once per
         optimizer step), and warn once per quantity that is off by more than :data:`PLAN_TOLERANCE`."""
         assert self._offloader is not None
-        step = self._step
-        if step == self._logged_step or (step + 1) % trainer.log_every_n_steps:
-            return
+        step, every = self._step, trainer.log_every_n_steps
+        if not every or step == self._logged_step or (step + 1) % every:
+            return  # log_every_n_steps=0: Lightning logs no steps
         metrics = self._offloader.step_metrics()
         if not metrics:
             return  # no plan yet (its measuring steps), or it copied and kept nothing

@@ -56,6 +56,10 @@ class OffloadConfig:
             ``ActivationOffloader.memory_plan``. ``None``: the fixed settings above.
         budget: with ``plan="auto"``, the most bytes of saved activations the layers may keep: bytes (int), a size
             (``"40GiB"``) or a fraction of the device's memory (float ``<= 1``).
+        nvme_dir: a local directory (an NVMe drive) for the NVMe tier: offloaded storages that would take the pinned
+            pool past ``pinned_budget`` go to files there instead (:mod:`~lightning_llmfast.offload.nvme`).
+        pinned_budget: with ``nvme_dir``, the most bytes of the pinned pool a step may use: bytes (int) or a size
+            (``"8GiB"``).
 
     Raises:
         OffloadError: naming the field, the rule and the value.
@@ -76,6 +80,8 @@ class OffloadConfig:
     rebuild_gemm_layers: int | None = None
     plan: Literal["auto"] | None = None
     budget: int | float | str | None = None
+    nvme_dir: str | None = None
+    pinned_budget: int | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("min_offload_bytes", "keep_last_layers", "prefetch_layers"):
@@ -106,6 +112,17 @@ class OffloadConfig:
                     "OffloadConfig: plan='auto' chooses offload_layers and recompute per layer; "
                     f"got offload_layers={self.offload_layers!r}, recompute={self.recompute!r}"
                 )
+        if (self.nvme_dir is None) != (self.pinned_budget is None):
+            raise OffloadError(
+                "OffloadConfig: nvme_dir and pinned_budget go together (the pool spills to nvme_dir past "
+                f"pinned_budget), got nvme_dir={self.nvme_dir!r}, pinned_budget={self.pinned_budget!r}"
+            )
+        if self.nvme_dir is not None and (not isinstance(self.nvme_dir, str) or not self.nvme_dir):
+            raise OffloadError(f"OffloadConfig: nvme_dir must be a directory path (str), got {self.nvme_dir!r}")
+        if self.pinned_budget is not None and (
+            isinstance(self.pinned_budget, float) or not isinstance(parse_budget(self.pinned_budget), int)
+        ):
+            raise OffloadError(f"OffloadConfig: pinned_budget must be bytes or a size, got {self.pinned_budget!r}")
         if self.rebuild_gemm_layers is not None:
             check_int("OffloadConfig: rebuild_gemm_layers", self.rebuild_gemm_layers, low=0, error=OffloadError)
             if self.rebuild != "norms+gemms":
@@ -113,6 +130,11 @@ class OffloadConfig:
                     f"OffloadConfig: rebuild_gemm_layers={self.rebuild_gemm_layers} needs rebuild='norms+gemms', "
                     f"got rebuild={self.rebuild!r}"
                 )
+
+    @property
+    def pinned_budget_bytes(self) -> int | None:
+        """``pinned_budget`` in bytes (``None``: the pool has no budget)."""
+        return None if self.pinned_budget is None else int(parse_budget(self.pinned_budget))
 
     def rebuilds_gemms(self, layer_index: int) -> bool:
         """Whether layer ``layer_index`` rebuilds GEMM outputs."""

@@ -61,6 +61,8 @@ class Block:
     set_index: int = -1
     h2d_event: Any = None
     reads: list[Any] = field(default_factory=list)  # events of every host-to-device copy from `host`
+    to_nvme: bool = False  # spilled to the NVMe tier instead of a host buffer (`host` stays None)
+    spill: Any = None  # its file (nvme.Spill) once the write was issued
 
 
 @dataclass(eq=False)
@@ -87,6 +89,7 @@ class Segment:
     offload: bool
     budget: int | None = None  # bytes this call may offload (the "auto" plan's partial layer); None: all
     keeps: bool = False  # neither offloads nor measures: only parameter copies and rebuildable outputs are dropped
+    to_nvme: bool = False  # a memory plan sends what it offloads to the NVMe tier
     offloaded: int = 0
     blocks: list[Block] = field(default_factory=list)
     dedup: dict[tuple[int, int], Block] = field(default_factory=dict)  # (storage ptr, version) -> block

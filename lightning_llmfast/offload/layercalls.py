@@ -73,6 +73,7 @@ class LayerCalls:
             self.planned = self.eligible if layers is None else min(layers, self.eligible)
         self.partial = 0  # bytes layer `planned` offloads too ("auto": what whole layers left of the budget)
         self.chosen: frozenset[int] | None = None  # a memory plan's offloading layers (then `planned` counts them)
+        self.nvme: frozenset[int] = frozenset()  # of those, the ones it sends to the NVMe tier
         self.measuring = False
         # A memory plan compares what its steps keep with its prediction: every layer call counts what it keeps.
         self.accounting = config.plan == "auto"
@@ -95,9 +96,9 @@ class LayerCalls:
         """Adopt a plan: the first ``planned`` layers offload, and layer ``planned`` its first ``partial`` bytes."""
         self.planned, self.partial = planned, partial
 
-    def adopt_layers(self, layers: frozenset[int]) -> None:
-        """Adopt a memory plan: exactly ``layers`` offload."""
-        self.chosen, self.planned, self.partial = layers, len(layers), 0
+    def adopt_layers(self, layers: frozenset[int], nvme: frozenset[int] = frozenset()) -> None:
+        """Adopt a memory plan: exactly ``layers`` offload, those in ``nvme`` to the NVMe tier."""
+        self.chosen, self.planned, self.partial, self.nvme = layers, len(layers), 0, nvme
 
     def offload_layers(self) -> int:
         """How many leading layers offload under the plan (0 while measuring)."""
@@ -133,6 +134,7 @@ class LayerCalls:
             budget=self.partial if partial else None,
         )
         seg.keeps = not seg.offload and not self.measuring and not self.accounting
+        seg.to_nvme = seg.offload and index in self.nvme
         self.segments.append(seg)
         self.calls += 1
         self.current = seg

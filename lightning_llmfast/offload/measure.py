@@ -7,13 +7,16 @@ module adds a bandwidth probe and hands the numbers to :func:`~lightning_llmfast
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
+from lightning_llmfast.offload.config import OffloadConfig
 from lightning_llmfast.offload.copier import Copier
 from lightning_llmfast.offload.handles import Segment
 from lightning_llmfast.offload.memplan import MemoryPlan, plan_memory
+from lightning_llmfast.offload.nvme import NvmeTier
 from lightning_llmfast.offload.plan import AUTO_MARGIN, plan_offload, plan_partial_bytes
 from lightning_llmfast.offload.profile import LayerProfile, MemoryProfile, resolve_budget
 
@@ -106,15 +109,26 @@ def memory_plan(
     segments: list[Segment],
     num_layers: int,
     copier: Copier,
-    budget: int | float | str,
+    config: OffloadConfig,
     pinned: bool,
     prefetch_layers: int,
+    nvme: NvmeTier | None = None,
 ) -> MemoryPlan:
     """The ``plan="auto"`` plan: the measuring step's profile (:func:`measure_profile`, its backward ending now)
-    planned for ``budget`` (``OffloadConfig.budget``) at the offloader's prefetch depth."""
+    planned for ``config.budget`` at the offloader's prefetch depth; with an NVMe tier, its bandwidth measured once
+    (a probe file the size of the largest layer) and the pinned tier held to ``config.pinned_budget``."""
+    assert config.budget is not None
     end = copier.timestamp()
     profile = measure_profile(segments, num_layers, copier, pinned=pinned, backward_end=end)
-    return plan_memory(profile, resolve_budget(budget, copier.device), prefetch_layers=prefetch_layers)
+    tiers: tuple[str, ...] = ("pinned",)
+    if nvme is not None:
+        largest = max(layer.saved_bytes for layer in profile.layers)
+        profile = dataclasses.replace(
+            profile, nvme_bandwidth_bytes_per_ms=nvme.bandwidth(min(largest, _PROBE_MAX_BYTES))
+        )
+        tiers = ("pinned", "nvme")
+    budget = resolve_budget(config.budget, copier.device)
+    return plan_memory(profile, budget, tiers, prefetch_layers=prefetch_layers, pinned_bytes=config.pinned_budget_bytes)
 
 
 def layer_times(

@@ -44,8 +44,9 @@ from lightning_llmfast.offload.profile import MemoryProfile
 
 __all__ = ["MECHANISMS", "MemoryPlan", "mechanism_cost", "plan_memory", "predict_peak"]
 
-MECHANISMS = ("keep", "recompute", "offload")
-TIERS = ("pinned",)
+MECHANISMS = ("keep", "recompute", "offload", "nvme")
+TIERS = ("pinned", "nvme")
+_TIER_MECHANISM = {"pinned": "offload", "nvme": "nvme"}
 
 
 @dataclass(frozen=True)
@@ -109,11 +110,16 @@ def mechanism_cost(
         return 0, 0.0
     if mechanism == "recompute":
         return layer.recompute_bytes, layer.recompute_ms
-    if mechanism != "offload":
+    if mechanism == "nvme":
+        if profile.nvme_bandwidth_bytes_per_ms is None:
+            raise OffloadError("plan_memory: the nvme tier needs MemoryProfile.nvme_bandwidth_bytes_per_ms")
+        copy_ms = layer.saved_bytes / profile.nvme_bandwidth_bytes_per_ms * (1.0 + margin)  # on worker threads
+    elif mechanism == "offload":
+        copy_ms = layer.saved_bytes / profile.bandwidth_bytes_per_ms * (1.0 + margin)
+        if not profile.copies_overlap:
+            return layer.saved_bytes, 2.0 * copy_ms
+    else:
         raise OffloadError(f"plan_memory: unknown mechanism {mechanism!r}; one of {MECHANISMS}")
-    copy_ms = layer.saved_bytes / profile.bandwidth_bytes_per_ms * (1.0 + margin)
-    if not profile.copies_overlap:
-        return layer.saved_bytes, 2.0 * copy_ms
     after = layers[index + 1] if index + 1 < len(layers) else None
     forward, backward = (after.forward_ms, after.backward_ms) if after is not None else (0.0, 0.0)
     return layer.saved_bytes, max(0.0, copy_ms - forward) + max(0.0, copy_ms - backward)
@@ -133,7 +139,7 @@ def predict_peak(profile: MemoryProfile, choices: Sequence[str], freed: Sequence
         if j + 1 < len(kept):
             live -= kept[j + 1]  # layer j + 1's backward is done when layer j's starts
         for k in range(j, max(j - prefetch_layers, 0) - 1, -1):  # prefetched when layer j's backward starts
-            if choices[k] == "offload" and profile.layers[k].saved_bytes:
+            if choices[k] in ("offload", "nvme") and profile.layers[k].saved_bytes:
                 s = k % len(sets)
                 sets[s] = max(sets[s], size_class(profile.layers[k].saved_bytes))
         peak = max(peak, live + sum(sets))
@@ -151,7 +157,11 @@ def _pareto(states: list[tuple[int, float, tuple[str, ...]]]) -> list[tuple[int,
 
 
 def _cheapest(
-    profile: MemoryProfile, options: list[list[tuple[str, int, float]]], budget: int, prefetch_layers: int
+    profile: MemoryProfile,
+    options: list[list[tuple[str, int, float]]],
+    budget: int,
+    prefetch_layers: int,
+    pinned_bytes: int | None = None,
 ) -> tuple[str, ...] | None:
     """The least-cost choice per layer whose :func:`predict_peak` fits ``budget`` (``None``: none does).
 
@@ -159,24 +169,29 @@ def _cheapest(
     ``K_j + S_j <= budget``: ``K_j`` the bytes layers ``0..j`` keep, ``S_j`` the buffer sets allocated by then (a
     maximum over the offloaded layers ``>= j - prefetch_layers``, known once those are decided). Folding the evaluated
     constraints into ``need = max_i (kept of j..i + S_i)`` leaves one number per state that only ever grows, so a
-    state is kept only if no other with the same sets and pending layers has both less need and less cost.
+    state is kept only if no other with the same sets and pending layers has both less need and less cost. With
+    ``pinned_bytes``, the bytes offloaded to pinned memory so far are part of the state and stay within it.
     """
     layers, sets = profile.layers, prefetch_layers + 1
-    # (largest layer per buffer set, kept bytes of the layers whose constraint is still pending) -> Pareto states
-    states: dict[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, float, tuple[str, ...]]]] = {
-        ((0,) * sets, ()): [(0, 0.0, ())]
-    }
+    # (largest layer per buffer set, kept bytes of the layers whose constraint is still pending, pinned bytes used)
+    # -> Pareto states
+    Key = tuple[tuple[int, ...], tuple[int, ...], int]
+    states: dict[Key, list[tuple[int, float, tuple[str, ...]]]] = {((0,) * sets, (), 0): [(0, 0.0, ())]}
     for k in reversed(range(len(layers))):
-        grown: dict[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, float, tuple[str, ...]]]] = {}
-        for (largest, pending), front in states.items():
+        grown: dict[Key, list[tuple[int, float, tuple[str, ...]]]] = {}
+        for (largest, pending, used), front in states.items():
             for name, freed, added in options[k]:
-                grew = largest
-                if name == "offload" and layers[k].saved_bytes:
+                grew, pinned = largest, used
+                if name in ("offload", "nvme") and layers[k].saved_bytes:
                     s = k % sets
                     grew = (*largest[:s], max(largest[s], size_class(layers[k].saved_bytes)), *largest[s + 1 :])
+                if name == "offload" and pinned_bytes is not None:
+                    pinned += layers[k].saved_bytes
+                    if pinned > pinned_bytes:
+                        continue
                 waiting = (layers[k].saved_bytes - freed, *pending)
                 due = len(waiting) > prefetch_layers  # layer k + prefetch_layers' constraint is known now
-                key = (grew, waiting[:-1] if due else waiting)
+                key = (grew, waiting[:-1] if due else waiting, pinned)
                 for need, cost, chosen in front:
                     if due:
                         need = waiting[-1] + max(need, sum(grew))
@@ -184,7 +199,7 @@ def _cheapest(
                         grown.setdefault(key, []).append((need, cost + added, (name, *chosen)))
         states = {key: _pareto(front) for key, front in grown.items()}
     best: tuple[float, tuple[str, ...]] | None = None
-    for (largest, pending), front in states.items():
+    for (largest, pending, _), front in states.items():
         for need, cost, chosen in front:
             for kept in reversed(pending):  # the first layers' constraints: every set is allocated by then
                 need = kept + max(need, sum(largest))
@@ -196,19 +211,22 @@ def _cheapest(
 def plan_memory(
     profile: MemoryProfile,
     budget_bytes: int,
-    tiers: Sequence[str] = TIERS,
+    tiers: Sequence[str] = ("pinned",),
     *,
     margin: float = AUTO_MARGIN,
     prefetch_layers: int = 1,
+    pinned_bytes: int | None = None,
 ) -> MemoryPlan:
     """The plan of least predicted step time whose saved bytes fit ``budget_bytes`` over the whole step.
 
     Args:
         profile: the measured step.
         budget_bytes: the most saved-activation bytes the layers may keep at once.
-        tiers: where offloaded bytes may go; ``("pinned",)`` (pinned host memory); ``()``: no offload.
+        tiers: where offloaded bytes may go: ``"pinned"`` (pinned host memory, mechanism ``"offload"``) and
+            ``"nvme"`` (files, mechanism ``"nvme"``, at ``profile.nvme_bandwidth_bytes_per_ms``); ``()``: no offload.
         margin: fraction added to every copy time.
         prefetch_layers: the offloader's prefetch depth (``prefetch_layers + 1`` device buffer sets in backward).
+        pinned_bytes: the most bytes the pinned tier may hold (``OffloadConfig.pinned_budget``); ``None``: no limit.
 
     Raises:
         OffloadError: an unknown tier, a budget below 1, or one that no plan meets (with the least it could reach).
@@ -217,11 +235,11 @@ def plan_memory(
     unknown = sorted(set(tiers) - set(TIERS))
     if unknown:
         raise OffloadError(f"plan_memory: unknown tiers {unknown}; available: {list(TIERS)}")
-    mechanisms = [m for m in MECHANISMS if m != "offload" or tiers]
+    mechanisms = ["keep", "recompute", *(_TIER_MECHANISM[t] for t in TIERS if t in tiers)]
     options = [[(m, *mechanism_cost(profile, i, m, margin)) for m in mechanisms] for i in range(len(profile.layers))]
-    choices = _cheapest(profile, options, budget_bytes, prefetch_layers)
+    choices = _cheapest(profile, options, budget_bytes, prefetch_layers, pinned_bytes)
     if choices is None:
-        least = predict_peak(profile, ["offload"] * len(options), [o[-1][1] for o in options], prefetch_layers)
+        least = predict_peak(profile, [o[-1][0] for o in options], [o[-1][1] for o in options], prefetch_layers)
         raise OffloadError(
             f"plan_memory: no plan keeps the saved bytes under budget_bytes={budget_bytes}: the layers save "
             f"{profile.saved_bytes} bytes, and with {mechanisms} and {prefetch_layers + 1} device buffer sets for "

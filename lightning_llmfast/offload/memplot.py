@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 __all__ = ["plot_plan"]
 
-_COLOURS = {"keep": "tab:blue", "recompute": "tab:orange", "offload": "tab:green"}
+_COLOURS = {"keep": "tab:blue", "recompute": "tab:orange", "offload": "tab:green", "nvme": "tab:purple"}
 
 
 def plot_plan(plan: MemoryPlan, path: str) -> None:

@@ -15,12 +15,11 @@ Rebuilds (``rebuild="norms"``, independent of copying): a saved low-precision co
 backward, and a saved output of a Function marked with :func:`~lightning_llmfast.offload.mark_rebuildable` (or a
 copy of one) is rebuilt from what that Function saved; with ``"norms+gemms"`` GEMM outputs too.
 
-The offloader is composed of parts that own their state: :class:`~.layercalls.LayerCalls` (the layer-call policy:
-the plan and this step's calls), :class:`~.packing.Packer` (the pack hook's decisions), :class:`~.reload.Reloader`
-(copies, prefetch, unpack, release), :class:`~.pool.PinnedBufferPool` (host buffers) and a :class:`~.copier.Copier`
-(CUDA streams or synchronous CPU copies); it owns the step's lifecycle and wires the hooks to them. Settings come from
-:class:`~.config.OffloadConfig` only; :mod:`.plan` and :mod:`.measure` make the ``"auto"`` schedule, :mod:`.handles`
-holds what the pack hook returns and :mod:`.rebuild` the protocol with Functions.
+Parts that own their state: :class:`~.layercalls.LayerCalls` (the plan, this step's calls), :class:`~.packing.Packer`
+(pack decisions), :class:`~.reload.Reloader` (copies, prefetch, unpack, release), :class:`~.pool.PinnedBufferPool`,
+:class:`~.nvme.NvmeTier` (files past the pool's budget), :class:`~.copier.Copier` (CUDA streams or synchronous CPU
+copies) and :class:`~.meter.StepMeter` (what a memory plan's step did); the offloader owns the step's lifecycle and
+wires the hooks to them. :mod:`.plan`, :mod:`.memplan` and :mod:`.measure` make the plans.
 
 On CPU (``force=True``) there are no streams: the same bookkeeping runs with synchronous copies, which is how the
 tests prove bit-identical gradients, deduplication, pool reuse and prefetch ordering without a GPU.
@@ -62,6 +61,7 @@ from lightning_llmfast.offload.layercalls import (
 )
 from lightning_llmfast.offload.memplan import MemoryPlan
 from lightning_llmfast.offload.meter import StepMeter
+from lightning_llmfast.offload.nvme import NvmeTier
 from lightning_llmfast.offload.packing import Packer
 from lightning_llmfast.offload.pool import PinnedBufferPool
 from lightning_llmfast.offload.recompute import RecomputeHandle, recompute_layer
@@ -229,8 +229,12 @@ class ActivationOffloader:
         if device.type == "cuda" or self.config.force:
             if self._copier is None or self._copier.device != device:
                 self._copier = self._make_copier(device)
+            if self.config.nvme_dir is not None and self.packer.nvme is None:
+                self.packer.nvme = self.reloader.nvme = NvmeTier(self.config.nvme_dir)
         else:
             self._copier = None
+        if self.packer.nvme is not None:
+            self.packer.nvme.begin_step()
         self.calls.begin_step(self._copier)
         self.packer.begin_step(self._copier)
         self.reloader.begin_step(self._copier)
@@ -309,37 +313,32 @@ class ActivationOffloader:
         """Make and adopt the ``"auto"`` plan from the measuring step (see :func:`~.measure.auto_plan`)."""
         copier = self._copier
         assert copier is not None
-        plan = measure.auto_plan(
-            segments,
-            len(self.layers),
-            copier,
-            eligible=self.calls.eligible,
-            # With recomputation, layer N recomputes instead: keeping what a partial budget leaves would hold more.
-            partial=self.config.recompute is None,
-            pinned=self.pool.pinned,
-            backward_end=copier.timestamp(),
-        )
+        # With recomputation, layer N recomputes instead: keeping what a partial budget leaves would hold more.
+        partial = self.config.recompute is None
+        plan = measure.auto_plan(segments, len(self.layers), copier, eligible=self.calls.eligible, partial=partial,
+                                 pinned=self.pool.pinned, backward_end=copier.timestamp())  # fmt: skip
         self.calls.adopt(plan["offload_layers"], plan["partial_bytes"])
         self.reloader.set_depth(plan["prefetch_layers"])
         # Sized from the plan before its first step: what the planned layers offload (a partial layer: its budget, at
-        # most what it saves).
+        # most what it saves), within the pinned budget.
         sizes, planned = plan["bytes_per_layer"], plan["offload_layers"]
-        partial = min(plan["partial_bytes"], sizes[planned]) if planned < len(sizes) else 0
-        self.pool.reserve(sum(sizes[:planned]) + partial)
-        self._sized = True
+        partial_bytes = min(plan["partial_bytes"], sizes[planned]) if planned < len(sizes) else 0
+        self._reserve(sum(sizes[:planned]) + partial_bytes)
         self.auto_plan = plan
+
+    def _reserve(self, nbytes: int) -> None:
+        self.pool.reserve(min(nbytes, self.config.pinned_budget_bytes or nbytes))
+        self._sized = True
 
     def _adopt_memory_plan(self, segments: list[Any]) -> None:
         """Profile the measuring step and plan every layer for the budget (:func:`~.measure.memory_plan`), log the
         plan as a table, and adopt it from the next step."""
-        assert self._copier is not None and self.config.budget is not None
-        plan = measure.memory_plan(
-            segments, len(self.layers), self._copier, self.config.budget, self.pool.pinned, self.prefetch_layers
-        )
+        assert self._copier is not None
+        plan = measure.memory_plan(segments, len(self.layers), self._copier, self.config, self.pool.pinned,
+                                   self.prefetch_layers, self.packer.nvme)  # fmt: skip
         offloading = plan.layers("offload")
-        self.calls.adopt_layers(offloading)
-        self.pool.reserve(sum(plan.profile.layers[i].saved_bytes for i in offloading))
-        self._sized = True
+        self.calls.adopt_layers(offloading | plan.layers("nvme"), plan.layers("nvme"))
+        self._reserve(sum(plan.profile.layers[i].saved_bytes for i in offloading))
         self.memory_plan = plan
         log.info("ActivationOffloader memory plan:\n%s", plan.table())
 
@@ -359,6 +358,8 @@ class ActivationOffloader:
         self._residents.close()
         self.pool.warn_growth(owner="ActivationOffloader")
         self.pool.clear()
+        if self.packer.nvme is not None:
+            self.packer.nvme.close()
         self._copier = None
 
     def __enter__(self) -> ActivationOffloader:
@@ -394,11 +395,16 @@ class ActivationOffloader:
         ``pool_grow_events``, ``pool_grown_bytes``, ``pinned``, ``device_set_bytes``, ``offload_layers`` (leading
         layers that offload; 0 during an ``"auto"`` measuring step and when offload is off),
         ``partial_offload_bytes`` (the ``"auto"`` plan's budget for the layer after them), ``recompute_layers``;
+        with ``nvme_dir``: ``spilled_bytes`` (written to the NVMe tier in the last step), ``nvme_files`` (on disk now),
+        ``nvme_failures`` (failed writes so far);
         ``copy_ms`` and ``exposed_copy_ms`` (ms the last ended step's copies ran, and ms compute waited on them; see
         :meth:`~.copier.Copier.copy_times`), once they can be read without waiting.
         """
         times = self._copier.copy_times() if self._copier is not None else None
         copies = {"copy_ms": times[0], "exposed_copy_ms": times[1]} if times is not None else {}
+        nvme = self.packer.nvme
+        if nvme is not None:
+            copies.update(nvme_files=nvme.files(), nvme_failures=nvme.failures)
         return {
             **copies,
             **self.packer.counters,

@@ -19,6 +19,7 @@ from lightning_llmfast.offload.config import OffloadConfig
 from lightning_llmfast.offload.copier import Copier
 from lightning_llmfast.offload.handles import Block, Rebuilt, Recast, Saved, Segment, Shared, kept, view_of
 from lightning_llmfast.offload.layercalls import LayerCalls, tensors_in
+from lightning_llmfast.offload.nvme import NvmeTier
 from lightning_llmfast.offload.pool import PinnedBufferPool
 from lightning_llmfast.offload.rebuild import RebuildRecord, rebuild_origin, rebuild_record
 from lightning_llmfast.offload.recompute import recomputed_by_selective
@@ -59,6 +60,7 @@ class Packer:
         self._residents = residents
         self._pack_hook = pack_hook
         self._copier: Copier | None = None
+        self.nvme: NvmeTier | None = None  # the NVMe tier, set by the offloader with `nvme_dir`
         self._param_ptrs: set[int] = set()
         self._param_shapes: set[torch.Size] = set()
         # Whether the layers' parameters are swapped for unsharded ones in forward (FSDP2): then each layer call
@@ -316,9 +318,13 @@ class Packer:
             nbytes = storage.nbytes()
             if seg.budget is not None and seg.offloaded + nbytes > seg.budget:
                 return False
+            spill = self.spills(nbytes, seg)
+            if spill is None:
+                return False  # the NVMe tier failed in this step: kept on the device
             seg.offloaded += nbytes
             source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            block = Block(nbytes=nbytes, segment=seg.index, host=self._pool.acquire(nbytes), source=source)
+            host = None if spill else self._pool.acquire(nbytes)
+            block = Block(nbytes=nbytes, segment=seg.index, host=host, source=source, to_nvme=spill)
             seg.blocks.append(block)
             seg.unsent.append(block)
             seg.dedup[key] = block
@@ -333,6 +339,16 @@ class Packer:
         saved.storage_offset = t.storage_offset()
         saved.tensor = None
         return True
+
+    def spills(self, nbytes: int, seg: Segment) -> bool | None:
+        """Whether ``nbytes`` more of ``seg`` go to the NVMe tier (the plan sends ``seg`` there, or the pinned pool
+        would pass its budget); ``None``: they would, but the tier failed in this step, so they stay on the device."""
+        budget = self.config.pinned_budget_bytes
+        if self.nvme is None or budget is None:
+            return False
+        if not seg.to_nvme and self._pool.out_bytes + nbytes <= budget:
+            return False
+        return None if self.nvme.full else True
 
 
 def _record(origin: tuple[Any, int]) -> RebuildRecord:

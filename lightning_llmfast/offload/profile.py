@@ -65,11 +65,14 @@ class MemoryProfile:
             measured memcpy rate).
         copies_overlap: whether copies run beside compute (CUDA side streams); ``False`` where the host that computes
             also copies (CPU), so every copy adds its whole time to the step.
+        nvme_bandwidth_bytes_per_ms: the NVMe tier's bandwidth, the slower of writing and reading a file (``None``:
+            no NVMe tier).
     """
 
     layers: tuple[LayerProfile, ...]
     bandwidth_bytes_per_ms: float
     copies_overlap: bool = True
+    nvme_bandwidth_bytes_per_ms: float | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -81,6 +84,14 @@ class MemoryProfile:
             low_open=True,
             error=OffloadError,
         )
+        if self.nvme_bandwidth_bytes_per_ms is not None:
+            check_number(
+                "MemoryProfile: nvme_bandwidth_bytes_per_ms",
+                self.nvme_bandwidth_bytes_per_ms,
+                low=0,
+                low_open=True,
+                error=OffloadError,
+            )
 
     @property
     def saved_bytes(self) -> int:

@@ -14,6 +14,7 @@ from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload.copier import Copier
 from lightning_llmfast.offload.handles import Block, Recipe, Saved, Segment
 from lightning_llmfast.offload.layercalls import LayerCalls
+from lightning_llmfast.offload.nvme import NvmeTier, NvmeWriteError
 from lightning_llmfast.offload.pool import PinnedBufferPool, size_class
 
 __all__ = ["Reloader"]
@@ -37,7 +38,8 @@ class Reloader:
     """
 
     def __init__(self, calls: LayerCalls, pool: PinnedBufferPool, prefetch_layers: int) -> None:
-        self.counters = dict.fromkeys(("prefetch_hits", "lazy_reloads", "rebuilds"), 0)
+        self.counters = dict.fromkeys(("prefetch_hits", "lazy_reloads", "rebuilds", "spilled_bytes"), 0)
+        self.nvme: NvmeTier | None = None  # the NVMe tier, set by the offloader with `nvme_dir`
         self.set_bytes = 0  # device-set bytes of the last backward
         self._calls = calls
         self._pool = pool
@@ -85,11 +87,18 @@ class Reloader:
             return
         copier = self._copier
         assert copier is not None
+        ready = copier.mark_compute()
+        spilled = [b for b in seg.unsent if b.to_nvme]
+        for block in spilled:
+            assert self.nvme is not None and block.source is not None
+            block.spill = self.nvme.write(block.source, ready)
+            self.counters["spilled_bytes"] += block.nbytes
         # Unsent blocks belong to the running step: their host buffer and source are set until the step's release.
-        pairs = [(b.host[: b.nbytes], b.source) for b in seg.unsent]  # type: ignore[index]
-        event = copier.copy(pairs, to_host=True, after=(copier.mark_compute(),))  # type: ignore[arg-type]
-        for block in seg.unsent:
-            block.d2h_event = event
+        pairs = [(b.host[: b.nbytes], b.source) for b in seg.unsent if not b.to_nvme]  # type: ignore[index]
+        if pairs:
+            event = copier.copy(pairs, to_host=True, after=(ready,))  # type: ignore[arg-type]
+            for block in seg.unsent:
+                block.d2h_event = None if block.to_nvme else event
         seg.unsent.clear()
 
     def hold_sources(self, seg: Segment) -> None:
@@ -102,7 +111,18 @@ class Reloader:
             return  # nothing was offloaded
         still = []
         for block in self._pending_sources:
-            if self._copier.done(block.d2h_event):
+            if block.to_nvme:
+                if block.spill.written.done():
+                    error = block.spill.failed()
+                    if error is None:
+                        block.source = None
+                    else:  # the bytes stay on the device (this source) and are read from it
+                        assert self.nvme is not None
+                        self.nvme.note_failure(error)
+                        block.spill = None
+                else:
+                    still.append(block)
+            elif self._copier.done(block.d2h_event):
                 block.source = None
             else:
                 still.append(block)
@@ -116,6 +136,12 @@ class Reloader:
             seg = segments[j]
             if seg.offload and not seg.prefetched and seg.blocks:
                 self.prefetch(seg)
+        if self.nvme is not None:  # files are read one window further ahead, on the tier's workers
+            ahead = seg_index - self.prefetch_layers - 1
+            for j in range(ahead, max(ahead - self.prefetch_layers, 0) - 1, -1):
+                for block in segments[j].blocks:
+                    if block.spill is not None:
+                        self.nvme.read_ahead(block.spill)
 
     def prefetch(self, seg: Segment) -> None:
         """Issue the host-to-device copies of ``seg``'s blocks into the next device buffer set."""
@@ -140,9 +166,8 @@ class Reloader:
         pairs = []
         offset = 0
         for block in seg.blocks:
-            assert block.host is not None
             block.flat, block.offset, block.set_index = flat, offset, s
-            pairs.append((flat[offset : offset + block.nbytes], block.host[: block.nbytes]))
+            pairs.append((flat[offset : offset + block.nbytes], self._host_bytes(block)))
             offset += _aligned(block.nbytes)
         d2h = {id(b.d2h_event): b.d2h_event for b in seg.blocks}  # one per layer call
         event = copier.copy(pairs, to_host=False, after=(compute_done, *d2h.values()))
@@ -163,7 +188,7 @@ class Reloader:
         block = saved.block
         copier = self._copier
         assert block is not None
-        if block.host is None or copier is None:
+        if (block.host is None and not block.to_nvme) or copier is None:  # released at the step's end
             raise OffloadError(
                 "ActivationOffloader: a saved activation was unpacked after its step ended; run backward inside "
                 "the step (retain_graph across steps is not supported with offloading)"
@@ -176,7 +201,7 @@ class Reloader:
             # Fallback: unpacked before its prefetch was issued, or after its buffer set was reused.
             flat = torch.empty(_aligned(block.nbytes), dtype=torch.uint8, device=copier.device)
             copier.compute_waits(block.d2h_event)
-            flat[: block.nbytes].copy_(block.host[: block.nbytes], non_blocking=copier.is_cuda)
+            flat[: block.nbytes].copy_(self._host_bytes(block), non_blocking=copier.is_cuda)
             block.reads.append(copier.mark_compute())
             offset = 0
             self.counters["lazy_reloads"] += 1
@@ -212,7 +237,26 @@ class Reloader:
         self._retired = []
         self._pending_sources = []
 
+    def _host_bytes(self, block: Block) -> torch.Tensor:
+        """Where a block's bytes are read back from: its host buffer, its file, or (a failed spill) its source."""
+        if block.host is not None:
+            return block.host[: block.nbytes]
+        if block.spill is not None:
+            assert self.nvme is not None
+            try:
+                return self.nvme.data(block.spill)
+            except NvmeWriteError as err:  # not seen by release_sources yet: the source is still held
+                self.nvme.note_failure(err)
+                block.spill = None
+        assert block.source is not None  # a spill whose write failed keeps its source until the step's end
+        return block.source
+
     def _give_back(self, block: Block) -> None:
+        if block.spill is not None:
+            assert self.nvme is not None
+            self.nvme.discard(block.spill)
+            block.spill = None
+        block.to_nvme = False
         if block.host is not None:
             self._pool.release(block.host)
         block.host = block.source = block.flat = None
