@@ -127,3 +127,20 @@ def test_configurations_left_to_the_composition(options, masked, supported):
     mask = torch.ones(4, dtype=torch.bool) if masked else None
     assert fused_route_supported(config, 8, mask) is supported
     assert not fused_route_supported(RoutingConfig(top_k=2), 4096, None)  # more experts than the kernel holds
+
+
+@needs_interpreter
+@pytest.mark.parametrize("capacity", [None, 2])
+def test_fused_route_ops_pass_opcheck(capacity):
+    """The forward's schema, fake and autograd registration, and the backward op in full (as a compiled backward
+    traces it). The forward's AOT check is left out: opcheck sums every output into one tensor, integers first."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 6, generator=gen, requires_grad=True)
+    forward = torch.ops.lightning_llmfast.fused_route.default
+    args = (logits, torch.randn(6, generator=gen), 2, True, True, 2.0, capacity)
+    torch.library.opcheck(forward, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    outputs = forward(*args)
+    ids, routed, positions, kept = outputs[0], outputs[5], outputs[9], outputs[11]
+    grads = (torch.randn(9, 2, generator=gen), None, torch.randn(9, 6, generator=gen), torch.randn(()), None)
+    backward_args = (logits.detach(), ids, *grads, positions, kept, routed, True, True, 2.0)
+    torch.library.opcheck(torch.ops.lightning_llmfast.fused_route_backward.default, backward_args)

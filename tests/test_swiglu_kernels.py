@@ -56,3 +56,13 @@ def test_swiglu_reads_strided_gate_up(backend):
     out = swiglu_forward(gate_up, backend=backend)
     gate, up = gate_up.contiguous().chunk(2, dim=-1)
     torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_swiglu_down_passes_opcheck(backend):
+    """Schema, fake implementation and autograd (also as a compiled backward traces it) of the op that uses them."""
+    import lightning_llmfast.moe.experts  # noqa: F401  (registers the op)
+
+    gate_up, down = torch.randn(7, 16, requires_grad=True), torch.randn(2, 8, 8, requires_grad=True)
+    scale, ends = torch.rand(7, requires_grad=True), torch.tensor([3, 7], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.lightning_llmfast.swiglu_down.default, (gate_up, down, ends, scale, backend))

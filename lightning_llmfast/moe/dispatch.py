@@ -129,7 +129,8 @@ def _permute_grouped_mm_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None,
         grad_rows = _grouped_mm(grad, weight.transpose(-1, -2), offs)
         grad_x = _combine_rows(grad_rows, positions, pair_mask, ctx.x_dtype, ctx.backend)
     if ctx.needs_input_grad[6]:
-        rows = gather_rows(x_compute, tokens, num_valid, backend=ctx.backend)  # the forward's rows, rebuilt
+        # The forward's rows, rebuilt (through the opaque op: a compiled backward never traces into a kernel).
+        rows = _permute_rows(x_compute, tokens, num_valid, positions, pair_mask, ctx.backend)
         grad_weight = _grouped_mm(rows.transpose(0, 1), grad, offs)
     return grad_x, None, None, None, None, None, grad_weight, None, None
 

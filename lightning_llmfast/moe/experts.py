@@ -43,10 +43,10 @@ from lightning_llmfast.moe.grouped_fallback import (
     use_triton,
 )
 from lightning_llmfast.moe.kernels.swiglu import (
-    swiglu_backward,
     swiglu_backward_reference,
     swiglu_forward,
     swiglu_forward_reference,
+    swiglu_grads,
 )
 
 __all__ = [
@@ -195,12 +195,12 @@ def _swiglu_down_grad(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
     grad_gate_up = product = grad_scale = None
     if need_gate_up or need_scale:
         grad_product = _grouped_mm(grad, down.transpose(-1, -2), offs)  # of the scaled product
-        grad_gate_up, product, grad_scale = swiglu_backward(
+        grad_gate_up, product, grad_scale = swiglu_grads(
             grad_product, gate_up, scale, need_product=need_down, need_dots=need_scale, backend=ctx.backend
         )
         grad_scale = None if grad_scale is None else grad_scale.to(scale.dtype)
     elif need_down:
-        product = swiglu_forward(gate_up, scale, backend=ctx.backend)
+        product = swiglu_forward_reference(gate_up, scale)  # traceable: a compiled backward never sees Triton
     grad_down = _grouped_mm(product.transpose(0, 1), grad, offs) if need_down else None
     return grad_gate_up if need_gate_up else None, grad_down, None, grad_scale, None
 

@@ -98,16 +98,38 @@ def _fused_route_backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | Non
     if not ctx.needs_input_grad[0]:
         return (None,) * 7
     grad_weights, grad_probs, grad_aux, grad_z, grad_rows = (grads[i] for i in (1, 2, 3, 4, 13))
-    grad_logits = topk_scores_backward_triton(
-        logits, ids, (grad_weights, grad_rows, grad_probs, grad_aux, grad_z), positions, kept, routed,
-        sigmoid=ctx.sigmoid, normalize=ctx.normalize, scale=ctx.scale,
+    grad_logits = _fused_route_grad(
+        logits, ids, grad_weights, grad_rows, grad_probs, grad_aux, grad_z, positions, kept, routed, ctx.sigmoid,
+        ctx.normalize, ctx.scale,
     )  # fmt: skip
     return grad_logits, None, None, None, None, None, None
 
 
+@torch.library.custom_op("lightning_llmfast::fused_route_backward", mutates_args=())
+def _fused_route_grad(
+    logits: Tensor, ids: Tensor, grad_weights: Tensor | None, grad_rows: Tensor | None, grad_probs: Tensor | None,
+    grad_aux: Tensor | None, grad_z: Tensor | None, positions: Tensor, kept: Tensor, routed: Tensor, sigmoid: bool,
+    normalize: bool, scale: float,
+) -> Tensor:  # fmt: skip
+    """The logits' gradient as an opaque op: a compiled backward traces around the Triton kernel, never into it."""
+    return topk_scores_backward_triton(
+        logits, ids, (grad_weights, grad_rows, grad_probs, grad_aux, grad_z), positions, kept, routed,
+        sigmoid=sigmoid, normalize=normalize, scale=scale,
+    )  # fmt: skip
+
+
+@_fused_route_grad.register_fake
+def _fused_route_grad_fake(
+    logits: Tensor, ids: Tensor, grad_weights: Tensor | None, grad_rows: Tensor | None, grad_probs: Tensor | None,
+    grad_aux: Tensor | None, grad_z: Tensor | None, positions: Tensor, kept: Tensor, routed: Tensor, sigmoid: bool,
+    normalize: bool, scale: float,
+) -> Tensor:  # fmt: skip
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
 _fused_route.register_autograd(_fused_route_backward, setup_context=_fused_route_setup)
-# Eager calls skip the dispatcher, compiled ones keep the registered op (see eager_custom_op).
-_fused_route = eager_custom_op(_fused_route)
+# Eager calls skip the dispatcher, compiled ones keep the registered ops (see eager_custom_op).
+_fused_route, _fused_route_grad = eager_custom_op(_fused_route), eager_custom_op(_fused_route_grad)
 
 
 def fused_route_supported(routing: RoutingConfig, num_experts: int, token_mask: Tensor | None) -> bool:

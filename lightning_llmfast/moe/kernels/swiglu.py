@@ -33,6 +33,7 @@ __all__ = [
     "swiglu_forward",
     "swiglu_forward_reference",
     "swiglu_forward_triton",
+    "swiglu_grads",
 ]
 
 SwigluGrads = tuple[Tensor, Tensor | None, Tensor | None]
@@ -227,3 +228,31 @@ def swiglu_backward(
     if is_triton(backend):
         return swiglu_backward_triton(grad, gate_up, scale, need_product=need_product, need_dots=need_dots)
     return swiglu_backward_reference(grad, gate_up, scale, need_product=need_product, need_dots=need_dots)
+
+
+@torch.library.custom_op("lightning_llmfast::swiglu_grads", mutates_args=())
+def _swiglu_grads(
+    grad: Tensor, gate_up: Tensor, scale: Tensor | None, need_product: bool, need_dots: bool, backend: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`swiglu_backward` as an opaque op (a compiled backward traces around the kernel, never into it); an
+    output not asked for comes back empty."""
+    out = swiglu_backward(grad, gate_up, scale, need_product=need_product, need_dots=need_dots, backend=backend)
+    return tuple(t if t is not None else grad.new_empty(0) for t in out)  # type: ignore[return-value]
+
+
+@_swiglu_grads.register_fake
+def _swiglu_grads_fake(
+    grad: Tensor, gate_up: Tensor, scale: Tensor | None, need_product: bool, need_dots: bool, backend: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    rows, ffn = grad.shape
+    product = gate_up.new_empty(rows, ffn) if need_product else grad.new_empty(0)
+    dots = gate_up.new_empty(rows, dtype=_acc_dtype(gate_up)) if need_dots else grad.new_empty(0)
+    return torch.empty_like(gate_up, memory_format=torch.contiguous_format), product, dots
+
+
+def swiglu_grads(
+    grad: Tensor, gate_up: Tensor, scale: Tensor | None, *, need_product: bool, need_dots: bool, backend: str
+) -> SwigluGrads:
+    """:func:`swiglu_backward` through an opaque custom op, for autograd formulas that ``torch.compile`` traces."""
+    grad_gate_up, product, dots = _swiglu_grads(grad, gate_up, scale, need_product, need_dots, backend)
+    return grad_gate_up, product if need_product else None, dots if need_dots else None
