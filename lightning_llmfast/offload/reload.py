@@ -112,6 +112,8 @@ class Reloader:
         still = []
         for block in self._pending_sources:
             if block.to_nvme:
+                if block.spill is None:  # its write failed and a read-back already fell back to the source,
+                    continue  # which stays held until the step's end
                 if block.spill.written.done():
                     error = block.spill.failed()
                     if error is None:
