@@ -1,25 +1,33 @@
 """The memory planner against its own steps: predicted vs measured peak of live saved bytes and step time.
 
 For budgets at 90%, 70% and 50% of what the reference ``MoEGPT`` (12 layers) saves without any mechanism, an
-:class:`~lightning_llmfast.offload.ActivationOffloader` with ``OffloadConfig(plan="auto", budget=...)`` profiles its
-second step, plans, and then trains; the planned steps of the three budgets and a no-offload baseline run interleaved
-in one process (:func:`~lightning_llmfast.bench.harness.interleave`). Per budget it reports:
+:class:`~lightning_llmfast.offload.ActivationOffloader` with ``OffloadConfig(plan="auto", budget=...)`` profiles three
+steps after a warm-up one (alternating with three probe steps that offload every eligible layer), plans from each
+layer's median times, and then trains. Each budget runs twice: timed by this thread's CPU time (``thread``: other
+processes on a shared host do not enter it) and by wall time (``wall``). The profiled steps of all six run
+round-robin, then their planned steps and a no-offload baseline interleaved in one process
+(:func:`~lightning_llmfast.bench.harness.interleave`). Per budget and clock it reports:
 
 - ``measured_peak / predicted_peak``: the offloader's own count of live saved bytes (see
   :mod:`lightning_llmfast.offload.meter`) against the plan, and ``measured_peak / budget``;
 - ``time_ratio``: ``measured_ms / predicted_ms`` per planned step (the layers' forward and backward), median and range
   over the repeats: whether the plan's predicted time holds (the issue's 15%);
-- ``step_vs_off``: the whole step's time over the baseline's, median;
-- the plan itself (mechanism per layer) and the machine's load average before and after.
+- ``step_vs_off``: the whole step's wall time over the baseline's, median;
+- the plan itself (mechanism and offloaded storages per layer), the fitted host ms per offloaded storage, and the
+  machine's load average before and after.
 
 On CPU the offloader runs its forced path: copies are synchronous (a copy costs its whole time in the plan, and
-``offload/overlap`` is 0), and every time is host time on a machine that may be shared. Timings of the forward and
-backward of one profiled step decide the prediction, so its noise is the prediction's.
+``offload/overlap`` is 0), and every time is host time on a machine that may be shared. What the prediction needed
+here: one intra-op thread (``--threads``; on a shared 2-core host two threads waiting on each other for a busy core
+made single steps vary 0.2x to 2.3x), the median of three profiled steps rather than one, the host time per offloaded
+storage (measured by the probe steps, as bandwidth does not predict it), a clock that other
+processes' load does not move between the profile and the measured steps, and ``WARM_UP`` steps of every model before
+the offloaders attach (the first steps of a process run in a growing heap: page faults that later steps do not pay).
 
 Usage::
 
     python benchmarks/bench_memplan.py                 # CPU, 12 layers, hidden 64, 2 x 128 tokens, 15 repeats
-    python benchmarks/bench_memplan.py --repeats 5 --hidden 32
+    python benchmarks/bench_memplan.py --repeats 5 --hidden 32 --threads 2
 """
 
 from __future__ import annotations
@@ -38,11 +46,13 @@ import torch.nn.functional as F
 
 from lightning_llmfast.bench.harness import interleave
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
-from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
+from lightning_llmfast.offload import ActivationOffloader, CpuCopier, OffloadConfig
+from lightning_llmfast.offload.copier import Copier
 
 FRACTIONS = (0.9, 0.7, 0.5)
 VOCAB = 512
 TOLERANCE = 0.15
+WARM_UP = 3  # steps of every model before the offloaders attach
 STAT_KEYS = ("offloaded_bytes", "recompute_layers", "copy_ms", "exposed_copy_ms")
 
 
@@ -64,25 +74,42 @@ def _saved_bytes(hidden: int, layers: int, ids: torch.Tensor) -> int:
     """What the layers save without any mechanism (the plan's profile under an unreachable budget)."""
     model = _model(hidden, layers)
     off = ActivationOffloader(model.layers, OffloadConfig(min_offload_bytes=0, force=True, plan="auto", budget=1 << 50))
-    for _ in range(2):
+    while off.memory_plan is None:
         _step(model, off, ids)
-    assert off.memory_plan is not None
     off.close()
     return off.memory_plan.profile.saved_bytes
 
 
-def run(hidden: int = 64, layers: int = 12, tokens: int = 128, repeats: int = 15) -> dict[str, Any]:
+class _ThreadClockOffloader(ActivationOffloader):
+    """Times its steps (profile and metrics alike) in this thread's CPU time: other processes do not enter it."""
+
+    @staticmethod
+    def _make_copier(device: torch.device) -> Copier:
+        return CpuCopier(device, clock=time.thread_time)
+
+
+CLOCKS = {"thread": _ThreadClockOffloader, "wall": ActivationOffloader}
+
+
+def run(hidden: int = 64, layers: int = 12, tokens: int = 128, repeats: int = 15, threads: int = 1) -> dict[str, Any]:
+    torch.set_num_threads(threads)
     load_before = os.getloadavg()
     ids = torch.randint(0, VOCAB, (2, tokens), generator=torch.Generator().manual_seed(0))
     saved = _saved_bytes(hidden, layers, ids)
-    runs: dict[str, tuple[MoEGPT, ActivationOffloader | None]] = {"off": (_model(hidden, layers), None)}
-    for fraction in FRACTIONS:
-        model = _model(hidden, layers)
-        config = OffloadConfig(min_offload_bytes=0, force=True, plan="auto", budget=int(saved * fraction))
-        runs[f"{fraction:.0%}"] = (model, ActivationOffloader(model.layers, config))
-    for model, off in runs.values():
-        for _ in range(2):  # warm-up and the profiled step
-            _step(model, off, ids)
+    models = {name: _model(hidden, layers) for name in ["off"] + [f"{f:.0%} {c}" for c in CLOCKS for f in FRACTIONS]}
+    for _ in range(WARM_UP):  # the process's heap and caches settle before any step is profiled
+        for model in models.values():
+            _step(model, None, ids)
+    runs: dict[str, tuple[MoEGPT, ActivationOffloader | None]] = {"off": (models["off"], None)}
+    for clock, offloader in CLOCKS.items():
+        for fraction in FRACTIONS:
+            model = models[f"{fraction:.0%} {clock}"]
+            config = OffloadConfig(min_offload_bytes=0, force=True, plan="auto", budget=int(saved * fraction))
+            runs[f"{fraction:.0%} {clock}"] = (model, offloader(model.layers, config))
+    while any(off is not None and off.memory_plan is None for _, off in runs.values()):
+        for model, off in runs.values():  # the profiled steps, interleaved: every plan sees the same load
+            if off is not None and off.memory_plan is None:
+                _step(model, off, ids)
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
 
     def impl(name: str) -> Any:
@@ -103,6 +130,7 @@ def run(hidden: int = 64, layers: int = 12, tokens: int = 128, repeats: int = 15
         "device": "cpu",
         "shape": {"hidden": hidden, "layers": layers, "tokens": [2, tokens]},
         "repeats": repeats,
+        "threads": threads,
         "saved_bytes": saved,
         "budgets": {},
         "date": datetime.date.today().isoformat(),
@@ -112,16 +140,22 @@ def run(hidden: int = 64, layers: int = 12, tokens: int = 128, repeats: int = 15
             continue
         assert off.memory_plan is not None
         plan, rows = off.memory_plan, samples[name]
+        clock = name.split()[1]
         ratios = [s["measured_ms"] / s["predicted_ms"] for s in rows]
         peaks = [s["measured_peak"] for s in rows]
         report["budgets"][name] = {
+            "clock": clock,
             "budget_bytes": plan.budget_bytes,
             "choices": list(plan.choices),
+            "storages": list(plan.storages),
+            "partial_layers": sorted(plan.offload_budgets()),
+            "storage_ms": plan.profile.storage_ms,
             "predicted_peak": plan.predicted_peak,
             "measured_peak_max": max(peaks),
             "peak_ratio": max(peaks) / plan.predicted_peak,
             "peak_within_budget": max(peaks) <= plan.budget_bytes,
             "predicted_ms": plan.predicted_ms,
+            "profiled_ms": plan.profile.step_ms,
             "measured_ms_median": statistics.median(s["measured_ms"] for s in rows),
             "time_ratio_median": statistics.median(ratios),
             "time_ratio_range": [min(ratios), max(ratios)],
@@ -137,12 +171,13 @@ def run(hidden: int = 64, layers: int = 12, tokens: int = 128, repeats: int = 15
 
 def summary(report: dict[str, Any]) -> str:
     rows = [
-        "| budget | plan (keep/recompute/offload) | measured / predicted peak | within budget | predicted ms | "
+        "| budget, clock | keep/recompute/offload (part) | measured / predicted peak | within budget | predicted ms | "
         "measured / predicted ms: median [range] | step vs off |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, b in report["budgets"].items():
         counts = "/".join(str(b["choices"].count(m)) for m in ("keep", "recompute", "offload"))
+        counts += f" ({len(b['partial_layers'])})"
         low, high = b["time_ratio_range"]
         rows.append(
             f"| {name} | {counts} | {b['peak_ratio']:.3f} | {b['peak_within_budget']} | {b['predicted_ms']:.1f} | "
@@ -159,9 +194,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--out", type=Path, default=None, help="JSON report path")
     args = parser.parse_args()
-    report = run(args.hidden, args.layers, args.tokens, args.repeats)
+    report = run(args.hidden, args.layers, args.tokens, args.repeats, args.threads)
     out = args.out or Path(__file__).parent / "results" / f"cpu_memplan_{report['date']}.json"
     out.write_text(json.dumps(report, indent=2, default=float))
     print(summary(report))

@@ -36,11 +36,11 @@ Reported per mode:
   host-to-device time of the offloaded bytes alone (CUDA events, pinned buffers) and ``exposed`` = step time of the
   mode minus ``off``.
 
-On CPU there are no copy streams: it runs the forced path on a tiny model (under the same bf16 autocast) for the
-offloader's stats and a bit-identity check of every mode, the peak of live tensor bytes of the modes that copy
-nothing, and ``host_ms``: forward and backward time of those modes on a 12-layer model whose step is host time, as a
-launch-bound GPU forward is (what the hooks and rebuild bookkeeping cost; copy timings need CUDA), with the ATen
-operations a step dispatches in each mode (on a launch-bound GPU each one costs host time).
+On CPU there are no copy streams: :mod:`offload_cpu` runs the forced path on a tiny model (under the same bf16
+autocast) for the offloader's stats and a bit-identity check of every mode, the peak of live tensor bytes of the modes
+that copy nothing, and ``host_ms``: forward and backward time of those modes on a 12-layer model whose step is host
+time, as a launch-bound GPU forward is (what the hooks and rebuild bookkeeping cost; copy timings need CUDA), with the
+ATen operations a step dispatches in each mode. Shapes, modes and the step are in :mod:`offload_steps`.
 
 Usage::
 
@@ -56,323 +56,28 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from lightning_llmfast.bench.harness import interleave
-from lightning_llmfast.bench.steps import PeakMemory
 from lightning_llmfast.errors import ConfigError
-from lightning_llmfast.models import MoEGPT, MoEGPTConfig
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
+
+# Its sibling modules, also when the suite loads this script from its path (lightning_llmfast.bench.suite).
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from offload_cpu import cpu_report
+from offload_steps import MODES, SHAPES, saved_inventory, selected
+from offload_steps import copy_ms as _copy_ms
+from offload_steps import setup as _setup
+from offload_steps import step as _step
 
 MEM_TARGET = 0.40  # at least 40% lower peak activation memory
 TPS_TARGET = 0.95  # at no more than 5% lower tokens/sec
-
-SHAPES: dict[str, dict[str, Any]] = {
-    "full": {
-        "model": {"hidden_size": 1024, "n_layers": 12, "n_heads": 16, "n_kv_heads": 8, "ffn_size": 1408},
-        "batch": 4,
-        "seq_len": 2048,
-    },
-    # A width closer to production MoE layers: per token, compute grows with H^2 and saved bytes with H.
-    "wide": {
-        "model": {"hidden_size": 2048, "n_layers": 12, "n_heads": 16, "n_kv_heads": 8, "ffn_size": 2816},
-        "batch": 4,
-        "seq_len": 2048,
-    },
-    # Production-like width (4 experts keep AdamW state for 2.9B parameters near 47 GB). The expert weights are large
-    # next to 8192 tokens: their bf16 copies are 37% of what a layer saves, 47% with the norms' outputs (all rebuilt,
-    # not copied, by the offloader).
-    "large": {
-        "model": {
-            "hidden_size": 4096,
-            "n_layers": 12,
-            "n_heads": 32,
-            "n_kv_heads": 8,
-            "ffn_size": 4096,
-            "num_experts": 4,
-        },
-        "batch": 4,
-        "seq_len": 2048,
-    },
-    "quick": {
-        "model": {"hidden_size": 512, "n_layers": 12, "n_heads": 8, "n_kv_heads": 4, "ffn_size": 704},
-        "batch": 2,
-        "seq_len": 1024,
-    },
-    "cpu": {
-        "model": {"hidden_size": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_size": 64},
-        "batch": 2,
-        "seq_len": 33,
-    },
-    # Kernels so small that a step is host time (as a launch-bound GPU forward is): the offloader's hooks and
-    # rebuild bookkeeping show as step time.
-    "host": {
-        "model": {"hidden_size": 32, "n_layers": 12, "n_heads": 4, "n_kv_heads": 2, "ffn_size": 64},
-        "batch": 2,
-        "seq_len": 32,
-    },
-}
-# Offloader settings per mode (None: no offloader).
-MODES: dict[str, dict[str, Any] | None] = {
-    "off": None,
-    # Nothing is copied: only the layers' saved bf16 weight copies are dropped and rebuilt in backward.
-    "rebuild": {"offload_layers": 0},
-    "rebuild_gemms": {"offload_layers": 0, "rebuild": "norms+gemms"},
-    "rebuild_gemms_6": {"offload_layers": 0, "rebuild": "norms+gemms", "rebuild_gemm_layers": 6},
-    "all": {"offload_layers": None},
-    "auto": {"offload_layers": "auto"},
-    "auto_gemms": {"offload_layers": "auto", "rebuild": "norms+gemms"},
-    "recompute": {"offload_layers": 0, "recompute": "selective"},
-    "auto_recompute": {"offload_layers": "auto", "recompute": "selective"},
-}
-# The modes CPU measurements compare: the baseline and the two that copy nothing.
-COPY_FREE_MODES = ("off", "rebuild", "rebuild_gemms")
-# A small vocabulary keeps the (B, T, V) logits, which no layer offload can touch, from dominating the peak.
-VOCAB = 4096
-
-
-def _setup(shape: dict[str, Any], device: str) -> tuple[MoEGPT, torch.optim.Optimizer, torch.Tensor]:
-    torch.manual_seed(0)
-    config = MoEGPTConfig(**{"vocab_size": VOCAB, "num_experts": 8, "top_k": 2, **shape["model"]})
-    with torch.device(device):  # built in place: initialising the "large" shape's 2.9B parameters on the host is slow
-        model = MoEGPT(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    ids = torch.randint(0, VOCAB, (shape["batch"], shape["seq_len"]), device=device)
-    return model, opt, ids
-
-
-def _step(
-    model: MoEGPT,
-    opt: torch.optim.Optimizer,
-    ids: torch.Tensor,
-    off: ActivationOffloader | None,
-    marks: tuple[Any, Any] | None = None,
-    free_grads: bool = True,
-    held: list[int] | None = None,
-) -> None:
-    """One training step; ``marks``: two CUDA events recorded when the loss exists and when backward has ended;
-    ``free_grads``: ``zero_grad(set_to_none=...)``; ``held``: see :func:`_forward_backward`."""
-    opt.zero_grad(set_to_none=free_grads)
-    _forward_backward(model, ids, off, marks, held)
-    opt.step()
-
-
-def _forward_backward(
-    model: MoEGPT,
-    ids: torch.Tensor,
-    off: ActivationOffloader | None,
-    marks: tuple[Any, Any] | None = None,
-    held: list[int] | None = None,
-) -> None:
-    """``held``: gets ``torch.cuda.memory_allocated()`` once the loss exists (the allocator's count: no sync)."""
-    # As Lightning's "bf16-mixed" runs a step: autocast without its weight cache around forward and loss only.
-    autocast = torch.autocast(ids.device.type, dtype=torch.bfloat16, cache_enabled=False)
-    with off if off is not None else torch.enable_grad():
-        with autocast:
-            logits = model(ids)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), ids.roll(-1, 1).flatten()) + 0.01 * model.aux_loss()
-        if marks is not None:
-            marks[0].record()
-        if held is not None:
-            held.append(torch.cuda.memory_allocated())
-        loss.backward()
-        if marks is not None:
-            marks[1].record()
-
-
-def saved_inventory(model: MoEGPT, ids: torch.Tensor, layer: int | None = 0, top: int = 12) -> dict[str, Any]:
-    """What one layer (``layer=None``: every layer) saves for backward, as the offloader would see it (one forward, no
-    offloader).
-
-    Storages are counted once (views and shared storages deduplicated), parameters not at all; each entry is the
-    autograd node that made the saved tensor (``grad_fn`` of its base; ``leaf`` for none), its shape and dtype.
-
-    Returns:
-        ``{"total_bytes", "tensors", "top": [{"op", "shape", "dtype", "bytes", "count"}, ...]}``, largest first.
-    """
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    inside = [False]
-    seen: set[int] = set()
-    groups: dict[tuple[str, tuple[int, ...], str], list[int]] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if inside[0] and ptr and ptr not in params and ptr not in seen:  # ptr 0: an empty storage
-            seen.add(ptr)
-            base = t if t._base is None else t._base
-            key = (base.grad_fn.name() if base.grad_fn is not None else "leaf", tuple(t.shape), str(t.dtype))
-            entry = groups.setdefault(key, [0, 0])
-            entry[0] += t.untyped_storage().nbytes()
-            entry[1] += 1
-        return t
-
-    blocks = list(model.layers) if layer is None else [model.layers[layer]]
-    handles = [
-        hook
-        for block in blocks
-        for hook in (
-            block.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
-            block.register_forward_hook(lambda *_: inside.__setitem__(0, False)),
-        )
-    ]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with torch.autocast(ids.device.type, dtype=torch.bfloat16, cache_enabled=False):
-                model(ids)
-    finally:
-        for handle in handles:
-            handle.remove()
-    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])
-    return {
-        "total_bytes": sum(v[0] for v in groups.values()),
-        "tensors": sum(v[1] for v in groups.values()),
-        "top": [
-            {"op": op, "shape": list(shape), "dtype": dtype, "bytes": nbytes, "count": count}
-            for (op, shape, dtype), (nbytes, count) in rows[:top]
-        ],
-    }
-
-
-def _cpu(quick: bool, names: Sequence[str] | None = None) -> dict[str, Any]:
-    ref, ref_opt, ids = _setup(SHAPES["cpu"], "cpu")
-    inventory = saved_inventory(ref, ids)
-    runs = {}
-    for name, settings in _selected(names).items():
-        if settings is not None:
-            model, opt, _ = _setup(SHAPES["cpu"], "cpu")
-            runs[name] = (model, opt, _cpu_offloader(model, settings))
-    identical = dict.fromkeys(runs, True)
-    for _ in range(2 if quick else 3):
-        _step(ref, ref_opt, ids, None)
-        for name, (model, opt, off) in runs.items():
-            _step(model, opt, ids, off)
-            identical[name] &= all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
-    report: dict[str, Any] = {
-        "device": "cpu",
-        "note": "timings and overlap need CUDA (copy streams); CPU runs the forced path for stats, bit-identity and "
-        "the peak of live tensor bytes of forward + backward without the offloader, rebuilding weight copies and norm "
-        "outputs, and rebuilding the gate/up outputs too",
-        "shape": SHAPES["cpu"],
-        "modes": {},
-        "layer0_saved": inventory,
-        "peak_live_bytes": _cpu_peaks(),
-        "host_ms": _cpu_host_ms(5 if quick else 20),
-    }
-    for name, (_, _, off) in runs.items():
-        report["modes"][name] = {"bit_identical_params": identical[name], "stats": off.stats, "plan": off.auto_plan}
-        off.close()
-    return report
-
-
-def _cpu_offloader(model: MoEGPT, settings: dict[str, Any]) -> ActivationOffloader:
-    # Every tensor counts on the tiny CPU model (no 1 MiB floor); the forced path runs without streams.
-    return ActivationOffloader(
-        model.layers, OffloadConfig(min_offload_bytes=0, keep_last_layers=1, force=True, **settings)
-    )
-
-
-def _copy_free_offloaders(model: MoEGPT) -> dict[str, ActivationOffloader | None]:
-    """``off`` (``None``) and the CPU offloaders of the two modes that copy nothing and only rebuild (weight copies
-    and norm outputs; and the experts' gate/up output): what CPU measurements compare, as offloading to host memory
-    frees nothing when the host is the device."""
-    return {name: None if MODES[name] is None else _cpu_offloader(model, MODES[name]) for name in COPY_FREE_MODES}
-
-
-def _close(offloaders: dict[str, ActivationOffloader | None]) -> None:
-    for off in offloaders.values():
-        if off is not None:
-            off.close()
-
-
-def _cpu_peaks() -> dict[str, int]:
-    """Peak live tensor bytes of one forward + backward on CPU in the :func:`_copy_free_offloaders` modes."""
-    model, _, ids = _setup(SHAPES["cpu"], "cpu")
-    offloaders = _copy_free_offloaders(model)
-    peaks = {}
-    for name, off in offloaders.items():
-        model.zero_grad(set_to_none=True)
-        with PeakMemory(torch.device("cpu")) as mem:
-            _forward_backward(model, ids, off)
-        peaks[name] = mem.peak_bytes
-    _close(offloaders)
-    return peaks
-
-
-def _cpu_host_ms(repeats: int) -> dict[str, Any]:
-    """Forward and backward milliseconds of a step that is host time (``SHAPES["host"]``) in the
-    :func:`_copy_free_offloaders` modes, interleaved, medians; each mode's forward and backward over ``off``'s; and
-    the ATen operations a step dispatches in each mode (``step_ops``: counted in the untimed warm-up round).
-
-    What the offloader's pack and unpack hooks and rebuilds cost the host per step: on a GPU whose forward is
-    launch-bound that is step time.
-    """
-    model, _, ids = _setup(SHAPES["host"], "cpu")
-    offloaders = _copy_free_offloaders(model)
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in offloaders}
-
-    def timed(name: str, off: ActivationOffloader | None) -> Callable[[int], None]:
-        def step(r: int) -> None:
-            model.zero_grad(set_to_none=True)
-            marks: list[float] = []
-            start = time.perf_counter()
-            _forward_backward(model, ids, off, marks=(_HostMark(marks), _HostMark(marks)))
-            if r >= 0:
-                times[name].append((marks[0] - start, marks[1] - marks[0]))
-
-        return step
-
-    # The counted call (after the warm-up) gives the ATen operations a step dispatches in each mode.
-    measured = interleave({name: timed(name, off) for name, off in offloaders.items()}, repeats, count=True)
-    ops = {name: m.ops for name, m in measured.items()}
-    _close(offloaders)
-    forward = {name: statistics.median(f for f, _ in t) * 1e3 for name, t in times.items()}
-    backward = {name: statistics.median(b for _, b in t) * 1e3 for name, t in times.items()}
-    return {
-        "shape": SHAPES["host"],
-        "repeats": repeats,
-        "forward_ms": forward,
-        "backward_ms": backward,
-        "forward_ratio": {name: ms / forward["off"] for name, ms in forward.items()},
-        "backward_ratio": {name: ms / backward["off"] for name, ms in backward.items()},
-        "step_ops": ops,
-    }
-
-
-class _HostMark:
-    """A stand-in for a CUDA event in ``_forward_backward``'s ``marks``: ``record`` appends the host clock."""
-
-    def __init__(self, marks: list[float]) -> None:
-        self.marks = marks
-
-    def record(self) -> None:
-        self.marks.append(time.perf_counter())
-
-
-def _copy_ms(nbytes: int, device: str) -> float:
-    """Device-to-host plus host-to-device time of ``nbytes`` through pinned memory, alone (CUDA events)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    host.copy_(src, non_blocking=True)  # warm-up
-    start.record()
-    host.copy_(src, non_blocking=True)
-    src.copy_(host, non_blocking=True)
-    end.record()
-    end.synchronize()  # NOTE: host sync: benchmark timing only
-    return start.elapsed_time(end)
-
-
-def _selected(names: Sequence[str] | None) -> dict[str, dict[str, Any] | None]:
-    """The modes to run, in ``MODES`` order, ``off`` (the baseline) always among them."""
-    unknown = sorted(set(names or ()) - set(MODES))
-    if unknown:
-        raise ConfigError(f"modes: unknown {unknown}; choose from {sorted(MODES)}")
-    return {name: settings for name, settings in MODES.items() if names is None or name == "off" or name in names}
 
 
 def _cuda(shape_name: str, repeats: int, names: Sequence[str] | None = None) -> dict[str, Any]:
@@ -385,7 +90,7 @@ def _cuda(shape_name: str, repeats: int, names: Sequence[str] | None = None) -> 
     common: dict[str, Any] = {"min_offload_bytes": 1 << 20, "keep_last_layers": 1, "prefetch_layers": 1}
     modes = {
         name: None if settings is None else ActivationOffloader(model.layers, OffloadConfig(**common, **settings))
-        for name, settings in _selected(names).items()
+        for name, settings in selected(names).items()
     }
     # Warm-up: Triton compilation (in "off", first, so that "auto" measures warm kernels), allocator, pool sizing
     # (first offload step; for "auto" the second, after its measuring step).
@@ -502,10 +207,10 @@ def run(
     shape = shape or ("quick" if quick else "full")
     if shape not in SHAPES or shape in ("cpu", "host"):
         raise ConfigError(f"shape must be one of full, wide, large, quick; got {shape!r}")
-    _selected(modes)  # unknown names fail before any model is built
+    selected(modes)  # unknown names fail before any model is built
     if device == "cuda" and torch.cuda.is_available():
         return _cuda(shape, repeats or (5 if shape == "quick" else 8), modes)
-    return _cpu(shape == "quick", modes)
+    return cpu_report(shape == "quick", modes)
 
 
 def summary(report: dict[str, Any]) -> str:

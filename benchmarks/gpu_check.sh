@@ -20,6 +20,8 @@
 #   cuda_graphs   benchmarks/gpu_cuda_graphs.py: an MoE block with MoEConfig(cuda_graphs=True) captured, replayed,
 #                 compared with eager and both timed (dropless and capacity)           -> cuda_graphs.json
 #   offload       benchmarks/bench_offload.py at hidden 4096 (OFFLOAD_SHAPES, OFFLOAD_MODES)  -> offload_<shape>.json
+#   memplan       benchmarks/gpu_memplan.py: memory plans at 60% and 50% of what the layers save (12 layers, hidden
+#                 1024) against offloading and recomputing alone: peak and tokens/s     -> memplan.json
 #   bench         python -m lightning_llmfast.bench --profile full --device cuda (bf16; micro: metadata, moe)
 #                                                                                   -> bench.json, bench.png
 # The last thing printed is a short table: one line per stage.
@@ -218,6 +220,10 @@ stage_offload() {
     return "$failed"
 }
 
+stage_memplan() {
+    "$PY" benchmarks/gpu_memplan.py --device cuda --repeats "${MEMPLAN_REPEATS:-6}" --json "$OUT/memplan.json" --summary
+}
+
 stage_bench() {
     # A soft budget under the stage's hard limit: fewer repeats and skipped micro-benchmarks, not a lost run.
     local soft=$((STAGE_LIMIT_S > 80 ? STAGE_LIMIT_S - 40 : STAGE_LIMIT_S / 2))
@@ -226,9 +232,10 @@ stage_bench() {
 }
 
 # ------------------------------------------------------------------------------------------------------- the runner
-export -f stage_env stage_cuda_tests stage_nccl stage_kernel_check stage_cuda_graphs stage_offload stage_bench
+export -f stage_env stage_cuda_tests stage_nccl stage_kernel_check stage_cuda_graphs stage_offload stage_memplan stage_bench
 # name:max seconds:min seconds (the min of every later selected stage is reserved when a stage's limit is set)
-STAGES=(env:30:10 cuda_tests:150:60 nccl:50:20 kernel_check:40:15 cuda_graphs:40:15 offload:80:30 bench:110:60)
+STAGES=(env:30:10 cuda_tests:150:60 nccl:50:20 kernel_check:40:15 cuda_graphs:40:15 offload:80:30 memplan:60:25
+    bench:110:60)
 declare -a RESULTS
 FAILED=0
 PLANNED=0  # dry run: every stage is assumed to use its whole limit

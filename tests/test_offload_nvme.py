@@ -173,7 +173,7 @@ def test_a_full_disk_keeps_the_rest_of_the_step_on_the_device_and_warns_once(tmp
 def test_a_memory_plan_with_a_small_pinned_budget_sends_layers_to_the_nvme_tier(tmp_path: Path) -> None:
     ref, model = _model(6), _model(6)
     config = OffloadConfig(min_offload_bytes=0, force=True, plan="auto", budget=10_000_000, nvme_dir=str(tmp_path),
-                           pinned_budget=1)  # fmt: skip
+                           pinned_budget=1, profile_steps=1)  # fmt: skip
     off = ActivationOffloader(model.layers, config)
     for seq in (9, 9, 9, 9):  # warm-up, measured, planned x2
         assert all(torch.equal(a, b) for a, b in zip(_step(ref, None, seq), _step(model, off, seq)))

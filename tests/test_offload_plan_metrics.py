@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import random
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,20 +19,30 @@ from lightning_llmfast import MoEGPTConfig, MoEGPTLightningModule, PackedDataMod
 from lightning_llmfast.callbacks import ActivationOffload
 from lightning_llmfast.callbacks.offload import PLAN_METRICS
 from lightning_llmfast.callbacks.system import _offload_overlap
-from lightning_llmfast.offload import CpuCopier, LayerProfile, MemoryProfile, OffloadConfig, measure
+from lightning_llmfast.errors import OffloadError
+from lightning_llmfast.offload import (
+    ActivationOffloader,
+    CpuCopier,
+    LayerProfile,
+    MemoryProfile,
+    OffloadConfig,
+    measure,
+)
 from lightning_llmfast.offload.copier import Copier
 
 README = (Path(__file__).parents[1] / "README.md").read_text()
 
 
-def _fit(tmp_path: Path, steps: int = 5) -> tuple[dict[str, list[float]], list[str], ActivationOffload]:
+def _fit(tmp_path: Path, steps: int = 6) -> tuple[dict[str, list[float]], list[str], ActivationOffload]:
     """A small fit under a memory plan (offload forced on CPU); the CSV file's columns and the warnings raised."""
     config = MoEGPTConfig(vocab_size=258, hidden_size=16, n_layers=6, n_heads=2, n_kv_heads=1, ffn_size=32,
                           num_experts=4, top_k=2)  # fmt: skip
     data = PackedDataModule(corpus="synthetic", synthetic_num_docs=60, synthetic_mean_len=12, seq_len=16,
                             batch_size=2, num_workers=0, pin_memory=False)  # fmt: skip
     # The layers save 6 x 34.6 kB here: 150 kB makes the plan offload some of them (asserted through the stats).
-    offload = ActivationOffload(OffloadConfig(force=True, min_offload_bytes=0, plan="auto", budget=150_000))
+    offload = ActivationOffload(
+        OffloadConfig(force=True, min_offload_bytes=0, plan="auto", budget=150_000, profile_steps=1)
+    )
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy="llmfast", max_steps=steps, log_every_n_steps=1,
                         callbacks=[offload, SystemMetricsMonitor(log_every_n_steps=1)], limit_val_batches=0,
                         logger=CSVLogger(tmp_path, name="", version=""), enable_checkpointing=False,
@@ -54,7 +65,7 @@ def _plan_warnings(messages: list[str], unit: str) -> list[str]:
 
 def test_plan_metrics_reach_the_csv_file_and_a_right_plan_does_not_warn(tmp_path: Path) -> None:
     columns, messages, offload = _fit(tmp_path)
-    # steps 0-1 warm up and measure: steps 2, 3 and 4 run the plan and are logged
+    # step 0 warms up, steps 1-2 profile and probe: steps 3, 4 and 5 run the plan and are logged
     for name in PLAN_METRICS:
         assert len(columns.get(name, [])) == 3, (name, sorted(columns))
         assert f"`{name}`" in README
@@ -71,9 +82,9 @@ def test_a_wrong_plan_warns_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
     def inflated(*args: Any, **kwargs: Any) -> MemoryProfile:  # a profile that claims 1.5x the bytes
         profile = real(*args, **kwargs)
+        sizes = [tuple(b * 3 // 2 for b in layer.tensor_bytes) for layer in profile.layers]
         layers = tuple(
-            dataclasses.replace(layer, saved_bytes=layer.saved_bytes * 3 // 2, recompute_bytes=layer.recompute_bytes)
-            for layer in profile.layers
+            dataclasses.replace(layer, saved_bytes=sum(t), tensor_bytes=t) for layer, t in zip(profile.layers, sizes)
         )
         return dataclasses.replace(profile, layers=layers)
 
@@ -189,3 +200,61 @@ def test_layer_profiles_of_a_cpu_copier_cost_their_whole_copy() -> None:
     serial = dataclasses.replace(overlapping, copies_overlap=False)
     assert mechanism_cost(overlapping, 0, "offload", margin=0.0) == (1000, 0.0)  # 10 ms hides behind 50 ms
     assert mechanism_cost(serial, 0, "offload", margin=0.0) == (1000, 20.0)  # one copy each way, both exposed
+
+
+def test_median_profile_is_the_per_layer_median_of_times_and_the_largest_bytes() -> None:
+    rng = random.Random(5)
+    steps = []
+    for _ in range(5):
+        layers = []
+        for _ in range(7):
+            saved = rng.randrange(1, 1000)
+            layers.append(LayerProfile(saved, rng.randrange(saved + 1), *(rng.uniform(0, 9) for _ in range(3))))
+        steps.append(MemoryProfile(tuple(layers), bandwidth_bytes_per_ms=rng.uniform(1, 9)))
+    got = measure.median_profile(steps)
+    for i, layer in enumerate(got.layers):
+        for name in ("forward_ms", "backward_ms", "recompute_ms"):
+            values = sorted(getattr(s.layers[i], name) for s in steps)
+            assert getattr(layer, name) == values[2]  # five steps: the third smallest
+        assert layer.saved_bytes == max(s.layers[i].saved_bytes for s in steps)
+    assert got.bandwidth_bytes_per_ms == sorted(s.bandwidth_bytes_per_ms for s in steps)[2]
+    with pytest.raises(OffloadError, match="no profiled steps"):
+        measure.median_profile([])
+
+
+def test_the_memory_plan_alternates_profiled_and_probe_steps_and_plans_from_their_medians(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    profiled: list[tuple[bool, MemoryProfile]] = []
+    real = measure.measure_profile
+
+    def counted(*args: Any, **kwargs: Any) -> MemoryProfile:
+        profiled.append((off.calls.probing, real(*args, **kwargs)))
+        return profiled[-1][1]
+
+    monkeypatch.setattr(measure, "measure_profile", counted)
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3)))
+    config = OffloadConfig(force=True, min_offload_bytes=0, plan="auto", budget=1 << 40, profile_steps=3)
+    off = ActivationOffloader(list(layers), config)
+    offloaded = []
+    for step in range(8):
+        with off:
+            layers(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        offloaded.append(off.stats["offloaded_bytes"])
+        # step 0 warms up, steps 1-6 alternate keeping and probing (every eligible layer offloads), then the plan
+        assert len(profiled) == min(step, 6) and (off.memory_plan is not None) == (step >= 6)
+    assert [probe for probe, _ in profiled] == [False, True] * 3
+    assert offloaded[1::2][:3] == [0, 0, 0] and all(b > 0 for b in offloaded[2:7:2])
+    assert offloaded[7] == 0  # the budget fits everything: the plan keeps all
+    kept = [p for probe, p in profiled if not probe]
+    plan = off.memory_plan
+    assert plan is not None and plan.profile.layers == measure.median_profile(kept).layers
+    # the host time per offloaded storage, from the formula: (median probe time - kept time - copies) / storages
+    layers_kept = plan.profile.layers[: off.calls.eligible]
+    copies = sum(2 * layer.saved_bytes for layer in layers_kept) / plan.profile.bandwidth_bytes_per_ms
+    probe_ms = sorted(sum(x.forward_ms + x.backward_ms for x in p.layers) for probe, p in profiled if probe)[1]
+    storages = sum(len(layer.tensor_bytes) for layer in layers_kept)
+    expected = max(0.0, (probe_ms - plan.profile.step_ms - copies) / storages)
+    assert plan.profile.storage_ms == pytest.approx(expected)
+    off.close()

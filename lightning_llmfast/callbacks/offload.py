@@ -168,7 +168,7 @@ class ActivationOffload(L.Callback):
                 rank_zero_warn(
                     f"{type(self).__name__}: the memory plan predicted {predicted:.6g} {unit} and step {step} "
                     f"measured {measured:.6g} ({measured / predicted - 1:+.1%}, more than {PLAN_TOLERANCE:.0%}); "
-                    "the profile it was made from (the second step) may not represent the run (warned once)"
+                    "the profiled steps it was made from may not represent the run (warned once)"
                 )
 
     def _end_forward(self) -> None:

@@ -50,12 +50,14 @@ class OffloadConfig:
             backward), or ``None`` (nothing; kept or offloaded like any activation).
         rebuild_gemm_layers: with ``"norms+gemms"``, only the first this many layers rebuild GEMM outputs (each takes
             the same share off the forward's peak, so it trades memory for backward time linearly); ``None``: all.
-        plan: ``"auto"``: measure the second step (the first, which keeps everything too, warms up), then keep,
-            recompute or offload each layer so that the saved activations fit ``budget`` at the least predicted time
-            (:func:`~lightning_llmfast.offload.plan_memory`); the plan is logged as a table and kept as
+        plan: ``"auto"``: profile ``profile_steps`` steps after a warm-up step (all of them keep everything), then
+            keep, recompute or offload each layer so that the saved activations fit ``budget`` at the least predicted
+            time (:func:`~lightning_llmfast.offload.plan_memory`); the plan is logged as a table and kept as
             ``ActivationOffloader.memory_plan``. ``None``: the fixed settings above.
         budget: with ``plan="auto"``, the most bytes of saved activations the layers may keep: bytes (int), a size
             (``"40GiB"``) or a fraction of the device's memory (float ``<= 1``).
+        profile_steps: with ``plan="auto"``, how many steps are profiled; the plan uses each layer's median times
+            over them (one step's times vary by tens of percent on a shared host) and the largest bytes.
         nvme_dir: a local directory (an NVMe drive) for the NVMe tier: offloaded storages that would take the pinned
             pool past ``pinned_budget`` go to files there instead (:mod:`~lightning_llmfast.offload.nvme`).
         pinned_budget: with ``nvme_dir``, the most bytes of the pinned pool a step may use: bytes (int) or a size
@@ -80,6 +82,7 @@ class OffloadConfig:
     rebuild_gemm_layers: int | None = None
     plan: Literal["auto"] | None = None
     budget: int | float | str | None = None
+    profile_steps: int = 3
     nvme_dir: str | None = None
     pinned_budget: int | str | None = None
 
@@ -87,6 +90,7 @@ class OffloadConfig:
         for name in ("min_offload_bytes", "keep_last_layers", "prefetch_layers"):
             check_int(f"OffloadConfig: {name}", getattr(self, name), low=0, error=OffloadError)
         check_number("OffloadConfig: pool_headroom", self.pool_headroom, low=1, high=MAX_HEADROOM, error=OffloadError)
+        check_int("OffloadConfig: profile_steps", self.profile_steps, low=1, error=OffloadError)
         check_bool("OffloadConfig: force", self.force, error=OffloadError)
         layers = self.offload_layers
         if (

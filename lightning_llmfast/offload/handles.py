@@ -101,6 +101,7 @@ class Segment:
     # (storage ptr, version) of a dropped storage -> (weakref of the tensor its handles rebuild, their Shared)
     rebuilt: dict[tuple[int, int], tuple[Any, Shared]] = field(default_factory=dict)
     candidate_bytes: int = 0
+    candidate_sizes: list[int] = field(default_factory=list)  # the bytes of each storage counted, in order
     recompute_bytes: int = 0  # of candidate_bytes: outputs that selective recomputation drops
     started: Any = None
     ended: Any = None

@@ -74,7 +74,9 @@ class LayerCalls:
         self.partial = 0  # bytes layer `planned` offloads too ("auto": what whole layers left of the budget)
         self.chosen: frozenset[int] | None = None  # a memory plan's offloading layers (then `planned` counts them)
         self.nvme: frozenset[int] = frozenset()  # of those, the ones it sends to the NVMe tier
+        self.budgets: dict[int, int] = {}  # of those, the ones that offload only their first bytes: how many
         self.measuring = False
+        self.probing = False  # a measuring step in which every eligible layer offloads (its times are the probe's)
         # A memory plan compares what its steps keep with its prediction: every layer call counts what it keeps.
         self.accounting = config.plan == "auto"
         self.packing = False  # inside the forward of a step
@@ -96,9 +98,13 @@ class LayerCalls:
         """Adopt a plan: the first ``planned`` layers offload, and layer ``planned`` its first ``partial`` bytes."""
         self.planned, self.partial = planned, partial
 
-    def adopt_layers(self, layers: frozenset[int], nvme: frozenset[int] = frozenset()) -> None:
-        """Adopt a memory plan: exactly ``layers`` offload, those in ``nvme`` to the NVMe tier."""
+    def adopt_layers(
+        self, layers: frozenset[int], nvme: frozenset[int] = frozenset(), budgets: dict[int, int] | None = None
+    ) -> None:
+        """Adopt a memory plan: exactly ``layers`` offload, those in ``nvme`` to the NVMe tier, those in ``budgets``
+        only their first that many bytes (their first storages in save order)."""
         self.chosen, self.planned, self.partial, self.nvme = layers, len(layers), 0, nvme
+        self.budgets, self.probing = dict(budgets or {}), False
 
     def offload_layers(self) -> int:
         """How many leading layers offload under the plan (0 while measuring)."""
@@ -126,12 +132,16 @@ class LayerCalls:
         """Layer ``index`` starts: its call, and the tensors saved since the previous call (now the caller's)."""
         planned = self.planned if self._copier is not None else None
         partial = planned is not None and index == planned and self.partial > 0
+        probe = self.probing and self.measuring and index < self.eligible
         seg = Segment(
             index=len(self.segments),
             layer_index=index,
-            offload=planned is not None
-            and (index in self.chosen if self.chosen is not None else index < planned or partial),
-            budget=self.partial if partial else None,
+            offload=probe
+            or (
+                planned is not None
+                and (index in self.chosen if self.chosen is not None else index < planned or partial)
+            ),
+            budget=self.partial if partial else self.budgets.get(index),
         )
         seg.keeps = not seg.offload and not self.measuring and not self.accounting
         seg.to_nvme = seg.offload and index in self.nvme

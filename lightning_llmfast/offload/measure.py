@@ -1,6 +1,6 @@
-"""Measuring the ``"auto"`` step: turn one step's per-layer timings, bytes and memory counts into a plan.
+"""Measuring the ``"auto"`` steps: turn per-layer timings, bytes and memory counts into a plan.
 
-The offloader records, in its measuring step, each layer call's forward start and end, the start of its backward, the
+The offloader records, in each measuring step, each layer call's forward start and end, the start of its backward, the
 bytes it would offload and the device memory allocated when its backward started (:class:`~.handles.Segment`); this
 module adds a bandwidth probe and hands the numbers to :func:`~lightning_llmfast.offload.plan_offload`.
 """
@@ -8,10 +8,13 @@ module adds a bandwidth probe and hands the numbers to :func:`~lightning_llmfast
 from __future__ import annotations
 
 import dataclasses
+import statistics
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload.config import OffloadConfig
 from lightning_llmfast.offload.copier import Copier
 from lightning_llmfast.offload.handles import Segment
@@ -20,11 +23,21 @@ from lightning_llmfast.offload.nvme import NvmeTier
 from lightning_llmfast.offload.plan import AUTO_MARGIN, plan_offload, plan_partial_bytes
 from lightning_llmfast.offload.profile import LayerProfile, MemoryProfile, resolve_budget
 
-__all__ = ["auto_plan", "layer_times", "measure_profile", "measured_freed", "memory_plan", "probe_bandwidth"]
+__all__ = [
+    "auto_plan",
+    "fit_storage_ms",
+    "layer_times",
+    "measure_profile",
+    "measured_freed",
+    "median_profile",
+    "memory_plan",
+    "probe_bandwidth",
+]
 
 # The bandwidth probe copies the largest layer's bytes, within these bounds (long enough to time, short).
 _PROBE_MIN_BYTES = 1 << 20
 _PROBE_MAX_BYTES = 64 << 20
+_TIMES = ("forward_ms", "backward_ms", "recompute_ms")
 
 
 def auto_plan(
@@ -98,28 +111,81 @@ def measure_profile(
     timed), the recompute cost (the replay of its forward), and the host link's bandwidth."""
     forward, backward, saved = layer_times(segments, num_layers, copier, backward_end)
     recompute = [0] * num_layers
+    sizes: list[list[int]] = [[] for _ in range(num_layers)]
     for seg in segments:
         recompute[seg.layer_index] += seg.recompute_bytes
+        sizes[seg.layer_index] += seg.candidate_sizes
     back = backward if backward is not None else [2.0 * f for f in forward]
-    layers = tuple(LayerProfile(saved[i], recompute[i], forward[i], back[i], forward[i]) for i in range(num_layers))
+    layers = tuple(
+        LayerProfile(saved[i], recompute[i], forward[i], back[i], forward[i], tuple(sizes[i]))
+        for i in range(num_layers)
+    )
     return MemoryProfile(layers, probe_bandwidth(copier, max(saved), pinned), copies_overlap=copier.is_cuda)
 
 
+def median_profile(profiles: Sequence[MemoryProfile]) -> MemoryProfile:
+    """One profile from several profiled steps: per layer the median of each time, the bytes of the step in which it
+    saved the most (the plan must fit every step) and the median bandwidth.
+
+    A single step's times on a shared host vary by tens of percent (other processes, the allocator, caches); the
+    median of a few steps is what the planned steps are compared against.
+
+    Example::
+
+        median_profile([measure_profile(...), measure_profile(...), measure_profile(...)])
+    """
+    if not profiles:
+        raise OffloadError("median_profile: no profiled steps")
+    layers = []
+    for per_step in zip(*(p.layers for p in profiles), strict=True):
+        most = max(per_step, key=lambda layer: layer.saved_bytes)
+        times = {name: statistics.median(getattr(layer, name) for layer in per_step) for name in _TIMES}
+        layers.append(dataclasses.replace(most, **times))
+    nvme = [p.nvme_bandwidth_bytes_per_ms for p in profiles if p.nvme_bandwidth_bytes_per_ms is not None]
+    return dataclasses.replace(
+        profiles[-1],
+        layers=tuple(layers),
+        bandwidth_bytes_per_ms=statistics.median(p.bandwidth_bytes_per_ms for p in profiles),
+        nvme_bandwidth_bytes_per_ms=statistics.median(nvme) if nvme else None,
+    )
+
+
+def fit_storage_ms(profile: MemoryProfile, probes: Sequence[MemoryProfile], eligible: int) -> float:
+    """Host ms per offloaded storage beyond its copies, from ``probes`` (steps in which the first ``eligible`` layers
+    offloaded every storage ``profile`` counts for them): the median probe step's layer time less ``profile``'s and
+    less the copies at ``profile``'s bandwidth (one each way), per storage; 0 where noise makes it negative.
+
+    Example::
+
+        fit_storage_ms(median_profile(kept), probes, eligible=11)
+    """
+    layers = profile.layers[:eligible]
+    count = sum(len(layer.storages) for layer in layers)
+    if not count or not probes:
+        return 0.0
+    copies_ms = sum(2.0 * layer.saved_bytes for layer in layers) / profile.bandwidth_bytes_per_ms
+    probe_ms = statistics.median(p.step_ms for p in probes)
+    return max(0.0, (probe_ms - profile.step_ms - copies_ms) / count)
+
+
 def memory_plan(
-    segments: list[Segment],
-    num_layers: int,
+    profiles: Sequence[MemoryProfile],
     copier: Copier,
     config: OffloadConfig,
-    pinned: bool,
     prefetch_layers: int,
     nvme: NvmeTier | None = None,
+    *,
+    probes: Sequence[MemoryProfile] = (),
+    eligible: int = 0,
 ) -> MemoryPlan:
-    """The ``plan="auto"`` plan: the measuring step's profile (:func:`measure_profile`, its backward ending now)
-    planned for ``config.budget`` at the offloader's prefetch depth; with an NVMe tier, its bandwidth measured once
-    (a probe file the size of the largest layer) and the pinned tier held to ``config.pinned_budget``."""
+    """The ``plan="auto"`` plan: the profiled steps (:func:`measure_profile`) folded into one by
+    :func:`median_profile`, with the host time per offloaded storage from ``probes`` (steps in which the first
+    ``eligible`` layers offloaded everything; :func:`fit_storage_ms`), planned for ``config.budget`` at the
+    offloader's prefetch depth; with an NVMe tier, its bandwidth measured once (a probe file the size of the largest
+    layer) and the pinned tier held to ``config.pinned_budget``."""
     assert config.budget is not None
-    end = copier.timestamp()
-    profile = measure_profile(segments, num_layers, copier, pinned=pinned, backward_end=end)
+    profile = median_profile(profiles)
+    profile = dataclasses.replace(profile, storage_ms=fit_storage_ms(profile, probes, eligible))
     tiers: tuple[str, ...] = ("pinned",)
     if nvme is not None:
         largest = max(layer.saved_bytes for layer in profile.layers)

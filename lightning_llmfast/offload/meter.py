@@ -52,6 +52,11 @@ class StepMeter:
         self._done_from: int | None = None  # calls from this index on have finished their backward
         self._marks = {}
 
+    @property
+    def kept_bytes(self) -> list[int]:
+        """Per layer call of this step (the last step, once it ended), the saved bytes it kept on the device."""
+        return list(self._kept)
+
     def mark(self, name: str, stamp: Any, first: bool = False) -> None:
         """Record timestamp ``name`` (``start``, ``forward_end``, ``backward_start``); ``first``: keep an earlier."""
         if not (first and name in self._marks):

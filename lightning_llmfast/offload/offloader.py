@@ -15,7 +15,8 @@ Rebuilds (``rebuild="norms"``, independent of copying): a saved low-precision co
 backward, and a saved output of a Function marked with :func:`~lightning_llmfast.offload.mark_rebuildable` (or a
 copy of one) is rebuilt from what that Function saved; with ``"norms+gemms"`` GEMM outputs too.
 
-Parts that own their state: :class:`~.layercalls.LayerCalls` (the plan, this step's calls), :class:`~.packing.Packer`
+Parts that own their state: :class:`~.layercalls.LayerCalls` (the plan, this step's calls), :class:`~.planning.Planner`
+(the ``"auto"`` plans from measuring steps), :class:`~.packing.Packer`
 (pack decisions), :class:`~.reload.Reloader` (copies, prefetch, unpack, release), :class:`~.pool.PinnedBufferPool`,
 :class:`~.nvme.NvmeTier` (files past the pool's budget), :class:`~.copier.Copier` (CUDA streams or synchronous CPU
 copies) and :class:`~.meter.StepMeter` (what a memory plan's step did); the offloader owns the step's lifecycle and
@@ -47,7 +48,6 @@ from torch import nn
 
 from lightning_llmfast._autograd import in_backward
 from lightning_llmfast.errors import OffloadError
-from lightning_llmfast.offload import measure
 from lightning_llmfast.offload.config import OffloadConfig
 from lightning_llmfast.offload.copier import Copier, make_copier
 from lightning_llmfast.offload.layercalls import (
@@ -63,6 +63,7 @@ from lightning_llmfast.offload.memplan import MemoryPlan
 from lightning_llmfast.offload.meter import StepMeter
 from lightning_llmfast.offload.nvme import NvmeTier
 from lightning_llmfast.offload.packing import Packer
+from lightning_llmfast.offload.planning import Planner
 from lightning_llmfast.offload.pool import PinnedBufferPool
 from lightning_llmfast.offload.recompute import RecomputeHandle, recompute_layer
 from lightning_llmfast.offload.reload import Reloader
@@ -118,8 +119,6 @@ class ActivationOffloader:
                 "resolve names with resolve_layers(model, ...)"
             )
         self.layers = resolve_layers(nn.Module(), layers)
-        self.auto_plan: dict[str, Any] | None = None
-        self.memory_plan: MemoryPlan | None = None
         self.pool = PinnedBufferPool(headroom=float(config.pool_headroom))
         self.calls = LayerCalls(config, len(self.layers))
         self._residents = Residents(self.layers)
@@ -128,13 +127,22 @@ class ActivationOffloader:
         self.packer = Packer(config, self.calls, self.pool, self._residents, self._pack_hook)
         self.reloader = Reloader(self.calls, self.pool, config.prefetch_layers)
         self.meter = StepMeter()
+        self.planner = Planner(config, self.calls, self.pool, self.reloader, self.packer, len(self.layers))
         self._copier: Copier | None = None
         self._recomputed: list[RecomputeHandle] = []
         self._recompute_layers = 0  # layers wrapped in the last step
         self._in_step = False
-        self._sized = False
-        self._warm_up = True  # plan="auto": the first measuring step only warms up
         self._handles = [h for i, layer in enumerate(self.layers) for h in self._hook_layer(i, layer)]
+
+    @property
+    def auto_plan(self) -> dict[str, Any] | None:
+        """The ``offload_layers="auto"`` plan (:func:`~.measure.auto_plan`), once made."""
+        return self.planner.auto_plan
+
+    @property
+    def memory_plan(self) -> MemoryPlan | None:
+        """The ``plan="auto"`` plan (:class:`~lightning_llmfast.offload.MemoryPlan`), once made."""
+        return self.planner.memory_plan
 
     @property
     def prefetch_layers(self) -> int:
@@ -190,7 +198,7 @@ class ActivationOffloader:
         seg.rebuilt.clear()
         self.reloader.hold_sources(seg)
         if self._metered():
-            self.meter.layer_ended(seg.index, 0 if seg.offload else seg.candidate_bytes)
+            self.meter.layer_ended(seg.index, seg.candidate_bytes)  # an offloading call counts what it keeps
             self.meter.mark("forward_end", self._copier.timestamp())  # type: ignore[union-attr]
         grad_fn = next((t.grad_fn for t in tensors_in(output) if t.grad_fn is not None), None)
         if grad_fn is not None:
@@ -295,52 +303,10 @@ class ActivationOffloader:
             self.reloader.release_all()
             return
         self.reloader.release_ordered()
-        if measured:
-            # A step whose layers ran no backward (a forward under no_grad, an evaluation pass) measured nothing to
-            # plan from: the next step measures again. A memory plan's times come from the second such step: the
-            # first one's carry one-time costs (first calls of each op, lazily built caches) of several times a step.
-            if not any(seg.backward_started is not None for seg in segments):
-                return
-            if self.config.plan == "auto" and self._warm_up:
-                self._warm_up = False
-            else:
-                (self._adopt_memory_plan if self.config.plan == "auto" else self._adopt_plan)(segments)
-        elif not self._sized and self._copier is not None:
-            self.pool.reserve_measured()  # the first step that offloaded under the final plan sizes the pool
-            self._sized = True
-
-    def _adopt_plan(self, segments: list[Any]) -> None:
-        """Make and adopt the ``"auto"`` plan from the measuring step (see :func:`~.measure.auto_plan`)."""
-        copier = self._copier
-        assert copier is not None
-        # With recomputation, layer N recomputes instead: keeping what a partial budget leaves would hold more.
-        partial = self.config.recompute is None
-        plan = measure.auto_plan(segments, len(self.layers), copier, eligible=self.calls.eligible, partial=partial,
-                                 pinned=self.pool.pinned, backward_end=copier.timestamp())  # fmt: skip
-        self.calls.adopt(plan["offload_layers"], plan["partial_bytes"])
-        self.reloader.set_depth(plan["prefetch_layers"])
-        # Sized from the plan before its first step: what the planned layers offload (a partial layer: its budget, at
-        # most what it saves), within the pinned budget.
-        sizes, planned = plan["bytes_per_layer"], plan["offload_layers"]
-        partial_bytes = min(plan["partial_bytes"], sizes[planned]) if planned < len(sizes) else 0
-        self._reserve(sum(sizes[:planned]) + partial_bytes)
-        self.auto_plan = plan
-
-    def _reserve(self, nbytes: int) -> None:
-        self.pool.reserve(min(nbytes, self.config.pinned_budget_bytes or nbytes))
-        self._sized = True
-
-    def _adopt_memory_plan(self, segments: list[Any]) -> None:
-        """Profile the measuring step and plan every layer for the budget (:func:`~.measure.memory_plan`), log the
-        plan as a table, and adopt it from the next step."""
-        assert self._copier is not None
-        plan = measure.memory_plan(segments, len(self.layers), self._copier, self.config, self.pool.pinned,
-                                   self.prefetch_layers, self.packer.nvme)  # fmt: skip
-        offloading = plan.layers("offload")
-        self.calls.adopt_layers(offloading | plan.layers("nvme"), plan.layers("nvme"))
-        self._reserve(sum(plan.profile.layers[i].saved_bytes for i in offloading))
-        self.memory_plan = plan
-        log.info("ActivationOffloader memory plan:\n%s", plan.table())
+        if measured and self._copier is not None:
+            self.planner.measured(segments, self._copier)
+        elif self._copier is not None:
+            self.planner.size_pool()
 
     def synchronize(self) -> None:
         """Wait for every outstanding copy and return all host buffers to the pool (blocks the host)."""

@@ -128,7 +128,7 @@ class Packer:
             if saved.tensor.untyped_storage().data_ptr() in self._shared_inputs:
                 continue
             if seg.offload:
-                self.offload(saved, seg)  # over a partial layer's budget it stays on the device
+                self._offload_or_keep(saved, seg)
             elif self._calls.counts():
                 self.measure(saved.tensor, seg)
 
@@ -193,9 +193,19 @@ class Packer:
         saved = Saved(tensor=kept(t))
         if seg is None:
             calls.unassigned.append(saved)  # between layers: decided when the next one starts (kept after the last)
-        elif not self.offload(saved, seg):
-            return kept(t)  # over the partial layer's budget: stays on the device
+        elif not self._offload_or_keep(saved, seg):
+            return kept(t)
         return saved
+
+    def _offload_or_keep(self, saved: Saved, seg: Segment) -> bool:
+        """Offload ``saved`` into ``seg``, or (over the layer's byte budget, or the NVMe tier failed) leave it on the
+        device, counted as kept where layer calls count what they keep."""
+        if self.offload(saved, seg):
+            return True
+        if self._calls.counts():
+            assert saved.tensor is not None
+            self.measure(saved.tensor, seg)
+        return False
 
     def _cast_source(self, base: torch.Tensor, source: tuple[Any, int]) -> torch.Tensor | None:
         """The parameter of the layers that ``base`` (made by a ``ToCopyBackward0`` whose input comes from
@@ -296,6 +306,7 @@ class Packer:
         if known is None or known() is None:
             seg.seen[key] = weakref.ref(storage)
             seg.candidate_bytes += storage.nbytes()
+            seg.candidate_sizes.append(storage.nbytes())
             fn = (t._base if t._base is not None else t).grad_fn
             if fn is not None and key[0] not in self._inputs and recomputed_by_selective(fn.name()):
                 seg.recompute_bytes += storage.nbytes()

@@ -38,6 +38,8 @@ class LayerProfile:
         forward_ms: its forward time.
         backward_ms: its backward time.
         recompute_ms: what recomputing it adds to its backward (the replay of its forward).
+        tensor_bytes: the bytes of each storage it saves, in the order it saves them (the order offloading takes
+            them); ``()``: one storage of ``saved_bytes``.
     """
 
     saved_bytes: int
@@ -45,6 +47,14 @@ class LayerProfile:
     forward_ms: float
     backward_ms: float
     recompute_ms: float
+    tensor_bytes: tuple[int, ...] = ()
+
+    @property
+    def storages(self) -> tuple[int, ...]:
+        """The bytes of each saved storage in save order (:attr:`tensor_bytes`, or one storage of all)."""
+        if self.tensor_bytes:
+            return self.tensor_bytes
+        return (self.saved_bytes,) if self.saved_bytes else ()
 
     def __post_init__(self) -> None:
         check_int("LayerProfile: saved_bytes", self.saved_bytes, low=0, error=OffloadError)
@@ -53,6 +63,11 @@ class LayerProfile:
         )
         for name in ("forward_ms", "backward_ms", "recompute_ms"):
             check_number(f"LayerProfile: {name}", getattr(self, name), low=0, error=OffloadError)
+        if self.tensor_bytes and (sum(self.tensor_bytes) != self.saved_bytes or min(self.tensor_bytes) < 0):
+            raise OffloadError(
+                f"LayerProfile: tensor_bytes must be >= 0 and add up to saved_bytes={self.saved_bytes}, got "
+                f"{self.tensor_bytes}"
+            )
 
 
 @dataclass(frozen=True)
@@ -67,12 +82,16 @@ class MemoryProfile:
             also copies (CPU), so every copy adds its whole time to the step.
         nvme_bandwidth_bytes_per_ms: the NVMe tier's bandwidth, the slower of writing and reading a file (``None``:
             no NVMe tier).
+        storage_ms: host time per offloaded storage beyond its copies (the pack and unpack bookkeeping, buffers,
+            the allocator), both directions together; measured where copies do not overlap compute
+            (:func:`~lightning_llmfast.offload.measure.fit_storage_ms`), else 0.
     """
 
     layers: tuple[LayerProfile, ...]
     bandwidth_bytes_per_ms: float
     copies_overlap: bool = True
     nvme_bandwidth_bytes_per_ms: float | None = None
+    storage_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -84,6 +103,7 @@ class MemoryProfile:
             low_open=True,
             error=OffloadError,
         )
+        check_number("MemoryProfile: storage_ms", self.storage_ms, low=0, error=OffloadError)
         if self.nvme_bandwidth_bytes_per_ms is not None:
             check_number(
                 "MemoryProfile: nvme_bandwidth_bytes_per_ms",
