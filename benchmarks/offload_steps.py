@@ -25,50 +25,26 @@ from lightning_llmfast.offload import ActivationOffloader
 __all__ = ["COPY_FREE_MODES", "MODES", "SHAPES", "VOCAB", "copy_ms", "forward_backward", "saved_inventory",
            "selected", "setup", "step"]  # fmt: skip
 
+
+def _shape(hidden: int, heads: int, kv_heads: int, ffn: int, batch: int, seq_len: int, **model: Any) -> dict[str, Any]:
+    """A reference-model shape: its config fields and the ``(batch, seq_len)`` token ids of a step."""
+    config = {"hidden_size": hidden, "n_layers": 12, "n_heads": heads, "n_kv_heads": kv_heads, "ffn_size": ffn}
+    return {"model": {**config, **model}, "batch": batch, "seq_len": seq_len}
+
+
 SHAPES: dict[str, dict[str, Any]] = {
-    "full": {
-        "model": {"hidden_size": 1024, "n_layers": 12, "n_heads": 16, "n_kv_heads": 8, "ffn_size": 1408},
-        "batch": 4,
-        "seq_len": 2048,
-    },
+    "full": _shape(1024, 16, 8, 1408, 4, 2048),
     # A width closer to production MoE layers: per token, compute grows with H^2 and saved bytes with H.
-    "wide": {
-        "model": {"hidden_size": 2048, "n_layers": 12, "n_heads": 16, "n_kv_heads": 8, "ffn_size": 2816},
-        "batch": 4,
-        "seq_len": 2048,
-    },
+    "wide": _shape(2048, 16, 8, 2816, 4, 2048),
     # Production-like width (4 experts keep AdamW state for 2.9B parameters near 47 GB). The expert weights are large
     # next to 8192 tokens: their bf16 copies are 37% of what a layer saves, 47% with the norms' outputs (all rebuilt,
     # not copied, by the offloader).
-    "large": {
-        "model": {
-            "hidden_size": 4096,
-            "n_layers": 12,
-            "n_heads": 32,
-            "n_kv_heads": 8,
-            "ffn_size": 4096,
-            "num_experts": 4,
-        },
-        "batch": 4,
-        "seq_len": 2048,
-    },
-    "quick": {
-        "model": {"hidden_size": 512, "n_layers": 12, "n_heads": 8, "n_kv_heads": 4, "ffn_size": 704},
-        "batch": 2,
-        "seq_len": 1024,
-    },
-    "cpu": {
-        "model": {"hidden_size": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_size": 64},
-        "batch": 2,
-        "seq_len": 33,
-    },
+    "large": _shape(4096, 32, 8, 4096, 4, 2048, num_experts=4),
+    "quick": _shape(512, 8, 4, 704, 2, 1024),
+    "cpu": _shape(32, 4, 2, 64, 2, 33, n_layers=4),
     # Kernels so small that a step is host time (as a launch-bound GPU forward is): the offloader's hooks and
     # rebuild bookkeeping show as step time.
-    "host": {
-        "model": {"hidden_size": 32, "n_layers": 12, "n_heads": 4, "n_kv_heads": 2, "ffn_size": 64},
-        "batch": 2,
-        "seq_len": 32,
-    },
+    "host": _shape(32, 4, 2, 64, 2, 32),
 }
 # Offloader settings per mode (None: no offloader).
 MODES: dict[str, dict[str, Any] | None] = {
