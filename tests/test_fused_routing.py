@@ -29,6 +29,13 @@ CASES = [
     (29, 8, 2, {"bias": True, "capacity_factor": 1.25}),
     (31, 8, 2, {"one_expert": True, "capacity_factor": 1.0}),
     (23, 160, 4, {"score": "sigmoid", "normalize": False}),
+    # group-limited (DeepSeek-V3): one group kept, all groups kept, groups of one expert, a prime group count
+    (17, 8, 2, {"num_groups": 4, "topk_groups": 2}),
+    (1, 12, 3, {"num_groups": 3, "topk_groups": 1, "group_topk": 4}),
+    (19, 6, 3, {"num_groups": 6, "topk_groups": 6, "capacity_factor": 1.0}),
+    (41, 35, 5, {"score": "sigmoid", "bias": True, "num_groups": 7, "topk_groups": 3, "route_scale": 2.5}),
+    (33, 64, 8, {"score": "sigmoid", "bias": True, "num_groups": 8, "topk_groups": 4, "capacity_factor": 0.9}),
+    (29, 16, 2, {"one_expert": True, "num_groups": 4, "topk_groups": 1, "group_topk": 2}),
 ]
 
 
@@ -37,6 +44,8 @@ def _reference(logits: Tensor, config: RoutingConfig, bias: Tensor | None) -> di
     num_experts = logits.shape[1]
     scores = logits.softmax(-1) if config.score == "softmax" else logits.sigmoid()
     selection = scores.detach() + (0 if bias is None else bias.double())
+    if config.num_groups is not None:
+        selection = _group_limited(selection, config)
     # A stable descending sort: equal scores keep the lower expert first.
     ids = torch.sort(selection, dim=-1, descending=True, stable=True).indices[:, : config.top_k]
     weights = scores.gather(1, ids)
@@ -49,6 +58,23 @@ def _reference(logits: Tensor, config: RoutingConfig, bias: Tensor | None) -> di
     aux = num_experts * (counts / ids.numel() * probs.mean(0)).sum()
     z = (logits.logsumexp(-1) ** 2).mean()
     return {"ids": ids, "weights": weights, "probs": probs, "aux": aux, "z": z}
+
+
+def _group_limited(selection: Tensor, config: RoutingConfig) -> Tensor:
+    """DeepSeek-V3's node-limited routing, one token at a time: a group's score is the sum of its ``group_topk`` best
+    selection scores (default ``max(1, k // topk_groups)``, at most the group size); experts outside the token's
+    ``topk_groups`` best groups get ``-inf``."""
+    num_experts, groups, keep = selection.shape[1], config.num_groups, config.topk_groups
+    size = num_experts // groups
+    per_group = config.group_topk or min(max(1, config.top_k // keep), size)
+    out = selection.clone()
+    for row in out:
+        group_scores = [sorted(row[g * size : (g + 1) * size].tolist(), reverse=True) for g in range(groups)]
+        group_scores = [best[:per_group] for best in group_scores]
+        ranked = sorted(range(groups), key=lambda g: (-sum(group_scores[g]), g))
+        for g in ranked[keep:]:
+            row[g * size : (g + 1) * size] = float("-inf")
+    return out
 
 
 def _loss(out: dict[str, Tensor], rows: Tensor, seeds: dict[str, Tensor]) -> Tensor:
@@ -118,7 +144,8 @@ def test_fused_routing_gradient_of_the_losses_alone_and_bf16_logits():
         ({}, False, True),
         ({"capacity_factor": 1.0}, False, True),
         ({"capacity_factor": 1.0, "drop_policy": "score"}, False, False),
-        ({"num_groups": 4, "topk_groups": 2}, False, False),
+        ({"num_groups": 4, "topk_groups": 2, "capacity_factor": 1.0}, False, True),
+        ({"num_groups": 4, "topk_groups": 2}, True, False),
         ({}, True, False),
     ],
 )
@@ -137,7 +164,7 @@ def test_fused_route_ops_pass_opcheck(capacity):
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(9, 6, generator=gen, requires_grad=True)
     forward = torch.ops.lightning_llmfast.fused_route.default
-    args = (logits, torch.randn(6, generator=gen), 2, True, True, 2.0, capacity)
+    args = (logits, torch.randn(6, generator=gen), 2, True, True, 2.0, capacity, [3, 2, 1])
     torch.library.opcheck(forward, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     outputs = forward(*args)
     ids, routed, positions, kept = outputs[0], outputs[5], outputs[9], outputs[11]

@@ -1,7 +1,8 @@
 """The router's scores, top-k and combine weights in one Triton launch, and their whole backward in another.
 
 Forward, per block of tokens with all experts in registers: the scores (softmax, or sigmoid), the top-k experts of
-the scores plus an optional selection bias (ties to the lower expert index), the combine weights (the unbiased scores
+the scores plus an optional selection bias (ties to the lower expert index; optionally inside each token's best
+groups of experts only, DeepSeek-V3's group-limited routing), the combine weights (the unbiased scores
 of the chosen experts, renormalised when asked, times ``route_scale``), the normalised routing probabilities, and the
 block's sums of those probabilities and of ``logsumexp(logits) ** 2``: the balance and z-losses are finished from them
 in the counting pass's scan (:func:`~lightning_llmfast.moe.kernels.plan.plan_with_losses_triton`). Backward: the
@@ -48,12 +49,42 @@ def _scores(logits_ptr, t, e, t_ok, e_ok, num_experts, SIGMOID: tl.constexpr):
 
 
 @_jit
+def _group_limit(
+    select, e, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
+    G_PAD: tl.constexpr, TOPK_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr,
+):  # fmt: skip
+    """``select`` with ``-inf`` outside each token's ``TOPK_GROUPS`` best groups of ``GROUP_SIZE`` consecutive
+    experts, a group scored by the sum of its ``PER_GROUP`` best values (ties: the lower group)."""
+    group = e // GROUP_SIZE  # padded experts (select -inf) fall in no group below NUM_GROUPS
+    g = tl.arange(0, G_PAD)
+    group_scores = tl.full([BLOCK_T, G_PAD], float("-inf"), tl.float32)
+    for gi in tl.static_range(NUM_GROUPS):
+        mine = tl.where(group[None, :] == gi, select, float("-inf"))
+        total = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for _ in tl.static_range(PER_GROUP):
+            best = tl.max(mine, axis=1)
+            total += best
+            pick = tl.min(tl.where(mine == best[:, None], e[None, :], E_PAD), axis=1)
+            mine = tl.where(e[None, :] == pick[:, None], float("-inf"), mine)
+        group_scores = tl.where(g[None, :] == gi, total[:, None], group_scores)
+    allowed = tl.zeros([BLOCK_T, E_PAD], dtype=tl.int1)
+    for _ in tl.static_range(TOPK_GROUPS):
+        best = tl.max(group_scores, axis=1)
+        pick = tl.min(tl.where(group_scores == best[:, None], g[None, :], G_PAD), axis=1)
+        allowed = allowed | (group[None, :] == pick[:, None])
+        group_scores = tl.where(g[None, :] == pick[:, None], float("-inf"), group_scores)
+    return tl.where(allowed, select, float("-inf"))
+
+
+@_jit
 def _topk_scores_kernel(
     logits_ptr, bias_ptr, ids_ptr, weights_ptr, probs_ptr, prob_sums_ptr, lse_sums_ptr, num_tokens, num_experts,
     scale, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
+    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, G_PAD: tl.constexpr, TOPK_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr,
 ):  # fmt: skip
-    """A block of tokens: experts, weights, probabilities, and the block's probability and ``lse ** 2`` sums."""
+    """A block of tokens: experts, weights, probabilities, and the block's probability and ``lse ** 2`` sums;
+    ``NUM_GROUPS > 0``: the experts picked inside each token's best groups only."""
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, E_PAD)
@@ -63,6 +94,8 @@ def _topk_scores_kernel(
     if HAS_BIAS:
         select = select + tl.load(bias_ptr + e, mask=e_ok, other=0).to(tl.float32)[None, :]
     select = tl.where(e_ok[None, :], select, float("-inf"))
+    if NUM_GROUPS > 0:
+        select = _group_limit(select, e, BLOCK_T, E_PAD, GROUP_SIZE, NUM_GROUPS, G_PAD, TOPK_GROUPS, PER_GROUP)
     slot = tl.arange(0, K_PAD)
     ids = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
     weights = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
@@ -171,7 +204,14 @@ def _block_tokens(num_experts: int) -> tuple[int, int]:
 
 
 def topk_scores_triton(
-    logits: Tensor, bias: Tensor | None, top_k: int, *, sigmoid: bool, normalize: bool, scale: float
+    logits: Tensor,
+    bias: Tensor | None,
+    top_k: int,
+    *,
+    sigmoid: bool,
+    normalize: bool,
+    scale: float,
+    groups: tuple[int, int, int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor]]:
     """Top-k routing of ``(T, E)`` logits in one launch.
 
@@ -182,6 +222,9 @@ def topk_scores_triton(
         sigmoid: sigmoid scores (else softmax).
         normalize: renormalise the chosen scores to sum 1.
         scale: ``route_scale``.
+        groups: group-limited routing ``(num_groups, topk_groups, group_topk)`` (checked by the caller:
+            :func:`~lightning_llmfast.moe.selection.check_groups`), or ``None``: the top-k experts of the selection
+            scores inside each token's ``topk_groups`` best groups, a group scored by its ``group_topk`` best.
 
     Returns:
         ``expert_ids`` ``(T, k)`` int32, ``weights`` ``(T, k)`` float32, ``router_probs`` ``(T, E)`` float32 and the
@@ -191,6 +234,7 @@ def topk_scores_triton(
     (num_tokens, num_experts), device = logits.shape, logits.device
     e_pad, block_t = _block_tokens(num_experts)
     blocks = max(triton.cdiv(num_tokens, block_t), 1)
+    num_groups, topk_groups, per_group = groups or (0, 0, 0)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
     probs = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=device)
@@ -199,7 +243,9 @@ def topk_scores_triton(
     _topk_scores_kernel[(blocks,)](
         logits, bias if bias is not None else logits, ids, weights, probs, prob_sums, lse_sums, num_tokens,
         num_experts, float(scale), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
-        SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORMALIZE=normalize,
+        SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORMALIZE=normalize, NUM_GROUPS=num_groups,
+        GROUP_SIZE=num_experts // max(num_groups, 1), G_PAD=triton.next_power_of_2(max(num_groups, 1)),
+        TOPK_GROUPS=topk_groups, PER_GROUP=per_group,
     )  # fmt: skip
     return ids, weights, probs, (prob_sums, lse_sums)
 
