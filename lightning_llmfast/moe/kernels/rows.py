@@ -190,9 +190,9 @@ def combine_rows_reference(
 ) -> Tensor:
     """PyTorch reference of the weighted combine: ``out[t] = sum_s weights[t, s] * rows[positions[t, s]]``.
 
-    Summed in float32 (float64 for float64 rows) without atomics: bitwise reproducible. Tokens are processed in
-    cache-sized chunks (a ``(chunk, k, hidden)`` gather, then one batched product or sum), so no ``(T, k, hidden)``
-    intermediate is materialised.
+    Summed in float32 (float64 for float64 rows) in slot order, without atomics: bitwise reproducible. One slot at a
+    time: a ``(T, hidden)`` gather of that slot's rows into one reused buffer, accumulated into the output (on CPU
+    this measured 10-30x faster than a chunked batched product, which runs a tiny matmul per token).
 
     Args:
         rows: ``(num_rows, hidden)``.
@@ -208,18 +208,16 @@ def combine_rows_reference(
         out = combine_rows_reference(rows, torch.tensor([[0, 2], [1, 3]]), torch.full((2, 2), 0.5))
     """
     (num_tokens, top_k), hidden = positions.shape, rows.shape[1]
-    if hidden == 0:  # nothing to sum; view(-1, top_k, 0) below could not infer its size
-        return rows.new_empty(num_tokens, 0, dtype=out_dtype or rows.dtype)
     acc = _acc_dtype(rows)
-    out = torch.empty(num_tokens, hidden, dtype=acc, device=rows.device)
-    chunk = _chunk_size(top_k * hidden, num_tokens)
-    gathered = rows.new_empty(min(chunk, num_tokens) * top_k, hidden)  # reused by every chunk
-    # A plain sum is a product with ones: exact products, and bmm beats sum(dim=1) over a short middle dim.
-    factors = (weights if weights is not None else positions.new_ones(positions.shape)).to(acc).unsqueeze(1)
-    # split() makes every chunk's views in one call: per-chunk Python overhead matters at small sizes.
-    for pos, fac, dst in zip(positions.split(chunk), factors.split(chunk), out.unsqueeze(1).split(chunk)):
-        tile = torch.index_select(rows, 0, pos.reshape(-1), out=gathered[: pos.numel()])
-        torch.bmm(fac, tile.view(-1, top_k, hidden).to(acc), out=dst)
+    out = torch.zeros(num_tokens, hidden, dtype=acc, device=rows.device)
+    tile = rows.new_empty(num_tokens, hidden)  # reused by every slot
+    factors = None if weights is None else weights.to(acc)
+    for slot in range(top_k):
+        torch.index_select(rows, 0, positions[:, slot], out=tile)
+        if factors is None:
+            out.add_(tile)
+        else:
+            out.addcmul_(tile, factors[:, slot : slot + 1])
     return out.to(out_dtype or rows.dtype)
 
 

@@ -38,9 +38,16 @@ __all__ = [
 
 SwigluGrads = tuple[Tensor, Tensor | None, Tensor | None]
 
+# Elements of the widest operand per band of rows in the PyTorch references (512 KiB of float32: the band's
+# operands and intermediates together stay in a CPU core's L2).
+_BAND_ELEMENTS = 1 << 17
+
 
 def swiglu_forward_reference(gate_up: Tensor, scale: Tensor | None = None) -> Tensor:
     """PyTorch reference: ``silu(gate) * up`` in the input's dtype, times ``scale`` per row (in float32, one rounding).
+
+    Computed in cache-sized bands of rows written straight into the output (see :func:`_row_bands`); a
+    differentiable call (``create_graph``) takes the same formula unbanded.
 
     Args:
         gate_up: ``(M, 2F)``, the gate half first.
@@ -54,8 +61,32 @@ def swiglu_forward_reference(gate_up: Tensor, scale: Tensor | None = None) -> Te
         p = swiglu_forward_reference(torch.randn(3, 8))  # (3, 4)
     """
     gate, up = gate_up.chunk(2, dim=-1)
-    product = F.silu(gate) * up
-    return product if scale is None else _scale_rows_(product, scale)
+    if _records_grad(gate_up, scale):
+        product = F.silu(gate) * up
+        return product if scale is None else _scale_rows_(product, scale)
+    out = gate_up.new_empty(gate.shape)
+    for band in _row_bands(gate_up.shape[0], 2 * gate.shape[1]):
+        product = torch.ops.aten.silu.out(gate[band], out=out[band]).mul_(up[band])
+        if scale is not None:
+            _scale_rows_(product, scale[band])
+    return out
+
+
+def _records_grad(*tensors: Tensor | None) -> bool:
+    """Whether autograd records ops on ``tensors`` (a ``create_graph`` backward): then no ``out=`` writes."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _row_bands(rows: int, row_elements: int) -> list[slice]:
+    """Row slices of about ``_BAND_ELEMENTS`` elements of the widest operand each.
+
+    On CPU an elementwise pass over a ``(T * k, F)`` tensor streams it through memory, and a fresh buffer of 32 MiB or
+    more is mapped anew by the allocator (first-touch page faults, several times the pass itself). Band by band, the
+    intermediates (``silu``, the scaled gradient) live in small buffers reused from cache, and only the outputs
+    are full size.
+    """
+    band = max(1, _BAND_ELEMENTS // max(row_elements, 1))
+    return [slice(start, min(start + band, rows)) for start in range(0, rows, band)]
 
 
 def swiglu_backward_reference(
@@ -75,24 +106,47 @@ def swiglu_backward_reference(
         ``grad_gate_up`` ``(M, 2F)`` (``gate_up``'s dtype, contiguous), the product, the dots.
     """
     gate, up = gate_up.chunk(2, dim=-1)
-    silu = F.silu(gate)
-    product = silu * up if need_product or need_dots else None
-    dots = None
-    if need_dots:
-        acc = _acc_dtype(product)
-        dots = torch.bmm(product.to(acc).unsqueeze(1), grad.to(acc).unsqueeze(2)).view(-1)
-    if scale is not None:
-        grad = _scale_rows_(grad, scale, out=torch.empty_like(grad))
-        if need_product:
-            product = _scale_rows_(product, scale)
-    if torch.is_grad_enabled() and (grad.requires_grad or gate_up.requires_grad):  # create_graph: no out=
-        grad_gate_up = torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * silu], dim=-1)
-        return grad_gate_up, product if need_product else None, dots
-    # One (M, 2F) buffer filled in halves: no separate gate and up gradients concatenated afterwards.
+    if _records_grad(grad, gate_up, scale):  # create_graph: the differentiable formula, no out=
+        return _swiglu_backward_graph(grad, gate, up, scale, need_product, need_dots)
+    rows, ffn = grad.shape
+    # The outputs in full; every intermediate in a band-sized buffer reused by each band.
     grad_gate_up = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
-    grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
-    torch.mul(grad, silu, out=grad_up)
-    torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+    product = gate_up.new_empty(rows, ffn) if need_product else None
+    dots = gate_up.new_empty(rows, dtype=_acc_dtype(gate_up)) if need_dots else None
+    bands = _row_bands(rows, 2 * ffn)
+    band_rows = bands[0].stop if bands else 0
+    silu_buf, tmp_buf = gate_up.new_empty(band_rows, ffn), grad.new_empty(band_rows, ffn)
+    for band in bands:
+        n = band.stop - band.start
+        g, silu = grad[band], torch.ops.aten.silu.out(gate[band], out=silu_buf[:n])
+        if product is not None or dots is not None:
+            p = torch.mul(silu, up[band], out=product[band] if product is not None else tmp_buf[:n])
+            if dots is not None:
+                torch.linalg.vecdot(p.to(dots.dtype), g.to(dots.dtype), out=dots[band])
+            if scale is not None and product is not None:
+                _scale_rows_(p, scale[band])
+        if scale is not None:
+            g = _scale_rows_(g, scale[band], out=tmp_buf[:n])
+        grad_gate, grad_up = grad_gate_up[band].chunk(2, dim=-1)
+        torch.mul(g, silu, out=grad_up)
+        # silu_backward reads its gradient and writes its result elementwise: one buffer serves both.
+        grad_gate = torch.mul(g, up[band], out=grad_gate)
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate[band], grad_input=grad_gate)
+    return grad_gate_up, product, dots
+
+
+def _swiglu_backward_graph(
+    grad: Tensor, gate: Tensor, up: Tensor, scale: Tensor | None, need_product: bool, need_dots: bool
+) -> SwigluGrads:
+    """:func:`swiglu_backward_reference` in ops autograd can differentiate (a ``create_graph`` backward)."""
+    silu = F.silu(gate)
+    product = silu * up
+    acc = _acc_dtype(product)
+    dots = (product.to(acc) * grad.to(acc)).sum(-1) if need_dots else None
+    if scale is not None:
+        factor = scale.to(acc).unsqueeze(1)
+        grad, product = (grad * factor).to(grad.dtype), (product * factor).to(product.dtype)
+    grad_gate_up = torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * silu], dim=-1)
     return grad_gate_up, product if need_product else None, dots
 
 
