@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_llmfast.moe.kernels import triton_available
+from lightning_llmfast.moe.kernels import swiglu, triton_available
 from lightning_llmfast.moe.kernels.swiglu import swiglu_backward, swiglu_forward
 
 BACKENDS = ["torch"] + (["triton"] if triton_available(torch.device("cpu")) else [])
@@ -17,7 +17,12 @@ BACKENDS = ["torch"] + (["triton"] if triton_available(torch.device("cpu")) else
 @pytest.mark.parametrize(("rows", "ffn"), [(0, 4), (1, 1), (7, 13), (130, 64), (33, 257)])
 @pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_swiglu_forward_and_backward_match_float64_autograd(backend, rows, ffn, scaled, dtype):
+@pytest.mark.parametrize("bands", [None, 100])
+def test_swiglu_forward_and_backward_match_float64_autograd(backend, rows, ffn, scaled, dtype, bands, monkeypatch):
+    if bands is not None:  # the reference in many row bands of 100 elements, the last one ragged
+        if backend != "torch":
+            pytest.skip("row bands are the PyTorch reference's")
+        monkeypatch.setattr(swiglu, "_BAND_ELEMENTS", bands)
     gen = torch.Generator().manual_seed(rows * 7 + ffn)
     gate_up = (torch.randn(rows, 2 * ffn, generator=gen) * 3).to(dtype)
     scale = torch.rand(rows, generator=gen) if scaled else None

@@ -65,7 +65,7 @@ def swiglu_forward_reference(gate_up: Tensor, scale: Tensor | None = None) -> Te
         product = F.silu(gate) * up
         return product if scale is None else _scale_rows_(product, scale)
     out = gate_up.new_empty(gate.shape)
-    for band in _row_bands(gate_up.shape[0], 2 * gate.shape[1]):
+    for band in _row_bands(gate_up.shape[0], 2 * gate.shape[1], gate_up.device):
         product = torch.ops.aten.silu.out(gate[band], out=out[band]).mul_(up[band])
         if scale is not None:
             _scale_rows_(product, scale[band])
@@ -77,14 +77,16 @@ def _records_grad(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _row_bands(rows: int, row_elements: int) -> list[slice]:
-    """Row slices of about ``_BAND_ELEMENTS`` elements of the widest operand each.
+def _row_bands(rows: int, row_elements: int, device: torch.device) -> list[slice]:
+    """Row slices of about ``_BAND_ELEMENTS`` elements of the widest operand each on CPU; one slice elsewhere.
 
     On CPU an elementwise pass over a ``(T * k, F)`` tensor streams it through memory, and a fresh buffer of 32 MiB or
     more is mapped anew by the allocator (first-touch page faults, several times the pass itself). Band by band, the
     intermediates (``silu``, the scaled gradient) live in small buffers reused from cache, and only the outputs
-    are full size.
+    are full size. On an accelerator each band would be more kernel launches: one band.
     """
+    if device.type != "cpu":
+        return [slice(0, rows)]
     band = max(1, _BAND_ELEMENTS // max(row_elements, 1))
     return [slice(start, min(start + band, rows)) for start in range(0, rows, band)]
 
@@ -113,7 +115,7 @@ def swiglu_backward_reference(
     grad_gate_up = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
     product = gate_up.new_empty(rows, ffn) if need_product else None
     dots = gate_up.new_empty(rows, dtype=_acc_dtype(gate_up)) if need_dots else None
-    bands = _row_bands(rows, 2 * ffn)
+    bands = _row_bands(rows, 2 * ffn, grad.device)
     band_rows = bands[0].stop if bands else 0
     silu_buf, tmp_buf = gate_up.new_empty(band_rows, ffn), grad.new_empty(band_rows, ffn)
     for band in bands:
