@@ -71,3 +71,27 @@ def test_swiglu_down_passes_opcheck(backend):
     gate_up, down = torch.randn(7, 16, requires_grad=True), torch.randn(2, 8, 8, requires_grad=True)
     scale, ends = torch.rand(7, requires_grad=True), torch.tensor([3, 7], dtype=torch.int32)
     torch.library.opcheck(torch.ops.lightning_llmfast.swiglu_down.default, (gate_up, down, ends, scale, backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("rows", "ffn"), [(1, 1), (7, 13), (130, 64)])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_product_written_over_the_gradient_matches_a_fresh_product(backend, rows, ffn, scaled, monkeypatch):
+    """``product_in_grad``: the product, gate/up gradient and dots of a new buffer, the product left in ``grad``."""
+    monkeypatch.setattr(swiglu, "_BAND_ELEMENTS", 100)  # many bands: each must read its rows before overwriting them
+    gen = torch.Generator().manual_seed(rows + ffn)
+    gate_up = torch.randn(rows, 2 * ffn, generator=gen) * 3
+    scale = torch.rand(rows, generator=gen) if scaled else None
+    grad = torch.randn(rows, ffn, generator=gen)
+    expected = swiglu_backward(grad, gate_up, scale, backend=backend)
+    scratch = grad.clone()
+    got = swiglu_backward(scratch, gate_up, scale, backend=backend, product_in_grad=True)
+    assert got[1] is scratch
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # Through the opaque op: the caller's gradient is left alone unless it is declared scratch.
+    kept = grad.clone()
+    via_op = swiglu.swiglu_grads(kept, gate_up, scale, need_product=True, need_dots=True, backend=backend)
+    assert torch.equal(kept, grad) and via_op[1] is not kept
+    for a, b in zip(via_op, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
