@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -28,8 +30,15 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tupl
     )
     try:
         fn(rank, world, *args)
+        dist.barrier()  # no rank closes its gloo pairs while a peer still exchanges with it
     finally:
         dist.destroy_process_group()
+    # A clean rank leaves without interpreter finalization: gloo's worker threads can still drop their last reference
+    # to a finished work's tensors then, and a thread taking the GIL during finalization is ended with a forced
+    # unwind that aborts the process ("terminate called without an active exception", pytorch/pytorch#179291).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn: Callable[..., None], world: int, *args: Any, timeout: float = 120.0) -> None:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe import MoEBlock, MoEConfig, permute, route, unpermute
-from lightning_llmfast.moe.dispatch import _permute_grouped_mm, compute_copy, routed_swiglu
+from lightning_llmfast.moe.dispatch import _gather_rows_into, _permute_grouped_mm, compute_copy, routed_swiglu
 from lightning_llmfast.moe.experts import _grouped_mm, _swiglu_down, grouped_swiglu
 from lightning_llmfast.moe.permute import _pair_values_to_rows, _plan_indices
 
@@ -261,3 +261,18 @@ def test_permute_grouped_mm_passes_opcheck() -> None:
     ends = plan.offsets[1:].to(torch.int32)
     args = (x, x.detach(), idx.tokens, None, idx.positions, None, weight, ends, "torch")
     torch.library.opcheck(torch.ops.lightning_llmfast.permute_grouped_mm.default, args)
+
+
+@pytest.mark.parametrize(("num_rows", "num_valid"), [(1, None), (13, None), (13, 8), (13, 0)])
+def test_gather_rows_into_fills_the_buffer(kernel_backend: str, num_rows: int, num_valid: int | None) -> None:
+    """The backward's regather into the data gradient's buffer: ``x[tokens]``, padding rows zero, schema checked."""
+    g = torch.Generator().manual_seed(num_rows + (num_valid or 0))
+    x, tokens = torch.randn(5, H, generator=g), torch.randint(0, 5, (num_rows,), generator=g)
+    valid = None if num_valid is None else torch.tensor(num_valid)
+    out = torch.full((num_rows, H), float("nan"))  # stale contents must all be overwritten
+    _gather_rows_into(out, x, tokens, valid, kernel_backend)
+    expected = x[tokens]
+    if num_valid is not None:
+        expected[num_valid:] = 0
+    assert torch.equal(out, expected)
+    torch.library.opcheck(torch.ops.lightning_llmfast.gather_rows_into.default, (out, x, tokens, valid, kernel_backend))

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_llmfast.moe.kernels import triton_available
+from lightning_llmfast.moe.kernels import swiglu, triton_available
 from lightning_llmfast.moe.kernels.swiglu import swiglu_backward, swiglu_forward
 
 BACKENDS = ["torch"] + (["triton"] if triton_available(torch.device("cpu")) else [])
@@ -17,7 +17,12 @@ BACKENDS = ["torch"] + (["triton"] if triton_available(torch.device("cpu")) else
 @pytest.mark.parametrize(("rows", "ffn"), [(0, 4), (1, 1), (7, 13), (130, 64), (33, 257)])
 @pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_swiglu_forward_and_backward_match_float64_autograd(backend, rows, ffn, scaled, dtype):
+@pytest.mark.parametrize("bands", [None, 100])
+def test_swiglu_forward_and_backward_match_float64_autograd(backend, rows, ffn, scaled, dtype, bands, monkeypatch):
+    if bands is not None:  # the reference in many row bands of 100 elements, the last one ragged
+        if backend != "torch":
+            pytest.skip("row bands are the PyTorch reference's")
+        monkeypatch.setattr(swiglu, "_BAND_ELEMENTS", bands)
     gen = torch.Generator().manual_seed(rows * 7 + ffn)
     gate_up = (torch.randn(rows, 2 * ffn, generator=gen) * 3).to(dtype)
     scale = torch.rand(rows, generator=gen) if scaled else None
@@ -66,3 +71,27 @@ def test_swiglu_down_passes_opcheck(backend):
     gate_up, down = torch.randn(7, 16, requires_grad=True), torch.randn(2, 8, 8, requires_grad=True)
     scale, ends = torch.rand(7, requires_grad=True), torch.tensor([3, 7], dtype=torch.int32)
     torch.library.opcheck(torch.ops.lightning_llmfast.swiglu_down.default, (gate_up, down, ends, scale, backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("rows", "ffn"), [(1, 1), (7, 13), (130, 64)])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_product_written_over_the_gradient_matches_a_fresh_product(backend, rows, ffn, scaled, monkeypatch):
+    """``product_in_grad``: the product, gate/up gradient and dots of a new buffer, the product left in ``grad``."""
+    monkeypatch.setattr(swiglu, "_BAND_ELEMENTS", 100)  # many bands: each must read its rows before overwriting them
+    gen = torch.Generator().manual_seed(rows + ffn)
+    gate_up = torch.randn(rows, 2 * ffn, generator=gen) * 3
+    scale = torch.rand(rows, generator=gen) if scaled else None
+    grad = torch.randn(rows, ffn, generator=gen)
+    expected = swiglu_backward(grad, gate_up, scale, backend=backend)
+    scratch = grad.clone()
+    got = swiglu_backward(scratch, gate_up, scale, backend=backend, product_in_grad=True)
+    assert got[1] is scratch
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # Through the opaque op: the caller's gradient is left alone unless it is declared scratch.
+    kept = grad.clone()
+    via_op = swiglu.swiglu_grads(kept, gate_up, scale, need_product=True, need_dots=True, backend=backend)
+    assert torch.equal(kept, grad) and via_op[1] is not kept
+    for a, b in zip(via_op, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_llmfast import ConfigError, MetadataError
 from lightning_llmfast.bench.counters import SyncCounter
+from lightning_llmfast.bench.kernels import KernelCounter
 from lightning_llmfast.seqmeta import SequenceMetadata, SequenceMetadataCache, dense_block_causal_mask, varlen_attention
 from lightning_llmfast.seqmeta.attention import _auto_impl
 
@@ -192,6 +193,33 @@ def test_no_host_syncs_forward_backward(impl: str) -> None:
             varlen_attention(q, k, v, meta, impl=impl).sum().backward()
     assert sc.num_syncs == 0, sc.syncs
     assert cache.stats["builds"] == 1
+
+
+@pytest.mark.parametrize(
+    ("impl", "few", "many"),
+    [
+        # per_document: 3 and 9 sequences (and an empty one each); bucketed: 3 and 5 buckets (16 to 256 tokens).
+        ("per_document", [7, 0, 30, 27], [5, 11, 0, 3, 9, 13, 1, 8, 6, 8]),
+        ("bucketed", [20, 3, 41], [20, 3, 41, 100, 200, 66, 130, 1]),
+    ],
+)
+def test_only_the_attention_kernels_grow_with_sequences_and_buckets(impl: str, few: list[int], many: list[int]) -> None:
+    """Forward+backward kernels (KernelCounter): one SDPA forward and backward per sequence (per bucket), and the
+    gathers, splits and concatenations around them a constant number, however many sequences or buckets."""
+
+    def kernels(lengths: list[int]) -> tuple[int, int]:
+        meta = SequenceMetadata.from_lengths(lengths)
+        q, k, v = _inputs(sum(lengths), 4, 2, 8, 0)
+        varlen_attention(q, k, v, meta, impl=impl)  # the memoised plan is built once per metadata, not per layer
+        with KernelCounter() as counter:
+            out = varlen_attention(q, k, v, meta, impl=impl)
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        calls = sum(n for name, n in counter.kernel_ops.items() if "scaled_dot_product" in name)
+        return calls, counter.kernels - calls
+
+    (calls_few, rest_few), (calls_many, rest_many) = kernels(few), kernels(many)
+    assert calls_many > calls_few > 0
+    assert rest_many == rest_few
 
 
 class _TinyAttentionLayer(nn.Module):

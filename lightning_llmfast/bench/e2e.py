@@ -13,11 +13,13 @@ Every variant is the reference :class:`~lightning_llmfast.models.MoEGPTLightning
   :class:`~lightning_llmfast.SequenceMetadataCallback` and :class:`~lightning_llmfast.TokenThroughputMonitor`.
 
 Each variant first runs one unmeasured step (lazy initialisation, kernel compilation, optimizer state), then one
-*counting* segment (host syncs, ATen ops, metadata builds and peak memory, under a ``TorchDispatchMode`` that would
-distort timings), then ``repeats`` *timed* segments, interleaved with the other variants (the order rotates every
-repeat); tokens/sec is the median over repeats, reported with its min and max. One optimizer per variant lives
-across all segments. All variants see the same sequence of batches, so their losses must agree: the report prints the
-largest relative difference.
+*counting* segment (host syncs, kernels, ATen ops, metadata builds and peak memory, under a ``TorchDispatchMode``
+that would distort timings), then ``repeats`` *timed* segments, interleaved with the other variants (the order
+rotates every repeat); tokens/sec is the median over repeats, reported with its min and max. One optimizer per
+variant lives across all segments. After the timed segments, on a CPU, a variant whose kernels differ on CUDA (the
+package's ``backend="auto"``) is counted again on a copy, on the CUDA code path
+(:mod:`~lightning_llmfast.bench.cuda_path`). All variants see the same sequence of batches, so their losses must
+agree: the report prints the largest relative difference.
 
 The load-balancing loss is left out of the objective (``aux_loss_coef=0``): transformers defines it ``top_k``
 times larger than ours, and with it the three variants would optimise different functions.
@@ -34,11 +36,12 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_llmfast.bench.harness import interleave
+from lightning_llmfast.bench.cuda_path import cuda_path_kernels, differs_on_cuda
+from lightning_llmfast.bench.harness import Measurement, interleave
 from lightning_llmfast.bench.peer import HFMixtralFFN
 from lightning_llmfast.bench.steps import Segments, check_device, quiet
 from lightning_llmfast.data import PackedBatch, SyntheticCorpus, TextCorpus, pack_documents
-from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.models import MoEGPTConfig, MoEGPTLightningModule
 from lightning_llmfast.moe.stats import MoELayer
 
@@ -47,6 +50,7 @@ __all__ = [
     "E2ESettings",
     "HFMixtralFFN",
     "build_variants",
+    "kernel_diff",
     "make_batches",
     "num_batches",
     "run_e2e",
@@ -264,8 +268,11 @@ def run_e2e(
     Returns:
         ``(results, notes)``: ``results[variant]`` holds ``tokens_per_sec`` (median over repeats), its spread
         ``tokens_per_sec_min``/``tokens_per_sec_max`` and every repeat's value ``tokens_per_sec_repeats`` (in order),
-        ``host_syncs_per_step`` (forward + backward), ``metadata_builds_per_step``, ``aten_ops_per_step`` and
-        ``kernels_per_step`` (whole step; :class:`~lightning_llmfast.bench.kernels.KernelCounter`),
+        ``host_syncs_per_step`` (forward + backward), ``metadata_builds_per_step``, ``aten_ops_per_step``,
+        ``kernels_per_step`` (whole step, the CUDA code path, counted on a CPU by
+        :func:`~lightning_llmfast.bench.cuda_path.cuda_path_kernels` where it differs from the CPU's;
+        :class:`~lightning_llmfast.bench.kernels.KernelCounter`) and ``kernels_by_op_per_step``, then
+        ``kernels_per_step_cpu_path`` where it differs,
         ``peak_mem_bytes`` (CUDA peak allocated; CPU peak of tensor bytes allocated during the counted segment) and
         ``final_loss``; a skipped variant maps to ``{"skipped": reason}``. ``notes`` lists what a reader needs to
         interpret them (loss agreement, syncs by op). A variant that raises maps to ``{"error": message}``; the
@@ -299,8 +306,64 @@ def run_e2e(
     for variant in active:
         results[variant], more = segments.row(variant, measured[variant])
         notes += more
+    with quiet():
+        notes += _cuda_path_columns(segments, active, measured, results, log)
     notes.append(f"final loss max relative difference: {loss_agreement(results):.2e}")
     return {v: results[v] for v in variants}, [*notes, *_settings_notes(settings, device)]
+
+
+def _cuda_path_columns(
+    segments: Segments,
+    modules: dict[str, MoEGPTLightningModule],
+    measured: dict[str, Measurement],
+    results: dict[str, dict[str, Any]],
+    log: Callable[[str], None],
+) -> list[str]:
+    """Makes ``kernels_per_step`` the CUDA code path's and adds ``kernels_by_op_per_step``; on a CPU, variants whose
+    path differs there are counted again by :func:`~lightning_llmfast.bench.cuda_path.cuda_path_kernels` (their
+    CPU path's count moves to ``kernels_per_step_cpu_path``). Returns the notes saying how."""
+    notes, recounted = [], []
+    for variant, module in modules.items():
+        row, m = results[variant], measured[variant]
+        if "error" in row:
+            continue
+        probe = m.extra["probe"]
+        by_op = {name: k / probe.measured for name, k in probe.kernel_names.most_common()}
+        if segments.device.type == "cpu" and differs_on_cuda(module):
+            log(f"{variant}: counting the kernels of the CUDA code path (Triton interpreted)")
+            try:
+                twin = _module(segments.settings, variant)
+                twin.load_state_dict(module.state_dict())
+                kernels, by_op = cuda_path_kernels(segments, variant, twin)
+            except RoutingError as err:
+                notes.append(f"{variant}: kernels/step counted on the CPU path only: {err}")
+            else:
+                row["kernels_per_step_cpu_path"], row["kernels_per_step"] = row["kernels_per_step"], kernels
+                recounted.append(variant)
+        row["kernels_by_op_per_step"] = by_op
+    if recounted:
+        notes.append(
+            f"kernels/step: the CUDA code path; {', '.join(recounted)} counted again for it by a separate pass over "
+            "the counting segment's batches (backend='auto' as on CUDA: Triton under TRITON_INTERPRET=1, each launch "
+            "once; see lightning_llmfast/bench/cuda_path.py), its CPU path's count in kernels_per_step_cpu_path"
+        )
+    if "kernels_by_op_per_step" in results.get("llmfast", {}) and "kernels_by_op_per_step" in results.get("peer", {}):
+        notes.append("llmfast - peer kernels/step by op: " + kernel_diff(results["llmfast"], results["peer"]))
+    return notes
+
+
+def kernel_diff(row: dict[str, Any], other: dict[str, Any], top: int = 12) -> str:
+    """The ``top`` largest per-op differences of kernels per step between two result rows, largest first.
+
+    Example::
+
+        kernel_diff({"kernels_by_op_per_step": {"mm": 4}}, {"kernels_by_op_per_step": {"mm": 3, "bmm": 2}})
+        # "bmm=-2, mm=+1"
+    """
+    mine, theirs = row["kernels_by_op_per_step"], other["kernels_by_op_per_step"]
+    diff = {name: mine.get(name, 0) - theirs.get(name, 0) for name in {*mine, *theirs}}
+    ranked = sorted((d for d in diff.items() if d[1]), key=lambda d: (-abs(d[1]), d[0]))[:top]
+    return ", ".join(f"{name}={n:+g}" for name, n in ranked) or "none"
 
 
 def num_batches(settings: E2ESettings) -> int:

@@ -14,6 +14,7 @@ import logging
 import time
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +123,7 @@ class StepProbe(Callback):
         self.losses: list[Tensor] = []
         self.syncs = self.ops = self.kernels = self.builds = self.measured = 0
         self.sync_names: dict[str, int] = {}
+        self.kernel_names: Counter[str] = Counter()  # ATen kernel ops and Triton launches by name, summed over steps
         self._counter: SyncCounter | None = None
         self._kernels: KernelCounter | None = None
         self._host: Tensor | None = None
@@ -161,6 +163,8 @@ class StepProbe(Callback):
         if self._kernels is not None:
             self._kernels.__exit__(None, None, None)
             self.kernels += self._kernels.kernels
+            self.kernel_names.update(self._kernels.kernel_ops)
+            self.kernel_names.update({f"triton:{k}": n for k, n in self._kernels.triton_launches.items()})
             self._kernels = None
         if self._measuring():
             self.measured += 1
@@ -319,7 +323,8 @@ class Segments:
         self.timed: dict[str, list[StepProbe]] = {}
         self.probe_type: type[StepProbe] = StepProbe
 
-    def _data(self, variant: str) -> list[Any]:
+    def data(self, variant: str) -> list[Any]:
+        """The batches of ``variant`` (one list for all, or the profile's per-variant lists)."""
         return self.batches[variant] if isinstance(self.batches, dict) else self.batches
 
     def runner(self, variant: str, module: Any) -> Callable[[int], float | None]:
@@ -327,7 +332,7 @@ class Segments:
         first = s.warmup_steps + s.count_steps
 
         def run(r: int) -> float | None:
-            data = self._data(variant)
+            data = self.data(variant)
             if r < 0:
                 self.fit(variant, module, data[:1], self.probe_type(warmup=1, count=False))
                 return None
@@ -343,7 +348,7 @@ class Segments:
         s, masks = self.settings, MaskBuildCounter()
         probe = self.probe_type(s.warmup_steps, count=True, masks=masks)
         with masks.installed(), PeakMemory(self.device) as memory:
-            self.fit(variant, module, self._data(variant)[: s.warmup_steps + s.count_steps], probe)
+            self.fit(variant, module, self.data(variant)[: s.warmup_steps + s.count_steps], probe)
         n = probe.measured
         return Measurement(
             syncs=probe.syncs / n, kernels=probe.kernels / n, ops=probe.ops / n,

@@ -5,7 +5,9 @@ Claims about speed in this project come only from here. The result dictionary (`
     {"profile", "device", "commit", "machine",
      "e2e": {variant: {"tokens_per_sec" (median), "tokens_per_sec_min", "tokens_per_sec_max",
                        "tokens_per_sec_repeats", "host_syncs_per_step", "metadata_builds_per_step",
-                       "aten_ops_per_step", "kernels_per_step", "peak_mem_bytes", "final_loss"}
+                       "aten_ops_per_step", "kernels_per_step" (the CUDA code path: bench/cuda_path.py),
+                       "kernels_by_op_per_step", "peak_mem_bytes", "final_loss",
+                       "kernels_per_step_cpu_path" (on a CPU, where the CPU's path differs)}
               or {"skipped"|"error": reason}},
      "ratios": {"llmfast_vs_before", "llmfast_vs_peer"},   # tokens/sec ratios of the medians; None: a variant missing
      "ratio_ranges": {same names: [low, high] over the repeats, or None},

@@ -124,18 +124,37 @@ def _permute_grouped_mm_rebuild(
 def _permute_grouped_mm_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
     x_compute, tokens, num_valid, positions, pair_mask, weight, offs = ctx.saved_tensors
     grad = grad.contiguous()  # grouped_mm rejects stride-0 (expanded) gradients
-    grad_x = grad_weight = None
+    grad_x = grad_weight = grad_rows = None
     if ctx.needs_input_grad[0]:
         grad_rows = _grouped_mm(grad, weight.transpose(-1, -2), offs)
         grad_x = _combine_rows(grad_rows, positions, pair_mask, ctx.x_dtype, ctx.backend)
     if ctx.needs_input_grad[6]:
-        # The forward's rows, rebuilt (through the opaque op: a compiled backward never traces into a kernel).
-        rows = _permute_rows(x_compute, tokens, num_valid, positions, pair_mask, ctx.backend)
+        # The forward's rows, rebuilt through an opaque op (a compiled backward never traces into a kernel): into the
+        # data gradient's rows once the combine has read them, which spares a (T * k, H) buffer (on CPU, where a fresh
+        # one of 32 MiB or more is mapped anew, its first-touch page faults cost several times the gather).
+        if grad_rows is not None and grad_rows.dtype == x_compute.dtype and grad_rows.is_contiguous():
+            rows = grad_rows
+            _gather_rows_into(rows, x_compute, tokens, num_valid, ctx.backend)
+        else:
+            rows = _permute_rows(x_compute, tokens, num_valid, positions, pair_mask, ctx.backend)
         grad_weight = _grouped_mm(rows.transpose(0, 1), grad, offs)
     return grad_x, None, None, None, None, None, grad_weight, None, None
 
 
 _permute_grouped_mm.register_autograd(_permute_grouped_mm_backward, setup_context=_permute_grouped_mm_setup)
+
+
+@torch.library.custom_op("lightning_llmfast::gather_rows_into", mutates_args=("out",))
+def _gather_rows_into(out: Tensor, x: Tensor, tokens: Tensor, num_valid: Tensor | None, backend: str) -> None:
+    """``out[r] = x[tokens[r]]`` (zero from row ``num_valid`` on), written into ``out``: contiguous ``(R, H)``."""
+    gather_rows(x, tokens, num_valid, backend=backend, out=out)
+
+
+@_gather_rows_into.register_fake
+def _gather_rows_into_fake(out: Tensor, x: Tensor, tokens: Tensor, num_valid: Tensor | None, backend: str) -> None:
+    return None
+
+
 # Eager calls skip the dispatcher, compiled ones keep the registered ops (see eager_custom_op).
 _permute_grouped_mm = eager_custom_op(_permute_grouped_mm)
 

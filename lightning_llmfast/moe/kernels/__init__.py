@@ -15,7 +15,7 @@ Example::
     counts, dest, order = stable_counting_sort(keys, num_bins=3)
 """
 
-from lightning_llmfast.moe.kernels.backend import BACKENDS, resolve_backend, triton_available
+from lightning_llmfast.moe.kernels.backend import BACKENDS, cuda_code_path, resolve_backend, triton_available
 from lightning_llmfast.moe.kernels.dots import (
     combine_rows_backward,
     combine_rows_backward_reference,
@@ -47,6 +47,7 @@ __all__ = [
     "combine_rows_backward_triton",
     "combine_rows_reference",
     "combine_rows_triton",
+    "cuda_code_path",
     "gather_rows",
     "gather_rows_reference",
     "gather_rows_triton",

@@ -8,7 +8,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -26,9 +28,13 @@ except ImportError:  # pragma: no cover - Triton ships with torch on Linux
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 
 
-__all__ = ["BACKENDS", "is_triton", "resolve_backend", "triton_available"]
+__all__ = ["BACKENDS", "cuda_code_path", "is_triton", "resolve_backend", "triton_available"]
 
 BACKENDS: frozenset[str] = frozenset({"auto", "torch", "triton"})
+
+# True inside cuda_code_path(): "auto" resolves to Triton on a CPU as on CUDA. A plain global (not a context
+# variable): torch.compile reads it as a guarded constant, with no graph break.
+_AUTO_AS_CUDA = False
 
 
 def triton_available(device: torch.device) -> bool:
@@ -51,7 +57,8 @@ def triton_available(device: torch.device) -> bool:
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """Turns ``"auto"`` into ``"triton"`` (CUDA with Triton installed) or ``"torch"``, and checks the choice.
+    """Turns ``"auto"`` into ``"triton"`` (CUDA with Triton installed; a CPU too inside :func:`cuda_code_path`) or
+    ``"torch"``, and checks the choice.
 
     Raises:
         RoutingError: for an unknown backend, or ``"triton"`` where the kernels cannot run.
@@ -63,11 +70,37 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
         raise RoutingError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton is not None else "torch"
+        on_cuda = device.type == "cuda" or (_AUTO_AS_CUDA and device.type == "cpu")
+        return "triton" if on_cuda and triton is not None else "torch"
     if backend == "triton" and not triton_available(device):
         why = "Triton is not installed" if triton is None else "set TRITON_INTERPRET=1 to run the kernels on CPU"
         raise RoutingError(f"backend='triton' cannot run on {device.type} tensors: {why}")
     return backend
+
+
+@contextlib.contextmanager
+def cuda_code_path() -> Iterator[None]:
+    """Inside the block, ``backend="auto"`` resolves on a CPU as on CUDA: to the Triton kernels, run by Triton's
+    interpreter. How :mod:`lightning_llmfast.bench` counts the kernels of the CUDA code path on a CPU.
+
+    Raises:
+        RoutingError: Triton cannot run on CPU tensors here (not installed, or ``TRITON_INTERPRET=1`` was not set
+            when this module was imported).
+
+    Example::
+
+        with cuda_code_path():
+            resolve_backend("auto", torch.device("cpu"))  # "triton"
+    """
+    global _AUTO_AS_CUDA
+    if not triton_available(torch.device("cpu")):
+        why = "Triton is not installed" if triton is None else "set TRITON_INTERPRET=1 before importing the package"
+        raise RoutingError(f"cuda_code_path() needs Triton's interpreter on the CPU: {why}")
+    previous, _AUTO_AS_CUDA = _AUTO_AS_CUDA, True
+    try:
+        yield
+    finally:
+        _AUTO_AS_CUDA = previous
 
 
 @_jit

