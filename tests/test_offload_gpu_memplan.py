@@ -28,7 +28,8 @@ def test_gpu_memplan_runs_every_mode_and_its_plans_fit_their_budgets_on_cpu() ->
         plan = modes[name]
         assert plan["budget_bytes"] == int(report["saved_bytes"] * fraction)
         assert plan["predicted_peak"] <= plan["budget_bytes"] and plan["last_measured_peak"] <= plan["budget_bytes"]
-        assert len(plan["choices"]) == len(plan["storages"]) == 12 and set(plan["vs_single"]) == {"offload", "recompute"}
+        assert len(plan["choices"]) == len(plan["storages"]) == 12
+        assert set(plan["vs_single"]) == {"offload", "recompute"}
     text = gpu_memplan.summary(report)
     assert text.count("\n| ") == 1 + len(modes)  # the separator and one row per mode
 

@@ -57,7 +57,9 @@ class OffloadConfig:
         budget: with ``plan="auto"``, the most bytes of saved activations the layers may keep: bytes (int), a size
             (``"40GiB"``) or a fraction of the device's memory (float ``<= 1``).
         profile_steps: with ``plan="auto"``, how many steps are profiled; the plan uses each layer's median times
-            over them (one step's times vary by tens of percent on a shared host) and the largest bytes.
+            over them (one step's times vary by tens of percent on a shared host) and the largest bytes. From 3 on,
+            where copies do not overlap compute (CPU), as many probe steps measure the host time per offloaded
+            storage (:mod:`~lightning_llmfast.offload.planning`).
         nvme_dir: a local directory (an NVMe drive) for the NVMe tier: offloaded storages that would take the pinned
             pool past ``pinned_budget`` go to files there instead (:mod:`~lightning_llmfast.offload.nvme`).
         pinned_budget: with ``nvme_dir``, the most bytes of the pinned pool a step may use: bytes (int) or a size

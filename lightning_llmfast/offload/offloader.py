@@ -244,6 +244,7 @@ class ActivationOffloader:
         if self.packer.nvme is not None:
             self.packer.nvme.begin_step()
         self.calls.begin_step(self._copier)
+        self.planner.begin_step(self._copier)
         self.packer.begin_step(self._copier)
         self.reloader.begin_step(self._copier)
         self._apply_recompute()

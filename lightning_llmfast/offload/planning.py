@@ -2,7 +2,8 @@
 
 ``offload_layers="auto"``: one measuring step, then :func:`~.measure.auto_plan` (as many leading layers as the copies
 hide). ``plan="auto"``: a warm-up step, then ``profile_steps`` profiled steps (alternating, where copies do not overlap
-compute, with as many probe steps that offload every eligible layer), then :func:`~.measure.memory_plan`. A step whose
+compute and ``profile_steps >= PROBE_STEPS``, with as many probe steps that offload every eligible layer, and then the
+warm-up step offloads too), then :func:`~.measure.memory_plan`. A step whose
 layers ran no backward (a forward under ``no_grad``, an evaluation pass) measured nothing: the next step measures
 again. Either plan is adopted by the layer-call policy and sizes the pinned pool before its first step; without a plan
 the first step that offloads sizes it.
@@ -31,7 +32,9 @@ from lightning_llmfast.offload.reload import Reloader
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Planner"]
+__all__ = ["PROBE_STEPS", "Planner"]
+
+PROBE_STEPS = 3  # the fewest profiled steps with which probe steps run (their median resolves the host time)
 
 
 class Planner:
@@ -71,12 +74,24 @@ class Planner:
         self._profiles: list[MemoryProfile] = []  # the profiled steps so far that kept everything
         self._probes: list[MemoryProfile] = []  # and those that offloaded every eligible layer
 
+    def begin_step(self, copier: Copier | None) -> None:
+        """A step begins: a memory plan's warm-up step offloads every eligible layer where probe steps will (so that
+        the first probe does not pay the pool's allocation and the offload path's first calls)."""
+        if self.config.plan == "auto" and self._warm_up and copier is not None:
+            self._calls.probing = self._probes_wanted(copier)
+
+    def _probes_wanted(self, copier: Copier) -> bool:
+        # The host time per storage is a small difference of two step times: on a shared host one pair of steps
+        # cannot resolve it, so probes need a median (at least PROBE_STEPS profiled steps).
+        steps = self.config.profile_steps
+        return not copier.is_cuda and self._packer.nvme is None and steps >= PROBE_STEPS
+
     def measured(self, segments: list[Segment], copier: Copier) -> None:
         """A measuring step ended with ``segments``: warm up, profile, or make and adopt the plan."""
         if not any(seg.backward_started is not None for seg in segments):
             return
         if self.config.plan == "auto" and self._warm_up:
-            self._warm_up = False
+            self._warm_up = self._calls.probing = False
         elif self.config.plan == "auto":
             self._profile_step(segments, copier)
         else:
@@ -122,7 +137,7 @@ class Planner:
         )
         (self._probes if self._calls.probing else self._profiles).append(profile)
         steps = self.config.profile_steps
-        probes = steps if not copier.is_cuda and self._packer.nvme is None else 0
+        probes = steps if self._probes_wanted(copier) else 0
         if len(self._profiles) < steps or len(self._probes) < probes:
             self._calls.probing = len(self._probes) < min(len(self._profiles), probes)
             return
