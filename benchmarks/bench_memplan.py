@@ -91,11 +91,10 @@ class _ThreadClockOffloader(ActivationOffloader):
 CLOCKS = {"thread": _ThreadClockOffloader, "wall": ActivationOffloader}
 
 
-def run(hidden: int = 64, layers: int = 12, tokens: int = 128, repeats: int = 15, threads: int = 1) -> dict[str, Any]:
-    torch.set_num_threads(threads)
-    load_before = os.getloadavg()
-    ids = torch.randint(0, VOCAB, (2, tokens), generator=torch.Generator().manual_seed(0))
-    saved = _saved_bytes(hidden, layers, ids)
+def _planned_runs(
+    hidden: int, layers: int, ids: torch.Tensor, saved: int
+) -> dict[str, tuple[MoEGPT, ActivationOffloader | None]]:
+    """The baseline and an offloader per budget and clock, every model warmed up and every plan made."""
     models = {name: _model(hidden, layers) for name in ["off"] + [f"{f:.0%} {c}" for c in CLOCKS for f in FRACTIONS]}
     for _ in range(WARM_UP):  # the process's heap and caches settle before any step is profiled
         for model in models.values():
@@ -110,6 +109,15 @@ def run(hidden: int = 64, layers: int = 12, tokens: int = 128, repeats: int = 15
         for model, off in runs.values():  # the profiled steps, interleaved: every plan sees the same load
             if off is not None and off.memory_plan is None:
                 _step(model, off, ids)
+    return runs
+
+
+def run(hidden: int = 64, layers: int = 12, tokens: int = 128, repeats: int = 15, threads: int = 1) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    load_before = os.getloadavg()
+    ids = torch.randint(0, VOCAB, (2, tokens), generator=torch.Generator().manual_seed(0))
+    saved = _saved_bytes(hidden, layers, ids)
+    runs = _planned_runs(hidden, layers, ids, saved)
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
 
     def impl(name: str) -> Any:

@@ -81,8 +81,7 @@ TPS_TARGET = 0.95  # at no more than 5% lower tokens/sec
 
 
 def _cuda(shape_name: str, repeats: int, names: Sequence[str] | None = None) -> dict[str, Any]:
-    shape = SHAPES[shape_name]
-    device = "cuda"
+    shape, device = SHAPES[shape_name], "cuda"
     model, opt, ids = _setup(shape, device)
     inventory = saved_inventory(model, ids)  # before any offloader hooks the layers
     # With the head and loss, what forward holds at its end; the rest of a peak is backward's transients.
@@ -132,36 +131,13 @@ def _cuda(shape_name: str, repeats: int, names: Sequence[str] | None = None) -> 
     times = {name: m.values for name, m in measured.items()}
     tokens = ids.numel()
     ms = {name: statistics.median(t) for name, t in times.items()}
-    results: dict[str, Any] = {}
-    for name, offloader in modes.items():
-        row: dict[str, Any] = {
-            "step_ms": ms[name],
-            "tokens_per_sec": tokens / (ms[name] / 1e3),
-            "tps_ratio": ms["off"] / ms[name],
-            # Where the time goes: forward and loss, and backward (the rest of a step is the optimizer).
-            "forward_ms": statistics.median(f for f, _ in phases[name]),
-            "backward_ms": statistics.median(b for _, b in phases[name]),
-        }
-        if offloader is not None:
-            stats = offloader.stats
-            row["offload_layers"] = stats["offload_layers"]
-            row["recompute_layers"] = stats["recompute_layers"]
-            if stats["offloaded_bytes"]:
-                copy_ms = _copy_ms(int(stats["offloaded_bytes"]), device)
-                exposed = max(ms[name] - ms["off"], 0.0)
-                row["copy_ms"] = copy_ms
-                row["exposed_ms"] = exposed
-                row["overlap"] = max(0.0, min(1.0, 1 - exposed / copy_ms))
-            row["stats"] = stats
-            row["plan"] = offloader.auto_plan
-            offloader.close()
-        row["peak_act_bytes"] = peaks[False][name]
-        row["held_after_forward_bytes"] = held_after_forward[name]
-        row["mem_reduction"] = 1 - peaks[False][name] / peaks[False]["off"]
-        row["peak_step_bytes"] = peaks[True][name]
-        row["step_mem_reduction"] = 1 - peaks[True][name] / peaks[True]["off"]
+    results = {name: _row(name, off, ms, phases[name], tokens, device) for name, off in modes.items()}
+    for name, row in results.items():
+        act, full = peaks[False], peaks[True]
+        row.update(peak_act_bytes=act[name], held_after_forward_bytes=held_after_forward[name],
+                   peak_step_bytes=full[name], mem_reduction=1 - act[name] / act["off"],
+                   step_mem_reduction=1 - full[name] / full["off"])  # fmt: skip
         row["meets_target"] = row["mem_reduction"] >= MEM_TARGET and row["tps_ratio"] >= TPS_TARGET
-        results[name] = row
     return {
         "device": torch.cuda.get_device_name(0),
         "shape_name": shape_name,
@@ -174,6 +150,41 @@ def _cuda(shape_name: str, repeats: int, names: Sequence[str] | None = None) -> 
         "layer0_saved": inventory,
         "layers_saved_bytes": layers_saved,
     }
+
+
+def _row(
+    name: str,
+    offloader: ActivationOffloader | None,
+    ms: dict[str, float],
+    phases: list[tuple[float, float]],
+    tokens: int,
+    device: str,
+) -> dict[str, Any]:
+    """A mode's times, tokens/s and (with an offloader) its layers, copy overlap, stats and plan; closes the
+    offloader."""
+    row: dict[str, Any] = {
+        "step_ms": ms[name],
+        "tokens_per_sec": tokens / (ms[name] / 1e3),
+        "tps_ratio": ms["off"] / ms[name],
+        # Where the time goes: forward and loss, and backward (the rest of a step is the optimizer).
+        "forward_ms": statistics.median(f for f, _ in phases),
+        "backward_ms": statistics.median(b for _, b in phases),
+    }
+    if offloader is None:
+        return row
+    stats = offloader.stats
+    row["offload_layers"] = stats["offload_layers"]
+    row["recompute_layers"] = stats["recompute_layers"]
+    if stats["offloaded_bytes"]:
+        copy_ms = _copy_ms(int(stats["offloaded_bytes"]), device)
+        exposed = max(ms[name] - ms["off"], 0.0)
+        row["copy_ms"] = copy_ms
+        row["exposed_ms"] = exposed
+        row["overlap"] = max(0.0, min(1.0, 1 - exposed / copy_ms))
+    row["stats"] = stats
+    row["plan"] = offloader.auto_plan
+    offloader.close()
+    return row
 
 
 def run(
