@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from lightning_llmfast.bench.kernels import KernelCounter
 from lightning_llmfast.moe import RoutingConfig, route
 from lightning_llmfast.moe.fused_routing import fused_route_supported
 from lightning_llmfast.moe.kernels import triton_available
@@ -159,6 +160,29 @@ def test_fused_routing_gradient_of_the_losses_alone_and_bf16_logits():
     for got, expected in zip(*results):
         assert got.dtype == expected.dtype
         torch.testing.assert_close(got.float(), expected.float(), rtol=1e-2, atol=1e-3)
+
+
+@needs_interpreter
+def test_groups_and_a_token_mask_add_no_launch_to_the_fused_router():
+    """KernelCounter over route() forward and backward: group-limited routing and a token mask run inside the
+    router kernel, the counting sort and the backward kernel, as plain top-k does."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(37, 12, generator=gen)
+    mask = torch.rand(37, generator=gen) > 0.3
+
+    def launches(mask: Tensor | None, **options) -> tuple[int, dict[str, int]]:
+        leaf = logits.clone().requires_grad_()
+        with KernelCounter() as counter:
+            config = RoutingConfig(top_k=3, backend="triton", capacity_factor=1.0, **options)
+            plan = route(leaf, config, token_mask=mask, validate=None)
+            (plan.weights.sum() + plan.aux_loss + plan.z_loss).backward()
+        return counter.kernels, dict(counter.triton_launches)
+
+    plain = launches(None)
+    assert plain[1]["_topk_scores_kernel"] == plain[1]["_topk_scores_backward_kernel"] == 1
+    assert launches(None, num_groups=3, topk_groups=2) == plain
+    assert launches(mask) == plain
+    assert launches(mask, num_groups=4, topk_groups=1, score="sigmoid") == plain
 
 
 @pytest.mark.parametrize(
