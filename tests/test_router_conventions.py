@@ -339,8 +339,9 @@ def test_triton_and_reference_plans_are_equal() -> None:
             token_mask=mask,
         )
         ref, tri = route(logits, 4, backend="torch", **kwargs), route(logits, 4, backend="triton", **kwargs)
+        # A masked token's scores are all equal (its logits count as 0): its experts are ties, in any order.
+        assert torch.equal(ref.expert_ids[mask], tri.expert_ids[mask])
         for name in (
-            "expert_ids",
             "tokens_per_expert",
             "offsets",
             "permutation",
@@ -349,4 +350,5 @@ def test_triton_and_reference_plans_are_equal() -> None:
             "routed_per_expert",
         ):
             assert torch.equal(getattr(ref, name), getattr(tri, name)), name
-        torch.testing.assert_close(ref.weights, tri.weights, rtol=0, atol=0)
+        # The fused router kernel (position policy) renormalises in its own order: equal to rounding.
+        torch.testing.assert_close(ref.weights, tri.weights, rtol=1e-6, atol=1e-7)

@@ -87,9 +87,10 @@ PROFILES: dict[str, BenchProfile] = {
         ),
         micro_quick=True,
     ),
-    # Under 2 minutes on 2 CPU cores, micro-benchmarks included: the default model on rows of 1024 tokens packed
+    # Under 2 minutes on 2 idle CPU cores, micro-benchmarks included: the default model on rows of 1024 tokens packed
     # with ~10 documents each. The gains grow with the row length (attention over a dense row mask is O(T^2)):
-    # see benchmarks/RESULTS.md for T = 512 and 2048.
+    # see benchmarks/RESULTS.md for T = 512 and 2048. Under TRITON_INTERPRET=1 llmfast's kernels/step of the CUDA
+    # path are counted too, a few minutes more (Triton's interpreter; bench/cuda_path.py).
     "quick": BenchProfile(
         "quick",
         E2ESettings(

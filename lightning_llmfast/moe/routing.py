@@ -349,27 +349,31 @@ def route(
     backend = resolve_backend(routing.backend, logits.device)
     fused = backend == "triton" and fused_route_supported(routing, num_experts, token_mask)
     logits32 = logits if fused and validate is None else logits.float()  # the fused kernels read any float dtype
-    if token_mask is not None:
-        # Masked tokens (padding) may hold anything: zeroed first, they reach no NaN check, loss or gradient.
+    if token_mask is not None and not (fused and validate is None):
+        # Masked tokens (padding) may hold anything: zeroed first, they reach no NaN check, loss or gradient (the
+        # fused kernels read them as 0 themselves).
         logits32 = logits32.masked_fill(~token_mask.unsqueeze(1), 0.0)
     nonfinite = None
     if validate is not None:
         nonfinite = _check_finite(logits32, expert_bias) if validate else _nonfinite_flag(logits32)
     if fused:
-        return _fused_plan(fused_route(logits, routing, expert_bias, capacity), capacity, nonfinite)
+        outputs = fused_route(logits, routing, expert_bias, capacity, token_mask)
+        return _fused_plan(outputs, capacity, nonfinite, token_mask)
     probs, expert_ids, weights = _select(logits32, routing, expert_bias)
     counted = _count(expert_ids, weights, num_experts, routing, capacity, token_mask, backend)
     return _plan(logits32, probs, expert_ids, weights, counted, routing.score, capacity, nonfinite, token_mask)
 
 
-def _fused_plan(outputs: tuple[Tensor, ...], capacity: int | None, nonfinite: Tensor | None) -> RoutingPlan:
+def _fused_plan(
+    outputs: tuple[Tensor, ...], capacity: int | None, nonfinite: Tensor | None, token_mask: Tensor | None
+) -> RoutingPlan:
     """The :class:`RoutingPlan` of :func:`~lightning_llmfast.moe.fused_routing.fused_route`'s tensors."""
     ids, weights, probs, aux, z, routed, per_expert, offsets, permutation, positions, tokens, kept, dropped, rows = (
         outputs
     )
     return RoutingPlan(
         ids, weights, per_expert, offsets, permutation, kept, dropped, aux, z, nonfinite, capacity, probs.shape[1],
-        ids.shape[1], routed, probs, None, positions, tokens, rows,
+        ids.shape[1], routed, probs, token_mask, positions, tokens, rows,
     )  # fmt: skip
 
 

@@ -24,7 +24,7 @@ from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe.kernels import stable_counting_sort
 from lightning_llmfast.moe.kernels.plan import capacity_layout_reference
 
-__all__ = ["apply_capacity", "check_groups", "expert_capacity", "select_experts"]
+__all__ = ["apply_capacity", "check_groups", "expert_capacity", "group_score_count", "select_experts"]
 
 
 def check_groups(
@@ -90,13 +90,24 @@ def select_experts(
         return _descending(selection, top_k)
     num_tokens, num_experts = selection.shape
     group_size = num_experts // num_groups
-    per_group = group_topk if group_topk is not None else min(max(1, top_k // topk_groups), group_size)
+    per_group = group_score_count(num_experts, top_k, num_groups, topk_groups, group_topk)
     grouped = selection.view(num_tokens, num_groups, group_size)
     group_scores = grouped.topk(per_group, dim=-1).values.sum(dim=-1)  # (T, G): values only, ties do not matter
     chosen = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=selection.device)
     chosen.scatter_(1, _descending(group_scores, topk_groups), True)
     masked = grouped.masked_fill(~chosen.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
     return _descending(masked, top_k)
+
+
+def group_score_count(num_experts: int, top_k: int, num_groups: int, topk_groups: int, group_topk: int | None) -> int:
+    """The best scores summed into a group's score: ``group_topk``, by default ``max(1, top_k // topk_groups)``
+    capped at the group size.
+
+    Example::
+
+        group_score_count(256, 8, num_groups=8, topk_groups=4, group_topk=None)  # 2, as DeepSeek-V3
+    """
+    return group_topk if group_topk is not None else min(max(1, top_k // topk_groups), num_experts // num_groups)
 
 
 def expert_capacity(capacity_factor: float, num_pairs: int, num_experts: int, min_capacity: int | None = None) -> int:

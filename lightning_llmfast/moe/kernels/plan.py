@@ -184,7 +184,7 @@ def plan_with_losses_triton(
         return plan, row_weights, None if aux is None else aux.zero_(), None if z is None else z.zero_()
     buffers = PlanBuffers(
         layout, offsets, num_dropped, kept, tokens, n if capacity is None else capacity, num_experts, num_rows, top_k,
-        weights, row_weights, *(sums or (None, None)), aux, z, n // top_k,
+        weights, row_weights, *(sums or (None, None)), aux, z,
     )  # fmt: skip
     launch_counting_sort(keys, num_bins, counts, positions, permutation, buffers)
     plan = PlanTensors(

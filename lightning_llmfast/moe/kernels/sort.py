@@ -102,7 +102,7 @@ def _block_histogram_kernel(keys_ptr, hist_ptr, rank_ptr, n, num_bins, BLOCK: tl
 @_jit
 def _block_scan_kernel(
     hist_ptr, prefix_ptr, counts_ptr, starts_ptr, num_blocks, num_bins, plan_ptr, offsets_ptr, dropped_ptr,
-    capacity, num_experts, prob_sums_ptr, lse_sums_ptr, aux_ptr, z_ptr, num_token_blocks, num_tokens,
+    capacity, num_experts, prob_sums_ptr, lse_sums_ptr, aux_ptr, z_ptr, num_token_blocks, top_k,
     CHUNK: tl.constexpr, BINS: tl.constexpr, PLAN: tl.constexpr, LOSSES: tl.constexpr,
 ):  # fmt: skip
     """Exclusive scan of the histograms over blocks, total counts per key, and the keys' start offsets.
@@ -131,7 +131,7 @@ def _block_scan_kernel(
     if LOSSES:
         _losses(
             total, bins, rows, num_experts, prob_sums_ptr, lse_sums_ptr, aux_ptr, z_ptr, num_token_blocks,
-            num_tokens, CHUNK, BINS,
+            top_k, CHUNK, BINS,
         )  # fmt: skip
 
 
@@ -157,11 +157,12 @@ def _plan_layout(total, bins, num_bins, plan_ptr, offsets_ptr, dropped_ptr, capa
 
 @_jit
 def _losses(
-    total, bins, rows, num_experts, prob_sums_ptr, lse_sums_ptr, aux_ptr, z_ptr, num_token_blocks, num_tokens,
+    total, bins, rows, num_experts, prob_sums_ptr, lse_sums_ptr, aux_ptr, z_ptr, num_token_blocks, top_k,
     CHUNK: tl.constexpr, BINS: tl.constexpr,
 ):  # fmt: skip
     """The balance loss ``E * sum_e f_e * P_e`` and the z-loss from the router kernel's per-block sums of the
-    probabilities and of ``logsumexp ** 2`` (:mod:`~lightning_llmfast.moe.kernels.topk`), in a fixed order."""
+    probabilities and of ``logsumexp ** 2`` (:mod:`~lightning_llmfast.moe.kernels.topk`), in a fixed order. Both
+    average over the tokens that route: ``top_k`` valid pairs each (a masked token's pairs have the key ``E``)."""
     is_expert = bins < num_experts
     prob_sums = tl.zeros([BINS], dtype=tl.float32)
     lse_sums = tl.zeros([CHUNK], dtype=tl.float32)
@@ -172,8 +173,9 @@ def _losses(
         prob_sums += tl.sum(tl.load(prob_sums_ptr + ptrs, mask=ok, other=0), axis=0)
         lse_sums += tl.load(lse_sums_ptr + blocks, mask=blocks < num_token_blocks, other=0)
     routed = tl.where(is_expert, total, 0)
-    pairs = tl.maximum(tl.sum(routed, axis=0), 1).to(tl.float32)
-    tokens = tl.maximum(num_tokens, 1).to(tl.float32)
+    valid_pairs = tl.sum(routed, axis=0)
+    pairs = tl.maximum(valid_pairs, 1).to(tl.float32)
+    tokens = tl.maximum(valid_pairs // top_k, 1).to(tl.float32)
     tl.store(aux_ptr, tl.sum(routed.to(tl.float32) * prob_sums, axis=0) * (num_experts / pairs / tokens))
     tl.store(z_ptr, tl.sum(lse_sums, axis=0) / tokens)
 
@@ -272,7 +274,6 @@ class PlanBuffers(NamedTuple):
     lse_sums: Tensor | None = None  # (blocks,) float32 per-block sums of logsumexp ** 2
     aux: Tensor | None = None  # 0-d float32 balance loss
     z: Tensor | None = None  # 0-d float32 z-loss
-    num_tokens: int = 0
 
 
 def launch_counting_sort(
@@ -300,7 +301,7 @@ def launch_counting_sort(
     _block_scan_kernel[(1,)](
         hist, prefix, counts, starts, num_blocks, num_bins, p.layout, p.offsets, p.num_dropped, p.capacity,
         p.num_experts, *((p.prob_sums, p.lse_sums, p.aux, p.z) if losses else (starts,) * 4), token_blocks,
-        p.num_tokens, CHUNK=chunk, BINS=bins, PLAN=plan is not None, LOSSES=losses,
+        p.top_k, CHUNK=chunk, BINS=bins, PLAN=plan is not None, LOSSES=losses,
     )  # fmt: skip
     weights = (p.weights, p.row_weights) if p.weights is not None else (starts, starts)
     _scatter_kernel[(num_blocks,)](
