@@ -220,15 +220,22 @@ def combine_rows_reference(
     """
     (num_tokens, top_k), hidden = positions.shape, rows.shape[1]
     acc = _acc_dtype(rows)
-    out = torch.zeros(num_tokens, hidden, dtype=acc, device=rows.device)
+    if top_k == 0:
+        return rows.new_zeros(num_tokens, hidden, dtype=out_dtype or rows.dtype)
+    out = torch.empty(num_tokens, hidden, dtype=acc, device=rows.device)
     tile = rows.new_empty(num_tokens, hidden)  # reused by every slot
     factors = None if weights is None else weights.to(acc)
     for slot in range(top_k):
         torch.index_select(rows, 0, positions[:, slot], out=tile)
-        if factors is None:
+        factor = None if factors is None else factors[:, slot : slot + 1]
+        if slot == 0 and factor is None:  # the first slot initialises the sums (the bits of adding it to zeros)
+            out.copy_(tile)
+        elif slot == 0:
+            torch.mul(tile, factor, out=out)
+        elif factor is None:
             out.add_(tile)
         else:
-            out.addcmul_(tile, factors[:, slot : slot + 1])
+            out.addcmul_(tile, factor)
     return out.to(out_dtype or rows.dtype)
 
 
