@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).parents[1]
-STAGES = ("env", "cuda_tests", "nccl", "kernel_check", "cuda_graphs", "offload", "bench")
+STAGES = ("env", "cuda_tests", "nccl", "kernel_check", "cuda_graphs", "offload", "memplan", "bench")
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="gpu_check.sh is a bash script")
 
 
