@@ -113,7 +113,8 @@ def measure_profile(
     recompute = [0] * num_layers
     sizes: list[list[int]] = [[] for _ in range(num_layers)]
     for seg in segments:
-        recompute[seg.layer_index] += seg.recompute_bytes
+        # what recomputing the call frees: what it saves less what the replay needs kept (must_save.py)
+        recompute[seg.layer_index] += max(seg.candidate_bytes - seg.recompute_keeps, 0)
         sizes[seg.layer_index] += seg.candidate_sizes
     back = backward if backward is not None else [2.0 * f for f in forward]
     layers = tuple(

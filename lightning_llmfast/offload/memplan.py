@@ -2,7 +2,7 @@
 at the least added time.
 
 The model, per layer ``i`` of a :class:`~lightning_llmfast.offload.MemoryProfile` (saved bytes ``s_i`` in storages
-``t_i1, t_i2, ...`` in save order, of which ``r_i`` are outputs of cheap ops; forward ``f_i`` and backward ``b_i`` ms;
+``t_i1, t_i2, ...`` in save order, of which recomputation would free ``r_i``; forward ``f_i`` and backward ``b_i`` ms;
 recompute cost ``c_i``; link bandwidth ``w``; host ms per offloaded storage ``h``):
 
 - keep: frees nothing, costs nothing;
@@ -17,14 +17,14 @@ recompute cost ``c_i``; link bandwidth ``w``; host ms per offloaded storage ``h`
 Granularity: offloading is chosen per saved storage (a view shares its storage's copy), as a prefix in save order: the
 pack hook decides when a tensor is saved, before the layer's later tensors exist, so a layer offloads until its byte
 budget is spent (:class:`~.handles.Segment` ``budget``); every subset of storages of equal bytes would cost and free the
-same, so the prefix loses only which byte totals are reachable. Recomputation stays per layer (the group of cheap ops'
-outputs): selective recomputation replays the layer's forward, and what it drops is fixed by the op kinds. Rebuilds
-(``OffloadConfig.rebuild``) happen before the profile counts a layer's bytes.
+same, so the prefix loses only which byte totals are reachable. Recomputation stays per layer: selective
+recomputation replays the layer's forward, and what it keeps is fixed by the op kinds (measured, in the profile).
+Rebuilds (``OffloadConfig.rebuild``) happen before the profile counts a layer's bytes.
 
 The predicted step time is the measured one plus the costs. The predicted peak of live saved bytes follows the step
 (:func:`predict_peak`): the forward ends holding what every layer keeps, ``sum(s_i - freed_i)``; in backward each
 layer's kept bytes go when its backward is done, while the prefetched layers' bytes come back into
-``prefetch_layers + 1`` device buffer sets, each as large as the largest layer it held (in the pool's size classes).
+``prefetch_layers + 1`` device buffer sets, each as large as the largest layer it held (:func:`set_bytes`).
 
 The optimiser is exact for this model: dynamic programming over the layers from last to first (the order of backward),
 whose states are the largest layer in each buffer set, the kept bytes of the layers whose peak constraint waits for the
@@ -43,6 +43,7 @@ Example::
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -51,8 +52,8 @@ from dataclasses import dataclass
 from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload.plan import AUTO_MARGIN
-from lightning_llmfast.offload.pool import size_class
-from lightning_llmfast.offload.profile import MemoryProfile
+from lightning_llmfast.offload.pool import aligned_bytes, size_class
+from lightning_llmfast.offload.profile import LayerProfile, MemoryProfile
 
 __all__ = ["MECHANISMS", "MemoryPlan", "mechanism_cost", "plan_memory", "predict_peak"]
 
@@ -157,6 +158,27 @@ def mechanism_cost(
     return nbytes, max(0.0, copy_ms - forward) + max(0.0, copy_ms - backward) + host_ms
 
 
+def set_bytes(layer: LayerProfile, freed: int) -> int:
+    """Device bytes of the buffer set that brings back ``freed`` offloaded bytes of ``layer``: its first storages, each
+    starting at a 256-byte boundary (:func:`~.pool.aligned_bytes`), rounded to a size class (:func:`~.pool.size_class`).
+
+    Example::
+
+        set_bytes(LayerProfile(600, 0, 1.0, 2.0, 1.0, (100, 500)), 600)  # size_class(256 + 512)
+    """
+    return size_class(_aligned_prefixes(layer.storages).get(freed, freed))
+
+
+@functools.lru_cache(maxsize=256)
+def _aligned_prefixes(storages: tuple[int, ...]) -> dict[int, int]:
+    """Bytes of each prefix of ``storages`` -> the same storages' aligned span."""
+    spans, raw, aligned = {0: 0}, 0, 0
+    for nbytes in storages:
+        raw, aligned = raw + nbytes, aligned + aligned_bytes(nbytes)
+        spans.setdefault(raw, aligned)
+    return spans
+
+
 def predict_peak(profile: MemoryProfile, choices: Sequence[str], freed: Sequence[int], prefetch_layers: int = 1) -> int:
     """The most live saved bytes at once over a step that runs ``choices`` (see the module's model).
 
@@ -164,7 +186,7 @@ def predict_peak(profile: MemoryProfile, choices: Sequence[str], freed: Sequence
 
         predict_peak(profile, ["offload"] * n, [l.saved_bytes for l in profile.layers])  # two layers' buffer sets
 
-    An offloading layer's buffer set holds what it offloaded (its ``freed`` bytes), in the pool's size classes.
+    An offloading layer's buffer set holds what it offloaded (its ``freed`` bytes): :func:`set_bytes`.
     """
     kept = [layer.saved_bytes - f for layer, f in zip(profile.layers, freed)]
     live = peak = sum(kept)
@@ -175,7 +197,7 @@ def predict_peak(profile: MemoryProfile, choices: Sequence[str], freed: Sequence
         for k in range(j, max(j - prefetch_layers, 0) - 1, -1):  # prefetched when layer j's backward starts
             if choices[k] in ("offload", "nvme") and freed[k]:
                 s = k % len(sets)
-                sets[s] = max(sets[s], size_class(freed[k]))
+                sets[s] = max(sets[s], set_bytes(profile.layers[k], freed[k]))
         peak = max(peak, live + sum(sets))
     return peak
 
@@ -218,7 +240,7 @@ def _cheapest(
                 grew, pinned = largest, used
                 if name in ("offload", "nvme") and freed:
                     s = k % sets
-                    grew = (*largest[:s], max(largest[s], size_class(freed)), *largest[s + 1 :])
+                    grew = (*largest[:s], max(largest[s], set_bytes(layers[k], freed)), *largest[s + 1 :])
                 if name == "offload" and pinned_bytes is not None:
                     pinned += freed
                     if pinned > pinned_bytes:

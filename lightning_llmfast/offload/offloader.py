@@ -61,6 +61,7 @@ from lightning_llmfast.offload.layercalls import (
 )
 from lightning_llmfast.offload.memplan import MemoryPlan
 from lightning_llmfast.offload.meter import StepMeter
+from lightning_llmfast.offload.must_save import MustSaveCounter
 from lightning_llmfast.offload.nvme import NvmeTier
 from lightning_llmfast.offload.packing import Packer
 from lightning_llmfast.offload.planning import Planner
@@ -179,6 +180,13 @@ class ActivationOffloader:
         self.packer.enter_layer(self.layers[index], inputs)
         seg, waiting = self.calls.enter(index)
         self.packer.place(waiting, seg)
+        if self.calls.measuring and self.config.plan is not None and not seg.offload:  # what recomputing it keeps
+            seg.must_save = MustSaveCounter(self.config.min_offload_bytes).__enter__()
+            seg.must_save.note_inputs(tensors_in(inputs))
+        elif self._recomputed and self.memory_plan is not None and self.memory_plan.choices[index] == "recompute":
+            for t in tensors_in(inputs):  # the checkpoint holds the hidden states its replay starts from
+                if t.requires_grad:
+                    self.packer.count_stored(t)
         self.calls.started(seg)
         if self._metered():
             self.meter.mark("start", self._copier.timestamp(), first=True)  # type: ignore[union-attr]
@@ -188,6 +196,9 @@ class ActivationOffloader:
             return
         seg = self.calls.leave()
         assert seg is not None
+        if seg.must_save is not None:
+            seg.must_save.__exit__(None, None, None)
+            seg.recompute_keeps, seg.must_save = seg.must_save.kept_bytes, None
         self.packer.leave_layer()
         self.reloader.send(seg)
         # Dedup entries are only valid while this layer's sources are referenced; after it, an address could be

@@ -22,7 +22,6 @@ from lightning_llmfast.offload.layercalls import LayerCalls, tensors_in
 from lightning_llmfast.offload.nvme import NvmeTier
 from lightning_llmfast.offload.pool import PinnedBufferPool
 from lightning_llmfast.offload.rebuild import RebuildRecord, rebuild_origin, rebuild_record
-from lightning_llmfast.offload.recompute import recomputed_by_selective
 from lightning_llmfast.offload.residents import Residents
 
 __all__ = ["Packer"]
@@ -72,7 +71,6 @@ class Packer:
         self._scanned: set[int] = set()
         self._nested_hooks: list[Any] = []
         self._shared_inputs: set[int] = set()
-        self._inputs: set[int] = set()
         # Whether autocast caches its weight copies in the running layer call (read at the call: the pack hook runs
         # below the autocast dispatch key, where autocast always reads as disabled).
         self._autocast_caches = False
@@ -102,8 +100,6 @@ class Packer:
         # Inputs that need no grad (RoPE tables, masks, ids) are shared by every layer and alive outside it:
         # offloading them would copy them once per layer and free nothing.
         self._shared_inputs = {t.untyped_storage().data_ptr() for t in tensors_in(inputs) if not t.requires_grad}
-        # The others (the hidden states) are what recomputation starts from: kept, never recomputed.
-        self._inputs = {t.untyped_storage().data_ptr() for t in tensors_in(inputs) if t.requires_grad}
         self._autocast_caches = self._copier is not None and (
             torch.is_autocast_cache_enabled() and torch.is_autocast_enabled(self._copier.device.type)
         )
@@ -134,7 +130,6 @@ class Packer:
 
     def leave_layer(self) -> None:
         self._shared_inputs = set()
-        self._inputs = set()
 
     def pack(self, t: torch.Tensor) -> Any:
         """The pack hook's handle for ``t``: ``t`` itself (kept) or a :class:`Saved`/:class:`Recipe`."""
@@ -298,8 +293,8 @@ class Packer:
 
     def measure(self, t: torch.Tensor, seg: Segment) -> None:
         """Count ``t`` as kept by ``seg``: the measuring step counts what offloading would copy, deduplicated as
-        `offload` does, and what selective recomputation would drop (outputs of ops it does not keep; a layer's
-        inputs are kept); a memory plan's steps count what each layer keeps."""
+        `offload` does (what recomputation would keep is counted beside it, :mod:`.must_save`); a memory plan's steps
+        count what each layer keeps."""
         storage = t.untyped_storage()
         key = (storage.data_ptr(), t._version)
         known = seg.seen.get(key)
@@ -307,9 +302,6 @@ class Packer:
             seg.seen[key] = weakref.ref(storage)
             seg.candidate_bytes += storage.nbytes()
             seg.candidate_sizes.append(storage.nbytes())
-            fn = (t._base if t._base is not None else t).grad_fn
-            if fn is not None and key[0] not in self._inputs and recomputed_by_selective(fn.name()):
-                seg.recompute_bytes += storage.nbytes()
 
     def count_stored(self, t: torch.Tensor) -> None:
         """Count an output a recomputed layer stores for its backward (not through the pack hook) as kept by the

@@ -32,7 +32,7 @@ import torch
 from lightning_llmfast._checks import check_int, check_number
 from lightning_llmfast.errors import OffloadError
 
-__all__ = ["MAX_HEADROOM", "PinnedBufferPool", "pinned_bytes", "size_class"]
+__all__ = ["MAX_HEADROOM", "PinnedBufferPool", "aligned_bytes", "pinned_bytes", "size_class"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,17 @@ _STEPS_PER_OCTAVE = 4
 _ALIGN = 256
 # The smallest chunk: a step of many small storages takes a few chunks, not one per storage.
 _MIN_CHUNK_BYTES = 1 << 20
+
+
+def aligned_bytes(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of 256: the span of one block in a pool slice or a device buffer set.
+
+    Example::
+
+        >>> aligned_bytes(1), aligned_bytes(256), aligned_bytes(0)
+        (256, 256, 0)
+    """
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def size_class(nbytes: int) -> int:

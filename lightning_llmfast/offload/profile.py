@@ -34,7 +34,8 @@ class LayerProfile:
 
     Attributes:
         saved_bytes: bytes it keeps for backward (after rebuilds): what offloading it to the host removes.
-        recompute_bytes: the part of ``saved_bytes`` that selective recomputation removes (outputs of cheap ops).
+        recompute_bytes: the part of ``saved_bytes`` that selective recomputation frees (measured: what the layer
+            saves less its inputs and the outputs the policy keeps, :mod:`~lightning_llmfast.offload.must_save`).
         forward_ms: its forward time.
         backward_ms: its backward time.
         recompute_ms: what recomputing it adds to its backward (the replay of its forward).

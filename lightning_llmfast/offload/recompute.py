@@ -40,7 +40,13 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from lightning_llmfast._autograd import in_backward
 from lightning_llmfast.seqmeta.cache import activate_cache, active_cache
 
-__all__ = ["RECOMPUTE_MODES", "RecomputeHandle", "recompute_layer", "recompute_policy", "recomputed_by_selective"]
+__all__ = [
+    "RECOMPUTE_MODES",
+    "RecomputeHandle",
+    "recompute_layer",
+    "recompute_policy",
+    "saved_by_policy",
+]
 
 RECOMPUTE_MODES = (None, "selective")
 
@@ -74,6 +80,16 @@ def recompute_policy(_ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
     return _policy_for(op)
 
 
+def saved_by_policy(op: Any) -> bool:
+    """Whether :func:`recompute_policy` saves ``op``'s outputs (instead of recomputing them).
+
+    Example::
+
+        saved_by_policy(torch.ops.aten.mm.default), saved_by_policy(torch.ops.aten.mul.Tensor)  # (True, False)
+    """
+    return _policy_for(op) == CheckpointPolicy.MUST_SAVE
+
+
 @functools.lru_cache(maxsize=4096)
 def _policy_for(op: Any) -> CheckpointPolicy:
     # Called for every op of a recomputed layer's forward: decided once per op overload.
@@ -82,22 +98,6 @@ def _policy_for(op: Any) -> CheckpointPolicy:
     if attention or name in _SAVED_OPS or name in _ROUTING_OPS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def recomputed_by_selective(node_name: str) -> bool:
-    """Whether selective recomputation drops a saved output made by the autograd node ``node_name`` (an estimate from
-    the name, for the memory profile: matmul, grouped GEMM, attention and ``topk`` outputs are kept).
-
-    Example::
-
-        recomputed_by_selective("MulBackward0"), recomputed_by_selective("MmBackward0")  # (True, False)
-    """
-    name = node_name.lower().replace("_", "")
-    return not any(key in name for key in _KEPT_NODE_KEYS)
-
-
-# Lowercase pieces of the backward-node names of the ops `recompute_policy` keeps.
-_KEPT_NODE_KEYS = ("mm", "attention", "attn", "topk", "swiglu", "grouped")
 
 
 class _RecomputeContext:

@@ -15,17 +15,12 @@ from lightning_llmfast.offload.copier import Copier
 from lightning_llmfast.offload.handles import Block, Recipe, Saved, Segment
 from lightning_llmfast.offload.layercalls import LayerCalls
 from lightning_llmfast.offload.nvme import NvmeTier, NvmeWriteError
-from lightning_llmfast.offload.pool import PinnedBufferPool, size_class
+from lightning_llmfast.offload.pool import PinnedBufferPool, aligned_bytes, size_class
 
 __all__ = ["Reloader"]
 
-# Device-side offsets are aligned so that every reloaded dtype view is aligned like a fresh allocation (vectorised
-# CPU kernels and MKL pick their code path by alignment; a different path could change rounding).
-_ALIGN = 256
-
-
-def _aligned(nbytes: int) -> int:
-    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+# Device-side offsets are aligned (pool.aligned_bytes) so that every reloaded dtype view is aligned like a fresh
+# allocation (vectorised CPU kernels and MKL pick their code path by alignment; another path could change rounding).
 
 
 class Reloader:
@@ -156,7 +151,7 @@ class Reloader:
             # old buffer instead of holding it to the step's end (a partial layer's smaller set would).
             for block in self._calls.segments[previous].blocks:
                 block.flat = None
-        total = sum(_aligned(b.nbytes) for b in seg.blocks)
+        total = sum(aligned_bytes(b.nbytes) for b in seg.blocks)
         flat = self._sets[s]
         if flat is None or flat.numel() < total:
             # Grows to the largest layer (MoE layers differ per step, a partial layer is smaller), in size classes:
@@ -170,7 +165,7 @@ class Reloader:
         for block in seg.blocks:
             block.flat, block.offset, block.set_index = flat, offset, s
             pairs.append((flat[offset : offset + block.nbytes], self._host_bytes(block)))
-            offset += _aligned(block.nbytes)
+            offset += aligned_bytes(block.nbytes)
         d2h = {id(b.d2h_event): b.d2h_event for b in seg.blocks}  # one per layer call
         event = copier.copy(pairs, to_host=False, after=(compute_done, *d2h.values()))
         for block in seg.blocks:
@@ -201,13 +196,13 @@ class Reloader:
             self.counters["prefetch_hits"] += 1
         else:
             # Fallback: unpacked before its prefetch was issued, or after its buffer set was reused.
-            flat = torch.empty(_aligned(block.nbytes), dtype=torch.uint8, device=copier.device)
+            flat = torch.empty(aligned_bytes(block.nbytes), dtype=torch.uint8, device=copier.device)
             copier.compute_waits(block.d2h_event)
             flat[: block.nbytes].copy_(self._host_bytes(block), non_blocking=copier.is_cuda)
             block.reads.append(copier.mark_compute())
             offset = 0
             self.counters["lazy_reloads"] += 1
-        # Sets and fallback buffers are multiples of _ALIGN bytes, so every dtype view of them is exact.
+        # Sets and fallback buffers are multiples of 256 bytes, so every dtype view of them is exact.
         typed = flat.view(saved.dtype)
         return torch.as_strided(typed, saved.size, saved.stride, offset // saved.dtype.itemsize + saved.storage_offset)
 
