@@ -318,24 +318,32 @@ def _live_after_forward(model: MoEGPT, off: ActivationOffloader | None, ids: tor
     return live, [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize(
-    "fraction", [pytest.param(0.9, marks=pytest.mark.slow), pytest.param(0.7, marks=pytest.mark.slow), 0.5]
-)
-def test_auto_plan_on_the_12_layer_reference_model_meets_its_budget_bit_identically(
-    fraction: float, caplog: pytest.LogCaptureFixture
-) -> None:
+def _plan_and_run(fraction: float, seed: int) -> tuple[ActivationOffloader, int, int]:
+    """The 12-layer reference model's warm-up, profiled and planned steps under a plan for ``fraction`` of what it
+    saves, against the model without offload (gradients bit-identical at every step): the offloader, its budget and
+    the live bytes the planned forward freed (counted independently of the offloader)."""
     profile = _measured_profile(16, 12)
     budget = int(profile.saved_bytes * fraction)
     ref, model = _model(16, 12), _model(16, 12)
     # rebuild=None: the reference keeps what the offloader would otherwise rebuild, so only the plan differs.
     config = OffloadConfig(min_offload_bytes=0, force=True, plan="auto", budget=budget, rebuild=None, profile_steps=1)
     off = ActivationOffloader(model.layers, config)
-    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(seed))
+    for _ in range(3):  # warm-up, profiled, planned
+        live_ref, grads_ref = _live_after_forward(ref, None, ids)
+        live_off, grads_off = _live_after_forward(model, off, ids)
+        assert all(torch.equal(a, b) for a, b in zip(grads_ref, grads_off))
+    return off, budget, live_ref - live_off
+
+
+@pytest.mark.parametrize(
+    "fraction", [pytest.param(0.9, marks=pytest.mark.slow), pytest.param(0.7, marks=pytest.mark.slow), 0.5]
+)
+def test_auto_plan_on_the_12_layer_reference_model_meets_its_budget_bit_identically(
+    fraction: float, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.INFO, logger="lightning_llmfast.offload.planning"):
-        for _ in range(3):  # warm-up, profiled, planned
-            live_ref, grads_ref = _live_after_forward(ref, None, ids)
-            live_off, grads_off = _live_after_forward(model, off, ids)
-            assert all(torch.equal(a, b) for a, b in zip(grads_ref, grads_off))
+        off, budget, freed_live = _plan_and_run(fraction, seed=3)
     plan = off.memory_plan
     assert plan is not None and plan.predicted_peak <= budget and {"offload", "keep"} <= set(plan.choices)
     assert any("memory plan" in r.getMessage() and "predicted peak" in r.getMessage() for r in caplog.records)
@@ -344,7 +352,6 @@ def test_auto_plan_on_the_12_layer_reference_model_meets_its_budget_bit_identica
     assert metrics["measured_peak"] <= budget
     assert abs(metrics["measured_peak"] - plan.predicted_peak) <= 0.1 * plan.predicted_peak
     # and that account agrees with an independent one: what the plan freed at the forward's end, in live bytes
-    freed_live = live_ref - live_off
     freed_counted = plan.profile.saved_bytes - off.meter.forward_bytes
     assert abs(freed_live - freed_counted) <= 0.05 * plan.profile.saved_bytes, (freed_live, freed_counted)
     stats = off.stats
@@ -370,21 +377,12 @@ def test_a_plan_that_recomputes_keeps_what_it_predicted(fraction: float, monkeyp
         return freed, (0.0 if mechanism == "recompute" else added + 1e3)
 
     monkeypatch.setattr(memplan, "mechanism_cost", recompute_first)
-    profile = _measured_profile(16, 12)
-    budget = int(profile.saved_bytes * fraction)
-    ref, model = _model(16, 12), _model(16, 12)
-    config = OffloadConfig(min_offload_bytes=0, force=True, plan="auto", budget=budget, rebuild=None, profile_steps=1)
-    off = ActivationOffloader(model.layers, config)
-    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
-    for _ in range(3):  # warm-up, profiled, planned
-        live_ref, grads_ref = _live_after_forward(ref, None, ids)
-        live_off, grads_off = _live_after_forward(model, off, ids)
-        assert all(torch.equal(a, b) for a, b in zip(grads_ref, grads_off))
+    off, budget, freed_live = _plan_and_run(fraction, seed=5)
     plan = off.memory_plan
     assert plan is not None and "recompute" in plan.choices
     assert off.step_metrics()["measured_peak"] == plan.predicted_peak <= budget
     # an independent count: the live bytes the planned forward leaves against the reference's (the bound of the test
     # above: the live count also sees what no layer call saves)
-    freed_live, freed_counted = live_ref - live_off, plan.profile.saved_bytes - off.meter.forward_bytes
+    freed_counted = plan.profile.saved_bytes - off.meter.forward_bytes
     assert abs(freed_live - freed_counted) <= 0.05 * plan.profile.saved_bytes, (freed_live, freed_counted)
     off.close()
