@@ -91,10 +91,18 @@ class _ThreadClockOffloader(ActivationOffloader):
 CLOCKS = {"thread": _ThreadClockOffloader, "wall": ActivationOffloader}
 
 
+def _timed_step(model: MoEGPT, off: ActivationOffloader | None, ids: torch.Tensor) -> dict[str, float]:
+    """One step, timed by both clocks."""
+    wall, thread = time.perf_counter(), time.thread_time()
+    _step(model, off, ids)
+    return {"wall": (time.perf_counter() - wall) * 1e3, "thread": (time.thread_time() - thread) * 1e3}
+
+
 def _planned_runs(
-    hidden: int, layers: int, ids: torch.Tensor, saved: int
+    hidden: int, layers: int, ids: torch.Tensor, saved: int, profile_steps: int, baseline: list[dict[str, float]]
 ) -> dict[str, tuple[MoEGPT, ActivationOffloader | None]]:
-    """The baseline and an offloader per budget and clock, every model warmed up and every plan made."""
+    """The baseline and an offloader per budget and clock, every model warmed up and every plan made; the
+    baseline's steps between the profiled ones are appended to ``baseline``."""
     models = {name: _model(hidden, layers) for name in ["off"] + [f"{f:.0%} {c}" for c in CLOCKS for f in FRACTIONS]}
     for _ in range(WARM_UP):  # the process's heap and caches settle before any step is profiled
         for model in models.values():
@@ -103,32 +111,37 @@ def _planned_runs(
     for clock, offloader in CLOCKS.items():
         for fraction in FRACTIONS:
             model = models[f"{fraction:.0%} {clock}"]
-            config = OffloadConfig(min_offload_bytes=0, force=True, plan="auto", budget=int(saved * fraction))
+            config = OffloadConfig(min_offload_bytes=0, force=True, plan="auto", budget=int(saved * fraction),
+                                   profile_steps=profile_steps)  # fmt: skip
             runs[f"{fraction:.0%} {clock}"] = (model, offloader(model.layers, config))
     while any(off is not None and off.memory_plan is None for _, off in runs.values()):
         for model, off in runs.values():  # the profiled steps, interleaved: every plan sees the same load
-            if off is not None and off.memory_plan is None:
+            if off is None:
+                baseline.append(_timed_step(model, off, ids))
+            elif off.memory_plan is None:
                 _step(model, off, ids)
     return runs
 
 
-def run(hidden: int = 64, layers: int = 12, tokens: int = 128, repeats: int = 15, threads: int = 1) -> dict[str, Any]:
+def run(
+    hidden: int = 64, layers: int = 12, tokens: int = 128, repeats: int = 15, threads: int = 1, profile_steps: int = 7
+) -> dict[str, Any]:
     torch.set_num_threads(threads)
     load_before = os.getloadavg()
     ids = torch.randint(0, VOCAB, (2, tokens), generator=torch.Generator().manual_seed(0))
     saved = _saved_bytes(hidden, layers, ids)
-    runs = _planned_runs(hidden, layers, ids, saved)
+    profiled_baseline: list[dict[str, float]] = []
+    runs = _planned_runs(hidden, layers, ids, saved, profile_steps, profiled_baseline)
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
 
     def impl(name: str) -> Any:
         model, off = runs[name]
 
         def step(r: int) -> None:
-            start = time.perf_counter()
-            _step(model, off, ids)
-            wall = (time.perf_counter() - start) * 1e3
+            times = _timed_step(model, off, ids)
             if r >= 0:
-                samples[name].append({"wall_ms": wall, **(off.step_metrics() if off is not None else {})})
+                samples[name].append({"wall_ms": times["wall"], "thread_ms": times["thread"],
+                                      **(off.step_metrics() if off is not None else {})})  # fmt: skip
 
         return step
 
@@ -139,10 +152,19 @@ def run(hidden: int = 64, layers: int = 12, tokens: int = 128, repeats: int = 15
         "shape": {"hidden": hidden, "layers": layers, "tokens": [2, tokens]},
         "repeats": repeats,
         "threads": threads,
+        "profile_steps": profile_steps,
         "saved_bytes": saved,
         "budgets": {},
         "date": datetime.date.today().isoformat(),
     }
+    # The machine's own drift between the profiled and the measured steps, per clock: the unplanned baseline's
+    # median step in the second phase over its median in the first (a shared host's speed moves over seconds).
+    drift = {
+        clock: statistics.median(s[f"{clock}_ms"] for s in samples["off"])
+        / statistics.median(s[clock] for s in profiled_baseline)
+        for clock in CLOCKS
+    }
+    report["baseline_drift"] = drift
     for name, (_, off) in runs.items():
         if off is None:
             continue
@@ -168,6 +190,7 @@ def run(hidden: int = 64, layers: int = 12, tokens: int = 128, repeats: int = 15
             "time_ratio_median": statistics.median(ratios),
             "time_ratio_range": [min(ratios), max(ratios)],
             "time_within_15pct": abs(statistics.median(ratios) - 1) <= TOLERANCE,
+            "time_ratio_over_drift": statistics.median(ratios) / drift[clock],
             "step_vs_off": statistics.median(s["wall_ms"] for s in rows) / off_ms,
             "stats": {k: v for k, v in off.stats.items() if k in STAT_KEYS},
         }
@@ -180,8 +203,8 @@ def run(hidden: int = 64, layers: int = 12, tokens: int = 128, repeats: int = 15
 def summary(report: dict[str, Any]) -> str:
     rows = [
         "| budget, clock | keep/recompute/offload (part) | measured / predicted peak | within budget | predicted ms | "
-        "measured / predicted ms: median [range] | step vs off |",
-        "|---|---|---|---|---|---|---|",
+        "measured / predicted ms: median [range] | same / machine drift | step vs off |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, b in report["budgets"].items():
         counts = "/".join(str(b["choices"].count(m)) for m in ("keep", "recompute", "offload"))
@@ -189,8 +212,11 @@ def summary(report: dict[str, Any]) -> str:
         low, high = b["time_ratio_range"]
         rows.append(
             f"| {name} | {counts} | {b['peak_ratio']:.3f} | {b['peak_within_budget']} | {b['predicted_ms']:.1f} | "
-            f"{b['time_ratio_median']:.3f} [{low:.3f}, {high:.3f}] | {b['step_vs_off']:.3f} |"
+            f"{b['time_ratio_median']:.3f} [{low:.3f}, {high:.3f}] | {b['time_ratio_over_drift']:.3f} | "
+            f"{b['step_vs_off']:.3f} |"
         )
+    drift = ", ".join(f"{clock} {ratio:.3f}" for clock, ratio in report["baseline_drift"].items())
+    rows.append(f"\nmachine drift (baseline step, measured phase / profiled phase): {drift}")
     load = report["load_average"]
     rows.append(f"\nload average (1/5/15 min) before {load['before']}, after {load['after']}")
     return "\n".join(rows)
@@ -203,9 +229,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--profile-steps", type=int, default=7, help="OffloadConfig.profile_steps (and probe steps)")
     parser.add_argument("--out", type=Path, default=None, help="JSON report path")
     args = parser.parse_args()
-    report = run(args.hidden, args.layers, args.tokens, args.repeats, args.threads)
+    report = run(args.hidden, args.layers, args.tokens, args.repeats, args.threads, args.profile_steps)
     out = args.out or Path(__file__).parent / "results" / f"cpu_memplan_{report['date']}.json"
     out.write_text(json.dumps(report, indent=2, default=float))
     print(summary(report))

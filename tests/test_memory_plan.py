@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves
 
 from lightning_llmfast.errors import OffloadError
@@ -385,4 +385,32 @@ def test_a_plan_that_recomputes_keeps_what_it_predicted(fraction: float, monkeyp
     # above: the live count also sees what no layer call saves)
     freed_counted = plan.profile.saved_bytes - off.meter.forward_bytes
     assert abs(freed_live - freed_counted) <= 0.05 * plan.profile.saved_bytes, (freed_live, freed_counted)
+    # per layer call: a recomputing layer keeps exactly what the warm-up step counted it would keep
+    for i, layer in enumerate(plan.profile.layers):
+        assert off.meter.kept_bytes[i] == layer.saved_bytes - plan.freed_bytes[i], (i, plan.choices[i])
     off.close()
+
+
+def test_only_the_warm_up_step_runs_the_must_save_counter() -> None:
+    """The counter is a dispatch mode with a Python call per op: the profiled steps, whose times the plan predicts
+    from, run without it, and what it counted in the warm-up step still reaches their profile."""
+    model = _model(16, 3)
+    modes: list[list[bool]] = []
+
+    def seen(module: torch.nn.Module, args: Any) -> None:
+        modes[-1].append(isinstance(_get_current_dispatch_mode(), MustSaveCounter))
+
+    config = OffloadConfig(min_offload_bytes=0, force=True, plan="auto", budget=10**12, profile_steps=3)
+    off = ActivationOffloader(model.layers, config)
+    for layer in model.layers:  # after the offloader's own hook, which enters the counter
+        layer.register_forward_pre_hook(seen)
+    g = torch.Generator().manual_seed(0)
+    while off.memory_plan is None:
+        modes.append([])
+        ids = torch.randint(0, VOCAB, (2, 8), generator=g)
+        with off:
+            F.cross_entropy(model(ids).flatten(0, 1), ids.roll(-1, 1).flatten()).backward()
+    off.close()
+    # a warm-up step, then three profiled steps alternating with three probe steps
+    assert modes == [[True] * 3] + [[False] * 3] * 6
+    assert all(0 < layer.recompute_bytes < layer.saved_bytes for layer in off.memory_plan.profile.layers)

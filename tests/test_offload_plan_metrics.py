@@ -250,11 +250,13 @@ def test_the_memory_plan_alternates_profiled_and_probe_steps_and_plans_from_thei
     kept = [p for probe, p in profiled if not probe]
     plan = off.memory_plan
     assert plan is not None and plan.profile.layers == measure.median_profile(kept).layers
-    # the host time per offloaded storage, from the formula: (median probe time - kept time - copies) / storages
+    # the host time per offloaded storage, from the formula: (median over neighbouring pairs of the probe's time less
+    # the kept step's before it, less the copies) / storages
     layers_kept = plan.profile.layers[: off.calls.eligible]
     copies = sum(2 * layer.saved_bytes for layer in layers_kept) / plan.profile.bandwidth_bytes_per_ms
-    probe_ms = sorted(sum(x.forward_ms + x.backward_ms for x in p.layers) for probe, p in profiled if probe)[1]
+    times = [sum(x.forward_ms + x.backward_ms for x in p.layers) for _, p in profiled]
+    added = sorted(probe - keep for keep, probe in zip(times[0::2], times[1::2]))[1]
     storages = sum(len(layer.tensor_bytes) for layer in layers_kept)
-    expected = max(0.0, (probe_ms - plan.profile.step_ms - copies) / storages)
+    expected = max(0.0, (added - copies) / storages)
     assert plan.profile.storage_ms == pytest.approx(expected)
     off.close()

@@ -102,7 +102,7 @@ class Segment:
     rebuilt: dict[tuple[int, int], tuple[Any, Shared]] = field(default_factory=dict)
     candidate_bytes: int = 0
     candidate_sizes: list[int] = field(default_factory=list)  # the bytes of each storage counted, in order
-    must_save: Any = None  # a MustSaveCounter while this call's forward runs in a measuring step
+    must_save: Any = None  # a MustSaveCounter while this call's forward runs in a memory plan's warm-up step
     recompute_keeps: int = 0  # what selective recomputation of this call would keep (must_save.py)
     started: Any = None
     ended: Any = None

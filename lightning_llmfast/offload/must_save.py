@@ -5,8 +5,9 @@ attention kernel and ``topk`` of a recomputed layer, whether or not autograd sav
 backward starts from them (the router's logits feed a recomputed softmax, an output projection a recomputed residual
 add). The memory profile sees only what autograd saves (the pack hook), and a guess from the saving ops' names
 overstated what recomputation frees: on the 12-layer reference model at hidden 16 it credited a layer with 18,048
-bytes, where recomputing it kept 49,152 of its 62,664. So a measuring step counts, with a dispatch mode around each
-layer call, what recomputation would keep (:func:`~lightning_llmfast.offload.measure.measure_profile`).
+bytes, where recomputing it kept 49,152 of its 62,664. So a memory plan's warm-up step counts, with a dispatch
+mode around each layer call, what recomputation would keep; the profiled steps run without it, as its per-op Python
+cost would slow the layers they time (:func:`~lightning_llmfast.offload.measure.measure_profile`).
 
 Example::
 

@@ -180,7 +180,7 @@ class ActivationOffloader:
         self.packer.enter_layer(self.layers[index], inputs)
         seg, waiting = self.calls.enter(index)
         self.packer.place(waiting, seg)
-        if self.calls.measuring and self.config.plan is not None and not seg.offload:  # what recomputing it keeps
+        if self.calls.measuring and self.planner.counting_keeps:  # what recomputing it keeps (warm-up step only)
             seg.must_save = MustSaveCounter(self.config.min_offload_bytes).__enter__()
             seg.must_save.note_inputs(tensors_in(inputs))
         elif self._recomputed and self.memory_plan is not None and self.memory_plan.choices[index] == "recompute":

@@ -1,12 +1,12 @@
 """The ``"auto"`` plans of an :class:`~lightning_llmfast.offload.ActivationOffloader`, made from its measuring steps.
 
 ``offload_layers="auto"``: one measuring step, then :func:`~.measure.auto_plan` (as many leading layers as the copies
-hide). ``plan="auto"``: a warm-up step, then ``profile_steps`` profiled steps (alternating, where copies do not overlap
-compute and ``profile_steps >= PROBE_STEPS``, with as many probe steps that offload every eligible layer, and then the
-warm-up step offloads too), then :func:`~.measure.memory_plan`. A step whose
-layers ran no backward (a forward under ``no_grad``, an evaluation pass) measured nothing: the next step measures
-again. Either plan is adopted by the layer-call policy and sizes the pinned pool before its first step; without a plan
-the first step that offloads sizes it.
+hide). ``plan="auto"``: a warm-up step (which also counts what recomputing each layer would keep), then
+``profile_steps`` profiled steps (alternating, where copies do not overlap compute and ``profile_steps >=
+PROBE_STEPS``, with as many probe steps that offload every eligible layer, and then the warm-up step offloads too),
+then :func:`~.measure.memory_plan`. A step whose layers ran no backward (a forward under ``no_grad``, an evaluation
+pass) measured nothing: the next step measures again. Either plan is adopted by the layer-call policy and sizes the
+pinned pool before its first step; without a plan the first step that offloads sizes it.
 
 Example::
 
@@ -71,6 +71,10 @@ class Planner:
         # plan="auto": the first measuring step only warms up: its times carry one-time costs (first calls of each
         # op, lazily built caches) of several times a step
         self._warm_up = True
+        # what selective recomputation of each layer call keeps (must_save.py), counted in the warm-up step only: the
+        # counter is a dispatch mode whose per-op Python cost would inflate the profiled steps' times (on the
+        # 12-layer reference model at hidden 64, their layers ran 1.3x to 1.4x as long as the planned steps')
+        self._recompute_keeps: list[int] = []
         self._profiles: list[MemoryProfile] = []  # the profiled steps so far that kept everything
         self._probes: list[MemoryProfile] = []  # and those that offloaded every eligible layer
 
@@ -79,6 +83,11 @@ class Planner:
         the first probe does not pay the pool's allocation and the offload path's first calls)."""
         if self.config.plan == "auto" and self._warm_up and copier is not None:
             self._calls.probing = self._probes_wanted(copier)
+
+    @property
+    def counting_keeps(self) -> bool:
+        """Whether this step's layer calls count what recomputing them keeps: a memory plan's warm-up step."""
+        return self.config.plan == "auto" and self._warm_up
 
     def _probes_wanted(self, copier: Copier) -> bool:
         # The host time per storage is a small difference of two step times: on a shared host one pair of steps
@@ -92,6 +101,7 @@ class Planner:
             return
         if self.config.plan == "auto" and self._warm_up:
             self._warm_up = self._calls.probing = False
+            self._recompute_keeps = [seg.recompute_keeps for seg in segments]
         elif self.config.plan == "auto":
             self._profile_step(segments, copier)
         else:
@@ -133,8 +143,9 @@ class Planner:
         """
         end = copier.timestamp()
         profile = measure.measure_profile(
-            segments, self._num_layers, copier, pinned=self._pool.pinned, backward_end=end
-        )
+            segments, self._num_layers, copier, pinned=self._pool.pinned, backward_end=end,
+            recompute_keeps=self._recompute_keeps,
+        )  # fmt: skip
         (self._probes if self._calls.probing else self._profiles).append(profile)
         steps = self.config.profile_steps
         probes = steps if self._probes_wanted(copier) else 0
