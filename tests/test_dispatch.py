@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_llmfast.errors import RoutingError
-from lightning_llmfast.moe import MoEBlock, MoEConfig, permute, route, unpermute
+from lightning_llmfast.moe import MoEBlock, MoEConfig, dispatch, permute, route, unpermute
 from lightning_llmfast.moe.dispatch import _gather_rows_into, _permute_grouped_mm, compute_copy, routed_swiglu
 from lightning_llmfast.moe.experts import _grouped_mm, _swiglu_down, grouped_swiglu
 from lightning_llmfast.moe.permute import _pair_values_to_rows, _plan_indices
@@ -123,11 +123,22 @@ ROUTINGS = [
 ]
 
 
+@pytest.mark.parametrize("bands", [None, 3])
 @pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "capacity_factor", "skewed"), ROUTINGS)
 def test_routed_swiglu_matches_unfused_and_float64(
-    num_tokens: int, num_experts: int, top_k: int, capacity_factor: float | None, skewed: bool, kernel_backend: str
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    capacity_factor: float | None,
+    skewed: bool,
+    bands: int | None,
+    kernel_backend: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Output and the gradients of tokens, router logits and both expert weights, in float32."""
+    """Output and the gradients of tokens, router logits and both expert weights, in float32; also with the rows
+    in 3 bands (the CPU path for large activations), whose group ends and pairs cut across the bands."""
+    if bands is not None:
+        monkeypatch.setattr(dispatch, "_row_bands", lambda num_rows, x, down: dispatch._slices(num_rows, bands))
     g = torch.Generator().manual_seed(num_tokens * 31 + num_experts)
     base = [
         torch.randn(num_tokens, H, generator=g),
@@ -156,6 +167,18 @@ def test_routed_swiglu_matches_unfused_and_float64(
         torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(fused.double(), loop, rtol=1e-5, atol=1e-5)
     assert runs[2][2].abs().sum() > 0 or num_experts == 1  # router gradients exist and are compared
+
+
+def test_row_bands_only_where_cpu_activations_are_mapped_afresh() -> None:
+    """Bands for a 32 MiB (M, 2F) float32 activation with small expert weights on CPU; none where the partial
+    weight gradients would outweigh it, below 32 MiB, or off the CPU."""
+    rows = torch.empty(0, 256)
+    assert dispatch._row_bands(8192, rows, torch.empty(8, 512, 256)) == [slice(0, 4096), slice(4096, 8192)]
+    assert dispatch._row_bands(65536, rows, torch.empty(64, 512, 256)) == [slice(0, 65536)]
+    assert dispatch._row_bands(8191, rows, torch.empty(8, 512, 256)) == [slice(0, 8191)]
+    assert dispatch._row_bands(8192, rows.to("meta"), torch.empty(8, 512, 256)) == [slice(0, 8192)]
+    assert dispatch._slices(7, 3) == [slice(0, 3), slice(3, 6), slice(6, 7)]
+    assert dispatch._slices(1, 3) == [slice(0, 1)]
 
 
 def test_moe_block_keeps_no_row_tensors_for_backward() -> None:
