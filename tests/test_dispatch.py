@@ -138,7 +138,7 @@ def test_routed_swiglu_matches_unfused_and_float64(
     """Output and the gradients of tokens, router logits and both expert weights, in float32; also with the rows
     in 3 bands (the CPU path for large activations), whose group ends and pairs cut across the bands."""
     if bands is not None:
-        monkeypatch.setattr(dispatch, "_row_bands", lambda num_rows, x, down: dispatch._slices(num_rows, bands))
+        monkeypatch.setattr(dispatch, "_row_bands", lambda num_rows, *_: dispatch._slices(num_rows, bands))
     g = torch.Generator().manual_seed(num_tokens * 31 + num_experts)
     base = [
         torch.randn(num_tokens, H, generator=g),
@@ -171,12 +171,13 @@ def test_routed_swiglu_matches_unfused_and_float64(
 
 def test_row_bands_only_where_cpu_activations_are_mapped_afresh() -> None:
     """Bands for a 32 MiB (M, 2F) float32 activation with small expert weights on CPU; none where the partial
-    weight gradients would outweigh it, below 32 MiB, or off the CPU."""
+    weight gradients would outweigh it, below 32 MiB, on the Triton path or off the CPU."""
     rows = torch.empty(0, 256)
-    assert dispatch._row_bands(8192, rows, torch.empty(8, 512, 256)) == [slice(0, 4096), slice(4096, 8192)]
-    assert dispatch._row_bands(65536, rows, torch.empty(64, 512, 256)) == [slice(0, 65536)]
-    assert dispatch._row_bands(8191, rows, torch.empty(8, 512, 256)) == [slice(0, 8191)]
-    assert dispatch._row_bands(8192, rows.to("meta"), torch.empty(8, 512, 256)) == [slice(0, 8192)]
+    assert dispatch._row_bands(8192, rows, torch.empty(8, 512, 256), "torch") == [slice(0, 4096), slice(4096, 8192)]
+    assert dispatch._row_bands(65536, rows, torch.empty(64, 512, 256), "torch") == [slice(0, 65536)]
+    assert dispatch._row_bands(8191, rows, torch.empty(8, 512, 256), "torch") == [slice(0, 8191)]
+    assert dispatch._row_bands(8192, rows, torch.empty(8, 512, 256), "triton") == [slice(0, 8192)]
+    assert dispatch._row_bands(8192, rows.to("meta"), torch.empty(8, 512, 256), "torch") == [slice(0, 8192)]
     assert dispatch._slices(7, 3) == [slice(0, 3), slice(3, 6), slice(6, 7)]
     assert dispatch._slices(1, 3) == [slice(0, 1)]
 

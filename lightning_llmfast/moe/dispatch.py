@@ -245,7 +245,7 @@ def expert_swiglu(rows: ExpertRows, gate_up: Tensor, down: Tensor, act: Callable
     ends = rows.offsets[1:]
     if rows.padded:
         ends = F.pad(rows.offsets[1:-1], (0, 1), value=gather.tokens.shape[0])
-    bands = _row_bands(gather.tokens.shape[0], x_compute, down)
+    bands = _row_bands(gather.tokens.shape[0], x_compute, down, gather.backend)
     if len(bands) > 1:
         return torch.cat([_band_swiglu(rows, gate_up, down, ends, band) for band in bands])
     hidden = _permute_grouped_mm(
@@ -268,16 +268,17 @@ def expert_swiglu(rows: ExpertRows, gate_up: Tensor, down: Tensor, act: Callable
 _BAND_BYTES = 16 << 20
 
 
-def _row_bands(num_rows: int, x_compute: Tensor, down: Tensor) -> list[slice]:
-    """Row bands for :func:`expert_swiglu`: one band, unless on CPU the ``(M, 2F)`` first GEMM output would be
-    mapped afresh (``_BAND_BYTES``) and the bands' partial weight gradients (each band's ``grouped_mm`` writes
-    all ``E`` experts' ``(H, 2F)`` and ``(F, H)`` gradients, summed by autograd) stay under half its size."""
+def _row_bands(num_rows: int, x_compute: Tensor, down: Tensor, backend: str) -> list[slice]:
+    """Row bands for :func:`expert_swiglu`: one band, unless on the CPU reference path (``backend`` ``"torch"``; the
+    Triton path keeps its launches on any device) the ``(M, 2F)`` first GEMM output would be mapped afresh
+    (``_BAND_BYTES``) and the bands' partial weight gradients (each band's ``grouped_mm`` writes all ``E`` experts'
+    ``(H, 2F)`` and ``(F, H)`` gradients, summed by autograd) stay under half its size."""
     experts, ffn, hidden = down.shape
     width = 2 * ffn
     nbytes = num_rows * width * x_compute.element_size()
     count = -(-nbytes // _BAND_BYTES) if nbytes >= 2 * _BAND_BYTES else 1
     partial_sums = (count - 1) * experts * 3 * hidden * ffn
-    if x_compute.device.type != "cpu" or 2 * partial_sums > num_rows * width:
+    if x_compute.device.type != "cpu" or backend != "torch" or 2 * partial_sums > num_rows * width:
         count = 1
     return _slices(num_rows, count)
 
