@@ -163,11 +163,14 @@ class LayerCalls:
     def leave(self) -> Segment | None:
         """The running layer call ends: it, or ``None`` when none runs."""
         seg, self.current = self.current, None
-        if seg is not None and self.measuring:
-            assert self._copier is not None
-            seg.ended = self._copier.timestamp()
         self.hot = self.wants_pack(None)
         return seg
+
+    def ended(self, seg: Segment) -> None:
+        """Timestamp the end of ``seg``'s forward, after the offloader's work on it (measuring steps only)."""
+        if self.measuring:
+            assert self._copier is not None
+            seg.ended = self._copier.timestamp()
 
     def backward_started(self, seg_index: int) -> None:
         """Layer call ``seg_index``'s backward starts (measuring steps record when and the memory then)."""

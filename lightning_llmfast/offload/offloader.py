@@ -208,6 +208,7 @@ class ActivationOffloader:
         # tensor that one op never reads back dies with that op's node, not at the end of the step.
         seg.rebuilt.clear()
         self.reloader.hold_sources(seg)
+        self.calls.ended(seg)
         if self._metered():
             self.meter.layer_ended(seg.index, seg.candidate_bytes)  # an offloading call counts what it keeps
             self.meter.mark("forward_end", self._copier.timestamp())  # type: ignore[union-attr]
