@@ -1,5 +1,6 @@
 """The NVMe tier: storages past the pinned pool's budget go to files and come back bit-identically; files never
-outlive their step, the tier, an exception or the process; a full disk falls back to keeping and warns."""
+outlive their step, the tier, an exception or the process; a full disk keeps what it failed to write on the device,
+recomputes the layers left in the step, and warns."""
 
 from __future__ import annotations
 
@@ -166,6 +167,44 @@ def test_a_full_disk_keeps_the_rest_of_the_step_on_the_device_and_warns_once(tmp
     assert len([w for w in caught if "No space left" in str(w.message)]) == 1
     stats = off.stats
     assert stats["nvme_failures"] >= 1 and stats["spilled_bytes"] > 0 and stats["nvme_files"] == 0
+    off.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_after_a_failed_write_the_layers_left_in_the_step_recompute_instead_of_spilling(tmp_path: Path) -> None:
+    ref, model = _model(5), _model(5)
+    off = _offloader(model, tmp_path)  # every offloaded storage goes to a file
+    expected = _step(ref, None, 9)
+    assert all(torch.equal(a, b) for a, b in zip(expected, _step(model, off, 9)))
+    calls: list[int] = []
+
+    def full_disk(path: str, data: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    def wait_for_the_writes(module: torch.nn.Module, args: Any) -> None:
+        # the writes run on worker threads: let layer 0's fail before layer 1 runs, so layer 1's end sees the failure
+        for seg in off.calls.segments:
+            for block in seg.blocks:
+                if block.spill is not None:
+                    block.spill.written.exception(timeout=30)
+        calls.append(len(off._recomputed))
+
+    assert off.packer.nvme is not None
+    off.packer.nvme._writer = full_disk
+    hook = model.layers[1].register_forward_pre_hook(wait_for_the_writes)
+    with pytest.warns(RuntimeWarning, match="No space left on device"):
+        grads = _step(model, off, 9)
+    hook.remove()
+    assert all(torch.equal(a, b) for a, b in zip(expected, grads))  # recomputation is bit-identical
+    # the offloading layers after layer 1 (all but the kept last one) had not run when the failure was seen at layer
+    # 1's end: they recomputed, spilling nothing
+    assert off.calls.eligible == 4
+    assert calls == [0] and off.stats["recompute_layers"] == 2 and off.stats["nvme_files"] == 0
+    assert all(model.layers[i].__dict__.get("forward") is None for i in range(5))  # unwrapped at the step's end
+    # the next step spills again (a disk that has room again)
+    off.packer.nvme._writer = write_file
+    assert all(torch.equal(a, b) for a, b in zip(expected, _step(model, off, 9)))
+    assert off.stats["recompute_layers"] == 0 and off.stats["spilled_bytes"] > 0
     off.close()
     assert os.listdir(tmp_path) == []
 

@@ -106,6 +106,13 @@ class LayerCalls:
         self.chosen, self.planned, self.partial, self.nvme = layers, len(layers), 0, nvme
         self.budgets, self.probing = dict(budgets or {}), False
 
+    def spilling(self, index: int) -> bool:
+        """Whether layer ``index``'s offloads may go to the NVMe tier this step: a memory plan sends it there, or,
+        without one, it offloads and the pinned budget decides (used once the tier has failed in a step)."""
+        if self.chosen is not None:
+            return index in self.nvme
+        return self.planned is not None and (index < self.planned or (index == self.planned and self.partial > 0))
+
     def offload_layers(self) -> int:
         """How many leading layers offload under the plan (0 while measuring)."""
         return self.planned or 0
@@ -163,11 +170,14 @@ class LayerCalls:
     def leave(self) -> Segment | None:
         """The running layer call ends: it, or ``None`` when none runs."""
         seg, self.current = self.current, None
-        if seg is not None and self.measuring:
-            assert self._copier is not None
-            seg.ended = self._copier.timestamp()
         self.hot = self.wants_pack(None)
         return seg
+
+    def ended(self, seg: Segment) -> None:
+        """Timestamp the end of ``seg``'s forward, after the offloader's work on it (measuring steps only)."""
+        if self.measuring:
+            assert self._copier is not None
+            seg.ended = self._copier.timestamp()
 
     def backward_started(self, seg_index: int) -> None:
         """Layer call ``seg_index``'s backward starts (measuring steps record when and the memory then)."""

@@ -11,7 +11,8 @@ filesystem allow it, and plainly where they refuse (tmpfs, macOS).
 Files go when their block is released (the step's end, or at once after an error), the directory when the tier is
 closed, when it is garbage-collected and at interpreter exit (``weakref.finalize``). A write that fails (a full disk:
 ``ENOSPC``, or any ``OSError``) raises :class:`NvmeWriteError` on its worker; the offloader then keeps that storage
-on the device (its bytes were still referenced), spills nothing more for the rest of the step, and warns.
+on the device (its bytes were still referenced), spills nothing more for the rest of the step (the layers left in it
+that would spill recompute instead), and warns.
 
 On CUDA a worker first copies the device bytes to host memory on a stream of its own, after the compute that made
 them (an event), blocking only itself.

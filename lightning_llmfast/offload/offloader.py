@@ -131,6 +131,7 @@ class ActivationOffloader:
         self.planner = Planner(config, self.calls, self.pool, self.reloader, self.packer, len(self.layers))
         self._copier: Copier | None = None
         self._recomputed: list[RecomputeHandle] = []
+        self._fallback: set[int] = set()  # layers recomputing for the rest of the step after the NVMe tier failed
         self._recompute_layers = 0  # layers wrapped in the last step
         self._in_step = False
         self._handles = [h for i, layer in enumerate(self.layers) for h in self._hook_layer(i, layer)]
@@ -208,6 +209,9 @@ class ActivationOffloader:
         # tensor that one op never reads back dies with that op's node, not at the end of the step.
         seg.rebuilt.clear()
         self.reloader.hold_sources(seg)
+        if self.packer.nvme is not None and self.packer.nvme.full:
+            self._recompute_rest_of_step()
+        self.calls.ended(seg)
         if self._metered():
             self.meter.layer_ended(seg.index, seg.candidate_bytes)  # an offloading call counts what it keeps
             self.meter.mark("forward_end", self._copier.timestamp())  # type: ignore[union-attr]
@@ -270,12 +274,24 @@ class ActivationOffloader:
         offloader runs them, and two offloaders over the same layers never stack wrappers.
         """
         self._remove_recompute()
+        self._fallback = set()
         planned = self.calls.planned
         if self._copier is not None and self.memory_plan is not None:
             recomputed = sorted(self.memory_plan.layers("recompute"))
             self._recomputed = [recompute_layer(self.layers[i], self.packer.count_stored) for i in recomputed]
         elif self.config.recompute is not None and self._copier is not None and planned is not None:
             self._recomputed = [recompute_layer(layer) for layer in self.layers[planned:]]
+        self._recompute_layers = len(self._recomputed)
+
+    def _recompute_rest_of_step(self) -> None:
+        """The NVMe tier failed a write in this step (a full disk): the layers not yet run that would spill to it
+        recompute instead, for the rest of the step, so their bytes neither go to the tier nor all stay on the
+        device. (The storages already saved stay on the device.) The next step spills again."""
+        called = {seg.layer_index for seg in self.calls.segments}
+        for i, layer in enumerate(self.layers):
+            if i not in called and i not in self._fallback and self.calls.spilling(i):
+                self._recomputed.append(recompute_layer(layer, self.packer.count_stored))
+                self._fallback.add(i)
         self._recompute_layers = len(self._recomputed)
 
     def _remove_recompute(self) -> None:
