@@ -22,9 +22,12 @@ T=8192, E=64, k=8           1.14x   1.28x          2.95x     2.60x  0 / 65 / 323
 
 After halving the dispatch time (one gather in unpermute's backward, a chunked combine without a ``(T, k, H)``
 intermediate): ours 1.07-1.10x at T=4096 and 1.06-1.08x at T=8192 against the old code in the same process, and
-1.062x / 1.110x on a quiet 16-core machine (``--repeats 5``). The 1.05x target is still not met reliably on CPU: what
-remains at T=8192 is mostly first-touch page faults of the two unavoidable ``(T*k, H)`` buffers (the permuted rows and
-their gradient). On an H200 (bf16) the blocks are launch-bound at these small shapes; see ``benchmarks/RESULTS.md``.
+1.062x / 1.110x on a quiet 16-core machine (``--repeats 5``). With the experts in row bands on CPU where the
+``(T*k, 2F)`` gate/up output would be 32 MiB or more (glibc maps such a buffer afresh, with first-touch page faults,
+on every step; ``moe/dispatch.py``), one run on the shared 2-core box (``--repeats 11 --threads 1``, H=256, F=512) put
+ours at 0.97x the limit (repeats 0.88-1.19x) at T=4096/E=8/k=2 and 1.02x (0.94-1.17x) at T=8192/E=64/k=8, faster than
+both HF paths at both shapes; at T=4096 HF eager (1.01x) lies within the noise of ours. On an H200 (bf16) the blocks
+are launch-bound at these small shapes; see ``benchmarks/RESULTS.md``.
 
 A second table (``"deepseek"`` in the results) runs the DeepSeek-V3 layout: our block with a shared expert,
 sigmoid group-limited routing (``num_groups``/``topk_groups``), the correction bias and ``route_scale``, against
