@@ -53,6 +53,9 @@ _MIN_CHUNK_BYTES = 1 << 20
 def aligned_bytes(nbytes: int) -> int:
     """``nbytes`` rounded up to a multiple of 256: the span of one block in a pool slice or a device buffer set.
 
+    Offsets stay aligned so that every reloaded dtype view is aligned like a fresh allocation (vectorised CPU kernels
+    and MKL pick their code path by alignment; another path could change rounding).
+
     Example::
 
         >>> aligned_bytes(1), aligned_bytes(256), aligned_bytes(0)

@@ -19,9 +19,6 @@ from lightning_llmfast.offload.pool import PinnedBufferPool, aligned_bytes, size
 
 __all__ = ["Reloader"]
 
-# Device-side offsets are aligned (pool.aligned_bytes) so that every reloaded dtype view is aligned like a fresh
-# allocation (vectorised CPU kernels and MKL pick their code path by alignment; another path could change rounding).
-
 
 class Reloader:
     """Copies, prefetches, unpacks and releases.

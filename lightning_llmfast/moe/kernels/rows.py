@@ -228,7 +228,7 @@ def combine_rows_reference(
     for slot in range(top_k):
         torch.index_select(rows, 0, positions[:, slot], out=tile)
         factor = None if factors is None else factors[:, slot : slot + 1]
-        if slot == 0 and factor is None:  # the first slot initialises the sums (the bits of adding it to zeros)
+        if slot == 0 and factor is None:  # the first slot initialises the sums (adding it to zeros, but -0.0 kept)
             out.copy_(tile)
         elif slot == 0:
             torch.mul(tile, factor, out=out)
