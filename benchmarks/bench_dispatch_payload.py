@@ -29,6 +29,7 @@ from bench_moe_ep import init_worker, spawn, timed
 from torch import Tensor
 
 from lightning_llmfast.bench.harness import interleave, ratio_range
+from lightning_llmfast.bench.processes import leave_world
 from lightning_llmfast.moe import MoEBlock, MoEConfig
 from lightning_llmfast.moe.expert_parallel import shard_experts
 
@@ -104,7 +105,7 @@ def _worker(rank: int, world: int, port: int, shape: tuple[Any, ...], repeats: i
             "results": rows,
         }
         Path(out).write_text(json.dumps(report))
-    dist.destroy_process_group()
+    leave_world()
 
 
 def run(world: int = 2, quick: bool = False, repeats: int | None = None, timeout: float = 900) -> dict[str, Any]:

@@ -38,7 +38,6 @@ Usage::
 from __future__ import annotations
 
 import json
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -48,10 +47,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from lightning_llmfast.bench.harness import interleave
+from lightning_llmfast.bench.processes import free_port, leave_world, spawn_world
 from lightning_llmfast.comm.payload import exchange
 from lightning_llmfast.moe import MoEBlock, MoEConfig
 from lightning_llmfast.moe.expert_parallel import shard_experts
@@ -167,13 +166,7 @@ def _worker(rank: int, world: int, port: int, shape: tuple[int, ...], repeats: i
             "bytes_over_limit": {n: b / limit for n, b in sent.items()},
         }
         Path(out).write_text(json.dumps(report))
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    leave_world()
 
 
 def run(world: int = 2, quick: bool = False, repeats: int | None = None, timeout: float = 600) -> dict[str, Any]:
@@ -192,15 +185,7 @@ def spawn(worker: Callable[..., None], world: int, args: tuple[Any, ...], timeou
     """``worker(rank, world, port, *args, out)`` on ``world`` spawned processes; the JSON rank 0 wrote to ``out``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "report.json")
-        context = mp.start_processes(
-            worker, args=(world, _free_port(), *args, out), nprocs=world, start_method="spawn", join=False
-        )
-        deadline = time.monotonic() + timeout
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                raise TimeoutError(f"expert-parallel benchmark did not finish within {timeout} s")
+        spawn_world(worker, world, (world, free_port(), *args, out), timeout, "expert-parallel benchmark")
         return json.loads(Path(out).read_text())
 
 

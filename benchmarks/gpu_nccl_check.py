@@ -24,7 +24,6 @@ import argparse
 import copy
 import json
 import os
-import socket
 import tempfile
 import time
 from datetime import timedelta
@@ -35,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_llmfast.bench.processes import free_port
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
 from lightning_llmfast.moe import MoEBlock, MoEConfig
 from lightning_llmfast.moe.expert_parallel import shard_experts
@@ -126,12 +126,6 @@ def _fp8_dispatch(device: torch.device, dtype: torch.dtype, tol: float) -> dict[
     return {"fp8_dispatch_modes": 2}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(backend: str = "nccl", device: str = "cuda") -> dict[str, Any]:
     """Initialise a world-size-1 group on ``backend``, run the four checks, tear the group down; their report.
 
@@ -145,7 +139,7 @@ def run(backend: str = "nccl", device: str = "cuda") -> dict[str, Any]:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group(backend, rank=0, world_size=1, timeout=timedelta(seconds=60))
     report: dict[str, Any] = {"backend": backend, "device": str(dev), "dtype": str(dtype).removeprefix("torch.")}
     try:

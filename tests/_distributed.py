@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import sys
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from lightning_llmfast.bench.processes import free_port, leave_world, spawn_world
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
@@ -30,25 +21,12 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tupl
     )
     try:
         fn(rank, world, *args)
-        dist.barrier()  # no rank closes its gloo pairs while a peer still exchanges with it
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-    # A clean rank leaves without interpreter finalization: gloo's worker threads can still drop their last reference
-    # to a finished work's tensors then, and a thread taking the GIL during finalization is ended with a forced
-    # unwind that aborts the process ("terminate called without an active exception", pytorch/pytorch#179291).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        raise
+    leave_world()
 
 
 def run_distributed(fn: Callable[..., None], world: int, *args: Any, timeout: float = 120.0) -> None:
     """``fn(rank, world, *args)`` on ``world`` processes; a failure on any rank (or a hang) fails the caller."""
-    context = mp.start_processes(
-        _entry, args=(world, free_port(), fn, args), nprocs=world, start_method="spawn", join=False
-    )
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            raise TimeoutError(f"distributed test did not finish within {timeout} s")
+    spawn_world(_entry, world, (world, free_port(), fn, args), timeout, "distributed test")

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,12 +44,12 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
 from lightning_llmfast.bench.e2e import E2ESettings, make_batches
 from lightning_llmfast.bench.harness import interleave
+from lightning_llmfast.bench.processes import free_port, leave_world
 from lightning_llmfast.bench.steps import Batches, quiet
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.models import MoEGPTConfig, MoEGPTLightningModule
@@ -178,14 +177,8 @@ def _worker(out: Path, settings: E2ESettings, repeats: int, ep: int) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(runs))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(out: Path, world_size: int, settings: E2ESettings, repeats: int, ep: int, timeout: float) -> None:
-    port = _free_port()
+    port = free_port()
     spec = json.dumps({"settings": settings.__dict__, "repeats": repeats, "ep": ep})
     procs = []
     for rank in range(world_size):
@@ -344,9 +337,4 @@ def fsdp_markdown(result: dict[str, Any]) -> str:
 if __name__ == "__main__":
     _spec = json.loads(sys.argv[2])
     _worker(Path(sys.argv[1]), E2ESettings(**_spec["settings"]), int(_spec["repeats"]), int(_spec["ep"]))
-    # Every rank has written its file (the last segment ended in collectives); skip interpreter teardown, where
-    # gloo's threads can abort ("terminate called without an active exception") and fail a finished run.
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_world()

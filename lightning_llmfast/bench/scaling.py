@@ -34,11 +34,11 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.multiprocessing as mp
 
 from lightning_llmfast.bench.e2e import E2ESettings, make_batches
-from lightning_llmfast.bench.fsdp import _free_port, _Meter
+from lightning_llmfast.bench.fsdp import _Meter
 from lightning_llmfast.bench.harness import interleave
+from lightning_llmfast.bench.processes import free_port, leave_world, spawn_world
 from lightning_llmfast.bench.steps import Batches, quiet
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.models import MoEGPTConfig, MoEGPTLightningModule
@@ -103,18 +103,12 @@ def _worker(rank: int, world_size: int, port: int, spec: dict[str, Any], out: st
     # Every rank runs the same rounds in the same rotated order: the segments' collectives pair up.
     interleave({str(size): runner(size) for size in sizes}, settings.repeats, warmup=0)
     Path(out, f"rank{rank}.json").write_text(json.dumps(runs))
+    leave_world()
 
 
 def _run_world(world_size: int, spec: dict[str, Any], timeout: float) -> list[dict[str, list[dict[str, float]]]]:
     with tempfile.TemporaryDirectory() as tmp:
-        context = mp.start_processes(_worker, args=(world_size, _free_port(), spec, tmp), nprocs=world_size,
-                                     start_method="spawn", join=False)  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                raise RuntimeError(f"scaling benchmark on {world_size} processes took over {timeout} s")
+        spawn_world(_worker, world_size, (world_size, free_port(), spec, tmp), timeout, "scaling benchmark")
         return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
@@ -162,7 +156,8 @@ def run_scaling_benchmark(
 
     Raises:
         ConfigError: ``world_sizes`` without 1, a size or batch size below 1, or more CUDA processes than GPUs.
-        RuntimeError: a rank failed or a world size took longer than ``timeout``.
+        TimeoutError: a world size took longer than ``timeout``.
+        torch.multiprocessing.ProcessRaisedException: a rank failed.
 
     Example::
 

@@ -71,7 +71,6 @@ def grouped_mm_supported(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
     return sizes_ok and all(s % align == 0 for w in (gate_up, down) for s in w.stride() if s != 1)
 
 
-
 def _swiglu(gate_up: Tensor, act: Callable[[Tensor], Tensor]) -> Tensor:
     """``act(gate) * up`` of ``(M, 2F)`` ``[gate | up]`` rows -> ``(M, F)``."""
     if act is F.silu:
