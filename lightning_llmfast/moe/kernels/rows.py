@@ -223,12 +223,17 @@ def combine_rows_reference(
     if top_k == 0:
         return rows.new_zeros(num_tokens, hidden, dtype=out_dtype or rows.dtype)
     out = torch.empty(num_tokens, hidden, dtype=acc, device=rows.device)
-    tile = rows.new_empty(num_tokens, hidden)  # reused by every slot
     factors = None if weights is None else weights.to(acc)
-    for slot in range(top_k):
+    # An unweighted first slot initialises the sums (adding it to zeros, but -0.0 kept): gathered straight into them
+    # when they have its dtype, a (T, hidden) pass fewer.
+    direct = factors is None and acc == rows.dtype
+    if direct:
+        torch.index_select(rows, 0, positions[:, 0], out=out)
+    tile = rows.new_empty(num_tokens, hidden) if top_k > 1 or not direct else None  # reused by every other slot
+    for slot in range(1 if direct else 0, top_k):
         torch.index_select(rows, 0, positions[:, slot], out=tile)
         factor = None if factors is None else factors[:, slot : slot + 1]
-        if slot == 0 and factor is None:  # the first slot initialises the sums (adding it to zeros, but -0.0 kept)
+        if slot == 0 and factor is None:
             out.copy_(tile)
         elif slot == 0:
             torch.mul(tile, factor, out=out)
