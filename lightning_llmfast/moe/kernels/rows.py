@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from lightning_llmfast.moe.kernels.backend import _jit, is_triton, tl, triton
+from lightning_llmfast.moe.kernels.host_memory import empty_rows
 
 __all__ = [
     "combine_rows",
@@ -53,7 +54,12 @@ def gather_rows_reference(
 
         y = gather_rows_reference(x, torch.tensor([2, 0]))  # rows 2 and 0 of x
     """
-    out = x.index_select(0, src) if out is None else torch.index_select(x, 0, src, out=out)
+    if out is None and torch.is_grad_enabled() and x.requires_grad:  # differentiable: no out=
+        out = x.index_select(0, src)
+    else:
+        if out is None:
+            out = empty_rows(src.numel(), x.shape[1], dtype=x.dtype, device=x.device)
+        torch.index_select(x, 0, src, out=out)
     if scale is not None:
         _scale_rows_(out, scale)
     if num_valid is not None:
@@ -224,7 +230,7 @@ def combine_rows_reference(
     acc = _acc_dtype(rows)
     if top_k == 0:
         return rows.new_zeros(num_tokens, hidden, dtype=out_dtype or rows.dtype)
-    out = torch.empty(num_tokens, hidden, dtype=acc, device=rows.device)
+    out = empty_rows(num_tokens, hidden, dtype=acc, device=rows.device)
     factors = None if weights is None else weights.to(acc)
     # An unweighted first slot initialises the sums (adding it to zeros, but -0.0 kept): gathered straight into them
     # when they have its dtype, a pass fewer.
