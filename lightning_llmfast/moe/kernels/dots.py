@@ -12,7 +12,6 @@ import torch
 from torch import Tensor
 
 from lightning_llmfast.moe.kernels.backend import _jit, is_triton, tl, triton
-from lightning_llmfast.moe.kernels.host_memory import empty_rows
 from lightning_llmfast.moe.kernels.rows import _acc_dtype, _chunk_size, _scale_rows_, gather_rows_triton
 
 __all__ = [
@@ -176,7 +175,7 @@ def combine_rows_backward_reference(
         grad_rows, grad_weights = combine_rows_backward_reference(grad_out, rows, tokens, row_weights, positions)
     """
     (num_rows, hidden), acc = rows.shape, _acc_dtype(rows)
-    grad_rows = empty_rows(num_rows, hidden, dtype=grad.dtype, device=grad.device)
+    grad_rows = grad.new_empty(num_rows, hidden)
     dots = torch.empty(num_rows, dtype=acc, device=rows.device)
     chunk = _chunk_size(hidden, num_rows)
     chunks = (t.split(chunk) for t in (src, scale, rows.unsqueeze(1), grad_rows, dots.view(-1, 1, 1)))

@@ -1,11 +1,13 @@
-"""Large CPU buffers of the PyTorch references, backed by transparent huge pages where the kernel offers them.
+"""Large CPU row buffers written in one stream (the references' gathers), backed by transparent huge pages.
 
 glibc serves every request of 32 MiB or more with a fresh ``mmap`` (its largest mmap threshold) and unmaps it on
 free, so a buffer that size is faulted in again, one 4 KiB page at a time, on every step: at T=8192, k=8, H=256 a
 ``(T * k, H)`` float32 gather into a fresh 64 MiB buffer measured 40 ms against 13 ms with the buffer advised
 ``MADV_HUGEPAGE`` before it is written (2 MiB pages: 512 times fewer faults). The advice concerns only the buffer
 itself, which glibc unmaps whole when torch frees it; where transparent huge pages are off, or off Linux, it is a
-no-op. Smaller buffers come from the heap and are reused without faults: they are left alone.
+no-op. Smaller buffers come from the heap and are reused without faults: they are left alone. Buffers written band
+by band with cache-resident intermediates (the SwiGLU's) are left alone too: a 2 MiB page is zeroed whole at its first
+write, which flushes the band's intermediates out of cache; advising them measured no gain.
 """
 
 from __future__ import annotations
