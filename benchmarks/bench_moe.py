@@ -20,14 +20,10 @@ T=4096, E=8,  k=2           1.24x   1.42x          1.45x     1.43x  0 / 9 / 43
 T=8192, E=64, k=8           1.14x   1.28x          2.95x     2.60x  0 / 65 / 323
 ==========================  ======  =============  ========  =====  ==============================
 
-After halving the dispatch time (one gather in unpermute's backward, a chunked combine without a ``(T, k, H)``
-intermediate): ours 1.07-1.10x at T=4096 and 1.06-1.08x at T=8192 against the old code in the same process, and
-1.062x / 1.110x on a quiet 16-core machine (``--repeats 5``). With the experts in row bands on CPU where the
-``(T*k, 2F)`` gate/up output would be 32 MiB or more (glibc maps such a buffer afresh, with first-touch page faults,
-on every step; ``moe/dispatch.py``), one run on the shared 2-core box (``--repeats 11 --threads 1``, H=256, F=512) put
-ours at 0.97x the limit (repeats 0.88-1.19x) at T=4096/E=8/k=2 and 1.02x (0.94-1.17x) at T=8192/E=64/k=8, faster than
-both HF paths at both shapes; at T=4096 HF eager (1.01x) lies within the noise of ours. On an H200 (bf16) the blocks
-are launch-bound at these small shapes; see ``benchmarks/RESULTS.md``.
+The limit runs with ATen's own output buffers, fresh from the allocator every step as for any plain ``grouped_mm``
+pair (this package's CPU buffer pool turned off for it, :func:`~lightning_llmfast.moe.kernels.host_memory.pooling`);
+``expert_only_pooled`` is the same pair with the pool, so ours over it is what routing and dispatch add to the expert
+compute. Latest runs and their spread: ``benchmarks/RESULTS.md``.
 
 A second table (``"deepseek"`` in the results) runs the DeepSeek-V3 layout: our block with a shared expert,
 sigmoid group-limited routing (``num_groups``/``topk_groups``), the correction bias and ``route_scale``, against
@@ -59,6 +55,7 @@ from lightning_llmfast.bench.harness import interleave
 from lightning_llmfast.moe import MoEBlock, MoEConfig, NaiveMoEBlock, permute, route
 from lightning_llmfast.moe.adapters import swap_moe_blocks
 from lightning_llmfast.moe.experts import grouped_swiglu
+from lightning_llmfast.moe.kernels import host_memory
 
 __all__ = ["run", "main"]
 
@@ -128,11 +125,17 @@ def _hf_deepseek(block: MoEBlock, implementation: str) -> nn.Module | None:
 
 
 def _time(
-    impls: dict[str, tuple[Callable[[Tensor], Tensor], Tensor]], x: Tensor, repeats: int, device: str
+    impls: dict[str, tuple[Callable[[Tensor], Tensor], Tensor]],
+    x: Tensor,
+    repeats: int,
+    device: str,
+    unpooled: tuple[str, ...] = (),
 ) -> tuple[dict[str, float], dict[str, int], dict[str, int], dict[str, list[float]]]:
     """Median ms of ``repeats`` interleaved forward+backward passes, the host syncs and kernels of one, and the
-    ``[min, max]`` ms of the repeats."""
-    steps = {name: (lambda r, fn=fn, g=g: _step(fn, x, g)) for name, (fn, g) in impls.items()}
+    ``[min, max]`` ms of the repeats; the implementations named in ``unpooled`` run with the CPU buffer pool off."""
+    steps = {
+        name: (lambda r, fn=fn, g=g, p=name not in unpooled: _step(fn, x, g, p)) for name, (fn, g) in impls.items()
+    }
     measured = interleave(steps, repeats, count=True, device=device)
     median_ms = {name: 1e3 * m.median for name, m in measured.items()}
     spread = {name: [1e3 * m.low, 1e3 * m.high] for name, m in measured.items()}
@@ -189,9 +192,10 @@ def swap_into(block: nn.Module) -> nn.Module:
     return container[0]
 
 
-def _step(fn: Callable[[Tensor], Tensor], x: Tensor, grad: Tensor) -> None:
+def _step(fn: Callable[[Tensor], Tensor], x: Tensor, grad: Tensor, pooled: bool = True) -> None:
     x.grad = None
-    fn(x).backward(grad)
+    with host_memory.pooling(pooled):
+        fn(x).backward(grad)
 
 
 def _bench_shape(
@@ -229,6 +233,7 @@ def _bench_shape(
 
     impls: dict[str, tuple[Callable[[Tensor], Tensor], Tensor]] = {
         "expert_only": (expert_only, rows_grad),
+        "expert_only_pooled": (expert_only, rows_grad),
         "expert_loop": (expert_loop, rows_grad),
         "ours": (ours, grad),
         "naive": (naive, grad),
@@ -239,8 +244,10 @@ def _bench_shape(
             impls[f"hf_{implementation}"] = (lambda t, m=hf: m(t.unsqueeze(0)).squeeze(0), grad)
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    median_ms, syncs, kernels, spread = _time(impls, x, repeats, device)
-    # The limit: the faster of one grouped_mm pair and a per-expert matmul loop over the same rows.
+    median_ms, syncs, kernels, spread = _time(impls, x, repeats, device, unpooled=("expert_only", "expert_loop"))
+    # The limit: the faster of one grouped_mm pair and a per-expert matmul loop over the same rows, with ATen's own
+    # output buffers (fresh from the allocator each step). expert_only_pooled is the same pair with this package's
+    # CPU buffer pool: ours over it is what the dispatch adds to the expert compute.
     limit = min(median_ms["expert_only"], median_ms["expert_loop"])
     ratios = {name: ms / limit for name, ms in median_ms.items()}
     hf_best = min((ratios[n] for n in ratios if n.startswith("hf_")), default=float("inf"))
@@ -310,12 +317,12 @@ def _print(report: dict[str, Any]) -> None:
         shape = ", ".join(f"{k}={v}" for k, v in result["shape"].items())
         print(f"\nMoE block fwd+bwd on {report['device']} ({shape}), median of {result['repeats']}:")
         print(f"  load average before/after: {result.get('load_average')}")
-        print(f"  {'implementation':<14} {'ms':>10} {'x limit':>8} {'range':>13} {'host syncs':>11} {'kernels':>8}")
+        print(f"  {'implementation':<18} {'ms':>10} {'x limit':>8} {'range':>13} {'host syncs':>11} {'kernels':>8}")
         for name, ms in sorted(result["median_ms"].items(), key=lambda kv: kv[1]):
             ratio, kernels = result["ratio_to_expert_only"][name], result["kernels_per_step"][name]
             low, high = result["ratio_range"][name]
             syncs = result["host_syncs_per_step"][name]
-            print(f"  {name:<14} {ms:>10.1f} {ratio:>8.3f} {low:>6.3f}-{high:<6.3f} {syncs:>11} {kernels:>8}")
+            print(f"  {name:<18} {ms:>10.1f} {ratio:>8.3f} {low:>6.3f}-{high:<6.3f} {syncs:>11} {kernels:>8}")
         print(f"  ours meets target (<= {report['target_ratio']}x and faster than HF): {result['ours_meets_target']}")
     for result in report.get("deepseek", []):
         shape = ", ".join(f"{k}={v}" for k, v in result["shape"].items())

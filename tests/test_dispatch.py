@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from lightning_llmfast.errors import RoutingError
-from lightning_llmfast.moe import MoEBlock, MoEConfig, dispatch, permute, route, unpermute
+from lightning_llmfast.moe import MoEBlock, MoEConfig, permute, route, unpermute
 from lightning_llmfast.moe.dispatch import _gather_rows_into, _permute_grouped_mm, compute_copy, routed_swiglu
 from lightning_llmfast.moe.experts import _grouped_mm, _swiglu_down, grouped_swiglu
+from lightning_llmfast.moe.kernels import host_memory
 from lightning_llmfast.moe.permute import _pair_values_to_rows, _plan_indices
 
 H, FFN = 16, 24  # 16-byte aligned rows in float32 and bfloat16: the grouped_mm path
@@ -123,7 +124,7 @@ ROUTINGS = [
 ]
 
 
-@pytest.mark.parametrize("bands", [None, 3])
+@pytest.mark.parametrize("pooled", [False, True])
 @pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "capacity_factor", "skewed"), ROUTINGS)
 def test_routed_swiglu_matches_unfused_and_float64(
     num_tokens: int,
@@ -131,14 +132,14 @@ def test_routed_swiglu_matches_unfused_and_float64(
     top_k: int,
     capacity_factor: float | None,
     skewed: bool,
-    bands: int | None,
+    pooled: bool,
     kernel_backend: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Output and the gradients of tokens, router logits and both expert weights, in float32; also with the rows
-    in 3 bands (the CPU path for large activations), whose group ends and pairs cut across the bands."""
-    if bands is not None:
-        monkeypatch.setattr(dispatch, "_row_bands", lambda num_rows, *_: dispatch._slices(num_rows, bands))
+    """Output and the gradients of tokens, router logits and both expert weights, in float32; also with every
+    buffer from the CPU pool and the grouped GEMMs as the host loop into it (the CPU path for large activations)."""
+    if pooled:
+        monkeypatch.setattr(host_memory, "MIN_POOLED_BYTES", 1)
     g = torch.Generator().manual_seed(num_tokens * 31 + num_experts)
     base = [
         torch.randn(num_tokens, H, generator=g),
@@ -167,19 +168,6 @@ def test_routed_swiglu_matches_unfused_and_float64(
         torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(fused.double(), loop, rtol=1e-5, atol=1e-5)
     assert runs[2][2].abs().sum() > 0 or num_experts == 1  # router gradients exist and are compared
-
-
-def test_row_bands_only_where_cpu_activations_are_mapped_afresh() -> None:
-    """Bands for a 32 MiB (M, 2F) float32 activation with small expert weights on CPU; none where the partial
-    weight gradients would outweigh it, below 32 MiB, on the Triton path or off the CPU."""
-    rows = torch.empty(0, 256)
-    assert dispatch._row_bands(8192, rows, torch.empty(8, 512, 256), "torch") == [slice(0, 4096), slice(4096, 8192)]
-    assert dispatch._row_bands(65536, rows, torch.empty(64, 512, 256), "torch") == [slice(0, 65536)]
-    assert dispatch._row_bands(8191, rows, torch.empty(8, 512, 256), "torch") == [slice(0, 8191)]
-    assert dispatch._row_bands(8192, rows, torch.empty(8, 512, 256), "triton") == [slice(0, 8192)]
-    assert dispatch._row_bands(8192, rows.to("meta"), torch.empty(8, 512, 256), "torch") == [slice(0, 8192)]
-    assert dispatch._slices(7, 3) == [slice(0, 3), slice(3, 6), slice(6, 7)]
-    assert dispatch._slices(1, 3) == [slice(0, 1)]
 
 
 def test_moe_block_keeps_no_row_tensors_for_backward() -> None:

@@ -40,6 +40,7 @@ from lightning_llmfast.moe.experts import (
     grouped_swiglu,
 )
 from lightning_llmfast.moe.kernels import BACKENDS, gather_rows, resolve_backend
+from lightning_llmfast.moe.kernels.host_gemm import grouped_mm
 from lightning_llmfast.moe.permute import (
     _combine_rows,
     _pair_values_to_rows,
@@ -80,7 +81,7 @@ def _gather_grouped_mm(
     x_compute: Tensor, tokens: Tensor, num_valid: Tensor | None, weight: Tensor, offs: Tensor, backend: str
 ) -> Tensor:
     # The forward and its rebuild: one function, so a rebuilt output has the forward's bits by construction.
-    return F.grouped_mm(gather_rows(x_compute, tokens, num_valid, backend=backend), weight, offs=offs)
+    return grouped_mm(gather_rows(x_compute, tokens, num_valid, backend=backend), weight, offs)
 
 
 @_permute_grouped_mm.register_fake
@@ -208,9 +209,8 @@ def expert_swiglu(rows: ExpertRows, gate_up: Tensor, down: Tensor, act: Callable
 
     A fused gather (``rows.gather``) goes into the first grouped GEMM and the row weights into the second's
     epilogue; where ``grouped_mm`` does not take the inputs (float64, odd sizes, older GPUs) or ``act`` is not
-    ``F.silu``, the rows are gathered first and weighted after the experts. Padding rows come back as zeros. On CPU,
-    where the ``(M, 2F)`` first GEMM output would be mapped afresh from the OS on every step and the expert weights
-    are small next to it, the rows go through in bands (``_row_bands``), the same function summed in another order.
+    ``F.silu``, the rows are gathered first and weighted after the experts. Padding rows come back as zeros. On CPU
+    the large outputs are reused from step to step (:mod:`~lightning_llmfast.moe.kernels.host_memory`).
 
     Args:
         rows: a dispatcher's :class:`~lightning_llmfast.moe.dispatcher.ExpertRows`.
@@ -245,9 +245,6 @@ def expert_swiglu(rows: ExpertRows, gate_up: Tensor, down: Tensor, act: Callable
     ends = rows.offsets[1:]
     if rows.padded:
         ends = F.pad(rows.offsets[1:-1], (0, 1), value=gather.tokens.shape[0])
-    bands = _row_bands(gather.tokens.shape[0], x_compute, down, gather.backend)
-    if len(bands) > 1:
-        return torch.cat([_band_swiglu(rows, gate_up, down, ends, band) for band in bands])
     hidden = _permute_grouped_mm(
         gather.x,
         x_compute,
@@ -260,59 +257,6 @@ def expert_swiglu(rows: ExpertRows, gate_up: Tensor, down: Tensor, act: Callable
         gather.backend,
     )
     return _swiglu_down(hidden, down, ends, rows.row_weights, gather.backend)
-
-
-# glibc maps every request of 32 MiB or more afresh from the OS (its largest mmap threshold): a (M, 2F) activation or
-# gradient of that size costs its first-touch page faults again on every step. Bands of at most half that come from
-# the heap and are reused.
-_BAND_BYTES = 16 << 20
-
-
-def _row_bands(num_rows: int, x_compute: Tensor, down: Tensor, backend: str) -> list[slice]:
-    """Row bands for :func:`expert_swiglu`: one band, unless on the CPU reference path (``backend`` ``"torch"``; the
-    Triton path keeps its launches on any device) the ``(M, 2F)`` first GEMM output would be mapped afresh
-    (``_BAND_BYTES``) and the bands' partial weight gradients (each band's ``grouped_mm`` writes all ``E`` experts'
-    ``(H, 2F)`` and ``(F, H)`` gradients, summed by autograd) stay under half its size."""
-    experts, ffn, hidden = down.shape
-    width = 2 * ffn
-    nbytes = num_rows * width * x_compute.element_size()
-    count = -(-nbytes // _BAND_BYTES) if nbytes >= 2 * _BAND_BYTES else 1
-    partial_sums = (count - 1) * experts * 3 * hidden * ffn
-    if x_compute.device.type != "cpu" or backend != "torch" or 2 * partial_sums > num_rows * width:
-        count = 1
-    return _slices(num_rows, count)
-
-
-def _slices(num_rows: int, count: int) -> list[slice]:
-    """``range(num_rows)`` in at most ``count`` consecutive slices of equal size (the last one shorter)."""
-    if count <= 1 or num_rows <= 1:
-        return [slice(0, num_rows)]
-    size = -(-num_rows // count)
-    return [slice(start, min(start + size, num_rows)) for start in range(0, num_rows, size)]
-
-
-def _band_swiglu(rows: ExpertRows, gate_up: Tensor, down: Tensor, ends: Tensor, band: slice) -> Tensor:
-    """:func:`expert_swiglu` of rows ``band``: the group ends shifted and clamped into the band (sync-free), the
-    pairs outside it masked out of the gather's backward."""
-    gather, start, size = rows.gather, band.start, band.stop - band.start
-    positions = gather.positions - start
-    in_band = (positions >= 0) & (positions < size)
-    pair_mask = in_band.to(gather.x.dtype) if gather.pair_mask is None else gather.pair_mask * in_band
-    num_valid = None if gather.num_valid is None else (gather.num_valid - start).clamp(0, size)
-    offs = (ends - start).clamp(0, size)
-    hidden = _permute_grouped_mm(
-        gather.x,
-        rows.rows,
-        gather.tokens[band],
-        num_valid,
-        positions.clamp(0, size - 1),
-        pair_mask,
-        gate_up,
-        offs,
-        gather.backend,
-    )
-    weights = None if rows.row_weights is None else rows.row_weights[band]
-    return _swiglu_down(hidden, down, offs, weights, gather.backend)
 
 
 def routed_swiglu(

@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_llmfast._autograd import eager_custom_op
+from lightning_llmfast.moe.kernels.host_gemm import grouped_mm
 from lightning_llmfast.moe.kernels.swiglu import (
     swiglu_backward_reference,
     swiglu_forward,
@@ -34,7 +34,7 @@ def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     ``a`` ``(M, K)`` with ``b`` ``(E, K, N)`` gives ``(M, N)``; ``a`` ``(K, M)`` with ``b`` ``(M, N)`` (the weight
     gradient) gives ``(E, K, N)``, groups running along ``M``.
     """
-    return F.grouped_mm(a, b, offs=offs)
+    return grouped_mm(a, b, offs)
 
 
 @_grouped_mm.register_fake
@@ -121,7 +121,7 @@ def _swiglu_down(gate_up: Tensor, down: Tensor, offs: Tensor, scale: Tensor | No
     (:mod:`~lightning_llmfast.moe.kernels.swiglu`). ``down`` ``(E, F, H)``; ``offs`` ``(E,)`` int32 group ends;
     ``backend``: of the activation (``"torch"`` or ``"triton"``).
     """
-    return F.grouped_mm(swiglu_forward(gate_up, scale, backend=backend), down, offs=offs)
+    return grouped_mm(swiglu_forward(gate_up, scale, backend=backend), down, offs)
 
 
 @_swiglu_down.register_fake

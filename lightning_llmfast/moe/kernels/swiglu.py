@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_llmfast.moe.kernels.backend import _jit, is_triton, tl, triton
+from lightning_llmfast.moe.kernels.host_memory import empty_rows
 from lightning_llmfast.moe.kernels.rows import _acc_dtype, _scale_rows_
 
 __all__ = [
@@ -64,7 +65,7 @@ def swiglu_forward_reference(gate_up: Tensor, scale: Tensor | None = None) -> Te
     if _records_grad(gate_up, scale):
         product = F.silu(gate) * up
         return product if scale is None else _scale_rows_(product, scale)
-    out = gate_up.new_empty(gate.shape)
+    out = empty_rows(*gate.shape, dtype=gate_up.dtype, device=gate_up.device)
     for band in _row_bands(gate_up.shape[0], 2 * gate.shape[1], gate_up.device):
         product = torch.ops.aten.silu.out(gate[band], out=out[band]).mul_(up[band])
         if scale is not None:
@@ -121,10 +122,10 @@ def swiglu_backward_reference(
         return _swiglu_backward_graph(grad, gate, up, scale, need_product, need_dots)
     rows, ffn = grad.shape
     # The outputs in full; every intermediate in a band-sized buffer reused by each band.
-    grad_gate_up = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
+    grad_gate_up = empty_rows(*gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
     product = None
     if need_product:
-        product = grad if product_in_grad else gate_up.new_empty(rows, ffn)
+        product = grad if product_in_grad else empty_rows(rows, ffn, dtype=gate_up.dtype, device=gate_up.device)
     dots = gate_up.new_empty(rows, dtype=_acc_dtype(gate_up)) if need_dots else None
     bands = _row_bands(rows, 2 * ffn, grad.device)
     band_rows = bands[0].stop if bands else 0
