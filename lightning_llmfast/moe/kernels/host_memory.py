@@ -48,8 +48,8 @@ class _Pool:
         self.mappings: list[mmap.mmap] = []
 
     def _idle(self) -> list[int]:
-        """Indices of the mappings no storage uses: referenced by the list and ``getrefcount``'s argument only."""
-        return [i for i in range(len(self.mappings)) if sys.getrefcount(self.mappings[i]) == 2]
+        """Indices of the mappings no storage uses: referenced by the list alone."""
+        return [i for i in range(len(self.mappings)) if sys.getrefcount(self.mappings[i]) == _LIST_ONLY]
 
     def take(self, nbytes: int) -> mmap.mmap:
         with _LOCK:
@@ -82,6 +82,15 @@ class _Pool:
             return sum(len(m) for m in self.mappings)
 
 
+def _list_only_refcount() -> int:
+    """What ``sys.getrefcount`` reports here for an object held by a list alone (interpreters count differently)."""
+    probe = [mmap.mmap(-1, mmap.PAGESIZE)]
+    count = sys.getrefcount(probe[0])
+    probe[0].close()
+    return count
+
+
+_LIST_ONLY = _list_only_refcount()
 _POOL = _Pool()
 
 
