@@ -64,26 +64,13 @@ def _presets() -> dict[str, Any]:
     return {
         "deepseek-v3": lambda: DeepseekV3Config(),  # 671B: 61 layers, 256 routed experts, 8 active, 1 shared
         "qwen3-235b-a22b": lambda: Qwen3MoeConfig(
-            hidden_size=4096,
-            num_hidden_layers=94,
-            num_attention_heads=64,
-            num_key_value_heads=4,
-            head_dim=128,
-            intermediate_size=12288,
-            moe_intermediate_size=1536,
-            num_experts=128,
-            num_experts_per_tok=8,
+            hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+            intermediate_size=12288, moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
             vocab_size=151936,
         ),
         "mixtral-8x22b": lambda: MixtralConfig(
-            hidden_size=6144,
-            num_hidden_layers=56,
-            num_attention_heads=48,
-            num_key_value_heads=8,
-            intermediate_size=16384,
-            num_local_experts=8,
-            num_experts_per_tok=2,
-            vocab_size=32768,
+            hidden_size=6144, num_hidden_layers=56, num_attention_heads=48, num_key_value_heads=8,
+            intermediate_size=16384, num_local_experts=8, num_experts_per_tok=2, vocab_size=32768,
         ),
         "reference": MoEGPTConfig,
     }
