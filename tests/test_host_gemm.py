@@ -51,21 +51,20 @@ def test_host_loop_has_the_bits_of_grouped_mm_in_both_layouts(rows, k, n, sizes,
         start = end
 
 
-def test_grouped_mm_is_aten_s_below_the_threshold_with_the_pool_off_and_where_autograd_records() -> None:
+def test_grouped_mm_is_aten_s_below_the_threshold_with_the_pool_off_and_where_autograd_records(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     a, b = torch.randn(8, 4), torch.randn(2, 4, 8)
     ends = torch.tensor([3, 8], dtype=torch.int32)
     with OpCounter() as ops:
         grouped_mm(a, b, ends)  # far below 32 MiB
     assert ops.counts["_grouped_mm"] == 1 and not ops.counts["host_grouped_mm"]
-    host_memory.MIN_POOLED_BYTES, saved = 1, host_memory.MIN_POOLED_BYTES
-    try:
-        with OpCounter() as ops, host_memory.pooling(False):
-            grouped_mm(a, b, ends)
-        assert ops.counts["_grouped_mm"] == 1 and not ops.counts["host_grouped_mm"]
-        out = grouped_mm(a, b.requires_grad_(), ends)
-        assert out.grad_fn is not None  # differentiable: ATen's op, which autograd knows
-    finally:
-        host_memory.MIN_POOLED_BYTES = saved
+    monkeypatch.setattr(host_memory, "MIN_POOLED_BYTES", 1)
+    with OpCounter() as ops, host_memory.pooling(False):
+        grouped_mm(a, b, ends)
+    assert ops.counts["_grouped_mm"] == 1 and not ops.counts["host_grouped_mm"]
+    out = grouped_mm(a, b.requires_grad_(), ends)
+    assert out.grad_fn is not None  # differentiable: ATen's op, which autograd knows
 
 
 def test_block_on_the_pooled_path_has_the_same_bits_no_sync_and_reuses_its_buffers(pool_everything) -> None:

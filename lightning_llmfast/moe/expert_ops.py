@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_llmfast._autograd import eager_custom_op
-from lightning_llmfast.moe.kernels.host_gemm import grouped_mm
+from lightning_llmfast.moe.kernels.host_gemm import grouped_mm, grouped_mm_shape
 from lightning_llmfast.moe.kernels.swiglu import (
     swiglu_backward_reference,
     swiglu_forward,
@@ -39,9 +39,7 @@ def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
 
 @_grouped_mm.register_fake
 def _grouped_mm_fake(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
-    if b.dim() == 3:
-        return a.new_empty(a.shape[0], b.shape[-1])
-    return a.new_empty(offs.shape[0], a.shape[0], b.shape[-1])
+    return a.new_empty(grouped_mm_shape(a, b, offs))
 
 
 def _grouped_mm_setup(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:

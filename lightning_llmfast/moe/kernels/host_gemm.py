@@ -25,7 +25,7 @@ from torch import Tensor
 from lightning_llmfast.bench.counters import host_kernel
 from lightning_llmfast.moe.kernels import host_memory
 
-__all__ = ["grouped_mm"]
+__all__ = ["grouped_mm", "grouped_mm_shape"]
 
 
 def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
@@ -42,11 +42,15 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
         where autograd records it (inputs that require grad, grad mode on) it is ``F.grouped_mm``: the loop is a
         kernel for the custom ops' implementations, which compute their own gradients.
     """
-    shape = (a.shape[0], b.shape[-1]) if b.dim() == 3 else (offs.shape[0], a.shape[0], b.shape[-1])
     differentiable = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
-    if a.device.type != "cpu" or differentiable or not host_memory.pooled(shape, a.dtype):
+    if a.device.type != "cpu" or differentiable or not host_memory.pooled(grouped_mm_shape(a, b, offs), a.dtype):
         return F.grouped_mm(a, b, offs=offs)
     return torch.ops.lightning_llmfast.host_grouped_mm(a, b, offs)
+
+
+def grouped_mm_shape(a: Tensor, b: Tensor, offs: Tensor) -> tuple[int, ...]:
+    """The shape of ``grouped_mm(a, b, offs)``: ``(M, N)`` for ``b`` ``(E, K, N)``, else ``(E, K, N)``."""
+    return (a.shape[0], b.shape[-1]) if b.dim() == 3 else (offs.shape[0], a.shape[0], b.shape[-1])
 
 
 @torch.library.custom_op("lightning_llmfast::host_grouped_mm", mutates_args=(), device_types="cpu")
@@ -54,23 +58,17 @@ def _host_grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     """ATen's CPU ``grouped_mm`` loop into an output from the pool."""
     with host_kernel():  # a CPU kernel reading host memory: no sync (see SyncCounter)
         ends = offs.tolist()
-    if b.dim() == 3:
-        out = host_memory.empty_rows(a.shape[0], b.shape[-1], dtype=a.dtype, device=a.device)
-        start = 0
-        for group, end in enumerate(ends):
-            torch.mm(a[start:end], b[group], out=out[start:end])
-            start = end
-        return out
-    out = host_memory.empty_rows(len(ends), a.shape[0], b.shape[-1], dtype=a.dtype, device=a.device)
+    out = host_memory.empty_rows(*grouped_mm_shape(a, b, offs), dtype=a.dtype, device=a.device)
     start = 0
     for group, end in enumerate(ends):
-        torch.mm(a[:, start:end], b[start:end], out=out[group])  # an empty group: zeros
+        if b.dim() == 3:
+            torch.mm(a[start:end], b[group], out=out[start:end])
+        else:
+            torch.mm(a[:, start:end], b[start:end], out=out[group])  # an empty group: zeros
         start = end
     return out
 
 
 @_host_grouped_mm.register_fake
 def _host_grouped_mm_fake(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
-    if b.dim() == 3:
-        return a.new_empty(a.shape[0], b.shape[-1])
-    return a.new_empty(offs.shape[0], a.shape[0], b.shape[-1])
+    return a.new_empty(grouped_mm_shape(a, b, offs))
