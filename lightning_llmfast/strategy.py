@@ -14,9 +14,11 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -228,6 +230,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
     def setup_distributed(self) -> None:
         if not self.single_process:
             super().setup_distributed()
+            _destroy_process_group_at_exit()
             return
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
@@ -349,3 +352,22 @@ class LLMFastStrategy(ShardedDataParallelBase):
 
 
 LLMFastStrategy.register_strategies(StrategyRegistry)
+
+
+def _destroy_default_process_group() -> None:
+    """Shut every process group down while the interpreter is still whole; a no-op once the user destroyed it."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Register :func:`_destroy_default_process_group` with ``atexit``, once per process.
+
+    Lightning keeps the process group after ``fit`` (a later ``test`` reuses it) and never destroys it. A gloo group
+    left to interpreter finalization can abort the process with "terminate called without an active exception": its
+    worker threads still hold finished works whose tensors need the GIL to be freed (pytorch/pytorch#179291).
+    ``destroy_process_group`` shuts the backends down (joining those threads) while Python is still alive; NCCL asks
+    for the same call before exit.
+    """
+    atexit.unregister(_destroy_default_process_group)  # registered once, however many fits the process runs
+    atexit.register(_destroy_default_process_group)

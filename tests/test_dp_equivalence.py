@@ -59,6 +59,8 @@ def test_two_process_ddp_equals_one_process_on_the_same_micro_batches(tmp_path: 
         text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The strategy shut the process group down at exit on both ranks, before interpreter finalization.
+    assert [(tmp_path / f"ddp.pt.exit{r}").read_text() for r in range(2)] == ["initialized=False"] * 2
     ddp = torch.load(out, weights_only=True)
     # One process sees rank 0's and rank 1's micro-batch of every step, accumulated: the same global batch.
     single = module()

@@ -388,3 +388,19 @@ def test_llmfast_offload_by_string_on_cuda_trains_and_offloads() -> None:
     assert all(s["offloaded_bytes"] > 0 and s["lazy_reloads"] == 0 for s in spy.stats)
     for a, b in zip(reference.parameters(), module.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=2e-3)  # 3 AdamW steps: loose
+
+
+def test_process_group_shutdown_at_exit_is_registered_once_and_is_a_no_op_without_a_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning_llmfast import strategy as strategy_module
+
+    registered: list[Any] = []
+    monkeypatch.setattr(strategy_module.atexit, "register", registered.append)
+    unregister = lambda f: registered.remove(f) if f in registered else None  # noqa: E731
+    monkeypatch.setattr(strategy_module.atexit, "unregister", unregister)
+    for _ in range(3):  # three fits in one process
+        strategy_module._destroy_process_group_at_exit()
+    assert registered == [strategy_module._destroy_default_process_group]
+    assert not torch.distributed.is_initialized()
+    strategy_module._destroy_default_process_group()  # nothing to destroy: no error

@@ -2,15 +2,18 @@
 
 Run by tests/test_dp_equivalence.py with ``--devices 2`` (Lightning launches the second rank); rank 0 saves the
 final weights to ``--out``. The test compares them with one process that accumulates the same micro-batches.
+Each rank also writes ``<out>.exit<rank>``: whether a process group was still up when its last exit handler ran.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 from datetime import timedelta
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule
@@ -49,6 +52,12 @@ def main() -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False,
     )  # fmt: skip
+
+    def _record_exit_state() -> None:  # registered first, so it runs after every handler the fit registers
+        with open(f"{args.out}.exit{trainer.global_rank}", "w") as f:
+            f.write(f"initialized={dist.is_initialized()}")
+
+    atexit.register(_record_exit_state)
     trainer.fit(model)
     if trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
