@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import atexit
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -354,9 +355,15 @@ class LLMFastStrategy(ShardedDataParallelBase):
 LLMFastStrategy.register_strategies(StrategyRegistry)
 
 
+# The process that registered the exit handler: a child forked from it inherits the handler but not the backends'
+# threads, and must leave the parent's groups alone.
+_EXIT_HANDLER_PID: int | None = None
+
+
 def _destroy_default_process_group() -> None:
-    """Shut every process group down while the interpreter is still whole; a no-op once the user destroyed it."""
-    if dist.is_available() and dist.is_initialized():
+    """Shut every process group down while the interpreter is still whole; a no-op once the user destroyed it, and in
+    a forked child."""
+    if os.getpid() == _EXIT_HANDLER_PID and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -369,5 +376,7 @@ def _destroy_process_group_at_exit() -> None:
     ``destroy_process_group`` shuts the backends down (joining those threads) while Python is still alive; NCCL asks
     for the same call before exit.
     """
+    global _EXIT_HANDLER_PID
+    _EXIT_HANDLER_PID = os.getpid()
     atexit.unregister(_destroy_default_process_group)  # registered once, however many fits the process runs
     atexit.register(_destroy_default_process_group)

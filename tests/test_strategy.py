@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -402,5 +403,26 @@ def test_process_group_shutdown_at_exit_is_registered_once_and_is_a_no_op_withou
     for _ in range(3):  # three fits in one process
         strategy_module._destroy_process_group_at_exit()
     assert registered == [strategy_module._destroy_default_process_group]
+    assert strategy_module._EXIT_HANDLER_PID == os.getpid()
     assert not torch.distributed.is_initialized()
     strategy_module._destroy_default_process_group()  # nothing to destroy: no error
+
+
+def test_process_group_shutdown_at_exit_leaves_a_forked_childs_inherited_group_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning_llmfast import strategy as strategy_module
+
+    dist = torch.distributed
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        # A child forked from the registering process (another pid) inherits the handler: it must not touch the group.
+        monkeypatch.setattr(strategy_module, "_EXIT_HANDLER_PID", os.getpid() + 1)
+        strategy_module._destroy_default_process_group()
+        assert dist.is_initialized()
+        monkeypatch.setattr(strategy_module, "_EXIT_HANDLER_PID", os.getpid())  # the registering process
+        strategy_module._destroy_default_process_group()
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
