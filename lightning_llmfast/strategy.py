@@ -370,11 +370,10 @@ def _destroy_default_process_group() -> None:
 def _destroy_process_group_at_exit() -> None:
     """Register :func:`_destroy_default_process_group` with ``atexit``, once per process.
 
-    Lightning keeps the process group after ``fit`` (a later ``test`` reuses it) and never destroys it. A gloo group
-    left to interpreter finalization can abort the process with "terminate called without an active exception": its
-    worker threads still hold finished works whose tensors need the GIL to be freed (pytorch/pytorch#179291).
-    ``destroy_process_group`` shuts the backends down (joining those threads) while Python is still alive; NCCL asks
-    for the same call before exit.
+    Lightning keeps the process group after ``fit`` (a later ``test`` reuses it) and never destroys it. NCCL asks for
+    ``destroy_process_group`` before exit, and a gloo group left to the interpreter's teardown can abort it
+    ("terminate called without an active exception": worker threads that free tensors when Python can no longer take
+    the GIL, pytorch/pytorch#179291). The handler shuts the backends down while Python is still whole.
     """
     global _EXIT_HANDLER_PID
     _EXIT_HANDLER_PID = os.getpid()

@@ -60,6 +60,9 @@ _SCRIPT = textwrap.dedent(
     with open(f"{{out}}.{{trainer.global_rank}}", "w") as f:
         json.dump({{"bias": module.block.expert_bias.tolist(), "router": module.block.router.weight.tolist(),
                    "aux": module.aux, "world": trainer.world_size}}, f)
+    from lightning_llmfast.bench.processes import leave_world
+
+    leave_world()  # every rank done: out without the interpreter teardown gloo's threads can abort
     """
 )
 

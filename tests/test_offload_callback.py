@@ -118,6 +118,9 @@ _SCRIPT = textwrap.dedent(
             "stats": trainer.strategy.offload_stats if kind == "llmfast_fsdp" else callback.stats,
             "overlap": len(overlap), "unsharded": len(unsharded),
         }, f)
+    from lightning_llmfast.bench.processes import leave_world
+
+    leave_world()  # every rank done: out without the interpreter teardown gloo's threads can abort
     """
 )
 

@@ -350,6 +350,9 @@ _DDP_SCRIPT = textwrap.dedent(
         params = [p.detach().flatten().tolist() for p in model.parameters()]
         with open(out, "w") as f:
             json.dump({"params": params, "init": init, "world": trainer.world_size, "wrapped": model.wrapped}, f)
+    from lightning_llmfast.bench.processes import leave_world
+
+    leave_world()  # every rank done: out without the interpreter teardown gloo's threads can abort
     """
 )
 

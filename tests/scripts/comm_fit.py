@@ -20,6 +20,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_llmfast import LLMFastStrategy, PackedDataModule, SystemMetricsMonitor
+from lightning_llmfast.bench.processes import leave_world
 from lightning_llmfast.comm import PowerSGDConfig
 from lightning_llmfast.data import IGNORE_INDEX
 
@@ -106,3 +107,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_world()  # every rank done: out without the interpreter teardown gloo's threads can abort

@@ -2,7 +2,8 @@
 
 Run by tests/test_dp_equivalence.py with ``--devices 2`` (Lightning launches the second rank); rank 0 saves the
 final weights to ``--out``. The test compares them with one process that accumulates the same micro-batches.
-Each rank also writes ``<out>.exit<rank>``: whether a process group was still up when its last exit handler ran.
+Each rank also writes ``<out>.exit<rank>``: whether a process group was still up when its last exit handler ran
+(the handlers run as at a normal exit; the interpreter's teardown is then skipped, see ``leave_world``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule
+from lightning_llmfast.bench.processes import leave_world
 from lightning_llmfast.data import PackedBatch, SyntheticCorpus, pack_documents
 
 STEPS = 6
@@ -65,3 +67,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    dist.barrier()  # both ranks done before either shuts the group down
+    atexit._run_exitfuncs()  # as at a normal exit: the strategy's process-group shutdown, then _record_exit_state
+    leave_world()  # out without the interpreter teardown, which gloo's threads can abort

@@ -23,6 +23,7 @@ from lightning_llmfast import (
     PackedDataModule,
     SequenceMetadataCallback,
 )
+from lightning_llmfast.bench.processes import leave_world
 from lightning_llmfast.data import IGNORE_INDEX, PackedBatch
 from lightning_llmfast.seqmeta import SequenceMetadata
 
@@ -98,3 +99,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_world()  # every rank done: out without the interpreter teardown gloo's threads can abort

@@ -26,6 +26,7 @@ from lightning_llmfast import (
     PackedDataModule,
     TokenThroughputMonitor,
 )
+from lightning_llmfast.bench.processes import leave_world
 
 
 class Recorder(L.Callback):
@@ -99,3 +100,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_world()  # every rank done: out without the interpreter teardown gloo's threads can abort
