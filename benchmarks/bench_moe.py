@@ -23,7 +23,10 @@ T=8192, E=64, k=8           1.14x   1.28x          2.95x     2.60x  0 / 65 / 323
 The limit runs with ATen's own output buffers, fresh from the allocator every step as for any plain ``grouped_mm``
 pair (this package's CPU buffer pool turned off for it, :func:`~lightning_llmfast.moe.kernels.host_memory.pooling`);
 ``expert_only_pooled`` is the same pair with the pool, so ours over it is what routing and dispatch add to the expert
-compute. Latest runs and their spread: ``benchmarks/RESULTS.md``.
+compute. Besides the ratios of medians, each shape reports ``paired_ratio_quartiles`` (every implementation over the
+limit of the same round, quartiles over the rounds) and ``ours_over_pooled_pair_quartiles``: paired ratios, so that
+what drifts between rounds on a shared machine (load, clock, where glibc's heap top falls) cancels. Latest runs and
+their spread: ``benchmarks/RESULTS.md``.
 
 A second table (``"deepseek"`` in the results) runs the DeepSeek-V3 layout: our block with a shared expert,
 sigmoid group-limited routing (``num_groups``/``topk_groups``), the correction bias and ``route_scale``, against
@@ -45,6 +48,7 @@ import argparse
 import itertools
 import json
 import os
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -130,16 +134,27 @@ def _time(
     repeats: int,
     device: str,
     unpooled: tuple[str, ...] = (),
-) -> tuple[dict[str, float], dict[str, int], dict[str, int], dict[str, list[float]]]:
-    """Median ms of ``repeats`` interleaved forward+backward passes, the host syncs and kernels of one, and the
-    ``[min, max]`` ms of the repeats; the implementations named in ``unpooled`` run with the CPU buffer pool off."""
+) -> tuple[dict[str, float], dict[str, int], dict[str, int], dict[str, list[float]], dict[str, list[float]]]:
+    """Median ms of ``repeats`` interleaved forward+backward passes, the host syncs and kernels of one, the
+    ``[min, max]`` ms of the repeats and every round's ms; the implementations named in ``unpooled`` run with the CPU
+    buffer pool off."""
     steps = {
         name: (lambda r, fn=fn, g=g, p=name not in unpooled: _step(fn, x, g, p)) for name, (fn, g) in impls.items()
     }
     measured = interleave(steps, repeats, count=True, device=device)
     median_ms = {name: 1e3 * m.median for name, m in measured.items()}
     spread = {name: [1e3 * m.low, 1e3 * m.high] for name, m in measured.items()}
-    return median_ms, {n: m.syncs for n, m in measured.items()}, {n: m.kernels for n, m in measured.items()}, spread
+    rounds = {name: [1e3 * v for v in m.values] for name, m in measured.items()}
+    syncs, kernels = {n: m.syncs for n, m in measured.items()}, {n: m.kernels for n, m in measured.items()}
+    return median_ms, syncs, kernels, spread, rounds
+
+
+def _paired_quartiles(times: list[float], reference: list[float]) -> list[float]:
+    """``[q1, median, q3]`` of ``times[r] / reference[r]`` over the rounds: a ratio whose two sides ran in the same
+    round, so that the machine's drift between rounds (load, clock, the allocator's state) cancels."""
+    ratios = sorted(t / ref for t, ref in zip(times, reference))
+    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return [q1, median, q3]
 
 
 def _bench_deepseek(
@@ -171,7 +186,7 @@ def _bench_deepseek(
         max_error = {n: float((fn(x) - reference).abs().max()) for n, (fn, _) in impls.items()}
         if any(err > tolerance * float(reference.abs().max()) for err in max_error.values()):
             raise AssertionError(f"implementations disagree: max abs error {max_error}")
-    median_ms, syncs, kernels, _ = _time(impls, x, repeats, device)
+    median_ms, syncs, kernels, _, _ = _time(impls, x, repeats, device)
     return {
         "kernels_per_step": kernels,
         "shape": {"T": num_tokens, "H": hidden, "F": ffn, "E": num_experts, "k": top_k, "groups": num_groups,
@@ -244,11 +259,14 @@ def _bench_shape(
             impls[f"hf_{implementation}"] = (lambda t, m=hf: m(t.unsqueeze(0)).squeeze(0), grad)
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    median_ms, syncs, kernels, spread = _time(impls, x, repeats, device, unpooled=("expert_only", "expert_loop"))
+    median_ms, syncs, kernels, spread, rounds = _time(
+        impls, x, repeats, device, unpooled=("expert_only", "expert_loop")
+    )
     # The limit: the faster of one grouped_mm pair and a per-expert matmul loop over the same rows, with ATen's own
     # output buffers (fresh from the allocator each step). expert_only_pooled is the same pair with this package's
     # CPU buffer pool: ours over it is what the dispatch adds to the expert compute.
     limit = min(median_ms["expert_only"], median_ms["expert_loop"])
+    limit_rounds = [min(a, b) for a, b in zip(rounds["expert_only"], rounds["expert_loop"])]
     ratios = {name: ms / limit for name, ms in median_ms.items()}
     hf_best = min((ratios[n] for n in ratios if n.startswith("hf_")), default=float("inf"))
     return {
@@ -260,6 +278,9 @@ def _bench_shape(
         "min_max_ms": spread,
         "ratio_to_expert_only": ratios,
         "ratio_range": {name: [lo / limit, hi / limit] for name, (lo, hi) in spread.items()},
+        # Per round: each implementation over that round's limit, and ours over that round's pooled pair.
+        "paired_ratio_quartiles": {name: _paired_quartiles(times, limit_rounds) for name, times in rounds.items()},
+        "ours_over_pooled_pair_quartiles": _paired_quartiles(rounds["ours"], rounds["expert_only_pooled"]),
         "host_syncs_per_step": syncs,
         "kernels_per_step": kernels,
         "ours_meets_target": ratios["ours"] <= TARGET_RATIO and ratios["ours"] < hf_best,
@@ -317,12 +338,17 @@ def _print(report: dict[str, Any]) -> None:
         shape = ", ".join(f"{k}={v}" for k, v in result["shape"].items())
         print(f"\nMoE block fwd+bwd on {report['device']} ({shape}), median of {result['repeats']}:")
         print(f"  load average before/after: {result.get('load_average')}")
-        print(f"  {'implementation':<18} {'ms':>10} {'x limit':>8} {'range':>13} {'host syncs':>11} {'kernels':>8}")
+        print(f"  {'implementation':<18} {'ms':>10} {'x limit':>8} {'range':>13} {'paired: q1 median q3':>21} "
+              f"{'host syncs':>11} {'kernels':>8}")  # fmt: skip
         for name, ms in sorted(result["median_ms"].items(), key=lambda kv: kv[1]):
             ratio, kernels = result["ratio_to_expert_only"][name], result["kernels_per_step"][name]
             low, high = result["ratio_range"][name]
+            q1, q2, q3 = result["paired_ratio_quartiles"][name]
             syncs = result["host_syncs_per_step"][name]
-            print(f"  {name:<18} {ms:>10.1f} {ratio:>8.3f} {low:>6.3f}-{high:<6.3f} {syncs:>11} {kernels:>8}")
+            print(f"  {name:<18} {ms:>10.1f} {ratio:>8.3f} {low:>6.3f}-{high:<6.3f} {q1:>7.3f}{q2:>7.3f}{q3:>7.3f} "
+                  f"{syncs:>11} {kernels:>8}")  # fmt: skip
+        q1, q2, q3 = result["ours_over_pooled_pair_quartiles"]
+        print(f"  ours over the pooled pair, paired by round: {q2:.3f} (q1 {q1:.3f}, q3 {q3:.3f})")
         print(f"  ours meets target (<= {report['target_ratio']}x and faster than HF): {result['ours_meets_target']}")
     for result in report.get("deepseek", []):
         shape = ", ".join(f"{k}={v}" for k, v in result["shape"].items())

@@ -257,6 +257,25 @@ def test_metadata_and_moe_micro_benchmarks_run_on_cpu_without_error() -> None:
     micro = run_micro(True, "cpu", ("metadata", "moe"), Path(__file__).parents[1] / "benchmarks", log=lambda _: None)
     assert all("error" not in result and "skipped" not in result for result in micro.values()), micro
     assert micro["metadata"]["rows"] and micro["moe"]["results"]
+    for result in micro["moe"]["results"]:  # the paired ratios: each round over the same round's limit
+        quartiles = result["paired_ratio_quartiles"]
+        assert set(quartiles) == set(result["median_ms"])
+        assert all(q1 <= q2 <= q3 for q1, q2, q3 in quartiles.values())
+        # the limit is the faster of the two in each round: neither is ever below it, and one of them is it
+        assert quartiles["expert_only"][0] >= 1.0 and quartiles["expert_loop"][0] >= 1.0
+        assert min(quartiles["expert_only"][0], quartiles["expert_loop"][0]) == 1.0
+        assert len(result["ours_over_pooled_pair_quartiles"]) == 3
+
+
+def test_moe_bench_paired_quartiles_pair_rounds_and_take_inclusive_quartiles() -> None:
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        import bench_moe
+    finally:
+        sys.path.pop(0)
+    # round r's time over round r's reference, not medians over medians: 2/1, 6/2, 6/3, 20/4, 10/5
+    assert bench_moe._paired_quartiles([2.0, 6.0, 6.0, 20.0, 10.0], [1.0, 2.0, 3.0, 4.0, 5.0]) == [2.0, 2.0, 3.0]
+    assert bench_moe._paired_quartiles([3.0], [2.0]) == [1.5, 1.5, 1.5]
 
 
 def test_markdown_report_shows_skipped_variants_and_ratios() -> None:
