@@ -101,3 +101,16 @@ def test_pooling_off_gives_fresh_buffers_in_this_thread_only() -> None:
             assert host_memory.held_bytes() == 2 * 64 * KIB
         assert not host_memory.pooled((64, 256), torch.float32)  # restored on exit
     assert host_memory.pooled((64, 256), torch.float32) and off.shape == inner.shape == other_thread[0].shape
+
+
+def test_the_combine_sums_come_from_the_pool_at_the_threshold() -> None:
+    from lightning_llmfast.moe.kernels import combine_rows_reference
+
+    rows = torch.randn(6, 4096)  # 96 KiB: below the 64 KiB threshold only once summed into fewer tokens
+    positions = torch.tensor([[0, 3], [1, 4], [2, 5]])
+    for tokens, pooled in ((3, False), (4, True)):  # sums of tokens * 16 KiB: 48 KiB, then 64 KiB
+        host_memory.release()
+        index = positions[torch.arange(tokens) % 3]
+        out = combine_rows_reference(rows, index, torch.full(index.shape, 0.5))
+        assert (host_memory.held_bytes() == 64 * KIB) == pooled
+        torch.testing.assert_close(out, 0.5 * (rows[index[:, 0]] + rows[index[:, 1]]), rtol=0, atol=0)

@@ -230,7 +230,7 @@ def combine_rows_reference(
     acc = _acc_dtype(rows)
     if top_k == 0:
         return rows.new_zeros(num_tokens, hidden, dtype=out_dtype or rows.dtype)
-    out = torch.empty(num_tokens, hidden, dtype=acc, device=rows.device)
+    out = empty_rows(num_tokens, hidden, dtype=acc, device=rows.device)
     factors = None if weights is None else weights.to(acc)
     # An unweighted first slot initialises the sums (adding it to zeros, but -0.0 kept): gathered straight into them
     # when they have its dtype, a pass fewer.
