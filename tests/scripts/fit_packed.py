@@ -9,6 +9,7 @@ the start of step ``N + 1``, after ``ModelCheckpoint(every_n_train_steps=N)`` ha
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -70,6 +71,9 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", default="ckpt")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    # A rank still running after 200 s (the tests wait 240 s) prints every thread's stack and exits: a hang fails
+    # with where it waits instead of a bare timeout.
+    faulthandler.dump_traceback_later(200, exit=True)
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     config = MoEGPTConfig(hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_size=32, num_experts=4, top_k=2)
