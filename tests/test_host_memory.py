@@ -106,9 +106,9 @@ def test_pooling_off_gives_fresh_buffers_in_this_thread_only() -> None:
 def test_the_combine_sums_come_from_the_pool_at_the_threshold() -> None:
     from lightning_llmfast.moe.kernels import combine_rows_reference
 
-    rows = torch.randn(6, 4096)  # 96 KiB: below the 64 KiB threshold only once summed into fewer tokens
+    rows = torch.randn(6, 4096)  # 16 KiB a row; not from the pool (torch.randn)
     positions = torch.tensor([[0, 3], [1, 4], [2, 5]])
-    for tokens, pooled in ((3, False), (4, True)):  # sums of tokens * 16 KiB: 48 KiB, then 64 KiB
+    for tokens, pooled in ((3, False), (4, True)):  # sums of 16 KiB a token: 48 KiB (below 64 KiB), then 64 KiB
         host_memory.release()
         index = positions[torch.arange(tokens) % 3]
         out = combine_rows_reference(rows, index, torch.full(index.shape, 0.5))

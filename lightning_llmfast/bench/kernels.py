@@ -108,7 +108,7 @@ class KernelCounter(PatchingCounter):
             return out
         if func.namespace == _OPENED_NAMESPACE and not getattr(_STATE, "launching", False):
             with self:  # the implementation's own ATen ops and Triton launches are the kernels
-                return OPDEFS[f"{func.namespace}::{func.overloadpacket.__name__}"]._init_fn(*args, **(kwargs or {}))
+                return OPDEFS[f"{func.namespace}::{name}"]._init_fn(*args, **(kwargs or {}))
         if func.overloadpacket.__name__ == "to":
             # Reaches the mode whole inside opened custom ops: a copy only when it returns a new tensor.
             out = func(*args, **(kwargs or {}))
