@@ -8,6 +8,7 @@ biased, group-limited selection is exercised.
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -69,7 +70,10 @@ def _tiny_block(module: object, block_name: str, seed: int, **overrides: object)
         setattr(config, key, value)
     config._experts_implementation = "eager"
     torch.manual_seed(seed)
-    block = getattr(module, block_name)(config)
+    block_cls = getattr(module, block_name)
+    # Build with whatever the constructor takes: newer families also want their layer's index (BailingHybridMoE).
+    extra = {"layer_idx": 0} if "layer_idx" in inspect.signature(block_cls.__init__).parameters else {}
+    block = block_cls(config, **extra)
     for p in block.parameters():  # transformers leaves them uninitialised until a PreTrainedModel inits them
         nn.init.normal_(p, std=0.3)
     bias = getattr(block.gate, "e_score_correction_bias", None)
