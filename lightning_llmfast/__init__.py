@@ -47,6 +47,7 @@ _LAZY: dict[str, str] = {
     "PowerSGDConfig": "lightning_llmfast.comm",
     # Lightning layer
     "PackedDataModule": "lightning_llmfast.datamodule",
+    "PreparedDataModule": "lightning_llmfast.datamodules",
     "SequenceMetadataCallback": "lightning_llmfast.callbacks",
     "TokenThroughputMonitor": "lightning_llmfast.callbacks",
     "ExpertLoadMonitor": "lightning_llmfast.callbacks",

@@ -5,53 +5,29 @@ The Lightning layer only wires things: corpora, packing and the per-epoch plan l
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-import torch
-from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_llmfast._checks import check_bool, check_int, check_number
 from lightning_llmfast.data import (
     DEFAULT_LOOKAHEAD,
     VOCAB_SIZE,
-    PackedBatch,
     PackedDocumentDataset,
     SyntheticCorpus,
     TextCorpus,
     check_packing_args,
 )
 from lightning_llmfast.data.corpus import DISTRIBUTIONS, MAX_SEED
+from lightning_llmfast.datamodules.positioned import PositionedDataModule
 from lightning_llmfast.errors import ConfigError, DataError
 
 __all__ = ["PackedDataModule", "PackedDocumentDataset"]
 
 _CORPORA = ("stdlib", "synthetic", "files")
 _SPLIT_SEED_OFFSET = {"train": 0, "val": 1, "test": 2}
-_STATE_VERSION = 1
-
-
-class _PositionedLoader(DataLoader[PackedBatch]):
-    """A ``DataLoader`` that sets its dataset's ``(epoch, start)`` from ``position()`` at every ``iter()``.
-
-    Workers are not persistent: each iteration pickles the dataset with its position into fresh workers.
-    """
-
-    def __init__(self, dataset: PackedDocumentDataset, position: Callable[[], tuple[int, int]], **kwargs: Any) -> None:
-        super().__init__(dataset, **kwargs)
-        self.position = position
-
-    @override
-    def __iter__(self) -> Iterator[PackedBatch]:  # type: ignore[override]
-        assert isinstance(self.dataset, PackedDocumentDataset)
-        self.dataset.set_position(*self.position())
-        return super().__iter__()
-
-
-class PackedDataModule(LightningDataModule):
+class PackedDataModule(PositionedDataModule):
     """Packed documents for training, validation, test and predict, packed in worker processes, pinned.
 
     Every init argument is a plain type, so ``LightningCLI`` fills it from YAML (``data: {seq_len: 256, ...}``).
@@ -63,13 +39,9 @@ class PackedDataModule(LightningDataModule):
     dropped or filled is logged once per split. With ``shuffle=True`` each epoch visits a new permutation seeded by
     ``(seed, epoch)``.
 
-    Resuming: :meth:`state_dict` (which Lightning stores in every checkpoint) holds the training position, the epoch
-    and the batches every rank has consumed in it (equal on all ranks, so one position; each worker's position
-    follows from it), plus what the position is valid for. ``trainer.fit(..., ckpt_path=...)`` then continues with
-    exactly the batches the uninterrupted run would have seen. A checkpoint from another corpus, ``seq_len``,
-    ``batch_size``, packing, seed or world size raises :class:`~lightning_llmfast.errors.DataError`. The training
-    loader starts fresh workers every epoch (they are handed the epoch's position), and the data module counts
-    consumed batches in ``on_before_batch_transfer``, which then calls the LightningModule's own hook.
+    Resuming (see :class:`~lightning_llmfast.datamodules.PositionedDataModule`): a checkpoint continues with exactly
+    the batches the uninterrupted run would have seen; one from another corpus, ``seq_len``, ``batch_size``,
+    packing, seed or world size raises :class:`~lightning_llmfast.errors.DataError`.
 
     Args:
         corpus: ``"stdlib"`` (the running Python's standard library sources), ``"synthetic"`` or ``"files"``.
@@ -131,11 +103,10 @@ class PackedDataModule(LightningDataModule):
         pad_id: int = 0,
         lookahead: int = DEFAULT_LOOKAHEAD,
     ) -> None:
-        super().__init__()
+        super().__init__(num_workers, pin_memory)
         self.save_hyperparameters()
         self.corpus, self.paths = corpus, paths
         self.seq_len, self.batch_size = seq_len, batch_size
-        self.num_workers, self.pin_memory = num_workers, pin_memory
         self.max_docs, self.val_fraction, self.test_fraction = max_docs, val_fraction, test_fraction
         self.synthetic_num_docs = synthetic_num_docs
         self.synthetic_mean_len = synthetic_mean_len
@@ -145,12 +116,7 @@ class PackedDataModule(LightningDataModule):
         self.pad_id, self.lookahead = pad_id, lookahead
         self._check_arguments()
         self._corpora: dict[str, Sequence[Sequence[int]]] = {}
-        self._train: PackedDocumentDataset | None = None
-        self._resume: dict[str, Any] | None = None  # a loaded position, applied at the next training iteration
-        self._position: tuple[int, int] | None = None  # (epoch, start) of the current training iteration
-        self._consumed = 0  # batches of that epoch the training loop has taken
         self._logged: set[str] = set()
-        self._iterations = 0  # train iterations without a trainer: the epoch
 
     def _check_arguments(self) -> None:
         """Every init argument against its type and range (see the class docstring's Raises)."""
@@ -222,106 +188,12 @@ class PackedDataModule(LightningDataModule):
             if self._has_split(split):
                 self.corpus_for(split)
 
+    @override
     def _has_split(self, split: str) -> bool:
         """``val_fraction=0`` (or ``test_fraction=0``) leaves that split out: no loop runs on it."""
         return {"val": self.val_fraction, "test": self.test_fraction}.get(split, 1.0) > 0
 
     @override
-    def train_dataloader(self) -> DataLoader[PackedBatch]:
-        dataset = self._dataset("train")
-        self._train = dataset
-        if self._resume is not None:
-            self._check_fingerprint(self._resume["fingerprint"], dataset.fingerprint())
-        return _PositionedLoader(dataset, self._next_position, **self._loader_kwargs(persistent=False))
-
-    @override
-    def val_dataloader(self) -> DataLoader[PackedBatch] | list[DataLoader[PackedBatch]]:
-        return self._eval_loader("val", persistent=True)
-
-    @override
-    def test_dataloader(self) -> DataLoader[PackedBatch] | list[DataLoader[PackedBatch]]:
-        return self._eval_loader("test", persistent=True)
-
-    @override
-    def predict_dataloader(self) -> DataLoader[PackedBatch] | list[DataLoader[PackedBatch]]:
-        return self._eval_loader("test", persistent=False)
-
-    def _eval_loader(self, split: str, *, persistent: bool) -> DataLoader[PackedBatch] | list[DataLoader[PackedBatch]]:
-        # No loader (an empty list) for a split of fraction 0: Lightning then skips its loop.
-        if not self._has_split(split):
-            return []
-        return DataLoader(self._dataset(split), **self._loader_kwargs(persistent=persistent))
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        """The training position (epoch, batches consumed per rank) and what it is valid for; ``{}`` before fit."""
-        if self._train is None:
-            return {}
-        if self._position is None:  # loaded, not yet iterated: keep what was loaded
-            return dict(self._resume) if self._resume is not None else {}
-        return {
-            "version": _STATE_VERSION,
-            "epoch": self._position[0],
-            "batches": self._consumed,
-            "fingerprint": self._train.fingerprint(),
-        }
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume from a :meth:`state_dict`; checked against this run's configuration when training starts."""
-        if not state_dict:
-            return
-        keys = {"version", "epoch", "batches", "fingerprint"}
-        if not isinstance(state_dict, dict) or set(state_dict) != keys or state_dict["version"] != _STATE_VERSION:
-            raise DataError(
-                f"PackedDataModule: unreadable data position in the checkpoint (expected version {_STATE_VERSION} "
-                f"with keys {sorted(keys)}), got {state_dict!r}"
-            )
-        self._resume = dict(state_dict)
-        self._position = None
-
-    @override
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        # Called once per batch the training loop consumes (not per batch prefetched): the resume position.
-        trainer = self.trainer
-        if trainer is None:
-            return batch
-        if trainer.training:
-            self._consumed += 1
-        # Lightning calls only the data module's hook when both define one: keep the module's own in the chain.
-        return trainer.lightning_module.on_before_batch_transfer(batch, dataloader_idx)
-
-    def _next_position(self) -> tuple[int, int]:
-        """``(epoch, start)`` of the training iteration that begins now."""
-        trainer = self.trainer
-        if trainer is None:
-            epoch, self._iterations = self._iterations, self._iterations + 1
-        else:
-            epoch = trainer.current_epoch
-        resume, self._resume = self._resume, None
-        position = (epoch, 0)
-        if resume is not None and epoch <= resume["epoch"]:
-            assert self._train is not None
-            if resume["batches"] >= self._train.plan(resume["epoch"]).per_rank:
-                # Saved after the epoch's last batch: the next batches are the next epoch's (Lightning may still
-                # count the finished epoch when it asks for them).
-                position = (resume["epoch"] + 1, 0)
-            else:
-                position = (resume["epoch"], resume["batches"])
-        self._position, self._consumed = position, position[1]
-        return position
-
-    @staticmethod
-    def _check_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:
-        differ = [key for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
-        if differ:
-            details = ", ".join(f"{key}: checkpoint {saved.get(key)!r}, now {current.get(key)!r}" for key in differ)
-            raise DataError(
-                f"PackedDataModule: the checkpoint's data position belongs to another configuration ({details}); "
-                "resuming would replay or skip documents. Resume with the same corpus, seq_len, batch_size, packing, "
-                "seed and number of processes, or start a new run."
-            )
-
     def _dataset(self, split: str) -> PackedDocumentDataset:
         trainer = self.trainer
         rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
@@ -342,14 +214,3 @@ class PackedDataModule(LightningDataModule):
             self._logged.add(split)
             rank_zero_info(f"PackedDataModule {split} split, epoch 0: {dataset.plan(0).summary()}")
         return dataset
-
-    def _loader_kwargs(self, *, persistent: bool) -> dict[str, Any]:
-        trainer = self.trainer
-        # Pinning only pays (and only works) when batches go to an accelerator.
-        on_accelerator = trainer.strategy.root_device.type != "cpu" if trainer is not None else True
-        return {
-            "batch_size": None,  # the dataset yields whole PackedBatch objects
-            "num_workers": self.num_workers,
-            "pin_memory": self.pin_memory and on_accelerator and torch.accelerator.is_available(),
-            "persistent_workers": persistent and self.num_workers > 0,
-        }

@@ -15,6 +15,7 @@ from lightning_llmfast.data.batch import PackedBatch
 from lightning_llmfast.data.corpus import BOS_ID, EOS_ID, VOCAB_SIZE, SyntheticCorpus, TextCorpus, decode, encode
 from lightning_llmfast.data.dataset import EpochPlan, PackedDocumentDataset
 from lightning_llmfast.data.packing import DEFAULT_LOOKAHEAD, IGNORE_INDEX, check_packing_args, pack_documents
+from lightning_llmfast.data.prepared import PreparedBatches, PreparedDataset
 
 __all__ = [
     "BOS_ID",
@@ -25,6 +26,8 @@ __all__ = [
     "VOCAB_SIZE",
     "PackedBatch",
     "PackedDocumentDataset",
+    "PreparedBatches",
+    "PreparedDataset",
     "SyntheticCorpus",
     "TextCorpus",
     "check_packing_args",

@@ -1,0 +1,505 @@
+"""Prepared datasets: token shards, a document index and pre-packed rows on disk, read through memory maps.
+
+``python -m lightning_llmfast.prepare`` writes a directory (see ``docs/data.md`` for the format, readable with NumPy
+alone):
+
+- ``tokens-NNNNN.bin``: raw token ids (``uint16`` when the vocabulary fits, else ``uint32``), whole documents, each
+  ending with the tokenizer's EOS;
+- ``documents.npy``: ``int64`` offsets of the documents in the concatenated token stream (``N + 1`` entries);
+- ``rows-L{seq_len}-{split}.npy`` and ``pieces-L{seq_len}-{split}.npy``: the split's documents packed into rows of
+  ``seq_len`` tokens, once, offline: row ``r`` is ``pieces[rows[r]:rows[r + 1]]``, each piece a
+  ``(document, start, length)`` triple;
+- ``manifest.json``, written last: format version, tokenizer, counts, dtypes, settings and the size and sha256 of
+  every file. A directory without it is incomplete and refused.
+
+:class:`PreparedDataset` is the documents of one such directory (a ``Sequence`` of token arrays);
+:class:`PreparedBatches` deals the pre-packed rows of one or several of them (blended by weight) as
+:class:`~lightning_llmfast.data.PackedBatch` objects through
+:class:`~lightning_llmfast.data.dataset.PlannedBatchDataset`: equal batches per rank, a new order per epoch,
+resumable. Anonymous memory stays O(1) in the dataset size: tokens, offsets and rows are memory-mapped, and an
+epoch's order is a keyed permutation computed per batch (:func:`permute`), never materialised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, overload
+
+import numpy as np
+import torch
+from typing_extensions import override
+
+from lightning_llmfast._checks import check_int, check_number
+from lightning_llmfast.data.dataset import PlannedBatchDataset
+from lightning_llmfast.data.packing import Piece
+from lightning_llmfast.errors import DataError
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "SPLITS",
+    "PackedLayout",
+    "PreparedBatches",
+    "PreparedDataset",
+    "layout_files",
+    "mix64",
+    "permute",
+    "read_manifest",
+    "sha256_file",
+    "sha256_text",
+    "shard_file",
+]
+
+FORMAT = "lightning_llmfast.prepared"
+"""The ``format`` field of every manifest."""
+
+FORMAT_VERSION = 1
+"""Version of the on-disk layout; a reader refuses any other."""
+
+MANIFEST = "manifest.json"
+"""Name of the manifest, the file that makes a prepared directory complete."""
+
+SPLITS = ("train", "val")
+"""Splits of whole documents that ``prepare`` packs separately."""
+
+_MASK64 = (1 << 64) - 1
+_FEISTEL_ROUNDS = 4
+
+
+def shard_file(index: int) -> str:
+    """Name of token shard ``index``: ``tokens-00000.bin``."""
+    return f"tokens-{index:05d}.bin"
+
+
+def layout_files(seq_len: int, split: str) -> tuple[str, str]:
+    """Names of the ``(rows, pieces)`` files of ``split`` packed into rows of ``seq_len`` tokens."""
+    return f"rows-L{seq_len}-{split}.npy", f"pieces-L{seq_len}-{split}.npy"
+
+
+def mix64(values: np.ndarray | int) -> np.ndarray:
+    """SplitMix64's finaliser on ``uint64`` values: a fixed, well-mixed bijection of 64-bit integers.
+
+    Example::
+
+        >>> int(mix64(0)[0]) == int(mix64(np.array([0], dtype=np.uint64))[0])
+        True
+    """
+    z = np.atleast_1d(np.asarray(values, dtype=np.uint64)) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _key(*parts: int) -> int:
+    """A 64-bit key from integers (seed, epoch, purpose...), each mixed in turn."""
+    key = 0
+    for part in parts:
+        key = int(mix64((key ^ part) & _MASK64)[0])
+    return key
+
+
+def permute(positions: np.ndarray, size: int, key: int) -> np.ndarray:
+    """Where ``positions`` go under the permutation of ``range(size)`` drawn from ``key``, in O(1) memory.
+
+    A balanced Feistel network on the smallest even number of bits covering ``size`` is a bijection of
+    ``[0, 4**half)``; values that land at or past ``size`` are sent through it again (cycle walking), which keeps it a
+    bijection of ``[0, size)``. Each position costs a few integer operations, so an epoch's order is never stored.
+
+    Args:
+        positions: integers in ``[0, size)``.
+        size: length of the permuted range.
+        key: any integer; equal keys give equal permutations.
+
+    Returns:
+        ``int64`` array of the permuted positions, as long as ``positions``.
+
+    Example::
+
+        >>> sorted(permute(np.arange(10), 10, key=7).tolist()) == list(range(10))
+        True
+    """
+    x = np.asarray(positions, dtype=np.int64).astype(np.uint64)
+    if size <= 1:
+        return x.astype(np.int64)
+    half = max(1, ((size - 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    keys = [np.uint64(_key(key, r)) for r in range(_FEISTEL_ROUNDS)]
+
+    def rounds(values: np.ndarray) -> np.ndarray:
+        left, right = values >> np.uint64(half), values & mask
+        for k in keys:
+            left, right = right, left ^ (mix64(right ^ k) & mask)
+        return (left << np.uint64(half)) | right
+
+    x = rounds(x)
+    walking = np.flatnonzero(x >= np.uint64(size))
+    while walking.size:
+        x[walking] = rounds(x[walking])
+        walking = walking[x[walking] >= np.uint64(size)]
+    return x.astype(np.int64)
+
+
+def sha256_text(text: str) -> str:
+    """Hex sha256 of a string's UTF-8 bytes."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_manifest(path: str | Path, *, checksums: bool = False) -> dict[str, Any]:
+    """The manifest of a complete prepared directory, after checking that every file it lists is there, whole.
+
+    Args:
+        path: the prepared directory.
+        checksums: also recompute the sha256 of every file (reads everything; what ``prepare --verify`` does).
+
+    Raises:
+        DataError: no directory, no manifest (an unfinished ``prepare``), an unreadable manifest or another format
+            version, or a listed file that is missing, of another size or (``checksums``) of other content; the
+            message names the file.
+
+    Example::
+
+        manifest = read_manifest("data/prepared")
+        manifest["num_tokens"], manifest["tokenizer"]["vocab_size"]
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise DataError(f"prepared dataset {root}: no such directory")
+    manifest_path = root / MANIFEST
+    if not manifest_path.is_file():
+        raise DataError(
+            f"prepared dataset {root}: no {MANIFEST}, so the preparation did not finish (run the same prepare command "
+            "again to complete it)"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DataError(f"prepared dataset {root}: unreadable {MANIFEST}: {err}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DataError(f"prepared dataset {root}: {MANIFEST} is not a {FORMAT} manifest")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise DataError(
+            f"prepared dataset {root}: format version {manifest.get('version')!r}, this reader reads version "
+            f"{FORMAT_VERSION}; prepare it again"
+        )
+    for name, entry in manifest["files"].items():
+        file = root / name
+        if not file.is_file():
+            raise DataError(f"prepared dataset {root}: {name} is missing")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise DataError(
+                f"prepared dataset {root}: {name} has {size} bytes, the manifest says {entry['bytes']} (truncated or "
+                "overwritten; prepare it again)"
+            )
+        if checksums and sha256_file(file) != entry["sha256"]:
+            raise DataError(f"prepared dataset {root}: {name} does not match its sha256 in {MANIFEST} (corrupted)")
+    return manifest
+
+
+class PackedLayout:
+    """The rows of one split packed into ``seq_len`` tokens: row ``r`` is ``pieces[rows[r]:rows[r + 1]]``.
+
+    Args:
+        rows: ``int64`` offsets into ``pieces`` (``R + 1`` entries), memory-mapped.
+        pieces: ``int64`` ``(P, 3)`` array of ``(document, start, length)``, memory-mapped.
+
+    Example::
+
+        layout = PreparedDataset("data/prepared").layout(2048, "train")
+        layout.num_rows, layout.row(0)  # [(document, start, length), ...]
+    """
+
+    def __init__(self, rows: np.ndarray, pieces: np.ndarray) -> None:
+        self.rows, self.pieces = rows, pieces
+
+    @property
+    def num_rows(self) -> int:
+        """Number of packed rows ``R``."""
+        return len(self.rows) - 1
+
+    def row(self, index: int, document_offset: int = 0) -> list[Piece]:
+        """The pieces of row ``index``; ``document_offset`` is added to every document index."""
+        block = self.pieces[int(self.rows[index]) : int(self.rows[index + 1])]
+        return [(int(d) + document_offset, int(s), int(n)) for d, s, n in block]
+
+
+class PreparedDataset(Sequence[np.ndarray]):
+    """The documents of a prepared directory: ``dataset[i]`` is document ``i``'s tokens, EOS included.
+
+    Memory-mapped: opening reads the manifest and checks file sizes, and ``dataset[i]`` is a read-only view into a
+    token shard (``uint16`` or ``uint32``). Pickles without its maps (``DataLoader`` workers reopen them).
+
+    Args:
+        path: a directory written by ``python -m lightning_llmfast.prepare``.
+
+    Raises:
+        DataError: see :func:`read_manifest`.
+
+    Example::
+
+        from lightning_llmfast.data import PreparedDataset
+
+        docs = PreparedDataset("data/prepared")
+        len(docs), docs[0][-1] == docs.eos_id, docs.vocab_size
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        tokenizer = self.manifest["tokenizer"]
+        self.vocab_size: int = tokenizer["vocab_size"]
+        self.eos_id: int = tokenizer["eos_id"]
+        self.bos_id: int | None = tokenizer["bos_id"]
+        self.pad_id: int | None = tokenizer["pad_id"]
+        self.dtype = np.dtype(self.manifest["dtype"])
+        self.num_tokens: int = self.manifest["num_tokens"]
+        shards = self.manifest["shards"]
+        self._shard_first = np.array([s["first_document"] for s in shards], dtype=np.int64)
+        self._shard_start = np.array([s["first_token"] for s in shards], dtype=np.int64)
+        self._maps: dict[str, np.ndarray] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_maps": {}}
+
+    def _map(self, name: str) -> np.ndarray:
+        if name not in self._maps:
+            if name.endswith(".npy"):
+                self._maps[name] = np.load(self.path / name, mmap_mode="r")
+            else:
+                self._maps[name] = np.memmap(self.path / name, dtype=self.dtype, mode="r")
+        return self._maps[name]
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """``int64`` start of every document in the token stream, and its end (``N + 1`` entries, memory-mapped)."""
+        return self._map("documents.npy")
+
+    def __len__(self) -> int:
+        return self.manifest["num_documents"]
+
+    @overload
+    def __getitem__(self, index: int) -> np.ndarray: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[np.ndarray]: ...
+
+    def __getitem__(self, index: int | slice) -> np.ndarray | list[np.ndarray]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        index = check_int("document index", index, low=-len(self), high=len(self) - 1, error=DataError)
+        index %= len(self)
+        return self.read(index, 0, int(self.offsets[index + 1] - self.offsets[index]))
+
+    def read(self, document: int, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` of ``document``, a read-only view of its shard."""
+        shard = int(np.searchsorted(self._shard_first, document, side="right")) - 1
+        begin = int(self.offsets[document]) - int(self._shard_start[shard]) + start
+        return self._map(shard_file(shard))[begin : begin + length]
+
+    def layout(self, seq_len: int, split: str) -> PackedLayout:
+        """The pre-packed rows of ``split`` for rows of ``seq_len`` tokens.
+
+        Raises:
+            DataError: the directory was prepared without this ``seq_len`` (the message lists the prepared ones).
+        """
+        if str(seq_len) not in self.manifest["layouts"]:
+            prepared = sorted(int(n) for n in self.manifest["layouts"])
+            raise DataError(
+                f"prepared dataset {self.path} has packed rows for seq_len {prepared}, not {seq_len}: run prepare "
+                f"again with --seq-len {seq_len} (into a new directory or with --overwrite)"
+            )
+        rows, pieces = layout_files(seq_len, split)
+        return PackedLayout(self._map(rows), self._map(pieces))
+
+
+class PreparedBatches(PlannedBatchDataset):
+    """Pre-packed rows of one or several prepared directories as :class:`~lightning_llmfast.data.PackedBatch`.
+
+    An epoch is a sequence of row slots, ``batch_size`` per batch, dealt to ranks as in
+    :class:`~lightning_llmfast.data.dataset.PlannedBatchDataset`. Without ``shuffle_seed`` the slots are the rows of
+    every source in order. With it, source ``s`` gets ``weights[s]`` of the slots (its own number of rows when
+    ``weights`` is ``None``), in an order drawn from ``(shuffle_seed, epoch)``, and its rows are visited in a fresh
+    permutation for every pass (a source sampled above its size repeats rows only after using all of them).
+    ``documents`` of a batch are indices in the concatenation of the sources (source ``s``'s document ``d`` is
+    ``d + sum(len(sources[:s]))``).
+
+    Args:
+        sources: the prepared datasets; all from the same tokenizer.
+        split: ``"train"`` or ``"val"``.
+        seq_len: tokens per row; each source must have been prepared with it.
+        batch_size: rows per batch.
+        weights: share of the epoch's rows per source (normalised); ``None`` keeps the sources' sizes.
+        shuffle_seed: seed of the epoch orders; ``None`` reads rows in order.
+        pad_id: token id of padding; default the tokenizer's pad id, else its EOS.
+        rank: this process's global rank.
+        world_size: number of ranks.
+        limit_batches: at most this many batches per rank and epoch.
+        uneven: ``"drop"`` or ``"fill"`` the last incomplete round (see ``PlannedBatchDataset``).
+
+    Raises:
+        DataError: no source, sources from different tokenizers, a ``seq_len`` a source was not prepared with, bad
+            ``weights`` (one per source, non-negative, not all zero), a weighted source without rows in ``split``,
+            or no row at all.
+
+    Example::
+
+        from torch.utils.data import DataLoader
+        from lightning_llmfast.data import PreparedBatches, PreparedDataset
+
+        sources = [PreparedDataset("data/web"), PreparedDataset("data/code")]
+        batches = PreparedBatches(sources, "train", seq_len=2048, batch_size=8, weights=[0.7, 0.3], shuffle_seed=0)
+        for batch in DataLoader(batches, batch_size=None, num_workers=2): ...
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[PreparedDataset],
+        split: str,
+        *,
+        seq_len: int,
+        batch_size: int,
+        weights: Sequence[float] | None = None,
+        shuffle_seed: int | None = None,
+        pad_id: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        limit_batches: int | None = None,
+        uneven: str = "drop",
+    ) -> None:
+        if not sources:
+            raise DataError("PreparedBatches needs at least one prepared dataset")
+        first = sources[0]
+        for source in sources[1:]:
+            if source.manifest["tokenizer"]["sha256"] != first.manifest["tokenizer"]["sha256"]:
+                raise DataError(
+                    f"prepared datasets {first.path} and {source.path} come from different tokenizers (tokenizer.json "
+                    "sha256 differs); blend only datasets prepared with the same tokenizer"
+                )
+        if split not in SPLITS:
+            raise DataError(f"split must be one of {SPLITS}, got {split!r}")
+        if pad_id is None:
+            pad_id = first.pad_id if first.pad_id is not None else first.eos_id
+        super().__init__(
+            seq_len=seq_len, batch_size=batch_size, vocab_size=max(s.vocab_size for s in sources), pad_id=pad_id,
+            rank=rank, world_size=world_size, limit_batches=limit_batches, uneven=uneven,
+        )  # fmt: skip
+        if shuffle_seed is not None:
+            shuffle_seed = check_int("shuffle_seed", shuffle_seed, low=-(2**63), high=_MASK64, error=DataError)
+        self.sources, self.split, self.shuffle_seed = list(sources), split, shuffle_seed
+        self.layouts = [source.layout(self.seq_len, split) for source in self.sources]
+        self.rows_per_source = [layout.num_rows for layout in self.layouts]
+        self.weights = None if weights is None else self._check_weights(weights)
+        self.document_offsets = np.cumsum([0, *(len(source) for source in self.sources)])
+        self.slots_per_source = self._allocate()
+        if sum(self.slots_per_source) == 0:
+            raise DataError(f"no packed row in the {split!r} split of {', '.join(str(s.path) for s in self.sources)}")
+
+    def _check_weights(self, weights: Sequence[float]) -> list[float]:
+        if len(weights) != len(self.sources):
+            raise DataError(f"weights: one per prepared dataset ({len(self.sources)}), got {len(weights)}")
+        checked = [check_number(f"weights[{i}]", w, low=0, error=DataError) for i, w in enumerate(weights)]
+        if sum(checked) <= 0:
+            raise DataError(f"weights must not all be 0, got {list(weights)}")
+        for source, rows, weight in zip(self.sources, self.rows_per_source, checked, strict=True):
+            if weight > 0 and rows == 0:
+                raise DataError(
+                    f"prepared dataset {source.path} has weight {weight} but no row in the {self.split!r} split"
+                )
+        return checked
+
+    def _allocate(self) -> list[int]:
+        """Row slots of every source in one epoch: their sizes, or the weighted shares of the same total."""
+        if self.weights is None or self.shuffle_seed is None:
+            return list(self.rows_per_source)
+        total = sum(self.rows_per_source)
+        exact = [total * w / sum(self.weights) for w in self.weights]
+        slots = [math.floor(x) for x in exact]
+        # Largest remainders (ties to the lower index) take the slots that rounding down left over.
+        for i in sorted(range(len(exact)), key=lambda i: (slots[i] - exact[i], i))[: total - sum(slots)]:
+            slots[i] += 1
+        return slots
+
+    @property
+    def num_rows(self) -> int:
+        """Row slots of one epoch."""
+        return sum(self.slots_per_source)
+
+    def slot_rows(self, epoch: int, slots: np.ndarray) -> Iterator[tuple[int, int]]:
+        """``(source, row)`` of every epoch slot in ``slots``."""
+        bounds = np.cumsum([0, *self.slots_per_source])
+        if self.shuffle_seed is None:
+            virtual = slots
+        else:
+            virtual = permute(slots, self.num_rows, _key(self.shuffle_seed, epoch, 0))
+        owners = np.searchsorted(bounds, virtual, side="right") - 1
+        for owner, position in zip(owners.tolist(), (virtual - bounds[owners]).tolist(), strict=True):
+            size = self.rows_per_source[owner]
+            passes, row = divmod(position, size)
+            if self.shuffle_seed is not None:
+                row = int(permute(np.array([row]), size, _key(self.shuffle_seed, epoch, 1 + owner, passes))[0])
+            yield owner, row
+
+    @override
+    def epoch_batches(self, epoch: int) -> Sequence[list[list[Piece]]]:
+        return _EpochRows(self, epoch)
+
+    @override
+    def read_piece(self, piece: Piece, cache: dict[int, torch.Tensor]) -> torch.Tensor:
+        document, start, length = piece
+        owner = int(np.searchsorted(self.document_offsets, document, side="right")) - 1
+        tokens = self.sources[owner].read(document - int(self.document_offsets[owner]), start, length)
+        return torch.from_numpy(tokens.astype(np.int64))
+
+    @override
+    def fingerprint(self) -> dict[str, Any]:
+        return {
+            "manifests": [sha256_text(json.dumps(s.manifest, sort_keys=True)) for s in self.sources],
+            "split": self.split,
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "pad_id": self.pad_id,
+            "weights": self.weights,
+            "shuffle_seed": self.shuffle_seed,
+            "world_size": self.world_size,
+        }
+
+
+class _EpochRows(Sequence[list[list[Piece]]]):
+    """The batches of one epoch of :class:`PreparedBatches`, each built from its row slots when asked for."""
+
+    def __init__(self, batches: PreparedBatches, epoch: int) -> None:
+        self.batches, self.epoch = batches, epoch
+
+    def __len__(self) -> int:
+        return -(-self.batches.num_rows // self.batches.batch_size)
+
+    @overload
+    def __getitem__(self, index: int) -> list[list[Piece]]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[list[list[Piece]]]: ...
+
+    def __getitem__(self, index: int | slice) -> list[list[Piece]] | list[list[list[Piece]]]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not 0 <= index < len(self):
+            raise IndexError(f"batch {index} of an epoch of {len(self)}")
+        size = self.batches.batch_size
+        slots = np.arange(index * size, min((index + 1) * size, self.batches.num_rows), dtype=np.int64)
+        offsets = self.batches.document_offsets
+        layouts = self.batches.layouts
+        return [layouts[s].row(r, int(offsets[s])) for s, r in self.batches.slot_rows(self.epoch, slots)]
