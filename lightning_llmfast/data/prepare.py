@@ -258,6 +258,7 @@ def _jsonl(file: InputFile, text_key: str) -> Iterator[tuple[str, int]]:
         stream = gzip.GzipFile(fileobj=raw) if file.kind == "jsonl.gz" else raw
         for number, line in enumerate(stream, start=1):
             where = f"{file.path}:{number}"
+            line = line.rstrip(b"\r\n")
             if not line.strip():
                 continue
             try:
