@@ -85,9 +85,14 @@ class TrainCLI(LLMFastCLI):
         self.trainer.callbacks.append(RunSummary())
 
 
-def main() -> None:
+def main(args: list[str] | None = None) -> None:
+    """Run the CLI on ``args`` (default: the command line)."""
     TrainCLI(
-        MoEGPTLightningModule, pl.LightningDataModule, subclass_mode_data=True, save_config_kwargs={"overwrite": True}
+        MoEGPTLightningModule,
+        pl.LightningDataModule,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        args=args,
     )
 
 
