@@ -64,6 +64,9 @@ def test_every_document_is_the_tokenizers_ids_plus_eos_in_input_order(
     for i, ids in enumerate(reference):  # type: ignore[arg-type]
         assert dataset[i].tolist() == ids, i
     assert dataset[3].tolist() == [dataset.eos_id]  # the empty document: EOS alone
+    assert dataset[-1].tolist() == reference[-1] and [d.tolist() for d in dataset] == reference  # type: ignore[index]
+    with pytest.raises(IndexError):
+        dataset[131]
     manifest = dataset.manifest
     assert manifest["num_tokens"] == sum(map(len, reference)) == int(dataset.offsets[-1])  # type: ignore[arg-type]
     assert manifest["splits"]["train"]["documents"] + manifest["splits"]["val"]["documents"] == 131

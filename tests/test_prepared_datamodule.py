@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -291,5 +290,4 @@ def test_anonymous_memory_stays_flat_over_an_epoch_of_a_ten_times_larger_set(
     batches_small, batches_large = growth[1][1], growth[10][1]
     assert batches_large > 9 * batches_small
     # over an epoch of the 10x set, anonymous memory grows by less than 1 MiB (nothing kept per batch or document)
-    assert growth[10][0] < 1024, growth
-    assert np.isfinite(growth[1][0])
+    assert growth[10][0] < 1024 and growth[1][0] < 1024, growth

@@ -300,7 +300,9 @@ class PreparedDataset(Sequence[np.ndarray]):
     def __getitem__(self, index: int | slice) -> np.ndarray | list[np.ndarray]:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        index = check_int("document index", index, low=-len(self), high=len(self) - 1, error=DataError)
+        index = check_int("document index", index, error=DataError)
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"document {index} of a prepared dataset of {len(self)}")
         index %= len(self)
         return self.read(index, 0, int(self.offsets[index + 1] - self.offsets[index]))
 
