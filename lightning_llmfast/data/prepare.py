@@ -48,7 +48,19 @@ from lightning_llmfast.data.prepared import (
 )
 from lightning_llmfast.errors import ConfigError, DataError
 
-__all__ = ["PrepareConfig", "TokenizerInfo", "input_files", "iter_documents", "load_tokenizer", "prepare", "verify"]
+__all__ = [
+    "CHUNK_CHARS",
+    "PARTIAL",
+    "ChunkWriter",
+    "InputFile",
+    "PrepareConfig",
+    "TokenizerInfo",
+    "input_files",
+    "iter_documents",
+    "load_tokenizer",
+    "prepare",
+    "verify",
+]
 
 PARTIAL = ".partial"
 """Directory inside the output holding the settings and the records of done chunks while a preparation runs."""
@@ -56,6 +68,9 @@ PARTIAL = ".partial"
 _SUFFIXES = {".jsonl": "jsonl", ".jsonl.gz": "jsonl.gz", ".parquet": "parquet", ".txt": "txt"}
 _VAL_KEY = 0x5EED5A1D  # fixed key of the validation split's document hash
 _WRITE_BLOCK = 1 << 16  # pieces / rows buffered before a write
+_ENCODE_BATCH = 256  # documents encoded at once inside a chunk
+CHUNK_CHARS = 1 << 25
+"""A chunk also ends once its texts reach this many characters, so a chunk of long documents stays bounded."""
 
 
 @dataclass(frozen=True)
@@ -374,13 +389,22 @@ class ChunkWriter:
 
     def __call__(self, index: int, texts: list[str]) -> int:
         """Write shard ``index`` and its record; return its token count."""
-        encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-        lengths = [len(self.prefix) + len(e.ids) + 1 for e in encodings]
-        tokens = np.fromiter(
-            chain.from_iterable(chain(self.prefix, e.ids, self.suffix) for e in encodings),
-            dtype=self.dtype,
-            count=sum(lengths),
-        )
+        # Encodings carry offsets and token strings (tens of bytes per token): keep only a batch of them alive.
+        lengths: list[int] = []
+        parts = []
+        for start in range(0, len(texts), _ENCODE_BATCH):
+            encodings = self.tokenizer.encode_batch_fast(texts[start : start + _ENCODE_BATCH], add_special_tokens=False)
+            sizes = [len(self.prefix) + len(e.ids) + 1 for e in encodings]
+            parts.append(
+                np.fromiter(
+                    chain.from_iterable(chain(self.prefix, e.ids, self.suffix) for e in encodings),
+                    dtype=self.dtype,
+                    count=sum(sizes),
+                )
+            )
+            lengths += sizes
+            del encodings
+        tokens = np.concatenate(parts)
         data = tokens.tobytes()
         shard = self.output / shard_file(index)
         _write_atomic(shard, data)
@@ -430,6 +454,7 @@ def _settings(config: PrepareConfig, files: Sequence[InputFile], tokenizer: Toke
         "seq_len": list(config.seq_len),
         "val_fraction": config.val_fraction,
         "chunk_docs": config.chunk_docs,
+        "chunk_chars": CHUNK_CHARS,
         "lookahead": DEFAULT_LOOKAHEAD,
     }
 
@@ -517,14 +542,16 @@ def prepare(config: PrepareConfig) -> dict[str, Any]:
 
 
 def _chunks(documents: Iterator[tuple[str, int]], size: int) -> Iterator[tuple[list[str], int]]:
-    """Consecutive chunks of ``size`` documents (the last one shorter), with the input position after each."""
+    """Consecutive chunks of ``size`` documents or :data:`CHUNK_CHARS` characters, with the input position after
+    each; the boundaries depend on the documents alone."""
     texts: list[str] = []
-    position = 0
+    position = chars = 0
     for text, position in documents:
         texts.append(text)
-        if len(texts) == size:
+        chars += len(text)
+        if len(texts) == size or chars >= CHUNK_CHARS:
             yield texts, position
-            texts = []
+            texts, chars = [], 0
     if texts:
         yield texts, position
 
