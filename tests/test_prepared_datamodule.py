@@ -4,6 +4,7 @@ rank, new orders per epoch, blending by weight, exact resume, vocabulary checks 
 from __future__ import annotations
 
 import importlib.util
+import pickle
 import re
 from collections import Counter
 from pathlib import Path
@@ -176,7 +177,9 @@ class _TinyLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit(module: L.LightningModule, data: PreparedDataModule, steps: int, ckpt: Path | None = None, **kw: Any) -> None:
+def _fit(
+    module: L.LightningModule, data: PreparedDataModule, steps: int, ckpt: Path | None = None, **kw: Any
+) -> L.Trainer:
     callbacks = [ModelCheckpoint(dirpath=ckpt, every_n_train_steps=steps, save_top_k=-1)] if ckpt else []
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, logger=False, callbacks=callbacks,
@@ -184,6 +187,7 @@ def _fit(module: L.LightningModule, data: PreparedDataModule, steps: int, ckpt: 
         val_check_interval=4, num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(module, datamodule=data, **kw)
+    return trainer
 
 
 def test_fit_resumes_mid_epoch_with_exactly_the_remaining_batches(data: dict[str, Any], tmp_path: Path) -> None:
@@ -223,7 +227,10 @@ def test_the_reference_model_and_hf_module_train_and_a_smaller_vocabulary_is_ref
         def datamodule() -> PreparedDataModule:
             return PreparedDataModule(path=data["a"], seq_len=SEQ_LEN, batch_size=2, num_workers=0)
 
-        _fit(make(vocab), datamodule(), 2)
+        module = make(vocab)
+        before = [p.detach().clone() for p in module.parameters()]
+        assert _fit(module, datamodule(), 2).global_step == 2
+        assert any(not torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))  # it trained
         with pytest.raises(DataError, match=f"the model embeds {vocab - 1} token ids but the data's tokenizer has "
                                             f"{vocab}.*vocab_size >= {vocab}"):  # fmt: skip
             _fit(make(vocab - 1), datamodule(), 2)
@@ -280,6 +287,8 @@ def test_anonymous_memory_stays_flat_over_an_epoch_of_a_ten_times_larger_set(
                               progress=False))  # fmt: skip
         dataset = PreparedBatches([PreparedDataset(tmp_path / str(scale))], "train", seq_len=SEQ_LEN, batch_size=8,
                                   shuffle_seed=0)  # fmt: skip
+        # what DataLoader workers receive: no memory map pickled as a copy of its data
+        assert len(pickle.dumps(dataset)) < 16_000
         warm = 20
         samples = []
         for i, batch in enumerate(dataset):

@@ -402,13 +402,24 @@ class PreparedBatches(PlannedBatchDataset):
         if shuffle_seed is not None:
             shuffle_seed = check_int("shuffle_seed", shuffle_seed, low=-(2**63), high=_MASK64, error=DataError)
         self.sources, self.split, self.shuffle_seed = list(sources), split, shuffle_seed
-        self.layouts = [source.layout(self.seq_len, split) for source in self.sources]
+        self._layouts: list[PackedLayout] | None = None
         self.rows_per_source = [layout.num_rows for layout in self.layouts]
         self.weights = None if weights is None else self._check_weights(weights)
         self.document_offsets = np.cumsum([0, *(len(source) for source in self.sources)])
         self.slots_per_source = self._allocate()
         if sum(self.slots_per_source) == 0:
             raise DataError(f"no packed row in the {split!r} split of {', '.join(str(s.path) for s in self.sources)}")
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Memory maps pickle as copies of their data: DataLoader workers reopen them instead.
+        return {**self.__dict__, "_layouts": None}
+
+    @property
+    def layouts(self) -> list[PackedLayout]:
+        """Every source's packed rows of this split and ``seq_len`` (memory-mapped)."""
+        if self._layouts is None:
+            self._layouts = [source.layout(self.seq_len, self.split) for source in self.sources]
+        return self._layouts
 
     def _check_weights(self, weights: Sequence[float]) -> list[float]:
         if len(weights) != len(self.sources):
