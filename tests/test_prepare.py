@@ -148,6 +148,24 @@ def test_one_or_two_workers_write_the_same_bytes(corpus: dict[str, object], prep
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "two").iterdir()} == before
 
 
+def test_a_chunk_also_ends_at_its_character_limit(
+    corpus: dict[str, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("lightning_llmfast.data.prepare.CHUNK_CHARS", 500)
+    prepare(_config(corpus, tmp_path / "out", chunk_docs=1000))
+    dataset = PreparedDataset(tmp_path / "out")
+    expected, chars, count = [], 0, 0
+    for text in corpus["texts"]:  # type: ignore[attr-defined]
+        chars, count = chars + len(text), count + 1
+        if chars >= 500:
+            expected.append(count)
+            chars, count = 0, 0
+    expected += [count] if count else []
+    assert [shard["documents"] for shard in dataset.manifest["shards"]] == expected and len(expected) > 10
+    assert dataset.manifest["settings"]["chunk_chars"] == 500
+    assert [d.tolist() for d in dataset] == corpus["reference"]
+
+
 def test_kill_9_mid_run_then_the_same_command_ends_with_the_same_bytes(tmp_path: Path) -> None:
     tokenizer = make_tokenizer(tmp_path / "tok")
     write_jsonl(tmp_path / "big.jsonl", make_texts(6000, seed=5, max_words=30))
@@ -247,6 +265,7 @@ def test_missing_paths_tokenizers_and_other_settings_are_refused(
     assert not (copy / "rows-L7-train.npy").exists()  # nothing of the replaced output is left
 
 
+@pytest.mark.filterwarnings("ignore:'lightning_llmfast.prepare' found in sys.modules:RuntimeWarning")
 def test_the_command_line_prints_no_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
