@@ -222,7 +222,9 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
         self._val_sums.clear()
         self.log("val/ppl", torch.exp(sums[0] / sums[1]), prog_bar=True)
 
-    def save_pretrained(self, directory: str | os.PathLike[str], *, dtype: torch.dtype | None = None) -> Path:
+    def save_pretrained(
+        self, directory: str | os.PathLike[str], *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB"
+    ) -> Path:
         """Write the model as a directory ``AutoModelForCausalLM.from_pretrained`` loads, in one process.
 
         Sharded safetensors with their index, ``config.json``, the generation config and, for a model built from a
@@ -230,7 +232,8 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
 
         Args:
             directory: the output directory (must not exist yet).
-            dtype: the weights' dtype on disk (``None``: the source checkpoint's, else the model's).
+            dtype: the weights' dtype on disk (``None``: the config's ``dtype``).
+            max_shard_size: largest safetensors shard (``"5GB"``, ``"500MB"`` or bytes).
 
         Example::
 
@@ -239,7 +242,7 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
         """
         from lightning_llmfast.parallel.export import export_module
 
-        return export_module(self.model, directory, source=self.source, dtype=dtype)
+        return export_module(self.model, directory, source=self.source, dtype=dtype, max_shard_size=max_shard_size)
 
 
 def lr_factor(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
