@@ -3,9 +3,11 @@
     python examples/train_moe.py fit --config examples/configs/tiny.yaml
 
 The default corpus is the running Python's standard library source (no download). ``fit --help`` lists the model's
-size settings (``--model.config.n_layers`` ...). The run ends with one summary line, printed by rank 0: real
-tokens/sec of all ranks together over the whole fit (padding excluded; unlike the logged ``train/tokens_per_sec``
-it includes the first step and validation) and the first and last training loss (rank 0's).
+size settings (``--model.config.n_layers`` ...). A local pretrained transformers directory is fine-tuned with
+``--model lightning_llmfast.HFCausalLMModule --model.model /path/to/dir`` (``examples/configs/finetune.yaml``). The
+run ends with one summary line, printed by rank 0: real tokens/sec of all ranks together over the whole fit (padding
+excluded; unlike the logged ``train/tokens_per_sec`` it includes the first step and validation) and the first and
+last training loss (rank 0's).
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.cli import LightningArgumentParser
 from typing_extensions import override
 
 import lightning_llmfast  # noqa: F401  (registers strategy="llmfast")
-from lightning_llmfast import MoEGPTLightningModule, PackedDataModule
+from lightning_llmfast import PackedDataModule
 from lightning_llmfast.cli import LLMFastCLI
 
 if TYPE_CHECKING:
@@ -70,13 +73,20 @@ class RunSummary(pl.Callback):
 
 class TrainCLI(LLMFastCLI):
     @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # Any LightningModule (the reference MoE GPT unless --model names another, e.g. HFCausalLMModule).
+        parser.set_defaults({"model": {"class_path": "lightning_llmfast.MoEGPTLightningModule"}})
+
+    @override
     def before_fit(self) -> None:
         # Appended here rather than in trainer_defaults so a config's own `callbacks:` list does not drop it.
         self.trainer.callbacks.append(RunSummary())
 
 
 def main() -> None:
-    TrainCLI(MoEGPTLightningModule, PackedDataModule, save_config_kwargs={"overwrite": True})
+    TrainCLI(
+        pl.LightningModule, PackedDataModule, subclass_mode_model=True, save_config_kwargs={"overwrite": True}
+    )
 
 
 if __name__ == "__main__":

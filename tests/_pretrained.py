@@ -16,12 +16,12 @@ FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "llama", "qwen3")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
 
 
-def tiny_config(family: str) -> Any:
+def tiny_config(family: str, vocab_size: int = VOCAB) -> Any:
     """A transformers config of ``family`` with a few thousand parameters."""
     import transformers
 
     common: dict[str, Any] = {
-        "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "vocab_size": vocab_size, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
         "max_position_embeddings": 64, "initializer_range": 0.2,
     }  # fmt: skip
     if family == "qwen3_moe":
@@ -49,13 +49,15 @@ def tiny_config(family: str) -> Any:
     raise AssertionError(family)
 
 
-def save_tiny(family: str, directory: Path, *, seed: int = 0, max_shard_size: str = "8KB") -> Path:
+def save_tiny(
+    family: str, directory: Path, *, seed: int = 0, max_shard_size: str = "8KB", vocab_size: int = VOCAB
+) -> Path:
     """Write a randomly initialised tiny ``family`` model (DeepSeek's correction bias non-zero) sharded into
     ``directory``; returns it."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family))
+    model = AutoModelForCausalLM.from_config(tiny_config(family, vocab_size))
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
