@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -195,6 +196,24 @@ def test_a_directory_is_not_a_config_and_nothing_is_initialised_at_random(tmp_pa
 # ---------------------------------------------------------------------------------------------------------------
 
 LAYOUTS = (("fsdp", 1), ("ddp", 2), ("fsdp", 2))  # FSDP2, EP (DDP), FSDP2 x EP
+FIXED_OVERHEAD = 8 << 20  # bytes a rank may use beyond its share and one tensor (allocator, FSDP2 state, mappings)
+
+
+def _peak_rss_of_fsdp_load(world: int, directory: Path) -> tuple[int, int]:
+    """``(peak RSS growth while sharding and loading, bound)`` of this rank for a FSDP2 load of ``directory``."""
+    from lightning_llmfast.bench.rss import PeakRSS
+    from lightning_llmfast.parallel import ParallelDims, parallelize
+    from lightning_llmfast.parallel.pretrained import PretrainedCheckpoint
+
+    checkpoint = PretrainedCheckpoint.open(directory)
+    largest = max(torch.Size(s).numel() * checkpoint.dtypes[k].itemsize for k, s in checkpoint.shapes.items())
+    dims = ParallelDims(world, "fsdp")
+    dims.build_mesh("cpu")
+    module = HFCausalLMModule.from_pretrained(directory, moe_backend="torch")
+    module.configure_model()
+    with PeakRSS() as rss:  # VmHWM reset here, read after loading, before any forward
+        parallelize(module, dims, module.model.model.layers, device=torch.device("cpu"))
+    return rss.growth, checkpoint.total_bytes // world + largest + FIXED_OVERHEAD
 
 
 def _parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], out: str) -> None:
@@ -202,8 +221,9 @@ def _parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], out: s
 
     from lightning_llmfast.parallel import ParallelDims, parallelize
 
+    growth, bound = _peak_rss_of_fsdp_load(world, checkpoints["large"])
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
-    results = {}
+    results: dict[str, Any] = {"rss": torch.tensor([growth, bound])}
     for family in MOE_FAMILIES:
         for sharding, ep in LAYOUTS:
             dims = ParallelDims(world, sharding, ep)
@@ -224,10 +244,22 @@ def _parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], out: s
 def test_per_rank_load_under_fsdp_ep_and_fsdp_x_ep_equals_transformers(
     checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
+    """Also the per-rank peak RSS counter of a 2-process FSDP2 load of a 29 MiB checkpoint against the bound: its
+    share + the largest tensor + a fixed overhead (a rank reading the whole checkpoint would exceed it)."""
     from _distributed import run_distributed
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    run_distributed(_parallel_worker, 2, checkpoints, str(tmp_path), timeout=240)
+    torch.manual_seed(0)
+    large = Qwen3MoeConfig(
+        vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, intermediate_size=256, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(large).save_pretrained(tmp_path / "large", max_shard_size="8MB")
+    run_distributed(_parallel_worker, 2, {**checkpoints, "large": tmp_path / "large"}, str(tmp_path), timeout=240)
     results = torch.load(tmp_path / "logits.pt", weights_only=True)
+    growth, bound = results.pop("rss").tolist()
+    assert 0 < growth <= bound, (growth / 2**20, bound / 2**20)
+    assert bound - FIXED_OVERHEAD < 29 << 20  # the bound is below the whole checkpoint
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
     assert len(results) == len(MOE_FAMILIES) * len(LAYOUTS)
     for family in MOE_FAMILIES:
