@@ -2,7 +2,8 @@
 
 Writing ``5`` to ``/proc/self/clear_refs`` resets the high-water mark ``VmHWM`` to the current ``VmRSS``; reading
 ``VmHWM`` after the window gives the peak reached inside it, file pages mapped and touched (safetensors shards)
-included.
+included. Before the reset, garbage is collected and glibc's ``malloc_trim(0)`` returns freed heap pages to the
+system: otherwise memory freed by an earlier window stays resident and is reused unseen by the next one.
 
 Example::
 
@@ -13,6 +14,9 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 from pathlib import Path
 from types import TracebackType
 
@@ -45,6 +49,8 @@ class PeakRSS:
         self.peak = 0
 
     def __enter__(self) -> PeakRSS:
+        gc.collect()
+        _malloc_trim()
         Path("/proc/self/clear_refs").write_text("5")
         self.start = status_bytes("VmRSS")
         return self
@@ -58,3 +64,11 @@ class PeakRSS:
     def growth(self) -> int:
         """Peak minus the start (bytes)."""
         return max(0, self.peak - self.start)
+
+
+def _malloc_trim() -> None:
+    """Return freed heap memory to the system (glibc; a no-op where there is no ``malloc_trim``)."""
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is not None:
+        trim(0)

@@ -21,6 +21,7 @@ from lightning_llmfast.hf.inputs import packed_model_inputs
 from lightning_llmfast.losses import causal_lm_loss, scale_by_token_share
 from lightning_llmfast.mixin import GroupedRouterMixin
 from lightning_llmfast.moe.stats import MoELayer
+from lightning_llmfast.parallel.export import export_module
 from lightning_llmfast.parallel.fsdp import materialize_module
 from lightning_llmfast.parallel.pretrained import PRETRAINED_ATTRIBUTE, PretrainedCheckpoint
 
@@ -240,8 +241,6 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
             module.save_pretrained("exported/")
             AutoModelForCausalLM.from_pretrained("exported/")
         """
-        from lightning_llmfast.parallel.export import export_module
-
         return export_module(self.model, directory, source=self.source, dtype=dtype, max_shard_size=max_shard_size)
 
 
