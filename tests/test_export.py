@@ -113,6 +113,7 @@ def _fsdp_ep_worker(rank: int, world: int, source: str, out: str) -> None:
         torch.save(logits, Path(out, "logits.pt"))
 
 
+@pytest.mark.slow
 def test_fsdp_x_ep_dcp_checkpoint_exports_what_the_module_computes(tmp_path: Path) -> None:
     from _distributed import run_distributed
 

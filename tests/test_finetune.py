@@ -79,6 +79,7 @@ def test_fit_follows_the_schedule_and_logs_val_ppl(tmp_path: Path) -> None:
     assert float(metrics["val/ppl"]) == pytest.approx(math.exp(float(mean)), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_finetune_config_fine_tunes_a_pretrained_directory_with_the_example_cli(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

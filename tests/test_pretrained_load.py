@@ -241,6 +241,7 @@ def _parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], out: s
         torch.save(results, Path(out, "logits.pt"))
 
 
+@pytest.mark.slow
 def test_per_rank_load_under_fsdp_ep_and_fsdp_x_ep_equals_transformers(
     checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
