@@ -186,7 +186,7 @@ def test_broken_checkpoint_is_refused_naming_it(kind: str, checkpoints: dict[str
         assert all(family in str(info.value) for family in ADAPTERS)
 
 
-def test_a_directory_is_not_a_config_and_nothing_is_initialised_at_random(tmp_path: Path) -> None:
+def test_a_missing_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="no such pretrained directory"):
         HFCausalLMModule(str(tmp_path / "absent"))
 

@@ -215,6 +215,7 @@ class PretrainedCheckpoint:
     def _read_file(self, path: Path, pieces: list[tuple[Piece, Tensor, Box]], budget: int) -> int:
         """Copy the overlaps of ``pieces`` from one shard, reopening its mapping after ``budget`` bytes."""
         total, mapped = 0, 0
+        # safe_open has no close(): leaving its context (``__exit__``) drops the memory map.
         handle = _open(path)
         try:
             for piece, local, box in pieces:
