@@ -4,15 +4,17 @@
 
 The default corpus is the running Python's standard library source (no download). Your own data, prepared once with
 ``python -m lightning_llmfast.prepare``, comes in with ``--data lightning_llmfast.PreparedDataModule --data.path DIR``
-(and ``--data.seq_len`` one of the lengths it was prepared for); the model's vocabulary follows the data's.
-``fit --help`` lists the model's size settings (``--model.config.n_layers`` ...). The run ends with one summary
-line, printed by rank 0: real tokens/sec of all ranks together over the whole fit (padding excluded; unlike the
-logged ``train/tokens_per_sec`` it includes the first step and validation) and the first and last training loss
-(rank 0's).
+(and ``--data.seq_len`` one of the lengths it was prepared for); the reference model's vocabulary follows the data's.
+A local pretrained transformers directory is fine-tuned with ``--model lightning_llmfast.HFCausalLMModule
+--model.model /path/to/dir`` (``examples/configs/finetune.yaml``). ``fit --help`` lists the model's size settings
+(``--model.config.n_layers`` ...). The run ends with one summary line, printed by rank 0: real tokens/sec of all
+ranks together over the whole fit (padding excluded; unlike the logged ``train/tokens_per_sec`` it includes the first
+step and validation) and the first and last training loss (rank 0's).
 """
 
 from __future__ import annotations
 
+import importlib
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -72,12 +74,33 @@ class RunSummary(pl.Callback):
         )
 
 
+def import_object(path: str) -> Any:
+    """The class at a dotted import path (the parsed ``class_path``)."""
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
 class TrainCLI(LLMFastCLI):
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        # Any data module (PackedDataModule unless --data names another); the model embeds the data's vocabulary.
-        parser.set_defaults({"data": {"class_path": "lightning_llmfast.PackedDataModule"}})
-        parser.link_arguments("data.vocab_size", "model.config.vocab_size", apply_on="instantiate")
+        # Any LightningModule (the reference MoE GPT unless --model names another, e.g. HFCausalLMModule) and any data
+        # module (PackedDataModule unless --data names another); the reference model embeds the data's vocabulary.
+        parser.set_defaults(
+            {
+                "model": {"class_path": "lightning_llmfast.MoEGPTLightningModule"},
+                "data": {"class_path": "lightning_llmfast.PackedDataModule"},
+            }
+        )
+
+    @override
+    def instantiate_classes(self) -> None:
+        # The reference model takes its vocabulary from the data (a link would demand `config` of every model class).
+        # Data modules only store their settings when built, so building one here to ask is cheap.
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if import_object(config.model.class_path) is MoEGPTLightningModule:
+            data = import_object(config.data.class_path)(**config.data.init_args.as_dict())
+            config.model.init_args.config.vocab_size = data.vocab_size
+        super().instantiate_classes()
 
     @override
     def before_fit(self) -> None:
@@ -85,11 +108,12 @@ class TrainCLI(LLMFastCLI):
         self.trainer.callbacks.append(RunSummary())
 
 
-def main(args: list[str] | None = None) -> None:
-    """Run the CLI on ``args`` (default: the command line)."""
-    TrainCLI(
-        MoEGPTLightningModule,
+def main(args: list[str] | None = None) -> TrainCLI:
+    """Run the CLI on ``args`` (default: the command line) and return it (its model, data and trainer)."""
+    return TrainCLI(
+        pl.LightningModule,
         pl.LightningDataModule,
+        subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
         args=args,

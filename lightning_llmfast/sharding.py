@@ -83,8 +83,9 @@ class ShardedDataParallelBase(DDPStrategy):
         self.expert_parallel_size = expert_parallel_size
         self._parallel_dims: ParallelDims | None = None
 
-    def _materialize_single(self) -> None:
-        """One process under ``"fsdp"``: no sharding, but a model built on the meta device still needs weights."""
+    def _materialize(self) -> None:
+        """Where nothing is sharded (one process, or DDP without expert parallelism), a model built on the meta
+        device still needs its weights: initialised, or read from its pretrained checkpoint."""
         assert self.lightning_module is not None
         materialize_module(self.lightning_module, self.root_device)
 

@@ -241,13 +241,14 @@ class LLMFastStrategy(ShardedDataParallelBase):
         self._setup_clipping()
         if self.sharding == "ddp" and self.expert_parallel_size > 1:
             self._setup_expert_parallel()  # before DDP wraps the model and the optimizers are built
+        elif self.sharding == "ddp" and not self.single_process:
+            self._materialize()  # a meta-device model, before DDP broadcasts it
         if self.sharding == "fsdp":
             self._check_fsdp_config(self._layers_spec)  # on every world size, before any step
         if self.sharding == "fsdp" and not self.single_process:
             self._setup_sharded(trainer, self._layers_spec)
         elif self.single_process:
-            if self.sharding == "fsdp":
-                self._materialize_single()  # configure_model on the meta device
+            self._materialize()  # configure_model (or a pretrained directory) on the meta device
             # The base setup (device, precision, optimizers) without DDP's wrapper and module-state broadcast.
             Strategy.setup(self, trainer)
             # One replica needs no DistributedSampler; Lightning would inject one (it sees a DDPStrategy) and it

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.parallel.pretrained import PRETRAINED_ATTRIBUTE, pretrained_targets
 
 __all__ = [
     "BROADCAST_BUCKET_BYTES",
@@ -196,7 +197,10 @@ def materialize_module(module: nn.Module, device: torch.device) -> bool:
     Call after :func:`shard_module`: each rank allocates only its shards. Every module that holds meta tensors is
     re-initialised through its ``reset_parameters()`` (the convention of ``torch.nn`` layers, Lightning and FSDP),
     except inside a transformers model, where ``torch.nn`` layers and modules without it (RMSNorm, rotary tables) go
-    through that model's ``_init_weights``, as transformers initialises them. Tied parameters stay tied.
+    through that model's ``_init_weights``, as transformers initialises them. Tied parameters stay tied. A submodule
+    carrying a :class:`~lightning_llmfast.parallel.pretrained.PretrainedCheckpoint` in its ``pretrained_checkpoint``
+    attribute is not initialised but read from it, each rank reading only what it holds (only its non-persistent
+    buffers, such as rotary tables, are computed); the attribute is then cleared.
 
     Returns:
         Whether anything was on the meta device.
@@ -204,6 +208,7 @@ def materialize_module(module: nn.Module, device: torch.device) -> bool:
     Raises:
         ConfigError: a module with meta parameters or buffers has no ``reset_parameters()`` and no transformers
             model around it (checked before anything is allocated).
+        CheckpointError: a pretrained checkpoint that does not match the model or cannot be read.
 
     Example::
 
@@ -219,8 +224,21 @@ def materialize_module(module: nn.Module, device: torch.device) -> bool:
     ]
     if not meta:
         return False
-    inits = {name: _initializer(module, name, m) for name, m in meta}
-    missing = [f"{name or '<root>'} ({type(m).__name__})" for name, m in meta if inits[name] is None]
+    targets = pretrained_targets(module)
+    prefixes = [prefix for prefix, _, _ in targets]
+
+    def from_checkpoint(name: str) -> bool:
+        return any(not p or name == p or name.startswith(p + ".") for p in prefixes)
+
+    # Inside a model read from a pretrained checkpoint only the tables it does not store are computed (rotary
+    # `inv_freq`: non-persistent buffers); everything else is read from the checkpoint after allocation.
+    inits = {
+        name: _initializer(module, name, m)
+        for name, m in meta
+        if not from_checkpoint(name) or len(m._non_persistent_buffers_set) > 0
+    }
+    kinds = dict(meta)
+    missing = [f"{name or '<root>'} ({type(kinds[name]).__name__})" for name, init in inits.items() if init is None]
     if missing:
         raise ConfigError(
             f"sharding='fsdp': modules built on the meta device need reset_parameters() to be initialised; "
@@ -234,6 +252,9 @@ def materialize_module(module: nn.Module, device: torch.device) -> bool:
     with torch.no_grad():
         for init in inits.values():
             init()  # type: ignore[misc]
+    for _, target, checkpoint in targets:
+        checkpoint.load_into(target)
+        setattr(target, PRETRAINED_ATTRIBUTE, None)  # read once
     return True
 
 

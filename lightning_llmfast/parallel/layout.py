@@ -8,8 +8,9 @@
 2. with ``expert_parallel_size > 1`` every MoE block keeps its share of the experts (``"ep"``);
 3. under FSDP2 the experts are ``fully_shard`` ed over ``"edp"``, the layer stack and the remaining top-level
    children over ``"dp_shard"``;
-4. a model built on the meta device is materialised shard by shard (unless ``device`` is the meta device itself: a
-   sharding plan, :mod:`lightning_llmfast.plan`).
+4. a model built on the meta device is materialised shard by shard, or read from its pretrained checkpoint, each rank
+   reading only what it holds (unless ``device`` is the meta device itself: a sharding plan,
+   :mod:`lightning_llmfast.plan`).
 
 Example::
 
@@ -71,15 +72,15 @@ def parallelize(
         broadcast_module_states(module, device)
     if dims.ep_enabled:
         shard_model_experts(module, dims, dispatch)
-    if not dims.fsdp_enabled:
-        return []
-    if dims.ep_enabled:
-        fully_shard_experts(module, dims, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    roots = shard_module(
-        module, dims.dp_shard_mesh, layers, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
-    )
+    roots: list[nn.Module] = []
+    if dims.fsdp_enabled:
+        if dims.ep_enabled:
+            fully_shard_experts(module, dims, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        roots = shard_module(
+            module, dims.dp_shard_mesh, layers, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+        )
     if device.type == "meta":
         return roots  # a sharding plan: nothing to allocate
-    if not materialize_module(module, device):
+    if not materialize_module(module, device) and dims.fsdp_enabled:
         module.to(device)  # buffers FSDP does not manage
     return roots

@@ -1,0 +1,176 @@
+"""Export back to a transformers directory: bitwise round trip, after training the exported logits equal the module's,
+from a one-process ``.ckpt`` and from a DCP checkpoint written by FSDP2 x EP on 2 gloo processes; atomic; CLI errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from _pretrained import FAMILIES, VOCAB, save_tiny
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader
+
+from lightning_llmfast import HFCausalLMModule, LLMFastStrategy
+from lightning_llmfast.data import PackedBatch, pack_documents
+from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.export import main
+from lightning_llmfast.parallel import export as export_module
+
+pytest.importorskip("transformers")
+
+SEQ, STEPS = 12, 3
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_load_then_save_pretrained_reproduces_every_tensor_bitwise(family: str, tmp_path: Path) -> None:
+    source = save_tiny(family, tmp_path / "source")
+    (source / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    module = HFCausalLMModule.from_pretrained(source, moe_backend="torch")
+    module.configure_model()
+    module.materialize()
+    out = module.save_pretrained(tmp_path / "out", max_shard_size="8KB")
+    ours, theirs = _tensors(out), _tensors(source)
+    assert ours.keys() == theirs.keys()
+    for key, value in theirs.items():
+        assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), key
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(theirs) and len(set(index.values())) > 1  # sharded
+    assert (out / "tokenizer_config.json").read_text() == (source / "tokenizer_config.json").read_text()
+    assert (out / "generation_config.json").is_file() and (out / "config.json").is_file()
+
+
+def _batches(count: int, seed: int) -> list[PackedBatch]:
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 1, 7, SEQ, 3, 9, 2)]
+    batches = list(pack_documents(docs, SEQ, 2))
+    return (batches * count)[:count]
+
+
+def _module_logits(module: HFCausalLMModule, ids: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    module.eval()
+    with torch.no_grad():
+        logits = module.model(input_ids=ids).logits
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
+
+
+def _exported_logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _trainer(strategy: Any, devices: int, ckpt: Path) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt, filename="last")],
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+    )  # fmt: skip
+
+
+def test_trained_one_process_ckpt_exports_what_the_module_computes(tmp_path: Path) -> None:
+    source = save_tiny("qwen3_moe", tmp_path / "source")
+    module = HFCausalLMModule(str(source), lr=3e-2, warmup_steps=1, moe_backend="torch")
+    trainer = _trainer(LLMFastStrategy(), 1, tmp_path / "ckpt")
+    trainer.fit(module, DataLoader(_batches(STEPS, 0), batch_size=None))
+    assert main([str(tmp_path / "ckpt" / "last.ckpt"), str(tmp_path / "out"), "--max-shard-size", "10KB"]) == 0
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    ours = _module_logits(module, ids)
+    torch.testing.assert_close(_exported_logits(tmp_path / "out", ids), ours, rtol=0, atol=1e-5)
+    before = _tensors(source)
+    after = _tensors(tmp_path / "out")
+    assert after.keys() == before.keys() and not torch.equal(after["model.norm.weight"], before["model.norm.weight"])
+
+
+def _fsdp_ep_worker(rank: int, world: int, source: str, out: str) -> None:
+    from fsdp_worker import Batches
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    module = HFCausalLMModule(source, lr=3e-2, warmup_steps=1, aux_loss_coef=0.0, moe_backend="torch")
+    strategy = LLMFastStrategy(sharding="fsdp", expert_parallel_size=2, process_group_backend="gloo")
+    trainer = _trainer(strategy, world, Path(out, "ckpt"))
+    trainer.fit(module, Batches(_batches(STEPS, rank)))
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    logits = _module_logits(module, ids)
+    if rank == 0:
+        torch.save(logits, Path(out, "logits.pt"))
+
+
+@pytest.mark.slow
+def test_fsdp_x_ep_dcp_checkpoint_exports_what_the_module_computes(tmp_path: Path) -> None:
+    from _distributed import run_distributed
+
+    source = save_tiny("deepseek_v3", tmp_path / "source")
+    run_distributed(_fsdp_ep_worker, 2, str(source), str(tmp_path), timeout=300)
+    checkpoint = tmp_path / "ckpt" / "last.ckpt"
+    assert (checkpoint / ".metadata").is_file()  # a DCP directory
+    assert main([str(checkpoint), str(tmp_path / "out"), "--dtype", "fp32"]) == 0
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    reference = torch.load(tmp_path / "logits.pt", weights_only=True)
+    torch.testing.assert_close(_exported_logits(tmp_path / "out", ids), reference, rtol=0, atol=1e-5)
+    exported, before = _tensors(tmp_path / "out"), _tensors(source)
+    assert exported.keys() == before.keys()
+    key = "model.layers.1.mlp.experts.3.down_proj.weight"
+    assert not torch.equal(exported[key], before[key])  # trained, read back from the shards of both ranks
+    bf16 = tmp_path / "bf16"
+    assert main([str(checkpoint), str(bf16), "--dtype", "bf16"]) == 0
+    assert {t.dtype for t in _tensors(bf16).values()} == {torch.bfloat16}
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_a_failed_export_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = save_tiny("llama", tmp_path / "source")
+    module = HFCausalLMModule.from_pretrained(source)
+    module.materialize()
+    calls = []
+
+    def failing(*args: Any, **kwargs: Any) -> None:
+        calls.append(args)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        export_module.save_file(*args, **kwargs)
+
+    monkeypatch.setattr(export_module, "save_file", failing)
+    with pytest.raises(OSError, match="disk full"):
+        module.save_pretrained(tmp_path / "out")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]  # neither the output nor its temporary
+    module.save_pretrained(tmp_path / "out")
+    with pytest.raises(ConfigError, match="exists"):
+        module.save_pretrained(tmp_path / "out")
+
+
+def test_cli_errors_are_one_line_without_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(tmp_path / "absent.ckpt"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "absent.ckpt" in err and err.count("\n") == 1
+    (tmp_path / "bad.ckpt").write_bytes(b"not a checkpoint")
+    assert main([str(tmp_path / "bad.ckpt"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "bad.ckpt" in err and "Traceback" not in err
+    module_dir = save_tiny("llama", tmp_path / "source")
+    (tmp_path / "out").mkdir()
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    trainer.strategy.connect(HFCausalLMModule(str(module_dir)))
+    trainer.strategy.lightning_module.materialize()
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    assert main([str(tmp_path / "m.ckpt"), str(tmp_path / "out")]) == 2
+    assert "exists" in capsys.readouterr().err
+    assert not list((tmp_path / "out").iterdir())
