@@ -12,7 +12,7 @@ import torch
 import lightning_llmfast.moe.block as block_module
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.moe import MoEBlock, MoEConfig
-from lightning_llmfast.moe.dispatch import LocalDispatcher
+from lightning_llmfast.moe.dispatcher import LocalDispatcher
 from lightning_llmfast.moe.dispatcher import TokenDispatcher
 
 H, FFN, E = 16, 32, 4

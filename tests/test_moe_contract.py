@@ -193,7 +193,7 @@ class _LoopDispatcher(TokenDispatcher):
         self.calls += 1
         pairs = plan.permutation.long()[: plan.num_rows]
         rows = x[pairs // plan.top_k]
-        return ExpertRows(rows, plan.offsets, plan.padded), (plan, pairs)
+        return ExpertRows(rows, plan.offsets, plan.padded, "torch"), (plan, pairs)
 
     def combine(self, rows: Tensor, ctx: Any) -> Tensor:
         plan, pairs = ctx

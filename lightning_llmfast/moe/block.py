@@ -25,9 +25,8 @@ from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.moe.balance import all_reduce_counts
 from lightning_llmfast.moe.checks import check_block_input
 from lightning_llmfast.moe.config import MoEConfig
-from lightning_llmfast.moe.dispatch import LocalDispatcher, compute_copy, expert_swiglu
-from lightning_llmfast.moe.dispatcher import TokenDispatcher
-from lightning_llmfast.moe.experts import GroupedExperts, autocast_inputs, per_expert_loop
+from lightning_llmfast.moe.dispatcher import LocalDispatcher, TokenDispatcher, compute_copy
+from lightning_llmfast.moe.experts import GroupedExperts, autocast_inputs, expert_swiglu, per_expert_loop
 from lightning_llmfast.moe.losses import SequenceBoundaries
 from lightning_llmfast.moe.routing import RoutingPlan, route, update_expert_bias
 from lightning_llmfast.moe.stats import MoEStats
@@ -86,7 +85,7 @@ class GroupedMoE(nn.Module):
     Args:
         config: the block's :class:`~lightning_llmfast.moe.MoEConfig`.
         dispatcher: how tokens reach the experts; ``None``: a
-            :class:`~lightning_llmfast.moe.dispatch.LocalDispatcher` with the routing backend.
+            :class:`~lightning_llmfast.moe.dispatcher.LocalDispatcher` with the routing backend.
 
     Attributes:
         config: the :class:`~lightning_llmfast.moe.MoEConfig`.
@@ -183,7 +182,7 @@ class GroupedMoE(nn.Module):
 
     def _path(self, x: Tensor, token_mask: Tensor | None, boundaries: SequenceBoundaries | None, shape: Size) -> Tensor:
         """:meth:`_moe` without CUDA graphs."""
-        # Cast once for router and experts: both keep this one (T, H) copy for backward (dispatch.py).
+        # Cast once for router and experts: both keep this one (T, H) copy for backward (dispatcher.py).
         x_compute = compute_copy(x)
         logits = self._router_logits(x_compute)  # (T, E)
         bias = self._selection_bias()
@@ -248,11 +247,15 @@ class GroupedMoE(nn.Module):
             if counting:  # the replay inside backward sees the same sums as its forward did
                 self._global_counts += all_reduce_counts(plan.routed_per_expert, self.dp_group)
             loss = plan.global_aux_loss(self._global_counts)
+        elif counting:
+            # Under expert parallelism the dispatcher knows the whole group's counts: its micro-batch loss covers the
+            # whole batch. The sequence and global losses mean the same with and without it (per document; counts
+            # summed over dp_group), so they are computed above as on one rank.
+            batch_loss = self.dispatcher.batch_aux_loss(plan)
+            loss = plan.aux_loss if batch_loss is None else batch_loss
         else:
             loss = plan.aux_loss
-        # Under expert parallelism the dispatcher knows the whole group's counts: its loss covers the whole batch.
-        batch_loss = self.dispatcher.batch_aux_loss(plan) if counting else None
-        return loss if batch_loss is None else batch_loss
+        return loss
 
     def _rows_as_documents(self, shape: Size, device: torch.device) -> SequenceBoundaries:
         """Each row of a ``(..., S, H)`` input (the whole input if 2-D) as one document; memoised for the last shape."""
