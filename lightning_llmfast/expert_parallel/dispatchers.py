@@ -188,7 +188,8 @@ class AllToAllDroplessDispatcher(AllToAllDispatcher):
             self._raise_disagreement("dtype, hidden size or dispatch payload", received)
         self.global_stats = recv[:, : num_experts + 1].sum(dim=0)
         self.send_rows, self.recv_rows = sum(in_splits), sum(out_splits)
-        recv_rows = self._send(rows, out_splits, in_splits)
+        # A token mask's pairs sort after every expert's: the rows past the kept ones are padding and stay home.
+        recv_rows = self._send(rows[: self.send_rows], out_splits, in_splits)
         # Received rows are grouped by (source rank, local expert); the grouped GEMM wants (local expert, source).
         order, inverse = self._expert_major(mine, self.recv_rows)
         grouped = masked_gather(recv_rows, order, None, inverse, None)
@@ -200,7 +201,8 @@ class AllToAllDroplessDispatcher(AllToAllDispatcher):
         """Send the experts' outputs back to their tokens' ranks and weight them at home: ``(T, H)``."""
         inverse, order = ctx.maps
         back = self._return(masked_gather(rows, inverse, None, order, None), ctx.in_splits, ctx.out_splits)
-        return unpermute(back, ctx.plan, backend=self.backend)
+        padding = ctx.plan.num_rows - back.shape[0]  # the masked pairs' rows (zero weight): zeros
+        return unpermute(F.pad(back, (0, 0, 0, padding)), ctx.plan, backend=self.backend)
 
     @staticmethod
     def _expert_major(by_source: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
