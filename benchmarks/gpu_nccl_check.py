@@ -35,9 +35,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_llmfast.bench.processes import free_port
+from lightning_llmfast.expert_parallel import shard_experts
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
 from lightning_llmfast.moe import MoEBlock, MoEConfig
-from lightning_llmfast.expert_parallel import shard_experts
 from lightning_llmfast.parallel import (
     ParallelDims,
     load_distributed_checkpoint,

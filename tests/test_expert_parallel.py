@@ -14,17 +14,18 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.errors import ConfigError, RoutingError
-from lightning_llmfast.moe import MoEBlock, MoEConfig
-from lightning_llmfast.expert_parallel import AllToAllDispatcher, shard_experts
-from lightning_llmfast.parallel.dims import ParallelDims
 from lightning_llmfast.expert_parallel import (
+    AllToAllDispatcher,
     gather_expert_optimizer_state,
     gather_expert_state_dict,
     reduce_expert_gradients,
+    shard_experts,
     shard_model_experts,
     slice_expert_optimizer_state,
     slice_expert_state_dict,
 )
+from lightning_llmfast.moe import MoEBlock, MoEConfig
+from lightning_llmfast.parallel.dims import ParallelDims
 
 AUX = 0.1  # weight of the load-balancing loss in the test loss, so that its gradient is checked too
 

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,8 +24,8 @@ from lightning_llmfast import ConfigError, LLMFastStrategy
 from lightning_llmfast.comm import PowerSGDConfig, with_reduce_dtype
 from lightning_llmfast.comm.grad import STATE_KEY
 from lightning_llmfast.comm.powersgd import BucketLayouts
-from lightning_llmfast.moe import MoEBlock, MoEConfig
 from lightning_llmfast.expert_parallel import expert_parameters, reduce_expert_gradients
+from lightning_llmfast.moe import MoEBlock, MoEConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 

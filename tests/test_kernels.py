@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
 from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe import kernels
-from lightning_llmfast.moe.token_rows import permute, plan_indices, unpermute
 from lightning_llmfast.moe.routing import route
+from lightning_llmfast.moe.token_rows import permute, plan_indices, unpermute
 
 CPU = torch.device("cpu")
 needs_interpreter = pytest.mark.skipif(

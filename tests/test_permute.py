@@ -7,8 +7,8 @@ import torch
 
 from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.errors import RoutingError
-from lightning_llmfast.moe.token_rows import permute, plan_indices, unpermute
 from lightning_llmfast.moe.routing import RoutingPlan, route
+from lightning_llmfast.moe.token_rows import permute, plan_indices, unpermute
 
 SHAPES = [(0, 4, 2), (1, 1, 1), (7, 3, 3), (13, 8, 2), (31, 5, 1), (97, 16, 4)]
 CAPACITY = [(None, "position"), (1.0, "position"), (0.5, "score"), (0.05, "position")]
