@@ -179,7 +179,7 @@ def expert_swiglu(
     check_offsets_meta(rows.offsets, gate_up.shape[0])
     gate_up, down = autocast_inputs(x_compute.device, gate_up, down)
     if act is not F.silu or not grouped_mm_supported(x_compute, gate_up, down):
-        g = gather
+        g = gather  # materialised first: the experts' own fallbacks
         permuted = permute_rows(g.x, g.tokens, g.num_valid, g.positions, g.pair_mask, g.backend)
         materialised = ExpertRows(permuted, rows.offsets, rows.padded, rows.backend, row_weights=rows.row_weights)
         return expert_swiglu(materialised, gate_up, down, act)
@@ -189,16 +189,9 @@ def expert_swiglu(
     ends = rows.offsets[1:]
     if rows.padded:
         ends = F.pad(rows.offsets[1:-1], (0, 1), value=gather.tokens.shape[0])
+    g = gather
     hidden = gather_grouped_mm(
-        gather.x,
-        x_compute,
-        gather.tokens,
-        gather.num_valid,
-        gather.positions,
-        gather.pair_mask,
-        gate_up,
-        ends,
-        gather.backend,
+        g.x, x_compute, g.tokens, g.num_valid, g.positions, g.pair_mask, gate_up, ends, g.backend
     )
     return swiglu_down(hidden, down, ends, rows.row_weights, rows.backend)
 
