@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_llmfast.moe.kernels.backend import _jit, is_triton, tl, triton
+from lightning_llmfast.moe.kernels.backend import is_triton, tl, triton, triton_jit
 from lightning_llmfast.moe.kernels.rows import acc_dtype, gather_rows_reference, gather_rows_triton
 
 __all__ = [
@@ -63,7 +63,7 @@ def pair_dots_reference(rows: Tensor, grad: Tensor, positions: Tensor) -> Tensor
     return torch.bmm(gathered, grad.to(acc).unsqueeze(2)).squeeze(2)
 
 
-@_jit
+@triton_jit
 def _pair_dots_kernel(
     rows_ptr,
     grad_ptr,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_llmfast.moe.kernels.backend import _jit, is_triton, tl, triton
+from lightning_llmfast.moe.kernels.backend import is_triton, tl, triton, triton_jit
 
 __all__ = [
     "acc_dtype",
@@ -77,7 +77,7 @@ def scale_rows(rows: Tensor, scale: Tensor) -> Tensor:
     return (rows * scale.to(acc_dtype(rows)).unsqueeze(1)).to(rows.dtype)
 
 
-@_jit
+@triton_jit
 def _gather_rows_kernel(
     x_ptr,
     src_ptr,
@@ -214,7 +214,7 @@ def combine_rows_reference(
     return out.to(out_dtype or rows.dtype)
 
 
-@_jit
+@triton_jit
 def _combine_rows_kernel(
     rows_ptr,
     positions_ptr,

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_llmfast.moe.kernels.backend import _jit, is_triton, tl, triton
+from lightning_llmfast.moe.kernels.backend import is_triton, tl, triton, triton_jit
 from lightning_llmfast.moe.kernels.rows import acc_dtype, scale_rows
 
 __all__ = [
@@ -98,7 +98,7 @@ def swiglu_backward_reference(
     return grad_gate_up, buffer.copy_(product) if product_in_grad else product, dots
 
 
-@_jit
+@triton_jit
 def _swiglu_forward_kernel(
     gate_up_ptr, scale_ptr, out_ptr, rows, ffn, stride_in, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
@@ -116,7 +116,7 @@ def _swiglu_forward_kernel(
     tl.store(out_ptr + r[:, None].to(tl.int64) * ffn + c[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@_jit
+@triton_jit
 def _swiglu_backward_kernel(
     grad_ptr, gate_up_ptr, scale_ptr, grad_gate_up_ptr, product_ptr, dots_ptr, rows, ffn, stride_in,
     HAS_SCALE: tl.constexpr, NEED_PRODUCT: tl.constexpr, NEED_DOTS: tl.constexpr, BLOCK_M: tl.constexpr,
