@@ -30,8 +30,8 @@ from torch import Tensor
 
 from lightning_llmfast.bench.harness import interleave, ratio_range
 from lightning_llmfast.bench.processes import leave_world
+from lightning_llmfast.expert_parallel import shard_experts
 from lightning_llmfast.moe import MoEBlock, MoEConfig
-from lightning_llmfast.moe.expert_parallel import shard_experts
 
 __all__ = ["run"]
 

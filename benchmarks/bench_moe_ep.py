@@ -6,7 +6,7 @@ Implementations, on the same weights and tokens, interleaved (median of the repe
 - ``titan_style``: histogram of the expert ids, an all-to-all of the counts, then the input and output split sizes
   copied to the host and read with ``.tolist()`` (every layer), the tokens' all-to-all, a host-driven regrouping of
   the received rows by local expert, the grouped experts, the reverse all-to-all and a ``scatter_add`` combine;
-- ``ours_dropless``: :func:`~lightning_llmfast.moe.expert_parallel.shard_experts` without a capacity limit (one host
+- ``ours_dropless``: :func:`~lightning_llmfast.expert_parallel.shard_experts` without a capacity limit (one host
   read per layer, issued after the count exchange and the local permutation);
 - ``ours_capacity``: the same with ``capacity_factor`` (fixed-size exchanges, nothing read on the host).
 
@@ -51,10 +51,12 @@ from torch import Tensor, nn
 
 from lightning_llmfast.bench.harness import interleave
 from lightning_llmfast.bench.processes import free_port, leave_world, spawn_world
-from lightning_llmfast.comm.payload import exchange
+from lightning_llmfast.expert_parallel import shard_experts
+from lightning_llmfast.expert_parallel.payload import exchange
 from lightning_llmfast.moe import MoEBlock, MoEConfig
-from lightning_llmfast.moe.expert_parallel import shard_experts
-from lightning_llmfast.moe.experts import grouped_swiglu
+from lightning_llmfast.moe.dispatcher import ExpertRows
+from lightning_llmfast.moe.experts import expert_swiglu
+from lightning_llmfast.moe.kernels import resolve_backend
 
 __all__ = ["init_worker", "run", "spawn", "timed"]
 
@@ -90,7 +92,8 @@ class TitanStyleDispatch(nn.Module):
         grouped = received.index_select(0, regroup)
         offsets = torch.nn.functional.pad(recv_counts.view(world, local).sum(dim=0).cumsum(0), (1, 0))
         experts = block.experts
-        hidden = grouped_swiglu(grouped, offsets, experts.gate_up_proj, experts.down_proj, validate=False)
+        rows = ExpertRows(grouped, offsets.to(torch.int32), False, resolve_backend("auto", grouped.device))
+        hidden = expert_swiglu(rows, experts.gate_up_proj, experts.down_proj)
         back = torch.empty_like(hidden).index_copy(0, regroup, hidden)
         returned = exchange(back, in_splits, out_splits, self.dispatch.group, wire=None, grad_wire=None)
         weighted = returned * weights.flatten()[order].unsqueeze(1).to(returned.dtype)

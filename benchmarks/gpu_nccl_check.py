@@ -7,7 +7,7 @@ live on the GPU, counts exchanged by ``all_to_all_single`` must be device tensor
 1. FSDP2: :func:`~lightning_llmfast.parallel.shard_module` of the reference MoE model over a 1-rank mesh, one
    forward+backward, outputs and gradients equal the unsharded model's;
 2. a DCP save of the sharded model and a load into a second, differently initialised one: equal weights;
-3. expert parallelism: :func:`~lightning_llmfast.moe.expert_parallel.shard_experts` over the world group (the count
+3. expert parallelism: :func:`~lightning_llmfast.expert_parallel.shard_experts` over the world group (the count
    exchange and both all-to-alls), one dropless forward+backward equal to the unsharded block;
 4. fp8 dispatch (``dispatch_dtype="fp8"``: e4m3 rows and their scales as bytes through NCCL), dropless and capacity:
    outputs within e4m3's rounding of the unsharded block (relative 2-norm error below ``2**-3``), finite input
@@ -35,9 +35,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_llmfast.bench.processes import free_port
+from lightning_llmfast.expert_parallel import shard_experts
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
 from lightning_llmfast.moe import MoEBlock, MoEConfig
-from lightning_llmfast.moe.expert_parallel import shard_experts
 from lightning_llmfast.parallel import (
     ParallelDims,
     load_distributed_checkpoint,

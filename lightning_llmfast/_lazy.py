@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -12,16 +13,29 @@ if TYPE_CHECKING:
 __all__ = ["lazy_dir", "lazy_getattr"]
 
 
-def lazy_getattr(package: str, names: dict[str, str]) -> Callable[[str], Any]:
+def lazy_getattr(
+    package: str, names: dict[str, str], moved: dict[str, str] | None = None
+) -> Callable[[str], Any]:
     """A module ``__getattr__`` that imports ``names[name]`` (a module path) on first use and caches the value.
+
+    ``moved`` maps deprecated names of ``package`` to the package that now holds them: they still resolve, with a
+    ``DeprecationWarning`` that says where to import them from.
 
     Example::
 
         __getattr__ = lazy_getattr(__name__, {"MoEBlock": "lightning_llmfast.moe.block"})
     """
+    moved = moved or {}
 
     def __getattr__(name: str) -> Any:
         module = names.get(name)
+        if module is None and name in moved:
+            warnings.warn(
+                f"{package}.{name} moved to {moved[name]}.{name}; import it from {moved[name]}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(importlib.import_module(moved[name]), name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(module), name)

@@ -34,10 +34,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_llmfast.comm.payload import WIRES, DispatchPayload, wire_row_bytes
 from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.expert_parallel import grouped_moe_blocks
+from lightning_llmfast.expert_parallel.payload import WIRES, DispatchPayload, wire_row_bytes
 from lightning_llmfast.parallel.dims import ParallelDims
-from lightning_llmfast.parallel.expert import grouped_moe_blocks
 from lightning_llmfast.parallel.layout import parallelize
 
 __all__ = [
@@ -196,8 +196,8 @@ def a2a_bytes(
 ) -> int:
     """Expected all-to-all bytes per rank and step: 4 exchanges (dispatch, combine; forward, backward) per MoE layer
     of ``tokens * top_k`` rows of ``hidden`` elements, ``(ep - 1) / ep`` of them leaving the rank. A row takes
-    :func:`~lightning_llmfast.comm.payload.wire_row_bytes` of the payload's wire: ``payload.dispatch`` for the
-    forward dispatch, ``payload.combine`` for the other three (``None``: ``compute_bytes`` an element)."""
+    :func:`~lightning_llmfast.expert_parallel.payload.wire_row_bytes` of the payload's wire: ``payload.dispatch``
+    for the forward dispatch, ``payload.combine`` for the other three (``None``: ``compute_bytes`` an element)."""
     payload = payload or DispatchPayload()
     dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[compute_bytes]
     row = wire_row_bytes(payload.dispatch, hidden, dtype) + 3 * wire_row_bytes(payload.combine, hidden, dtype)

@@ -26,15 +26,15 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
+from lightning_llmfast import expert_parallel
 from lightning_llmfast._checks import check_int
 from lightning_llmfast.comm.grad import with_reduce_dtype
 from lightning_llmfast.errors import ConfigError, OffloadError
+from lightning_llmfast.expert_parallel import expert_parameters
 from lightning_llmfast.offload.offloader import resolve_layers
 from lightning_llmfast.parallel import checkpoint as dcp_io
-from lightning_llmfast.parallel import expert as expert_parallel
 from lightning_llmfast.parallel.clip import clip_grad_norm, sharded_grads
 from lightning_llmfast.parallel.dims import SHARDINGS, ParallelDims
-from lightning_llmfast.parallel.expert import expert_parameters
 from lightning_llmfast.parallel.fsdp import materialize_module, mixed_precision_policy
 from lightning_llmfast.parallel.layout import parallelize
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.optim import Optimizer
 
-    from lightning_llmfast.comm.payload import DispatchPayload
+    from lightning_llmfast.expert_parallel import DispatchPayload
 
 __all__ = ["LayersSpec", "ShardedDataParallelBase"]
 
@@ -159,7 +159,8 @@ class ShardedDataParallelBase(DDPStrategy):
         def closure_then_reduce() -> Any:
             # Inside the closure: after the step's last backward, before clipping and the optimizer update.
             result = closure()
-            expert_parallel.reduce_expert_gradients(self.lightning_module, dims, self._grad_reduce_dtype())
+            holders = dims.edp_mesh.get_group() if dims.edp > 1 else None
+            expert_parallel.reduce_expert_gradients(self.lightning_module, holders, self._grad_reduce_dtype())
             return result
 
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)

@@ -28,8 +28,8 @@ from typing_extensions import override
 
 from lightning_llmfast.callbacks.offload import ActivationOffload
 from lightning_llmfast.comm.grad import GradReduction, PowerSGDConfig, check_ddp_arguments
-from lightning_llmfast.comm.payload import DispatchPayload
 from lightning_llmfast.errors import ConfigError, OffloadError
+from lightning_llmfast.expert_parallel import DispatchPayload
 from lightning_llmfast.integrity import VerifiedCheckpointIO
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 from lightning_llmfast.sharding import ShardedDataParallelBase
@@ -98,7 +98,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
             ``"model.layers"``, or the modules.
         expert_parallel_size: ``N > 1`` splits the routed experts of every MoE block over groups of ``N`` ranks (the
             ``("edp", "ep")`` mesh of :class:`~lightning_llmfast.parallel.ParallelDims`;
-            :mod:`~lightning_llmfast.parallel.expert`): tokens travel by all-to-all. Under ``"ddp"`` expert
+            :mod:`~lightning_llmfast.expert_parallel`): tokens travel by all-to-all. Under ``"ddp"`` expert
             gradients are averaged over the ranks holding the same experts, dense ones by DDP over all, and
             checkpoints hold the full expert tensors; under ``"fsdp"`` the experts are also ``fully_shard`` ed over
             ``"edp"`` (each rank holds ``1 / world`` of every parameter). ``N`` must divide the world size and every
@@ -107,8 +107,8 @@ class LLMFastStrategy(ShardedDataParallelBase):
         dispatch_dtype: with ``expert_parallel_size > 1``, the tokens' payload on the all-to-all: ``None`` (the
             activations' dtype), ``"bf16"``, or ``"fp8"`` (e4m3 with one fp32 scale per row, ``H + 4`` bytes: half of
             bf16 plus the scales); the expert outputs and gradients then come back in bf16. A
-            :class:`~lightning_llmfast.comm.payload.DispatchPayload` chooses both (``combine="fp32"``). The error
-            bound is in :mod:`~lightning_llmfast.moe.expert_parallel`.
+            :class:`~lightning_llmfast.expert_parallel.DispatchPayload` chooses both (``combine="fp32"``). The error
+            bound is in :mod:`~lightning_llmfast.expert_parallel.sharding`.
         grad_reduce_dtype: ``"bf16"`` reduces gradients in bf16 (half the bytes): DDP through torch's
             ``bf16_compress_hook``, FSDP2 through ``MixedPrecisionPolicy.reduce_dtype`` (experts included), the DDP
             experts of ``expert_parallel_size > 1`` in their all-reduce; ``None`` keeps their dtype

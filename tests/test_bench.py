@@ -264,7 +264,6 @@ def test_metadata_and_moe_micro_benchmarks_run_on_cpu_without_error() -> None:
         # the limit is the faster of the two in each round: neither is ever below it, and one of them is it
         assert quartiles["expert_only"][0] >= 1.0 and quartiles["expert_loop"][0] >= 1.0
         assert min(quartiles["expert_only"][0], quartiles["expert_loop"][0]) == 1.0
-        assert len(result["ours_over_pooled_pair_quartiles"]) == 3
 
 
 def test_moe_bench_paired_quartiles_pair_rounds_and_take_inclusive_quartiles() -> None:

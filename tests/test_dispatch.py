@@ -1,5 +1,6 @@
-"""Token-level expert dispatch (moe/dispatch.py): the fused ops against float64 loops and the unfused composition,
-what it keeps for backward, awkward routings (one token, empty experts, one expert taking everything, capacity)."""
+"""The local dispatch path (LocalDispatcher + expert_swiglu): the fused ops against float64 loops and the materialised
+rows, what it keeps for backward, awkward routings (one token, empty experts, one expert taking everything,
+capacity)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,30 @@ import torch.nn.functional as F
 
 from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe import MoEBlock, MoEConfig, permute, route, unpermute
-from lightning_llmfast.moe.dispatch import _gather_rows_into, _permute_grouped_mm, compute_copy, routed_swiglu
-from lightning_llmfast.moe.experts import _grouped_mm, _swiglu_down, grouped_swiglu
-from lightning_llmfast.moe.kernels import host_memory
-from lightning_llmfast.moe.permute import _pair_values_to_rows, _plan_indices
+from lightning_llmfast.moe.dispatcher import ExpertRows, LocalDispatcher, compute_copy
+from lightning_llmfast.moe.expert_ops import gather_grouped_mm, gather_rows_into, grouped_mm, swiglu_down
+from lightning_llmfast.moe.experts import expert_swiglu, routed_swiglu
+from lightning_llmfast.moe.routing import RoutingPlan
+from lightning_llmfast.moe.token_rows import pair_values_to_rows, plan_indices
 
 H, FFN = 16, 24  # 16-byte aligned rows in float32 and bfloat16: the grouped_mm path
 
 GROUP_SIZES = [[1], [0, 0, 7, 0], [3, 0, 5, 1], [2, 11, 0, 13, 1]]
+
+
+def local_swiglu(
+    x: torch.Tensor,
+    plan: RoutingPlan,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    x_compute: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The block's local path: dispatch, the experts, combine."""
+    dispatcher = LocalDispatcher(backend)
+    rows, ctx = dispatcher.dispatch(x, plan, x_compute=x_compute)
+    return dispatcher.combine(expert_swiglu(rows, gate_up, down), ctx)
 
 
 def _offs(sizes: list[int]) -> torch.Tensor:
@@ -45,7 +62,7 @@ def test_scaled_swiglu_down_matches_float64_loop(sizes: list[int], dtype: torch.
     ]
     grad = torch.randn(m, H, generator=g)
     ours = [t.clone().to(dtype if i < 2 else torch.float32).requires_grad_() for i, t in enumerate(inputs)]
-    out = _swiglu_down(ours[0], ours[1], _offs(sizes), ours[2], kernel_backend)
+    out = swiglu_down(ours[0], ours[1], _offs(sizes), ours[2], kernel_backend)
     out.backward(grad.to(dtype))
     ref = [t.double().requires_grad_() for t in inputs]
     ref_out = _swiglu_down_loop(*ref, sizes)
@@ -69,7 +86,7 @@ def test_permute_grouped_mm_is_bitwise_the_unfused_ops_under_autocast(sizes: lis
     ]
     logits = torch.full((num_tokens, len(sizes)), -10.0).scatter(1, expert_of[:, None], 10.0)
     plan = route(logits, top_k, validate=False)
-    idx = _plan_indices(plan)
+    idx = plan_indices(plan)
     x0 = torch.randn(num_tokens, H, generator=g)
     w0 = torch.randn(len(sizes), H, 2 * FFN, generator=g)
     grad = torch.randn(num_tokens * top_k, 2 * FFN, generator=g).bfloat16()
@@ -80,11 +97,11 @@ def test_permute_grouped_mm_is_bitwise_the_unfused_ops_under_autocast(sizes: lis
             wb = w.to(torch.bfloat16)
             ends = plan.offsets[1:].to(torch.int32)
             if fused:
-                out = _permute_grouped_mm(
+                out = gather_grouped_mm(
                     x, compute_copy(x).detach(), idx.tokens, None, idx.positions, None, wb, ends, "torch"
                 )
             else:
-                out = _grouped_mm(permute(x, plan).to(torch.bfloat16), wb, ends)
+                out = grouped_mm(permute(x, plan).to(torch.bfloat16), wb, ends)
         out.backward(grad)
         results.append((out.detach(), x.grad, w.grad))
     for unfused, fused in zip(*results):
@@ -93,8 +110,8 @@ def test_permute_grouped_mm_is_bitwise_the_unfused_ops_under_autocast(sizes: lis
 
 
 def _unfused(x: torch.Tensor, plan, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    rows = permute(x, plan)
-    return unpermute(grouped_swiglu(rows, plan.offsets, gate_up, down, padded=plan.capacity is not None), plan)
+    rows = ExpertRows(permute(x, plan), plan.offsets, plan.capacity is not None, "torch")
+    return unpermute(expert_swiglu(rows, gate_up, down), plan)
 
 
 def _loop(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, plan) -> torch.Tensor:
@@ -124,22 +141,16 @@ ROUTINGS = [
 ]
 
 
-@pytest.mark.parametrize("pooled", [False, True])
 @pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "capacity_factor", "skewed"), ROUTINGS)
-def test_routed_swiglu_matches_unfused_and_float64(
+def test_local_path_matches_materialised_rows_and_float64(
     num_tokens: int,
     num_experts: int,
     top_k: int,
     capacity_factor: float | None,
     skewed: bool,
-    pooled: bool,
     kernel_backend: str,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Output and the gradients of tokens, router logits and both expert weights, in float32; also with every
-    buffer from the CPU pool and the grouped GEMMs as the host loop into it (the CPU path for large activations)."""
-    if pooled:
-        monkeypatch.setattr(host_memory, "MIN_POOLED_BYTES", 1)
+    """Output and the gradients of tokens, router logits and both expert weights, in float32."""
     g = torch.Generator().manual_seed(num_tokens * 31 + num_experts)
     base = [
         torch.randn(num_tokens, H, generator=g),
@@ -155,7 +166,7 @@ def test_routed_swiglu_matches_unfused_and_float64(
             t.requires_grad_()
         plan = route(logits, top_k, capacity_factor=capacity_factor, validate=False)
         if variant == "fused":
-            out = routed_swiglu(x, plan, gate_up, down, backend=kernel_backend)
+            out = local_swiglu(x, plan, gate_up, down, backend=kernel_backend)
         elif variant == "unfused":
             out = _unfused(x, plan, gate_up, down)
         else:
@@ -191,9 +202,9 @@ def test_row_weight_gradient_ignores_garbage_in_padding_rows() -> None:
     """A dropped pair's clamped position may point at a padding row whose gradient grouped_mm never wrote."""
     plan = route(torch.randn(9, 3), 2, capacity_factor=0.3, validate=False)
     assert not bool(plan.kept.all())
-    idx = _plan_indices(plan)
+    idx = plan_indices(plan)
     weights = plan.weights.detach().requires_grad_()
-    rows = _pair_values_to_rows(weights, idx.pairs, idx.positions, plan.kept)
+    rows = pair_values_to_rows(weights, idx.pairs, idx.positions, plan.kept)
     grad = torch.arange(1.0, plan.num_rows + 1)
     grad[int(plan.offsets[-1]) :] = float("nan")
     rows.backward(grad)
@@ -203,24 +214,24 @@ def test_row_weight_gradient_ignores_garbage_in_padding_rows() -> None:
 
 
 @pytest.mark.parametrize("num_tokens", [4, 6])
-def test_routed_swiglu_rejects_x_of_another_token_count(num_tokens: int, kernel_backend: str) -> None:
+def test_local_path_rejects_x_of_another_token_count(num_tokens: int, kernel_backend: str) -> None:
     """Both paths (fused, and the float64 fallback) name the mismatch; unchecked, the fused gather would read past
     the end of ``x`` (Triton) or return the plan's token count."""
     plan = route(torch.randn(5, 4), 2, validate=False)
     gate_up, down = torch.randn(4, H, 2 * FFN), torch.randn(4, FFN, H)
     x = torch.randn(num_tokens, H)
     with pytest.raises(RoutingError, match="num_tokens=5"):
-        routed_swiglu(x.double(), plan, gate_up.double(), down.double(), backend=kernel_backend)
+        local_swiglu(x.double(), plan, gate_up.double(), down.double(), backend=kernel_backend)
     with pytest.raises(RoutingError, match="num_tokens=5"):
-        routed_swiglu(x, plan, gate_up, down, backend=kernel_backend)
+        local_swiglu(x, plan, gate_up, down, backend=kernel_backend)
     with pytest.raises(RoutingError, match="x_compute"):
-        routed_swiglu(torch.randn(5, H), plan, gate_up, down, x_compute=torch.randn(5, 2 * H), backend=kernel_backend)
+        local_swiglu(torch.randn(5, H), plan, gate_up, down, x_compute=torch.randn(5, 2 * H), backend=kernel_backend)
 
 
 @pytest.mark.parametrize(
     ("gate_up_shape", "down_shape", "match"),
     [
-        ((3, H, 2 * FFN), (3, FFN, H), r"E=plan.num_experts=4 experts, got 3"),
+        ((3, H, 2 * FFN), (3, FFN, H), r"offsets must have shape \(E\+1,\) = \(4,\) for E=3 experts"),
         ((4, H + 1, 2 * FFN), (4, FFN, H), rf"gate_up must have shape \(E, H={H}, 2F\), got \(4, {H + 1}, {2 * FFN}\)"),
         ((4, H, 2 * FFN + 1), (4, FFN, H), rf"gate_up's last dim must be even .*got {2 * FFN + 1}"),
         ((4, H, 2 * FFN), (4, FFN + 1, H), rf"down must have shape \(E=4, F={FFN}, H={H}\)"),
@@ -229,26 +240,35 @@ def test_routed_swiglu_rejects_x_of_another_token_count(num_tokens: int, kernel_
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # fused, and the float64 fallback
-def test_routed_swiglu_rejects_weights_of_the_wrong_shape(gate_up_shape, down_shape, match, dtype) -> None:
+def test_local_path_rejects_weights_of_the_wrong_shape(gate_up_shape, down_shape, match, dtype) -> None:
     plan = route(torch.randn(5, 4), 2, validate=False)
     x = torch.randn(5, H, dtype=dtype)
     with pytest.raises(RoutingError, match=match):
-        routed_swiglu(x, plan, torch.randn(gate_up_shape, dtype=dtype), torch.randn(down_shape, dtype=dtype))
+        local_swiglu(x, plan, torch.randn(gate_up_shape, dtype=dtype), torch.randn(down_shape, dtype=dtype))
 
 
-def test_routed_swiglu_rejects_x_compute_of_another_dtype() -> None:
+def test_local_path_rejects_x_compute_of_another_dtype() -> None:
     plan = route(torch.randn(5, 4), 2, validate=False)
     gate_up, down = torch.randn(4, H, 2 * FFN), torch.randn(4, FFN, H)
     x = torch.randn(5, H)
     with pytest.raises(RoutingError, match=r"x_compute must have dtype torch.float32 .*got torch.float64"):
-        routed_swiglu(x, plan, gate_up, down, x_compute=x.double())
+        local_swiglu(x, plan, gate_up, down, x_compute=x.double())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with pytest.raises(RoutingError, match=r"x_compute must have dtype torch.bfloat16 .*got torch.float32"):
-            routed_swiglu(x, plan, gate_up, down, x_compute=x)
+            local_swiglu(x, plan, gate_up, down, x_compute=x)
         # compute_copy's result is what it takes, and gives what it computes by itself
         torch.testing.assert_close(
-            routed_swiglu(x, plan, gate_up, down, x_compute=compute_copy(x)), routed_swiglu(x, plan, gate_up, down)
+            local_swiglu(x, plan, gate_up, down, x_compute=compute_copy(x)), local_swiglu(x, plan, gate_up, down)
         )
+
+
+def test_routed_swiglu_is_a_deprecated_alias_of_the_local_path() -> None:
+    g = torch.Generator().manual_seed(5)
+    plan = route(torch.randn(7, 4, generator=g), 2, validate=False)
+    x, gate_up, down = torch.randn(7, H, generator=g), torch.randn(4, H, 2 * FFN, generator=g), torch.randn(4, FFN, H)
+    with pytest.warns(DeprecationWarning, match="routed_swiglu is deprecated"):
+        old = routed_swiglu(x, plan, gate_up, down, backend="torch")
+    assert torch.equal(old, local_swiglu(x, plan, gate_up, down, backend="torch"))
 
 
 def test_create_graph_backward_through_moe_block() -> None:
@@ -267,7 +287,7 @@ def test_create_graph_backward_through_moe_block() -> None:
 def test_permute_grouped_mm_passes_opcheck() -> None:
     """Schema, fake implementation and autograd of the fused gather + GEMM (dropless: every output row written)."""
     plan = route(torch.randn(11, 3), 2, validate=False)
-    idx = _plan_indices(plan)
+    idx = plan_indices(plan)
     x = torch.randn(11, H, requires_grad=True)
     weight = torch.randn(3, H, 2 * FFN, requires_grad=True)
     ends = plan.offsets[1:].to(torch.int32)
@@ -282,7 +302,7 @@ def test_gather_rows_into_fills_the_buffer(kernel_backend: str, num_rows: int, n
     x, tokens = torch.randn(5, H, generator=g), torch.randint(0, 5, (num_rows,), generator=g)
     valid = None if num_valid is None else torch.tensor(num_valid)
     out = torch.full((num_rows, H), float("nan"))  # stale contents must all be overwritten
-    _gather_rows_into(out, x, tokens, valid, kernel_backend)
+    gather_rows_into(out, x, tokens, valid, kernel_backend)
     expected = x[tokens]
     if num_valid is not None:
         expected[num_valid:] = 0

@@ -19,9 +19,8 @@ from lightning_llmfast.bench import OpCounter
 from lightning_llmfast.moe import route
 from lightning_llmfast.moe.routing import RoutingPlan
 
-_permute = importlib.import_module("lightning_llmfast.moe.permute")
-_experts = importlib.import_module("lightning_llmfast.moe.experts")
-_dispatch = importlib.import_module("lightning_llmfast.moe.dispatch")
+_rows = importlib.import_module("lightning_llmfast.moe.token_rows")
+_ops = importlib.import_module("lightning_llmfast.moe.expert_ops")
 
 H, FFN, E, K = 16, 8, 4, 2
 
@@ -36,7 +35,7 @@ def _plan(num_tokens: int, case: str) -> RoutingPlan:
 
 def _cases(plan: RoutingPlan, backend: str) -> list[tuple[Callable[..., Any], str, tuple[Any, ...]]]:
     """(eager callable, registered op name, args) for every op with autograd, as the MoE block calls them."""
-    idx = _permute._plan_indices(plan)
+    idx = _rows.plan_indices(plan)
     g = torch.Generator().manual_seed(3)
     t, r = plan.num_tokens, plan.num_rows
     x = torch.randn(t, H, generator=g, requires_grad=True)
@@ -50,15 +49,15 @@ def _cases(plan: RoutingPlan, backend: str) -> list[tuple[Callable[..., Any], st
     down = torch.randn(E, FFN, H, generator=g, requires_grad=True)
     scale = torch.rand(r, generator=g, requires_grad=True)
     return [
-        (_permute._permute_rows, "permute_rows", (x, idx.tokens, idx.num_valid, idx.positions, mask, backend)),
-        (_permute._unpermute_rows, "unpermute_rows", (rows, weights, idx.pairs, idx.tokens, idx.positions, backend)),
-        (_permute._sum_rows, "sum_rows", (rows, idx.positions, mask, idx.tokens, idx.num_valid, backend)),
-        (_permute._pair_values_to_rows, "pair_values_to_rows", (weights, idx.pairs, idx.positions, kept)),
-        (_experts._grouped_mm, "grouped_mm", (rows, gate_up_w, ends)),
-        (_experts._silu_glu, "swiglu", (gate_up,)),
-        (_experts._swiglu_down, "swiglu_down", (gate_up, down, ends, scale, backend)),
+        (_rows.permute_rows, "permute_rows", (x, idx.tokens, idx.num_valid, idx.positions, mask, backend)),
+        (_rows._unpermute_rows, "unpermute_rows", (rows, weights, idx.pairs, idx.tokens, idx.positions, backend)),
+        (_rows.sum_rows, "sum_rows", (rows, idx.positions, mask, idx.tokens, idx.num_valid, backend)),
+        (_rows.pair_values_to_rows, "pair_values_to_rows", (weights, idx.pairs, idx.positions, kept)),
+        (_ops.grouped_mm, "grouped_mm", (rows, gate_up_w, ends)),
+        (_ops.silu_glu, "swiglu", (gate_up,)),
+        (_ops.swiglu_down, "swiglu_down", (gate_up, down, ends, scale, backend)),
         (
-            _dispatch._permute_grouped_mm,
+            _ops.gather_grouped_mm,
             "permute_grouped_mm",
             (x, x.detach(), idx.tokens, idx.num_valid, idx.positions, mask, gate_up_w, ends, backend),
         ),
@@ -99,11 +98,11 @@ def test_eager_path_keeps_the_registered_op_under_a_dispatch_mode_and_compile() 
     plan = _plan(5, "dropless")
     _, name, args = next(c for c in _cases(plan, "torch") if c[1] == "sum_rows")
     with OpCounter() as ops:  # a dispatch mode (fake tensors, counters) sees the op as registered
-        _permute._sum_rows(*args)
+        _rows.sum_rows(*args)
     assert ops.counts.get(name) == 1
 
     def summed(*inputs: Any) -> torch.Tensor:
-        return _permute._sum_rows(*inputs)
+        return _rows.sum_rows(*inputs)
 
     compiled = torch.compile(summed, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(*_fresh(args)), torch.ops.lightning_llmfast.sum_rows.default(*_fresh(args)))

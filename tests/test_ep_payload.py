@@ -16,14 +16,14 @@ from _distributed import run_distributed
 
 from lightning_llmfast import ConfigError, LLMFastStrategy
 from lightning_llmfast.bench.counters import SyncCounter
-from lightning_llmfast.comm.payload import DispatchPayload
 from lightning_llmfast.errors import RoutingError
-from lightning_llmfast.moe import MoEBlock, MoEConfig, RoutingConfig, route
-from lightning_llmfast.moe.expert_parallel import (
+from lightning_llmfast.expert_parallel import (
     AllToAllCapacityDispatcher,
     AllToAllDroplessDispatcher,
     shard_experts,
 )
+from lightning_llmfast.expert_parallel.payload import DispatchPayload
+from lightning_llmfast.moe import MoEBlock, MoEConfig, RoutingConfig, route
 from lightning_llmfast.parallel.dims import ParallelDims
 from lightning_llmfast.parallel.layout import parallelize
 

@@ -1,4 +1,4 @@
-"""Host-side split sizes reach the device from pinned memory without blocking the host (moe/_exchange.py)."""
+"""Host-side split sizes reach the device from pinned memory without blocking the host (expert_parallel/exchange.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_llmfast.bench.counters import SyncCounter
-from lightning_llmfast.moe._exchange import stage_to_device
+from lightning_llmfast.expert_parallel.exchange import stage_to_device
 
 
 class _Copies(TorchDispatchMode):

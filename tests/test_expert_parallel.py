@@ -14,17 +14,18 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.errors import ConfigError, RoutingError
-from lightning_llmfast.moe import MoEBlock, MoEConfig
-from lightning_llmfast.moe.expert_parallel import AllToAllDispatcher, shard_experts
-from lightning_llmfast.parallel.dims import ParallelDims
-from lightning_llmfast.parallel.expert import (
+from lightning_llmfast.expert_parallel import (
+    AllToAllDispatcher,
     gather_expert_optimizer_state,
     gather_expert_state_dict,
     reduce_expert_gradients,
+    shard_experts,
     shard_model_experts,
     slice_expert_optimizer_state,
     slice_expert_state_dict,
 )
+from lightning_llmfast.moe import MoEBlock, MoEConfig
+from lightning_llmfast.parallel.dims import ParallelDims
 
 AUX = 0.1  # weight of the load-balancing loss in the test loss, so that its gradient is checked too
 
@@ -183,9 +184,9 @@ def _error_cases(rank: int, world: int) -> None:
     dims = ParallelDims(world, "ddp", world)
     dims.build_mesh("cpu")
     with pytest.raises(ConfigError, match="no grouped MoE block"):
-        shard_model_experts(torch.nn.Linear(2, 2), dims)
+        shard_model_experts(torch.nn.Linear(2, 2), dims.ep_mesh)
     with pytest.raises(ConfigError, match="must divide the number of experts"):
-        shard_model_experts(MoEBlock(MoEConfig.build(8, 16, 2 * world + 1, 1)), dims)
+        shard_model_experts(MoEBlock(MoEConfig.build(8, 16, 2 * world + 1, 1)), dims.ep_mesh)
     dist.barrier()
 
 
@@ -197,13 +198,13 @@ def _mesh_case(rank: int, world: int) -> None:
     reference = copy.deepcopy(model)
     dims = ParallelDims(world, "ddp", 2)
     dims.build_mesh("cpu")
-    shard_model_experts(model, dims)
+    shard_model_experts(model, dims.ep_mesh, loss_group=dims.dp_group)
     assert dims.ep_mesh.size() == 2 and dims.edp_mesh.size() == world // 2
     ddp = DistributedDataParallel(model)
     x, g = _inputs(world, 5, 8, torch.float32, 9)
     mine = slice(rank * 5, (rank + 1) * 5)
     (ddp(x[mine]) * g[mine]).sum().add(AUX * model[1].stats.aux_loss).backward()
-    reduce_expert_gradients(model, dims)
+    reduce_expert_gradients(model, dims.edp_mesh.get_group() if dims.edp > 1 else None)
     (reference(x) * g).sum().div(world).add(AUX * reference[1].stats.aux_loss).backward()
     local = model[1].dispatcher.local_experts
     for name, param in reference.named_parameters():

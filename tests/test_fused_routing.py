@@ -14,7 +14,7 @@ from lightning_llmfast.bench.kernels import KernelCounter
 from lightning_llmfast.moe import RoutingConfig, route
 from lightning_llmfast.moe.fused_routing import fused_route_supported
 from lightning_llmfast.moe.kernels import triton_available
-from lightning_llmfast.moe.permute import _plan_indices
+from lightning_llmfast.moe.token_rows import plan_indices
 
 needs_interpreter = pytest.mark.skipif(
     not triton_available(torch.device("cpu")), reason="Triton kernels need TRITON_INTERPRET=1 on CPU"
@@ -143,7 +143,7 @@ def test_fused_routing_matches_the_float64_formulas_forward_and_backward(num_tok
     assert torch.equal(plan.expert_ids[valid], torch_plan.expert_ids[valid]) and plan.token_mask is mask
     for name in ("tokens_per_expert", "offsets", "permutation", "kept", "num_dropped", "routed_per_expert"):
         assert torch.equal(getattr(plan, name), getattr(torch_plan, name)), name
-    derived = _plan_indices(torch_plan)  # what the dispatcher derives on the PyTorch path
+    derived = plan_indices(torch_plan)  # what the dispatcher derives on the PyTorch path
     assert torch.equal(plan.positions, derived.positions) and torch.equal(plan.row_tokens, derived.tokens)
 
 

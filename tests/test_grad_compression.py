@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,8 +24,8 @@ from lightning_llmfast import ConfigError, LLMFastStrategy
 from lightning_llmfast.comm import PowerSGDConfig, with_reduce_dtype
 from lightning_llmfast.comm.grad import STATE_KEY
 from lightning_llmfast.comm.powersgd import BucketLayouts
+from lightning_llmfast.expert_parallel import expert_parameters, reduce_expert_gradients
 from lightning_llmfast.moe import MoEBlock, MoEConfig
-from lightning_llmfast.parallel.expert import expert_parameters, reduce_expert_gradients
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -97,8 +96,7 @@ def _expert_bf16_worker(rank: int, world: int) -> None:
     for param, grad in zip(params, local):
         param.grad = grad.clone()
     # the experts' "edp" replicas: here the two ranks (a 4-rank mesh with ep=2 has such pairs)
-    dims = SimpleNamespace(edp=world, edp_mesh=SimpleNamespace(get_group=lambda: dist.group.WORLD))
-    reduce_expert_gradients(block, dims, reduce_dtype=torch.bfloat16)  # type: ignore[arg-type]
+    reduce_expert_gradients(block, dist.group.WORLD, reduce_dtype=torch.bfloat16)
     for param, mine in zip(params, local):
         theirs = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(theirs, mine)

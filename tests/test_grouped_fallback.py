@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_llmfast.bench.counters import SyncCounter
-from lightning_llmfast.moe.experts import grouped_mm_supported, grouped_swiglu
+from lightning_llmfast.moe.dispatcher import ExpertRows
+from lightning_llmfast.moe.experts import expert_swiglu, grouped_mm_supported
 from lightning_llmfast.moe.grouped_fallback import grouped_gemm_triton, triton_grouped_swiglu
 from lightning_llmfast.moe.kernels import triton_available
 
@@ -71,7 +72,7 @@ def test_unaligned_sizes_go_through_padded_grouped_mm_without_syncs(sizes, hidde
         assert not grouped_mm_supported(x, gate_up, down)  # the case the padding exists for
 
     def experts(x, offsets, gate_up, down):
-        return grouped_swiglu(x, offsets, gate_up, down, padded=True, validate=False)
+        return expert_swiglu(ExpertRows(x, offsets, True, "torch"), gate_up, down)
 
     _check(experts, sizes, hidden, ffn, dtype, pad=3)
 
@@ -97,7 +98,7 @@ def test_triton_grouped_gemm_takes_transposed_weights_and_any_offset_dtype() -> 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_cuda_grouped_swiglu_every_precision_is_sync_free(dtype: torch.dtype, cuda_device: torch.device) -> None:
     def experts(x, offsets, gate_up, down):
-        return grouped_swiglu(x, offsets, gate_up, down, padded=True, validate=False)
+        return expert_swiglu(ExpertRows(x, offsets, True, "triton"), gate_up, down)
 
     device = str(cuda_device)
     x, gate_up, down = _inputs([2, 3], 12, 10, dtype, device=device)

@@ -65,28 +65,23 @@ def test_triton_launches_count_once_and_the_interpreter_work_not_at_all() -> Non
 
 @pytest.mark.skipif(not triton_available(torch.device("cpu")), reason="Triton kernels need TRITON_INTERPRET=1 on CPU")
 def test_custom_ops_are_opened_and_their_triton_launches_counted_once() -> None:
-    from lightning_llmfast.moe.permute import _permute_rows
+    from lightning_llmfast.moe.token_rows import permute_rows
 
     x, tokens = torch.randn(5, 4), torch.tensor([4, 0, 0, 2])
     positions = torch.tensor([[1, 2], [0, 0], [3, 3], [0, 0], [0, 0]])
     with KernelCounter() as kc:
-        rows = _permute_rows.op(x, tokens, None, positions, None, "triton")  # the registered custom op
+        rows = permute_rows.op(x, tokens, None, positions, None, "triton")  # the registered custom op
     assert dict(kc.triton_launches) == {"_gather_rows_kernel": 1}
     assert "permute_rows" not in kc.kernel_ops and kc.kernels == 1
     torch.testing.assert_close(rows, x[tokens], rtol=0, atol=0)
 
 
-def test_the_host_grouped_mm_loop_counts_as_the_one_grouped_mm_it_stands_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_llmfast.moe.kernels import host_memory
-    from lightning_llmfast.moe.kernels.host_gemm import grouped_mm
+def test_the_grouped_mm_custom_op_counts_as_the_one_aten_grouped_mm_it_wraps() -> None:
+    from lightning_llmfast.moe.expert_ops import grouped_mm
 
     x, w = torch.randn(9, 8), torch.randn(3, 8, 4)
     ends = torch.tensor([4, 4, 9], dtype=torch.int32)
-    counted = {}
-    for pooled in (False, True):  # ATen's op, then the CPU loop into a pooled buffer (a mm per group inside)
-        monkeypatch.setattr(host_memory, "MIN_POOLED_BYTES", 1 if pooled else 1 << 40)
-        with KernelCounter() as kc:
-            y = grouped_mm(x, w, ends)
-        counted[pooled] = dict(kc.kernel_ops)
-        torch.testing.assert_close(y, torch.cat([x[:4] @ w[0], x[4:] @ w[2]]), rtol=1e-6, atol=1e-6)
-    assert counted[True] == counted[False] == {"_grouped_mm": 1}
+    with KernelCounter() as kc:
+        y = grouped_mm(x, w, ends)
+    assert dict(kc.kernel_ops) == {"_grouped_mm": 1}
+    torch.testing.assert_close(y, torch.cat([x[:4] @ w[0], x[4:] @ w[2]]), rtol=1e-6, atol=1e-6)

@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
 from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe import kernels
-from lightning_llmfast.moe.permute import _plan_indices, permute, unpermute
 from lightning_llmfast.moe.routing import route
+from lightning_llmfast.moe.token_rows import permute, plan_indices, unpermute
 
 CPU = torch.device("cpu")
 needs_interpreter = pytest.mark.skipif(
@@ -161,12 +161,7 @@ def loop_combine(rows: torch.Tensor, positions: torch.Tensor, weights: torch.Ten
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize(("num_tokens", "top_k", "hidden"), [(0, 2, 8), (1, 1, 1), (7, 3, 37), (33, 8, 300)])
 @pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("chunk_elements", [None, 500])  # None: one chunk; 500: many, the last one ragged
-def test_combine_rows_and_pair_dots_match_loops(
-    dtype, num_tokens, top_k, hidden, weighted, chunk_elements, monkeypatch
-):
-    if chunk_elements is not None:
-        monkeypatch.setattr(kernels.rows, "_CHUNK_ELEMENTS", chunk_elements)
+def test_combine_rows_and_pair_dots_match_loops(dtype, num_tokens, top_k, hidden, weighted):
     gen = torch.Generator().manual_seed(num_tokens * 31 + hidden)
     num_rows = max(num_tokens * top_k, 1)
     rows = torch.randn(num_rows, hidden, generator=gen).to(dtype)
@@ -195,10 +190,7 @@ def test_combine_rows_and_pair_dots_match_loops(
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize(("num_tokens", "top_k", "hidden"), [(0, 2, 8), (1, 1, 1), (7, 3, 37), (31, 8, 300)])
-@pytest.mark.parametrize("chunk_elements", [None, 700])  # None: one chunk; 700: many, the last one ragged
-def test_combine_rows_backward_matches_loops(dtype, num_tokens, top_k, hidden, chunk_elements, monkeypatch):
-    if chunk_elements is not None:
-        monkeypatch.setattr(kernels.rows, "_CHUNK_ELEMENTS", chunk_elements)
+def test_combine_rows_backward_matches_loops(dtype, num_tokens, top_k, hidden):
     gen = torch.Generator().manual_seed(num_tokens * 17 + top_k)
     num_rows = num_tokens * top_k
     # A consistent layout, as a plan makes one: row r holds pair perm[r], positions is the inverse.
@@ -242,7 +234,7 @@ def assert_plans_equal(a, b) -> None:
     """Integers equal; floats (the fused Triton routing sums in another order) equal to rounding."""
     for name, x, y in zip(a._fields, a, b):
         if name in ("positions", "row_tokens"):  # only the fused routing keeps them; the dispatcher derives them
-            derived = [_plan_indices(p) for p in (a, b)]
+            derived = [plan_indices(p) for p in (a, b)]
             field = "positions" if name == "positions" else "tokens"
             assert torch.equal(getattr(derived[0], field), getattr(derived[1], field)), name
         elif name == "row_weights":  # only the fused routing makes them: each row's pair weight, 0 when dropped

@@ -12,15 +12,16 @@ from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.callbacks import ExpertLoadMetric
 from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.moe import GroupedExperts, MoEBlock, MoEConfig, NaiveMoEBlock, SwiGLUExperts
-from lightning_llmfast.moe.experts import (
-    _grouped_mm,
-    _silu_glu,
-    _swiglu_down,
-    grouped_mm_supported,
-    grouped_swiglu,
-)
+from lightning_llmfast.moe.dispatcher import ExpertRows
+from lightning_llmfast.moe.expert_ops import grouped_mm, silu_glu, swiglu_down
+from lightning_llmfast.moe.experts import expert_swiglu, grouped_mm_supported
 
 H, FFN = 8, 12  # multiples of 4: the float32 grouped_mm path (16-byte aligned rows)
+
+
+def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The experts over materialised rows, their offsets checked (as ``GroupedExperts`` calls them)."""
+    return expert_swiglu(ExpertRows(x, offsets, False, "torch"), gate_up, down, validate=True)
 
 
 def _pair(num_experts: int, top_k: int, *, seed: int = 0, **kwargs: object) -> tuple[NaiveMoEBlock, MoEBlock]:
@@ -242,7 +243,7 @@ def test_fused_swiglu_down_equals_the_unfused_ops_bitwise(sizes: list[int], dtyp
     results = []
     for fused in (False, True):
         a, b = gate_up.clone().requires_grad_(), down.clone().requires_grad_()
-        out = _swiglu_down(a, b, offs, None, "torch") if fused else _grouped_mm(_silu_glu(a), b, offs)
+        out = swiglu_down(a, b, offs, None, "torch") if fused else grouped_mm(silu_glu(a), b, offs)
         out.backward(grad)
         results.append((out.detach(), a.grad, b.grad))
     for unfused, fused in zip(*results):
@@ -480,6 +481,28 @@ def test_grouped_experts_fallback_float64_and_odd_sizes() -> None:
     y = experts(x, offsets)
     torch.testing.assert_close(y, _loop_experts(x.detach(), [2, 0, 3], experts))
     assert torch.autograd.gradcheck(lambda a: grouped_swiglu(a, offsets, experts.gate_up_proj, experts.down_proj), x)
+
+
+# (rows, K, N, group sizes): empty groups, one group with every row, prime row counts, a single row, padding rows
+# past the last end (left unwritten by grouped_mm). K and N are multiples of 4: grouped_mm takes 16-byte strides.
+GROUPS = [(13, 8, 12, [0, 5, 0, 8]), (17, 4, 4, [17]), (1, 4, 8, [0, 1, 0]), (20, 4, 12, [6, 0, 9])]
+
+
+@pytest.mark.parametrize(("rows", "k", "n", "sizes"), GROUPS)
+def test_grouped_mm_op_matches_a_float64_loop_in_both_layouts(rows: int, k: int, n: int, sizes: list[int]) -> None:
+    """The experts' grouped GEMM (``F.grouped_mm`` as a custom op): rows times their expert's weight, and the weight
+    gradient layout ``(K, M) x (M, N) -> (E, K, N)`` whose groups run along ``M``."""
+    g = torch.Generator().manual_seed(rows * 7 + k)
+    ends = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    a, b, grad = torch.randn(rows, k, generator=g), torch.randn(len(sizes), k, n, generator=g), torch.randn(rows, n)
+    out, weight_grad = grouped_mm(a, b, ends), grouped_mm(a.t(), grad, ends)
+    start = 0
+    for group, end in enumerate(ends.tolist()):
+        expected = a[start:end].double() @ b[group].double()
+        torch.testing.assert_close(out[start:end].double(), expected, rtol=1e-5, atol=1e-5)
+        expected = a[start:end].double().t() @ grad[start:end].double()
+        torch.testing.assert_close(weight_grad[group].double(), expected, rtol=1e-5, atol=1e-5)
+        start = end
 
 
 def test_grouped_mm_backward_matches_autograd_reference() -> None:

@@ -193,7 +193,7 @@ class _LoopDispatcher(TokenDispatcher):
         self.calls += 1
         pairs = plan.permutation.long()[: plan.num_rows]
         rows = x[pairs // plan.top_k]
-        return ExpertRows(rows, plan.offsets, plan.padded), (plan, pairs)
+        return ExpertRows(rows, plan.offsets, plan.padded, "torch"), (plan, pairs)
 
     def combine(self, rows: Tensor, ctx: Any) -> Tensor:
         plan, pairs = ctx
@@ -288,3 +288,19 @@ def test_the_model_passes_document_boundaries_to_a_sequence_aux_loss() -> None:
     with cache.batch({"cu_seqlens": meta.cu_seqlens}), activate_cache(cache):
         model(ids, positions)
     torch.testing.assert_close(block.stats.aux_loss, block.stats.plan.sequence_aux_loss(documents))
+
+
+def test_names_moved_to_expert_parallel_resolve_from_their_old_homes_with_a_deprecation_warning() -> None:
+    import lightning_llmfast.comm as comm
+    import lightning_llmfast.moe as moe
+    from lightning_llmfast import expert_parallel
+    from lightning_llmfast.moe import token_rows
+
+    for name in ("shard_experts", "AllToAllDispatcher", "AllToAllDroplessDispatcher", "AllToAllCapacityDispatcher"):
+        with pytest.warns(DeprecationWarning, match=f"moe.{name} moved to lightning_llmfast.expert_parallel"):
+            assert getattr(moe, name) is getattr(expert_parallel, name)
+    with pytest.warns(DeprecationWarning, match="comm.DispatchPayload moved"):
+        assert comm.DispatchPayload is expert_parallel.DispatchPayload
+    assert moe.permute is token_rows.permute and moe.unpermute is token_rows.unpermute  # public, not moved
+    with pytest.raises(AttributeError, match="no attribute 'missing'"):
+        moe.missing  # noqa: B018

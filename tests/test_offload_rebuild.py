@@ -20,8 +20,8 @@ from lightning_llmfast.bench import OpCounter
 from lightning_llmfast.bench.steps import PeakMemory
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.models.rmsnorm import rms_norm
-from lightning_llmfast.moe import route, routed_swiglu
-from lightning_llmfast.moe.dispatch import compute_copy
+from lightning_llmfast.moe import LocalDispatcher, expert_swiglu, route
+from lightning_llmfast.moe.dispatcher import compute_copy
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig, mark_rebuildable
 
 
@@ -298,7 +298,9 @@ class _RoutedBlock(nn.Module):
             logits = logits + (torch.arange(logits.shape[1]) == 0) * 30.0
         plan = route(logits, self.top_k, capacity_factor=self.capacity_factor, validate=False)
         self.rows = plan.num_rows
-        y = routed_swiglu(x, plan, self.gate_up, self.down, x_compute=x_compute, backend=self.backend)
+        dispatcher = LocalDispatcher(self.backend)
+        rows, ctx = dispatcher.dispatch(x, plan, x_compute=x_compute)
+        y = dispatcher.combine(expert_swiglu(rows, self.gate_up, self.down), ctx)
         return x + y.float()
 
 

@@ -11,7 +11,13 @@ from _distributed import run_distributed
 
 from lightning_llmfast import ConfigError
 from lightning_llmfast.bench.counters import SyncCounter
-from lightning_llmfast.comm.payload import DispatchPayload, dequantize_rows, exchange, quantize_rows, wire_row_bytes
+from lightning_llmfast.expert_parallel.payload import (
+    DispatchPayload,
+    dequantize_rows,
+    exchange,
+    quantize_rows,
+    wire_row_bytes,
+)
 
 
 def _e4m3_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -7,12 +7,8 @@ import torch
 
 from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.errors import RoutingError
-from lightning_llmfast.moe.permute import (
-    _plan_indices,
-    permute,
-    unpermute,
-)
 from lightning_llmfast.moe.routing import RoutingPlan, route
+from lightning_llmfast.moe.token_rows import permute, plan_indices, unpermute
 
 SHAPES = [(0, 4, 2), (1, 1, 1), (7, 3, 3), (13, 8, 2), (31, 5, 1), (97, 16, 4)]
 CAPACITY = [(None, "position"), (1.0, "position"), (0.5, "score"), (0.05, "position")]
@@ -195,7 +191,7 @@ def test_hidden_size_zero_round_trip(kernel_backend, capacity_factor):
 def test_custom_ops_pass_opcheck(kernel_backend, num_tokens, capacity_factor):
     """Schema (no undeclared mutation or aliasing), fake implementations (shapes, dtypes, strides), autograd."""
     plan = make_plan(num_tokens, 5, 2, capacity_factor, "position", seed=7)
-    idx = _plan_indices(plan)
+    idx = plan_indices(plan)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(num_tokens, 8, generator=gen, requires_grad=True)
     rows = torch.randn(plan.num_rows, 8, generator=gen, requires_grad=True)

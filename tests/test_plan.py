@@ -68,7 +68,7 @@ def _measure_step(rank: int, world: int, ep: int, out: str, dispatch_dtype: str 
     import torch.nn.functional as F
     from torch import nn
 
-    from lightning_llmfast.comm import DispatchPayload
+    from lightning_llmfast.expert_parallel import DispatchPayload
     from lightning_llmfast.models import MoEGPT, MoEGPTConfig
     from lightning_llmfast.parallel import ParallelDims, parallelize
 

@@ -17,12 +17,7 @@ BACKENDS = ["torch"] + (["triton"] if triton_available(torch.device("cpu")) else
 @pytest.mark.parametrize(("rows", "ffn"), [(0, 4), (1, 1), (7, 13), (130, 64), (33, 257)])
 @pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bands", [None, 100])
-def test_swiglu_forward_and_backward_match_float64_autograd(backend, rows, ffn, scaled, dtype, bands, monkeypatch):
-    if bands is not None:  # the reference in many row bands of 100 elements, the last one ragged
-        if backend != "torch":
-            pytest.skip("row bands are the PyTorch reference's")
-        monkeypatch.setattr(swiglu, "_BAND_ELEMENTS", bands)
+def test_swiglu_forward_and_backward_match_float64_autograd(backend, rows, ffn, scaled, dtype):
     gen = torch.Generator().manual_seed(rows * 7 + ffn)
     gate_up = (torch.randn(rows, 2 * ffn, generator=gen) * 3).to(dtype)
     scale = torch.rand(rows, generator=gen) if scaled else None
@@ -76,9 +71,8 @@ def test_swiglu_down_passes_opcheck(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("rows", "ffn"), [(1, 1), (7, 13), (130, 64)])
 @pytest.mark.parametrize("scaled", [False, True])
-def test_product_written_over_the_gradient_matches_a_fresh_product(backend, rows, ffn, scaled, monkeypatch):
+def test_product_written_over_the_gradient_matches_a_fresh_product(backend, rows, ffn, scaled):
     """``product_in_grad``: the product, gate/up gradient and dots of a new buffer, the product left in ``grad``."""
-    monkeypatch.setattr(swiglu, "_BAND_ELEMENTS", 100)  # many bands: each must read its rows before overwriting them
     gen = torch.Generator().manual_seed(rows + ffn)
     gate_up = torch.randn(rows, 2 * ffn, generator=gen) * 3
     scale = torch.rand(rows, generator=gen) if scaled else None

@@ -16,10 +16,6 @@ package: every "no host sync" test and the benchmarks use it. It sees a host syn
   ``torch.cuda.Stream.synchronize`` (patched while the counter is active, so fakes installed as ``torch.cuda.Event``
   / ``torch.cuda.Stream`` are counted too).
 
-Inside :func:`host_kernel` nothing is counted: it marks the Python kernel of an op registered for the CPU alone,
-which reads its inputs on the host as ATen's CPU kernels do in C++ (ATen's CPU ``grouped_mm`` reads its group ends
-with ``item``, unseen by any dispatch mode). Such an op cannot run on an accelerator, so its reads are no syncs.
-
 On a CPU-only machine every tensor is a CPU tensor, so a read cannot tell device from host by itself: the counter
 takes the device the measured code computes on. With ``device="cpu"`` (the default, for tests) CPU tensors stand for
 device tensors, except those named ``host=`` (the collator's fields, which stay on the host on an accelerator) and
@@ -28,10 +24,9 @@ tensors made from NumPy arrays inside the window; with an accelerator device onl
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields, is_dataclass
 from typing import Any
 
@@ -46,7 +41,6 @@ __all__ = [
     "OpCounter",
     "PatchingCounter",
     "SyncCounter",
-    "host_kernel",
 ]
 
 # ATen ops that force the host to wait for the device (or, on CPU, that would on an accelerator):
@@ -301,26 +295,6 @@ class SyncCounter(PatchingCounter):
             copy = _blocking_copy(name, args, kwargs)
             if copy is not None:
                 self.syncs[copy] += 1
-
-
-@contextlib.contextmanager
-def host_kernel() -> Iterator[None]:
-    """Marks the body of a CPU-only op's kernel: its reads of tensor data are not counted as syncs.
-
-    Only for kernels registered with ``device_types="cpu"`` (they cannot run on an accelerator), such as
-    ``lightning_llmfast::host_grouped_mm``.
-
-    Example::
-
-        with host_kernel():
-            ends = offs.tolist()
-    """
-    depth = getattr(_DEPTH, "value", 0)
-    _DEPTH.value = depth + 1
-    try:
-        yield
-    finally:
-        _DEPTH.value = depth
 
 
 def _counters_here() -> list[SyncCounter]:

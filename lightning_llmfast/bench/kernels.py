@@ -7,9 +7,7 @@ runs to emulate it are its own work, not counted). The ops that launch nothing a
 allocations (``empty``: the caching allocator hands out memory without a kernel). ``_local_scalar_dense`` (``.item()``)
 is a device-to-host memcpy, counted by :class:`~lightning_llmfast.bench.counters.SyncCounter` as a sync, not here.
 This package's custom ops (namespace ``lightning_llmfast``) are opened: the ATen ops and Triton launches inside them
-are the kernels, not the op itself (an opaque op wraps a gather and a GEMM, or one Triton kernel). The exceptions
-are CPU stand-ins for one ATen op (:data:`HOST_STAND_INS`): ``host_grouped_mm`` runs ATen's CPU ``grouped_mm`` loop
-into a reused buffer and counts as the one ``_grouped_mm`` it stands for.
+are the kernels, not the op itself (an opaque op wraps a gather and a GEMM, or one Triton kernel).
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ try:
 except ImportError:  # pragma: no cover - Triton is optional
     KernelInterface = None
 
-__all__ = ["HOST_STAND_INS", "NON_KERNEL_OPS", "KernelCounter"]
+__all__ = ["NON_KERNEL_OPS", "KernelCounter"]
 
 NON_KERNEL_OPS: frozenset[str] = frozenset(
     {
@@ -48,9 +46,6 @@ NON_KERNEL_OPS: frozenset[str] = frozenset(
     }
 )  # fmt: skip
 """ATen op packet names that launch no kernel on a GPU."""
-
-HOST_STAND_INS: dict[str, str] = {"host_grouped_mm": "_grouped_mm"}
-"""This package's CPU-only ops that count as the one ATen op they stand for (not opened)."""
 
 _OPENED_NAMESPACE = "lightning_llmfast"
 _ACTIVE: list[PatchingCounter] = []
@@ -102,10 +97,6 @@ class KernelCounter(PatchingCounter):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         name = func.overloadpacket.__name__
-        if func.namespace == _OPENED_NAMESPACE and name in HOST_STAND_INS:
-            out = func(*args, **(kwargs or {}))
-            self._record(HOST_STAND_INS[name], args, kwargs or {})
-            return out
         if func.namespace == _OPENED_NAMESPACE and not getattr(_STATE, "launching", False):
             with self:  # the implementation's own ATen ops and Triton launches are the kernels
                 return OPDEFS[f"{func.namespace}::{name}"]._init_fn(*args, **(kwargs or {}))

@@ -1,4 +1,10 @@
-"""Grouped MoE routing, sync-free permutation, grouped experts, MoE blocks and adapters (plain PyTorch).
+"""Grouped MoE routing, sync-free dispatch, grouped experts, MoE blocks and adapters (plain PyTorch).
+
+One path: :func:`route` (its ``backend`` picks the fused Triton kernels or the PyTorch reference) -> a
+:class:`TokenDispatcher` (:class:`LocalDispatcher`, or an all-to-all one from
+:mod:`lightning_llmfast.expert_parallel`) -> :func:`expert_swiglu` -> the dispatcher's combine. Expert parallelism
+lives in :mod:`lightning_llmfast.expert_parallel`; its names here (``shard_experts``, ``AllToAll*Dispatcher``) are
+deprecated aliases.
 
 Example::
 
@@ -13,11 +19,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lightning_llmfast._lazy import lazy_dir, lazy_getattr
-
-# Imported eagerly: the function shares its name with its submodule, and once any code imports the submodule
-# ``lightning_llmfast.moe.permute`` the import system binds that name on this package to the module, which a lazy
-# lookup would never override.
-from lightning_llmfast.moe.permute import permute, unpermute
 
 # public name -> submodule; resolved lazily so that importing one part does not import the others.
 _LAZY: dict[str, str] = {
@@ -34,24 +35,25 @@ _LAZY: dict[str, str] = {
     "GroupedExperts": "lightning_llmfast.moe.experts",
     "TokenDispatcher": "lightning_llmfast.moe.dispatcher",
     "ExpertRows": "lightning_llmfast.moe.dispatcher",
-    "LocalDispatcher": "lightning_llmfast.moe.dispatch",
-    "expert_swiglu": "lightning_llmfast.moe.dispatch",
-    "routed_swiglu": "lightning_llmfast.moe.dispatch",
+    "LocalDispatcher": "lightning_llmfast.moe.dispatcher",
+    "expert_swiglu": "lightning_llmfast.moe.experts",
+    "routed_swiglu": "lightning_llmfast.moe.experts",
+    "permute": "lightning_llmfast.moe.token_rows",
+    "unpermute": "lightning_llmfast.moe.token_rows",
     "GroupedMoE": "lightning_llmfast.moe.block",
     "MoEBlock": "lightning_llmfast.moe.block",
     "SharedExperts": "lightning_llmfast.moe.block",
     "register_moe_adapter": "lightning_llmfast.moe.adapters",
     "get_moe_adapter": "lightning_llmfast.moe.adapters",
-    "AllToAllDispatcher": "lightning_llmfast.moe.alltoall",
-    "AllToAllDroplessDispatcher": "lightning_llmfast.moe.alltoall",
-    "AllToAllCapacityDispatcher": "lightning_llmfast.moe.alltoall",
-    "shard_experts": "lightning_llmfast.moe.expert_parallel",
+}
+
+# Deprecated names that moved to lightning_llmfast.expert_parallel (they resolve with a DeprecationWarning).
+_MOVED: dict[str, str] = {
+    name: "lightning_llmfast.expert_parallel"
+    for name in ("AllToAllCapacityDispatcher", "AllToAllDispatcher", "AllToAllDroplessDispatcher", "shard_experts")
 }
 
 __all__ = [
-    "AllToAllCapacityDispatcher",
-    "AllToAllDispatcher",
-    "AllToAllDroplessDispatcher",
     "ExpertRows",
     "GroupedExperts",
     "GroupedMoE",
@@ -73,29 +75,22 @@ __all__ = [
     "register_moe_adapter",
     "route",
     "routed_swiglu",
-    "shard_experts",
     "unpermute",
     "update_expert_bias",
 ]
 
 
-__getattr__ = lazy_getattr(__name__, _LAZY)
+__getattr__ = lazy_getattr(__name__, _LAZY, moved=_MOVED)
 __dir__ = lazy_dir(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from lightning_llmfast.moe.adapters import get_moe_adapter, register_moe_adapter
-    from lightning_llmfast.moe.alltoall import (
-        AllToAllCapacityDispatcher,
-        AllToAllDispatcher,
-        AllToAllDroplessDispatcher,
-    )
     from lightning_llmfast.moe.block import GroupedMoE, MoEBlock, SharedExperts
     from lightning_llmfast.moe.config import MoEConfig, RoutingConfig
-    from lightning_llmfast.moe.dispatch import LocalDispatcher, expert_swiglu, routed_swiglu
-    from lightning_llmfast.moe.dispatcher import ExpertRows, TokenDispatcher
-    from lightning_llmfast.moe.expert_parallel import shard_experts
-    from lightning_llmfast.moe.experts import GroupedExperts
+    from lightning_llmfast.moe.dispatcher import ExpertRows, LocalDispatcher, TokenDispatcher
+    from lightning_llmfast.moe.experts import GroupedExperts, expert_swiglu, routed_swiglu
     from lightning_llmfast.moe.losses import SequenceBoundaries
     from lightning_llmfast.moe.naive import NaiveMoEBlock, SwiGLUExperts
     from lightning_llmfast.moe.routing import RoutingPlan, route, update_expert_bias
     from lightning_llmfast.moe.stats import MoELayer, MoEStats
+    from lightning_llmfast.moe.token_rows import permute, unpermute

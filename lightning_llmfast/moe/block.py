@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,9 +26,8 @@ from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.moe.balance import all_reduce_counts
 from lightning_llmfast.moe.checks import check_block_input
 from lightning_llmfast.moe.config import MoEConfig
-from lightning_llmfast.moe.dispatch import LocalDispatcher, compute_copy, expert_swiglu
-from lightning_llmfast.moe.dispatcher import TokenDispatcher
-from lightning_llmfast.moe.experts import GroupedExperts, autocast_inputs, per_expert_loop
+from lightning_llmfast.moe.dispatcher import LocalDispatcher, TokenDispatcher, compute_copy
+from lightning_llmfast.moe.experts import GroupedExperts, autocast_inputs, expert_swiglu, per_expert_loop
 from lightning_llmfast.moe.losses import SequenceBoundaries
 from lightning_llmfast.moe.routing import RoutingPlan, route, update_expert_bias
 from lightning_llmfast.moe.stats import MoEStats
@@ -86,7 +86,7 @@ class GroupedMoE(nn.Module):
     Args:
         config: the block's :class:`~lightning_llmfast.moe.MoEConfig`.
         dispatcher: how tokens reach the experts; ``None``: a
-            :class:`~lightning_llmfast.moe.dispatch.LocalDispatcher` with the routing backend.
+            :class:`~lightning_llmfast.moe.dispatcher.LocalDispatcher` with the routing backend.
 
     Attributes:
         config: the :class:`~lightning_llmfast.moe.MoEConfig`.
@@ -105,7 +105,7 @@ class GroupedMoE(nn.Module):
             raise ConfigError(f"config must be an MoEConfig, got {type(config).__name__}")
         self.config = config
         self.dispatcher: TokenDispatcher = LocalDispatcher(config.routing.backend)
-        self._graphed: Callable[..., Tensor] | None = None  # the captured path (config.cuda_graphs)
+        self._graphed: Callable[..., tuple[Tensor, MoEStats]] | None = None  # the captured path (config.cuda_graphs)
         if dispatcher is not None:
             self.set_dispatcher(dispatcher)
         self.dp_group: dist.ProcessGroup | None = None
@@ -165,8 +165,13 @@ class GroupedMoE(nn.Module):
             if self._graphed is None:
                 self._check_capturable(x)
                 self._graphed = torch.compile(self._path, mode="reduce-overhead", fullgraph=True)
-            return self._graphed(x, token_mask, boundaries, shape)
-        return self._path(x, token_mask, boundaries, shape)
+            out, stats = self._graphed(x, token_mask, boundaries, shape)
+            # Recorded here, outside the captured region (whose Python does not run on a replay), from copies: the
+            # graph's outputs live in its static memory, which the next replay overwrites.
+            self.stats = _copied(stats)
+            return out
+        out, self.stats = self._path(x, token_mask, boundaries, shape)
+        return out
 
     def _check_capturable(self, x: Tensor) -> None:
         """Refuses what a CUDA graph would capture wrong: host reads of device values, data-dependent shapes."""
@@ -181,9 +186,12 @@ class GroupedMoE(nn.Module):
                 "the group offsets on the host); use bfloat16/float16 or float32 experts"
             )
 
-    def _path(self, x: Tensor, token_mask: Tensor | None, boundaries: SequenceBoundaries | None, shape: Size) -> Tensor:
-        """:meth:`_moe` without CUDA graphs."""
-        # Cast once for router and experts: both keep this one (T, H) copy for backward (dispatch.py).
+    def _path(
+        self, x: Tensor, token_mask: Tensor | None, boundaries: SequenceBoundaries | None, shape: Size
+    ) -> tuple[Tensor, MoEStats]:
+        """:meth:`_moe` without CUDA graphs: the outputs and the forward's record (returned, not stored, so that the
+        record of a replayed graph is its outputs')."""
+        # Cast once for router and experts: both keep this one (T, H) copy for backward (dispatcher.py).
         x_compute = compute_copy(x)
         logits = self._router_logits(x_compute)  # (T, E)
         bias = self._selection_bias()
@@ -198,12 +206,10 @@ class GroupedMoE(nn.Module):
         counting = self.training and not in_backward()  # not again when recomputation replays this forward
         aux_loss = self._aux_loss(plan, counting, boundaries, shape)
         num_pairs = plan.num_tokens * plan.top_k if token_mask is None else None
-        self.stats = MoEStats(
-            plan.tokens_per_expert, aux_loss, plan.z_loss, plan.num_dropped, num_pairs, None, logits, plan
-        )
+        stats = MoEStats(plan.tokens_per_expert, aux_loss, plan.z_loss, plan.num_dropped, num_pairs, None, logits, plan)
         if counting:
             self._count(plan)
-        return out
+        return out, stats
 
     def finish_step(self, group: dist.ProcessGroup | None = None) -> None:
         """Close an optimizer step: update ``expert_bias`` once from the step's counts, reset the step sums.
@@ -248,11 +254,15 @@ class GroupedMoE(nn.Module):
             if counting:  # the replay inside backward sees the same sums as its forward did
                 self._global_counts += all_reduce_counts(plan.routed_per_expert, self.dp_group)
             loss = plan.global_aux_loss(self._global_counts)
+        elif counting:
+            # Under expert parallelism the dispatcher knows the whole group's counts: its micro-batch loss covers the
+            # whole batch. The sequence and global losses mean the same with and without it (per document; counts
+            # summed over dp_group), so they are computed above as on one rank.
+            batch_loss = self.dispatcher.batch_aux_loss(plan)
+            loss = plan.aux_loss if batch_loss is None else batch_loss
         else:
             loss = plan.aux_loss
-        # Under expert parallelism the dispatcher knows the whole group's counts: its loss covers the whole batch.
-        batch_loss = self.dispatcher.batch_aux_loss(plan) if counting else None
-        return loss if batch_loss is None else batch_loss
+        return loss
 
     def _rows_as_documents(self, shape: Size, device: torch.device) -> SequenceBoundaries:
         """Each row of a ``(..., S, H)`` input (the whole input if 2-D) as one document; memoised for the last shape."""
@@ -374,3 +384,13 @@ def _local(weight: Tensor) -> Tensor:
 
 def _zero_counts(num_experts: int, needed: bool) -> Tensor | None:
     return torch.zeros(num_experts, dtype=torch.int64) if needed else None
+
+
+def _copied(record: Any) -> Any:
+    """``record`` (a tensor, ``None``, a number, or a NamedTuple of them, nested) with every tensor cloned (autograd
+    follows the clones)."""
+    if isinstance(record, Tensor):
+        return record.clone()
+    if isinstance(record, tuple) and hasattr(record, "_fields"):
+        return type(record)._make(_copied(value) for value in record)
+    return record

@@ -31,7 +31,7 @@ from lightning_llmfast.moe.kernels.plan import PlanTensors, plan_from_permutatio
 from lightning_llmfast.moe.losses import SequenceBoundaries, balance_loss, sequence_balance_loss, z_loss
 from lightning_llmfast.moe.selection import apply_capacity, expert_capacity, select_experts
 
-__all__ = ["RoutingPlan", "route", "update_expert_bias"]
+__all__ = ["RoutingPlan", "nonfinite_flag", "route", "update_expert_bias"]
 
 # Added to sums of sigmoid scores before dividing by them (as DeepSeek-V3 does): they can all underflow to zero.
 # Softmax sums need none: the top-k softmax scores sum to at least 1 / E.
@@ -214,8 +214,13 @@ def _check_tensors(logits: Tensor, routing: RoutingConfig, expert_bias: Tensor |
             raise RoutingError(f"token_mask is on {mask.device} but logits are on {logits.device}")
 
 
-def _nonfinite_flag(logits: Tensor) -> Tensor:
-    """0-d bool: any NaN/inf in ``logits``, via the min and max (NaN propagates) rather than a ``(T, E)`` mask."""
+def nonfinite_flag(logits: Tensor) -> Tensor:
+    """0-d bool: any NaN/inf in ``logits``, via the min and max (NaN propagates) rather than a ``(T, E)`` mask.
+
+    Example::
+
+        nonfinite_flag(torch.tensor([[0.0, float("nan")]]))  # tensor(True), read on the host only when needed
+    """
     if logits.numel() == 0:
         return torch.zeros((), dtype=torch.bool, device=logits.device)
     lo, hi = torch.aminmax(logits)
@@ -355,7 +360,7 @@ def route(
         logits32 = logits32.masked_fill(~token_mask.unsqueeze(1), 0.0)
     nonfinite = None
     if validate is not None:
-        nonfinite = _check_finite(logits32, expert_bias) if validate else _nonfinite_flag(logits32)
+        nonfinite = _check_finite(logits32, expert_bias) if validate else nonfinite_flag(logits32)
     if fused:
         outputs = fused_route(logits, routing, expert_bias, capacity, token_mask)
         return _fused_plan(outputs, capacity, nonfinite, token_mask)
@@ -418,12 +423,12 @@ def _plan(
 def _check_finite(logits: Tensor, expert_bias: Tensor | None) -> None:
     """``validate=True``: raise for NaN/inf logits or bias values."""
     # NOTE: host sync (one read of the device flags), documented: validate=True trades it for an eager error.
-    flag = _nonfinite_flag(logits)
+    flag = nonfinite_flag(logits)
     if expert_bias is not None:
-        flag = flag | _nonfinite_flag(expert_bias)
+        flag = flag | nonfinite_flag(expert_bias)
     if bool(flag):
         # Error path only: which of the two, and where, costs more syncs, which no longer matter.
-        if bool(_nonfinite_flag(logits)):
+        if bool(nonfinite_flag(logits)):
             _raise_nonfinite(logits)
         values = expert_bias.tolist()
         expert = next(e for e, v in enumerate(values) if not math.isfinite(v))

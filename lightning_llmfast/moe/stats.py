@@ -67,13 +67,13 @@ class MoEStats(NamedTuple):
         """
         if self.nonfinite is not None or self.router_logits is None:
             return self.nonfinite
-        from lightning_llmfast.moe.routing import _nonfinite_flag
+        from lightning_llmfast.moe.routing import nonfinite_flag
 
         logits = self.router_logits.detach().float()
         mask = None if self.plan is None else self.plan.token_mask
         if mask is not None:
             logits = logits.masked_fill(~mask.unsqueeze(1), 0.0)
-        return _nonfinite_flag(logits)
+        return nonfinite_flag(logits)
 
 
 @runtime_checkable

@@ -6,7 +6,7 @@ alive until backward. :func:`recompute_policy` keeps only the outputs of matmuls
 the router's ``topk``; everything else is recomputed during the layer's backward from those and the layer's input
 (``torch.utils.checkpoint`` with selective-checkpoint contexts). On the reference model this cuts what a layer holds
 for backward by 40% (CPU, bf16 autocast: 15.0 MB to 9.0 MB per layer at ``T=1024, H=256``; the layer itself already
-keeps no permuted expert rows, see :mod:`lightning_llmfast.moe.dispatch`; before that, 51% of peak activation memory
+keeps no permuted expert rows, see :mod:`lightning_llmfast.moe.experts`; before that, 51% of peak activation memory
 on an H200), with bit-identical gradients. The price is the replay: in eager mode every op of the
 layer goes through Python dispatch twice, which cost 2.6x step time on an H200 at hidden 1024, where the forward is
 launch-bound. Use it when memory, not speed, is the limit.
@@ -52,7 +52,7 @@ RECOMPUTE_MODES = (None, "selective")
 
 # Ops whose outputs are kept: recomputing them would cost real FLOPs (matmuls, grouped expert GEMMs).
 # `swiglu_down` and `permute_grouped_mm` are the experts' down and gate/up GEMMs with their activation or gather fused
-# in (lightning_llmfast.moe.experts, lightning_llmfast.moe.dispatch).
+# in (lightning_llmfast.moe.expert_ops).
 _SAVED_OPS = frozenset(
     {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "grouped_mm", "_scaled_mm", "swiglu_down", "permute_grouped_mm"}
 )

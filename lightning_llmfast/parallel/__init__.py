@@ -5,9 +5,10 @@
 expert sharding); :class:`~lightning_llmfast.LLMFastStrategy` calls them. They own no communication of their own.
 
 - :mod:`~lightning_llmfast.parallel.dims`: the layout and its mesh.
-- :mod:`~lightning_llmfast.parallel.fsdp`: per-block ``fully_shard``, mixed precision, start-up broadcast, meta
-  materialisation.
-- :mod:`~lightning_llmfast.parallel.expert`: expert sharding over ``"ep"`` (and ``"edp"`` under FSDP2).
+- :mod:`~lightning_llmfast.parallel.fsdp`: per-block ``fully_shard`` (the experts' over ``"edp"`` too), mixed
+  precision, start-up broadcast, meta materialisation.
+
+Expert sharding over ``"ep"`` itself is :mod:`lightning_llmfast.expert_parallel`, which this package applies.
 - :mod:`~lightning_llmfast.parallel.clip`: gradient clipping by the global norm across both meshes.
 - :mod:`~lightning_llmfast.parallel.checkpoint`: DCP save/load with resharding and the single-file export.
 

@@ -28,11 +28,14 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.expert_parallel.state import sharded_moe_blocks
+from lightning_llmfast.parallel.dims import ParallelDims
 from lightning_llmfast.parallel.pretrained import PRETRAINED_ATTRIBUTE, pretrained_targets
 
 __all__ = [
     "BROADCAST_BUCKET_BYTES",
     "broadcast_module_states",
+    "fully_shard_experts",
     "materialize_module",
     "mixed_precision_policy",
     "shard_module",
@@ -271,3 +274,44 @@ def _initializer(root: nn.Module, name: str, m: nn.Module) -> Callable[[], None]
         if callable(getattr(owner, "_init_weights", None)) and hasattr(owner, "config"):
             return partial(owner._init_weights, m)
     return m.reset_parameters if resettable else None
+
+
+def fully_shard_experts(
+    module: nn.Module,
+    dims: ParallelDims,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> None:
+    """``fully_shard`` every MoE block sharded by :func:`~lightning_llmfast.expert_parallel.shard_model_experts`: its
+    experts over ``"edp"``.
+
+    FSDP2 gathers a group's parameters when its module's ``forward`` runs; the block reads its experts' weights in its
+    own ``forward``, so the block is the experts' group (over ``"edp"``), and its other children with parameters
+    (router, shared experts, their gates) are groups of their own over ``"dp_shard"``, sharded like every dense
+    parameter. Each rank then holds ``1 / world`` of every expert tensor. Expert gradients are summed over ``"edp"``
+    and divided by the world size: each local expert's gradient already sums the losses of its ``"ep"`` group's
+    ranks (the all-to-all's backward brings them home), so this makes it the gradient of the mean of all ranks'
+    losses, as for the dense parameters.
+
+    Raises:
+        ConfigError: a block holds parameters of its own outside its children.
+
+    Example::
+
+        fully_shard_experts(model, dims)  # before the layers are sharded over "dp_shard"
+    """
+    kwargs = {"mp_policy": mp_policy or MixedPrecisionPolicy(), "reshard_after_forward": reshard_after_forward}
+    for name, block, _ in list(sharded_moe_blocks(module)):
+        own = [n for n, _ in block.named_parameters(recurse=False)]
+        if own:
+            raise ConfigError(f"expert parallelism under FSDP: MoE block {name!r} holds parameters directly ({own})")
+        for child_name, child in block.named_children():
+            if child_name != "experts" and any(True for _ in child.parameters()):
+                fully_shard(child, mesh=dims.dp_shard_mesh, **kwargs)
+        fully_shard(block, mesh=dims.edp_mesh, **kwargs)
+        block.set_gradient_divide_factor(float(dims.world_size))
+        # gloo has no pre-multiplied sum: a plain sum, then the division (NCCL fuses it). Not with one "edp" rank:
+        # there FSDP2 sends nothing and divides once itself (forcing the sum would divide a second time).
+        gloo = dist.get_backend(dims.edp_mesh.get_group()) == "gloo"
+        block.set_force_sum_reduction_for_comms(gloo and dims.edp > 1)

@@ -27,10 +27,14 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_llmfast.comm.payload import DispatchPayload
+from lightning_llmfast.expert_parallel import DispatchPayload, shard_model_experts
 from lightning_llmfast.parallel.dims import ParallelDims
-from lightning_llmfast.parallel.expert import fully_shard_experts, shard_model_experts
-from lightning_llmfast.parallel.fsdp import broadcast_module_states, materialize_module, shard_module
+from lightning_llmfast.parallel.fsdp import (
+    broadcast_module_states,
+    fully_shard_experts,
+    materialize_module,
+    shard_module,
+)
 
 __all__ = ["parallelize"]
 
@@ -60,7 +64,7 @@ def parallelize(
         The FSDP2 root modules (empty under DDP).
 
     Raises:
-        ConfigError: from :func:`~lightning_llmfast.parallel.expert.shard_model_experts`,
+        ConfigError: from :func:`~lightning_llmfast.expert_parallel.shard_model_experts`,
             :func:`~lightning_llmfast.parallel.fsdp.shard_module` or
             :func:`~lightning_llmfast.parallel.fsdp.materialize_module`.
 
@@ -71,7 +75,9 @@ def parallelize(
     if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
         broadcast_module_states(module, device)
     if dims.ep_enabled:
-        shard_model_experts(module, dims, dispatch)
+        shard_model_experts(
+            module, dims.ep_mesh, loss_group=dims.dp_group, fsdp=dims.sharding == "fsdp", dispatch=dispatch
+        )
     roots: list[nn.Module] = []
     if dims.fsdp_enabled:
         if dims.ep_enabled:

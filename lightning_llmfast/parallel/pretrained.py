@@ -36,8 +36,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_llmfast.errors import CheckpointError
+from lightning_llmfast.expert_parallel.state import expert_parameters
 from lightning_llmfast.hf.state_dict import Piece, StateDictAdapter, state_dict_adapter
-from lightning_llmfast.parallel.expert import expert_parameters
 
 __all__ = ["INDEX_FILENAME", "PRETRAINED_ATTRIBUTE", "SINGLE_FILENAME", "PretrainedCheckpoint", "pretrained_targets"]
 

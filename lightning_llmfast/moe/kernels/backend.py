@@ -23,12 +23,13 @@ except ImportError:  # pragma: no cover - Triton ships with torch on Linux
     triton = None
     tl = None
 
-# Decorating is harmless without Triton (the kernels are then never launched), and keeps the kernels at module
-# level where Triton can read their source. Triton decides at decoration time whether a kernel is interpreted.
-_jit = triton.jit if triton is not None else (lambda fn: fn)
+# ``triton.jit`` for the kernel modules: decorating is harmless without Triton (the kernels are then never launched),
+# and keeps the kernels at module level where Triton can read their source. Triton decides at decoration time whether
+# a kernel is interpreted.
+triton_jit = triton.jit if triton is not None else (lambda fn: fn)
 
 
-__all__ = ["BACKENDS", "cuda_code_path", "is_triton", "resolve_backend", "triton_available"]
+__all__ = ["BACKENDS", "cuda_code_path", "is_triton", "resolve_backend", "triton_available", "triton_jit"]
 
 BACKENDS: frozenset[str] = frozenset({"auto", "torch", "triton"})
 
@@ -103,7 +104,7 @@ def cuda_code_path() -> Iterator[None]:
         _AUTO_AS_CUDA = previous
 
 
-@_jit
+@triton_jit
 def _probe_kernel(x_ptr):  # never launched: its type says whether Triton interprets the kernels
     pass
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_llmfast.moe.kernels.backend import _jit, is_triton, tl, triton
-from lightning_llmfast.moe.kernels.rows import _acc_dtype, _chunk_size, _scale_rows_, gather_rows_triton
+from lightning_llmfast.moe.kernels.backend import is_triton, tl, triton, triton_jit
+from lightning_llmfast.moe.kernels.rows import acc_dtype, gather_rows_reference, gather_rows_triton
 
 __all__ = [
     "row_dots",
@@ -38,7 +38,7 @@ def row_dots(a: Tensor, b: Tensor, *, backend: str = "torch") -> Tensor:
     if is_triton(backend):
         rows = torch.arange(a.shape[0], device=a.device).unsqueeze(1)
         return pair_dots_triton(a, b, rows).view(-1)
-    acc = _acc_dtype(a)
+    acc = acc_dtype(a)
     return torch.bmm(a.to(acc).unsqueeze(1), b.to(acc).unsqueeze(2)).view(-1)
 
 
@@ -58,12 +58,12 @@ def pair_dots_reference(rows: Tensor, grad: Tensor, positions: Tensor) -> Tensor
         grad_weights = pair_dots_reference(rows, grad_out, positions)
     """
     num_tokens, top_k = positions.shape
-    acc = _acc_dtype(rows)
+    acc = acc_dtype(rows)
     gathered = rows.index_select(0, positions.reshape(-1)).view(num_tokens, top_k, rows.shape[1]).to(acc)
     return torch.bmm(gathered, grad.to(acc).unsqueeze(2)).squeeze(2)
 
 
-@_jit
+@triton_jit
 def _pair_dots_kernel(
     rows_ptr,
     grad_ptr,
@@ -103,7 +103,7 @@ def pair_dots_triton(rows: Tensor, grad: Tensor, positions: Tensor) -> Tensor:
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     grad = grad if grad.stride(1) == 1 else grad.contiguous()
     num_tokens, top_k = positions.shape
-    acc = _acc_dtype(rows)
+    acc = acc_dtype(rows)
     out = torch.empty(num_tokens, top_k, dtype=acc, device=rows.device)
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
@@ -151,13 +151,8 @@ def pair_dots(rows: Tensor, grad: Tensor, positions: Tensor, *, backend: str = "
 def combine_rows_backward_reference(
     grad: Tensor, rows: Tensor, src: Tensor, scale: Tensor, positions: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """PyTorch reference of the combine's backward: both gradients from one gather of ``grad``.
-
-    Equals ``(gather_rows_reference(grad, src, scale=scale), pair_dots_reference(rows, grad, positions))`` when
-    ``src[positions[t, s]] == t`` (``positions`` maps each pair to its row and ``src`` each row to its token). Row
-    by row, in cache-sized chunks: ``grad[src[r]]`` is gathered straight into the output, dotted with ``rows[r]``,
-    then scaled in place. That is one pass over ``(num_rows, hidden)`` memory and one gather, where the separate
-    functions make three passes and two gathers (the saving is about half the backward's dispatch time on CPU).
+    """PyTorch reference of the combine's backward: ``(gather_rows_reference(grad, src, scale=scale),
+    pair_dots_reference(rows, grad, positions))``.
 
     Args:
         grad: ``(num_tokens, hidden)`` gradient of the combined output.
@@ -174,16 +169,7 @@ def combine_rows_backward_reference(
 
         grad_rows, grad_weights = combine_rows_backward_reference(grad_out, rows, tokens, row_weights, positions)
     """
-    (num_rows, hidden), acc = rows.shape, _acc_dtype(rows)
-    grad_rows = grad.new_empty(num_rows, hidden)
-    dots = torch.empty(num_rows, dtype=acc, device=rows.device)
-    chunk = _chunk_size(hidden, num_rows)
-    chunks = (t.split(chunk) for t in (src, scale, rows.unsqueeze(1), grad_rows, dots.view(-1, 1, 1)))
-    for src_c, scale_c, rows_c, dst, dots_c in zip(*chunks):
-        torch.index_select(grad, 0, src_c, out=dst)
-        torch.bmm(rows_c.to(acc), dst.to(acc).unsqueeze(2), out=dots_c)
-        _scale_rows_(dst, scale_c)
-    return grad_rows, dots.index_select(0, positions.reshape(-1)).view(positions.shape)
+    return gather_rows_reference(grad, src, scale=scale), pair_dots_reference(rows, grad, positions)
 
 
 def combine_rows_backward_triton(

@@ -11,25 +11,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_llmfast.moe.kernels.backend import _jit, is_triton, tl, triton
-from lightning_llmfast.moe.kernels.host_memory import empty_rows
+from lightning_llmfast.moe.kernels.backend import is_triton, tl, triton, triton_jit
 
 __all__ = [
+    "acc_dtype",
     "combine_rows",
     "combine_rows_reference",
     "combine_rows_triton",
     "gather_rows",
     "gather_rows_reference",
     "gather_rows_triton",
+    "scale_rows",
 ]
 
-# Elements per chunk of the PyTorch references' gathers: 1 MiB of float32, inside a CPU core's L2 with the
-# chunk's other operands (measured on this project's CPU: 2**17 to 2**18 are equally fast, 2**19 is slower).
-_CHUNK_ELEMENTS = 1 << 18
+def acc_dtype(data: Tensor) -> torch.dtype:
+    """Accumulation dtype for activations ``data``: float32, or float64 for float64 data (gradcheck).
 
+    Example::
 
-def _acc_dtype(data: Tensor) -> torch.dtype:
-    """Accumulation dtype for activations ``data``: float32, or float64 for float64 data (gradcheck)."""
+        acc_dtype(torch.zeros(2, dtype=torch.bfloat16))  # torch.float32
+    """
     return torch.float64 if data.dtype == torch.float64 else torch.float32
 
 
@@ -54,47 +55,29 @@ def gather_rows_reference(
 
         y = gather_rows_reference(x, torch.tensor([2, 0]))  # rows 2 and 0 of x
     """
-    if out is None and torch.is_grad_enabled() and x.requires_grad:  # differentiable: no out=
-        out = x.index_select(0, src)
-    else:
-        if out is None:
-            out = empty_rows(src.numel(), x.shape[1], dtype=x.dtype, device=x.device)
-        torch.index_select(x, 0, src, out=out)
+    rows = x.index_select(0, src)
     if scale is not None:
-        _scale_rows_(out, scale)
+        rows = scale_rows(rows, scale)
     if num_valid is not None:
         row_ok = torch.arange(src.numel(), device=src.device) < num_valid
-        out.masked_fill_(~row_ok.unsqueeze(1), 0)  # a fill, not a product: inf * 0 would be NaN
-    return out
+        rows = rows.masked_fill(~row_ok.unsqueeze(1), 0)  # a fill, not a product: inf * 0 would be NaN
+    if out is None:
+        return rows
+    return out.copy_(rows)
 
 
-def _scale_rows_(rows: Tensor, scale: Tensor, out: Tensor | None = None) -> Tensor:
-    """``out[r] = rows[r] * scale[r]``, in place unless ``out`` is given; ``rows`` ``(n, hidden)``, ``scale`` ``(n,)``.
+def scale_rows(rows: Tensor, scale: Tensor) -> Tensor:
+    """``rows[r] * scale[r]``, the product taken in the accumulation dtype (:func:`acc_dtype`) and rounded once to
+    ``rows``' dtype: ``rows`` ``(n, hidden)``, ``scale`` ``(n,)``.
 
-    One pass: the product is taken in the accumulation dtype (type promotion with the float32 scale) and rounded
-    once into ``out``, the same bits as casting ``rows`` up, multiplying and casting back, without the wide copy.
-    In place by default because the callers own ``rows`` (a fresh gather or GEMM output): a new ``(n, hidden)``
-    buffer would cost a pass of page faults on CPU, where large allocations come fresh from the OS. Under a
-    ``create_graph`` backward, where ``out=`` cannot be differentiated, a new tensor with the same bits instead.
+    Example::
+
+        weighted = scale_rows(torch.randn(3, 4), torch.tensor([0.5, 1.0, 2.0]))
     """
-    factor = scale.to(_acc_dtype(rows)).unsqueeze(1)
-    if torch.is_grad_enabled() and (rows.requires_grad or scale.requires_grad):
-        return (rows * factor).to(rows.dtype)
-    return torch.mul(rows, factor, out=rows if out is None else out)
+    return (rows * scale.to(acc_dtype(rows)).unsqueeze(1)).to(rows.dtype)
 
 
-def _chunk_size(row_elements: int, length: int) -> int:
-    """Rows per chunk so that a chunk of ``row_elements``-element rows stays cache resident.
-
-    The PyTorch references gather, reduce and scale chunk by chunk: each ``(chunk, hidden)`` tile is reused from
-    cache instead of streaming a ``(T * k, hidden)`` intermediate through memory (about 2x faster on CPU at
-    T=8192, k=8, H=256). ``torch.compile`` never traces these loops: :mod:`~lightning_llmfast.moe.permute` calls
-    the references from inside opaque custom ops, so compiled and eager runs execute the same chunked code.
-    """
-    return max(1, _CHUNK_ELEMENTS // max(row_elements, 1))
-
-
-@_jit
+@triton_jit
 def _gather_rows_kernel(
     x_ptr,
     src_ptr,
@@ -157,7 +140,7 @@ def gather_rows_triton(
         x,
         src.contiguous(),
         num_valid if num_valid is not None else src,  # any tensor: never read when HAS_NUM_VALID is False
-        scale.to(_acc_dtype(x)).contiguous() if scale is not None else src,
+        scale.to(acc_dtype(x)).contiguous() if scale is not None else src,
         out,
         num_rows,
         hidden,
@@ -207,11 +190,7 @@ def combine_rows_reference(
 ) -> Tensor:
     """PyTorch reference of the weighted combine: ``out[t] = sum_s weights[t, s] * rows[positions[t, s]]``.
 
-    Summed in float32 (float64 for float64 rows) in slot order, without atomics: bitwise reproducible. On CPU the
-    tokens go in cache-sized chunks (:func:`_chunk_size`): for each, every slot's rows are gathered into one reused
-    tile and accumulated into the chunk's sums, which stay in cache across the slots (streaming the whole ``(T,
-    hidden)`` sums through memory once per slot measured 2-4x slower at T=4096-8192, k=2-8, H=256; a batched product
-    per token, 10-30x slower). Elsewhere one chunk: each op is a kernel launch there.
+    Summed in float32 (float64 for float64 rows) slot after slot, without atomics: bitwise reproducible.
 
     Args:
         rows: ``(num_rows, hidden)``.
@@ -227,39 +206,15 @@ def combine_rows_reference(
         out = combine_rows_reference(rows, torch.tensor([[0, 2], [1, 3]]), torch.full((2, 2), 0.5))
     """
     (num_tokens, top_k), hidden = positions.shape, rows.shape[1]
-    acc = _acc_dtype(rows)
-    if top_k == 0:
-        return rows.new_zeros(num_tokens, hidden, dtype=out_dtype or rows.dtype)
-    out = empty_rows(num_tokens, hidden, dtype=acc, device=rows.device)
-    factors = None if weights is None else weights.to(acc)
-    # An unweighted first slot initialises the sums (adding it to zeros, but -0.0 kept): gathered straight into them
-    # when they have its dtype, a pass fewer.
-    direct = factors is None and acc == rows.dtype
-    chunk = _chunk_size(2 * hidden, num_tokens) if rows.device.type == "cpu" else max(num_tokens, 1)
-    tile = rows.new_empty(min(chunk, num_tokens), hidden)  # reused by every chunk and slot
-    by_slot = positions.t().contiguous()  # (k, T): each slot's rows of a chunk are contiguous indices
-    for start in range(0, num_tokens, chunk):
-        stop = min(start + chunk, num_tokens)
-        sums, gathered = out[start:stop], tile[: stop - start]
-        for slot in range(top_k):
-            index = by_slot[slot, start:stop]
-            if slot == 0 and direct:
-                torch.index_select(rows, 0, index, out=sums)
-                continue
-            torch.index_select(rows, 0, index, out=gathered)
-            factor = None if factors is None else factors[start:stop, slot : slot + 1]
-            if slot == 0 and factor is None:
-                sums.copy_(gathered)
-            elif slot == 0:
-                torch.mul(gathered, factor, out=sums)
-            elif factor is None:
-                sums.add_(gathered)
-            else:
-                sums.addcmul_(gathered, factor)
+    acc = acc_dtype(rows)
+    out = rows.new_zeros(num_tokens, hidden, dtype=acc)
+    for slot in range(top_k):
+        gathered = rows.index_select(0, positions[:, slot]).to(acc)
+        out = out + (gathered if weights is None else gathered * weights[:, slot : slot + 1].to(acc))
     return out.to(out_dtype or rows.dtype)
 
 
-@_jit
+@triton_jit
 def _combine_rows_kernel(
     rows_ptr,
     positions_ptr,
@@ -310,7 +265,7 @@ def combine_rows_triton(
     out = torch.empty(num_tokens, hidden, dtype=out_dtype or rows.dtype, device=rows.device)
     if num_tokens == 0 or hidden == 0:
         return out
-    acc = _acc_dtype(rows)
+    acc = acc_dtype(rows)
     block_t, block_h = _tile_sizes(hidden)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
     _combine_rows_kernel[grid](

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import RoutingError
-from lightning_llmfast.moe.kernels.backend import _jit, resolve_backend, tl, triton
+from lightning_llmfast.moe.kernels.backend import resolve_backend, tl, triton, triton_jit
 
 __all__ = [
     "PlanBuffers",
@@ -77,7 +77,7 @@ def stable_counting_sort_reference(keys: Tensor, num_bins: int) -> tuple[Tensor,
     return counts, dest, order
 
 
-@_jit
+@triton_jit
 def _block_histogram_kernel(keys_ptr, hist_ptr, rank_ptr, n, num_bins, BLOCK: tl.constexpr, BINS: tl.constexpr):
     """Per-block histogram ``hist[block, key]`` and each pair's rank among earlier same-key pairs of its block."""
     pid = tl.program_id(0)
@@ -99,7 +99,7 @@ def _block_histogram_kernel(keys_ptr, hist_ptr, rank_ptr, n, num_bins, BLOCK: tl
     tl.store(hist_ptr + pid * num_bins + bins, tl.sum(hits.to(tl.int32), axis=0), mask=bins < num_bins)
 
 
-@_jit
+@triton_jit
 def _block_scan_kernel(
     hist_ptr, prefix_ptr, counts_ptr, starts_ptr, num_blocks, num_bins, plan_ptr, offsets_ptr, dropped_ptr,
     capacity, num_experts, prob_sums_ptr, lse_sums_ptr, aux_ptr, z_ptr, num_token_blocks, top_k,
@@ -135,7 +135,7 @@ def _block_scan_kernel(
         )  # fmt: skip
 
 
-@_jit
+@triton_jit
 def _plan_layout(total, bins, num_bins, plan_ptr, offsets_ptr, dropped_ptr, capacity, num_experts):
     """Per key the kept pairs ``min(count, capacity)`` (none for the masked key ``num_experts``), their start rows,
     the dropped pairs' start rows after all kept ones (three rows of ``num_bins`` at ``plan_ptr``), the int32 group
@@ -155,7 +155,7 @@ def _plan_layout(total, bins, num_bins, plan_ptr, offsets_ptr, dropped_ptr, capa
     tl.store(dropped_ptr, tl.sum(tl.where(is_expert, dropped, 0), axis=0))
 
 
-@_jit
+@triton_jit
 def _losses(
     total, bins, rows, num_experts, prob_sums_ptr, lse_sums_ptr, aux_ptr, z_ptr, num_token_blocks, top_k,
     CHUNK: tl.constexpr, BINS: tl.constexpr,
@@ -180,7 +180,7 @@ def _losses(
     tl.store(z_ptr, tl.sum(lse_sums, axis=0) / tokens)
 
 
-@_jit
+@triton_jit
 def _scatter_kernel(
     keys_ptr,
     rank_ptr,

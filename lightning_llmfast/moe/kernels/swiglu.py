@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_llmfast.moe.kernels.backend import _jit, is_triton, tl, triton
-from lightning_llmfast.moe.kernels.host_memory import empty_rows
-from lightning_llmfast.moe.kernels.rows import _acc_dtype, _scale_rows_
+from lightning_llmfast.moe.kernels.backend import is_triton, tl, triton, triton_jit
+from lightning_llmfast.moe.kernels.rows import acc_dtype, scale_rows
 
 __all__ = [
     "swiglu_backward",
@@ -39,16 +38,8 @@ __all__ = [
 
 SwigluGrads = tuple[Tensor, Tensor | None, Tensor | None]
 
-# Elements of the widest operand per band of rows in the PyTorch references: 1 MiB of float32, about a CPU core's L2
-# (2**16 to 2**19 measured alike on this project's CPU; smaller bands cost more calls, larger ones spill to memory).
-_BAND_ELEMENTS = 1 << 18
-
-
 def swiglu_forward_reference(gate_up: Tensor, scale: Tensor | None = None) -> Tensor:
     """PyTorch reference: ``silu(gate) * up`` in the input's dtype, times ``scale`` per row (in float32, one rounding).
-
-    Computed in cache-sized bands of rows written straight into the output (see :func:`_row_bands`); a
-    differentiable call (``create_graph``) takes the same formula unbanded.
 
     Args:
         gate_up: ``(M, 2F)``, the gate half first.
@@ -62,34 +53,8 @@ def swiglu_forward_reference(gate_up: Tensor, scale: Tensor | None = None) -> Te
         p = swiglu_forward_reference(torch.randn(3, 8))  # (3, 4)
     """
     gate, up = gate_up.chunk(2, dim=-1)
-    if _records_grad(gate_up, scale):
-        product = F.silu(gate) * up
-        return product if scale is None else _scale_rows_(product, scale)
-    out = empty_rows(*gate.shape, dtype=gate_up.dtype, device=gate_up.device)
-    for band in _row_bands(gate_up.shape[0], 2 * gate.shape[1], gate_up.device):
-        product = torch.ops.aten.silu.out(gate[band], out=out[band]).mul_(up[band])
-        if scale is not None:
-            _scale_rows_(product, scale[band])
-    return out
-
-
-def _records_grad(*tensors: Tensor | None) -> bool:
-    """Whether autograd records ops on ``tensors`` (a ``create_graph`` backward): then no ``out=`` writes."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def _row_bands(rows: int, row_elements: int, device: torch.device) -> list[slice]:
-    """Row slices of about ``_BAND_ELEMENTS`` elements of the widest operand each on CPU; one slice elsewhere.
-
-    On CPU an elementwise pass over a ``(T * k, F)`` tensor streams it through memory, and a fresh buffer of 32 MiB or
-    more is mapped anew by the allocator (first-touch page faults, several times the pass itself). Band by band, the
-    intermediates (``silu``, the scaled gradient) live in small buffers reused from cache, and only the outputs
-    are full size. On an accelerator each band would be more kernel launches: one band.
-    """
-    if device.type != "cpu":
-        return [slice(0, rows)]
-    band = max(1, _BAND_ELEMENTS // max(row_elements, 1))
-    return [slice(start, min(start + band, rows)) for start in range(0, rows, band)]
+    product = F.silu(gate) * up
+    return product if scale is None else scale_rows(product, scale)
 
 
 def swiglu_backward_reference(
@@ -103,6 +68,8 @@ def swiglu_backward_reference(
 ) -> SwigluGrads:
     """PyTorch reference of the backward: ``(grad_gate_up, scaled product or None, dots or None)``.
 
+    Written in ops autograd can differentiate, so it also serves a ``create_graph`` backward.
+
     Args:
         grad: ``(M, F)`` gradient of the (scaled) forward output.
         gate_up: ``(M, 2F)`` the forward's input.
@@ -111,64 +78,27 @@ def swiglu_backward_reference(
         need_dots: also return ``dots[r] = <grad[r], silu(gate[r]) * up[r]>`` (``(M,)``, float32; float64 for
             float64 rows): the gradient of ``scale``.
         product_in_grad: write the product over ``grad`` (a contiguous buffer of ``gate_up``'s dtype that the caller
-            owns and needs no more) instead of a new ``(M, F)`` tensor; each row is read before it is overwritten.
+            owns and needs no more) instead of returning a new ``(M, F)`` tensor: one buffer fewer held.
 
     Returns:
         ``grad_gate_up`` ``(M, 2F)`` (``gate_up``'s dtype, contiguous), the product (``grad`` itself with
         ``product_in_grad``), the dots.
     """
+    buffer = grad
     gate, up = gate_up.chunk(2, dim=-1)
-    if _records_grad(grad, gate_up, scale):  # create_graph: the differentiable formula, no out=
-        return _swiglu_backward_graph(grad, gate, up, scale, need_product, need_dots)
-    rows, ffn = grad.shape
-    # The outputs in full; every intermediate in a band-sized buffer reused by each band.
-    grad_gate_up = empty_rows(*gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
-    product = None
-    if need_product:
-        product = grad if product_in_grad else empty_rows(rows, ffn, dtype=gate_up.dtype, device=gate_up.device)
-    dots = gate_up.new_empty(rows, dtype=_acc_dtype(gate_up)) if need_dots else None
-    bands = _row_bands(rows, 2 * ffn, grad.device)
-    band_rows = bands[0].stop if bands else 0
-    silu_buf, product_buf = gate_up.new_empty(band_rows, ffn), gate_up.new_empty(band_rows, ffn)
-    scaled_buf = grad.new_empty(band_rows, ffn) if scale is not None else None
-    for band in bands:
-        n = band.stop - band.start
-        g, gate_b, up_b = grad[band], gate[band], up[band]
-        silu = torch.ops.aten.silu.out(gate_b, out=silu_buf[:n])
-        p = torch.mul(silu, up_b, out=product_buf[:n]) if product is not None or dots is not None else None
-        if dots is not None:
-            torch.linalg.vecdot(p.to(dots.dtype), g.to(dots.dtype), out=dots[band])
-        if scaled_buf is not None:
-            g = _scale_rows_(g, scale[band], out=scaled_buf[:n])
-        grad_gate, grad_up = grad_gate_up[band].chunk(2, dim=-1)
-        torch.mul(g, silu, out=grad_up)
-        # silu_backward reads its gradient and writes its result elementwise: one buffer serves both.
-        grad_gate = torch.mul(g, up_b, out=grad_gate)
-        torch.ops.aten.silu_backward.grad_input(grad_gate, gate_b, grad_input=grad_gate)
-        if product is not None:  # last: with product_in_grad it overwrites this band of grad
-            if scale is None:
-                product[band].copy_(p)
-            else:
-                _scale_rows_(p, scale[band], out=product[band])
-    return grad_gate_up, product, dots
-
-
-def _swiglu_backward_graph(
-    grad: Tensor, gate: Tensor, up: Tensor, scale: Tensor | None, need_product: bool, need_dots: bool
-) -> SwigluGrads:
-    """:func:`swiglu_backward_reference` in ops autograd can differentiate (a ``create_graph`` backward)."""
     silu = F.silu(gate)
     product = silu * up
-    acc = _acc_dtype(product)
+    acc = acc_dtype(product)
     dots = (product.to(acc) * grad.to(acc)).sum(-1) if need_dots else None
     if scale is not None:
-        factor = scale.to(acc).unsqueeze(1)
-        grad, product = (grad * factor).to(grad.dtype), (product * factor).to(product.dtype)
-    grad_gate_up = torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * silu], dim=-1)
-    return grad_gate_up, product if need_product else None, dots
+        grad, product = scale_rows(grad, scale), scale_rows(product, scale)
+    grad_gate_up = torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * silu], dim=-1).to(gate_up.dtype)
+    if not need_product:
+        return grad_gate_up, None, dots
+    return grad_gate_up, buffer.copy_(product) if product_in_grad else product, dots
 
 
-@_jit
+@triton_jit
 def _swiglu_forward_kernel(
     gate_up_ptr, scale_ptr, out_ptr, rows, ffn, stride_in, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
@@ -186,7 +116,7 @@ def _swiglu_forward_kernel(
     tl.store(out_ptr + r[:, None].to(tl.int64) * ffn + c[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@_jit
+@triton_jit
 def _swiglu_backward_kernel(
     grad_ptr, gate_up_ptr, scale_ptr, grad_gate_up_ptr, product_ptr, dots_ptr, rows, ffn, stride_in,
     HAS_SCALE: tl.constexpr, NEED_PRODUCT: tl.constexpr, NEED_DOTS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -265,7 +195,7 @@ def swiglu_backward_triton(
     product = None
     if need_product:
         product = grad if product_in_grad else torch.empty(rows, ffn, dtype=gate_up.dtype, device=gate_up.device)
-    dots = torch.empty(rows, dtype=_acc_dtype(gate_up), device=gate_up.device) if need_dots else None
+    dots = torch.empty(rows, dtype=acc_dtype(gate_up), device=gate_up.device) if need_dots else None
     if rows == 0:
         return grad_gate_up, product, None if dots is None else dots
     block_f = _block_f(ffn)
@@ -327,7 +257,7 @@ def _swiglu_grads(
 def _swiglu_grads_fake(
     grad: Tensor, gate_up: Tensor, scale: Tensor | None, need_product: bool, need_dots: bool, backend: str
 ) -> tuple[Tensor, Tensor]:
-    dots = gate_up.new_empty(grad.shape[0], dtype=_acc_dtype(gate_up)) if need_dots else grad.new_empty(0)
+    dots = gate_up.new_empty(grad.shape[0], dtype=acc_dtype(gate_up)) if need_dots else grad.new_empty(0)
     return torch.empty_like(gate_up, memory_format=torch.contiguous_format), dots
 
 
@@ -344,8 +274,8 @@ def swiglu_grads(
     """:func:`swiglu_backward` through an opaque custom op, for autograd formulas that ``torch.compile`` traces.
 
     The product is written over ``grad`` when the caller passes ``grad_is_scratch=True`` (a buffer it owns and needs
-    no more, such as a fresh GEMM output; contiguous, in ``gate_up``'s dtype): one ``(M, F)`` buffer fewer, which on
-    CPU spares its first-touch page faults. Otherwise over a copy.
+    no more, such as a fresh GEMM output; contiguous, in ``gate_up``'s dtype): one ``(M, F)`` buffer fewer at the
+    backward's peak. Otherwise over a copy.
     """
     if need_product and not (grad_is_scratch and grad.is_contiguous() and grad.dtype == gate_up.dtype):
         grad = grad.to(gate_up.dtype, memory_format=torch.contiguous_format, copy=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_llmfast.moe.kernels.backend import _jit, tl, triton
+from lightning_llmfast.moe.kernels.backend import tl, triton, triton_jit
 
 __all__ = ["MAX_FUSED_EXPERTS", "topk_scores_backward_triton", "topk_scores_triton"]
 
@@ -33,7 +33,7 @@ MAX_FUSED_EXPERTS = 1024
 _NORM_EPS = 1e-20  # added to sums of sigmoid scores before dividing (routing._NORM_EPS)
 
 
-@_jit
+@triton_jit
 def _scores(logits_ptr, t, e, t_ok, e_ok, num_experts, SIGMOID: tl.constexpr):
     """Float32 logits of a tile, their logsumexp, softmax, and the scores (softmax or sigmoid)."""
     mask = t_ok[:, None] & e_ok[None, :]
@@ -48,7 +48,7 @@ def _scores(logits_ptr, t, e, t_ok, e_ok, num_experts, SIGMOID: tl.constexpr):
     return lse, softmax, scores
 
 
-@_jit
+@triton_jit
 def _group_limit(
     select, e, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
     G_PAD: tl.constexpr, TOPK_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr,
@@ -76,7 +76,7 @@ def _group_limit(
     return tl.where(allowed, select, float("-inf"))
 
 
-@_jit
+@triton_jit
 def _topk_scores_kernel(
     logits_ptr, bias_ptr, mask_ptr, ids_ptr, keys_ptr, weights_ptr, probs_ptr, prob_sums_ptr, lse_sums_ptr,
     num_tokens, num_experts, scale, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
@@ -125,7 +125,7 @@ def _topk_scores_kernel(
     tl.store(lse_sums_ptr + pid, tl.sum(tl.where(valid, lse * lse, 0.0), axis=0))
 
 
-@_jit
+@triton_jit
 def _valid_tokens(mask_ptr, t, t_ok, HAS_MASK: tl.constexpr):
     """The tokens of the block that route: inside the tensor and, with a mask, unmasked."""
     if HAS_MASK:
@@ -133,7 +133,7 @@ def _valid_tokens(mask_ptr, t, t_ok, HAS_MASK: tl.constexpr):
     return t_ok
 
 
-@_jit
+@triton_jit
 def _pair_grad(
     ids_ptr, grad_weights_ptr, grad_rows_ptr, positions_ptr, kept_ptr, t, e, t_ok, j, TOP_K: tl.constexpr,
     HAS_GRAD_WEIGHTS: tl.constexpr, HAS_GRAD_ROWS: tl.constexpr,
@@ -151,7 +151,7 @@ def _pair_grad(
     return hit, grad
 
 
-@_jit
+@triton_jit
 def _topk_scores_backward_kernel(
     logits_ptr, mask_ptr, ids_ptr, grad_weights_ptr, grad_rows_ptr, positions_ptr, kept_ptr, grad_probs_ptr,
     routed_ptr, grad_aux_ptr, grad_z_ptr, grad_logits_ptr, num_tokens, num_experts, scale, TOP_K: tl.constexpr,

@@ -1,6 +1,6 @@
 """Building blocks of the expert-parallel exchange (the exchange itself is
-:func:`lightning_llmfast.comm.payload.exchange`): a masked gather whose backward is the inverse gather (no scatter,
-no atomics), and the staging of host-side handshakes.
+:func:`~lightning_llmfast.expert_parallel.payload.exchange`): a masked gather whose backward is the inverse gather
+(no scatter, no atomics), and the staging of host-side handshakes.
 
 Example::
 

@@ -27,7 +27,7 @@ Two dispatchers, chosen by the block's routing config:
 
 Every exchange is differentiable: the backward of an all-to-all is the reverse all-to-all.
 
-Payloads (``dispatch_dtype``, a :class:`~lightning_llmfast.comm.payload.DispatchPayload`): ``None`` sends every row
+Payloads (``dispatch_dtype``, a :class:`~lightning_llmfast.expert_parallel.DispatchPayload`): ``None`` sends every row
 in the activations' dtype; ``"bf16"`` sends the tokens in bf16 (``2 H`` bytes a row) and ``"fp8"`` as e4m3 with one
 fp32 scale per row (``H + 4`` bytes: half of bf16 plus the scales), both quantized after the local permutation and
 decoded to the activations' dtype before the experts. The expert outputs and every gradient come back in bf16 (the
@@ -58,25 +58,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.nn.parallel import DistributedDataParallel
 
-from lightning_llmfast.comm.payload import DispatchPayload
 from lightning_llmfast.errors import ConfigError
-from lightning_llmfast.moe._exchange import comm_device
-from lightning_llmfast.moe.alltoall import (
+from lightning_llmfast.expert_parallel.dispatchers import (
     AllToAllCapacityDispatcher,
     AllToAllDispatcher,
     AllToAllDroplessDispatcher,
-    global_aux_loss,
 )
+from lightning_llmfast.expert_parallel.exchange import comm_device
+from lightning_llmfast.expert_parallel.payload import DispatchPayload
+from lightning_llmfast.expert_parallel.state import expert_parameters, grouped_moe_blocks
 from lightning_llmfast.moe.block import GroupedMoE
 
-__all__ = [
-    "AllToAllCapacityDispatcher",
-    "AllToAllDispatcher",
-    "AllToAllDroplessDispatcher",
-    "global_aux_loss",
-    "shard_experts",
-]
+__all__ = ["shard_experts", "shard_model_experts"]
 
 # Expert-parameter dimensions compared across ranks by shard_experts (four 3-D parameters at most).
 _SHAPE_SLOTS = 12
@@ -109,10 +106,11 @@ def shard_experts(
     Call it on every rank of ``group`` with identically initialised blocks (same seed): rank ``j`` keeps experts
     ``j * E / W`` to ``(j + 1) * E / W - 1``. The block then dispatches its tokens with an
     :class:`AllToAllDroplessDispatcher` (or, with a ``capacity_factor``, an :class:`AllToAllCapacityDispatcher`),
-    set with :meth:`~lightning_llmfast.moe.MoEBlock.set_dispatcher`, and in training its ``stats.aux_loss`` is this
-    rank's share of the batch-wide loss (:func:`global_aux_loss` over ``loss_group``). Expert gradients then hold the
-    sum over every rank's tokens of that rank's loss; average them as the dense ones are
-    (``lightning_llmfast.parallel.expert`` does, under DDP).
+    set with :meth:`~lightning_llmfast.moe.MoEBlock.set_dispatcher`, and in training its ``stats.aux_loss`` (with
+    ``aux_loss="micro_batch"``) is this rank's share of the batch-wide loss
+    (:func:`~lightning_llmfast.expert_parallel.dispatchers.global_aux_loss` over ``loss_group``). Expert gradients
+    then hold the sum over every rank's tokens of that rank's loss; average them as the dense ones are
+    (:func:`~lightning_llmfast.expert_parallel.reduce_expert_gradients` does, under DDP).
 
     Args:
         block: :class:`~lightning_llmfast.moe.MoEBlock` or a transformers block swapped by
@@ -120,7 +118,7 @@ def shard_experts(
         group: the expert-parallel process group (default: the whole world).
         loss_group: the ranks whose tokens form one batch for the load-balancing loss (default: the whole world).
         dispatch_dtype: the tokens' payload on the wire: ``None`` (their dtype), ``"bf16"`` or ``"fp8"`` (outputs and
-            gradients then come back in bf16), or a :class:`~lightning_llmfast.comm.payload.DispatchPayload`.
+            gradients then come back in bf16), or a :class:`~lightning_llmfast.expert_parallel.DispatchPayload`.
 
     Returns:
         ``block``, for chaining.
@@ -174,3 +172,53 @@ def _check_same_blocks(params: dict[str, Tensor], group: dist.ProcessGroup) -> N
     theirs = torch.stack(everyone).tolist()  # construction time: the host read does not matter
     if any(t != theirs[0] for t in theirs):
         raise ConfigError(f"the expert-parallel ranks' MoE blocks differ: expert parameter shapes per rank {theirs}")
+
+
+def shard_model_experts(
+    module: nn.Module,
+    ep_mesh: DeviceMesh,
+    *,
+    loss_group: dist.ProcessGroup | None = None,
+    fsdp: bool = False,
+    dispatch: DispatchPayload | None = None,
+) -> None:
+    """Shard every grouped MoE block of ``module`` over ``ep_mesh`` (:func:`shard_experts` on each).
+
+    Call it on every rank, with the ranks' experts equal (same seed, or after a broadcast of the module's states),
+    before the model is wrapped in DDP or sharded with FSDP2 and before its optimizer is built. Without ``fsdp``
+    expert parameters stay plain tensors of the local experts, marked for DDP to ignore (average their gradients with
+    :func:`~lightning_llmfast.expert_parallel.reduce_expert_gradients`); with ``fsdp`` they become DTensors
+    ``Shard(0)`` over ``ep_mesh`` (their global shape is the full expert tensor), ready for FSDP2.
+
+    Args:
+        module: the model (or LightningModule); its MoE blocks must be grouped (:class:`~lightning_llmfast.moe.
+            MoEBlock`, or transformers blocks after :class:`~lightning_llmfast.GroupedRouterMixin` swapped them).
+        ep_mesh: the 1-D mesh of this rank's expert-parallel group; its size must divide every block's experts.
+        loss_group: the ranks whose tokens form one batch for the load-balancing loss (default: the world).
+        fsdp: expert parameters as DTensors for FSDP2 (else plain tensors DDP ignores).
+        dispatch: the all-to-all payloads (``shard_experts``' ``dispatch_dtype``; ``None``: the activations' dtype).
+
+    Raises:
+        ConfigError: no grouped MoE block, or (from ``shard_experts``) the group size not dividing a block's experts.
+
+    Example::
+
+        shard_model_experts(model, dims.ep_mesh, loss_group=dims.dp_group)
+    """
+    blocks = grouped_moe_blocks(module)
+    if not blocks:
+        raise ConfigError(
+            f"expert_parallel_size={ep_mesh.size()}: {type(module).__qualname__} has no grouped MoE block "
+            "(MoEBlock, or a transformers block swapped by GroupedRouterMixin)"
+        )
+    for _, block in blocks:
+        shard_experts(block, ep_mesh.get_group(), loss_group=loss_group, dispatch_dtype=dispatch)
+    if fsdp:
+        for _, block in blocks:
+            for name, param in list(block.experts.named_parameters(recurse=False)):
+                local = DTensor.from_local(param.detach(), ep_mesh, [Shard(0)], run_check=False)
+                setattr(block.experts, name, nn.Parameter(local, requires_grad=param.requires_grad))
+    else:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            module, [name for name, _, _ in expert_parameters(module)]
+        )

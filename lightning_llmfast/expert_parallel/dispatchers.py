@@ -1,5 +1,5 @@
 """The all-to-all token dispatchers of expert parallelism (built by
-:func:`~lightning_llmfast.moe.expert_parallel.shard_experts`, which describes the two modes), and the batch-wide
+:func:`~lightning_llmfast.expert_parallel.shard_experts`, which describes the two modes), and the batch-wide
 load-balancing loss they feed.
 
 Example::
@@ -18,12 +18,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_llmfast.comm.payload import DispatchPayload, exchange
-from lightning_llmfast.errors import RoutingError
-from lightning_llmfast.moe._exchange import comm_device, masked_gather, stage_to_device
+from lightning_llmfast.errors import ConfigError, RoutingError
+from lightning_llmfast.expert_parallel.exchange import comm_device, masked_gather, stage_to_device
+from lightning_llmfast.expert_parallel.payload import DispatchPayload, exchange
 from lightning_llmfast.moe.dispatcher import ExpertRows, TokenDispatcher
-from lightning_llmfast.moe.permute import permute, unpermute
+from lightning_llmfast.moe.kernels import BACKENDS, resolve_backend
+from lightning_llmfast.moe.losses import masked_probs
 from lightning_llmfast.moe.routing import RoutingPlan
+from lightning_llmfast.moe.token_rows import permute, unpermute
 
 __all__ = ["AllToAllCapacityDispatcher", "AllToAllDispatcher", "AllToAllDroplessDispatcher", "global_aux_loss"]
 
@@ -46,14 +48,15 @@ class AllToAllDispatcher(TokenDispatcher):
     The base of :class:`AllToAllDroplessDispatcher` and :class:`AllToAllCapacityDispatcher` (built by
     :func:`shard_experts`). Holds no parameters; buffers whose contents depend only on sizes are built once per size.
     The combine weights never travel: outputs come back in the order they were sent and are weighted at home.
-    Rows travel as ``payload`` says (:class:`~lightning_llmfast.comm.payload.DispatchPayload`: tokens in bf16 or fp8,
+    Rows travel as ``payload`` says (:class:`~lightning_llmfast.expert_parallel.DispatchPayload`: tokens in bf16 or fp8,
     outputs and every gradient in bf16 or the activations' dtype) and arrive in the activations' dtype.
 
     Args:
         group: the expert-parallel process group.
         num_experts: ``E`` (global).
         loss_group: the ranks whose tokens form one batch for :func:`global_aux_loss` (default: the world).
-        backend: permutation kernels (``"auto"``, ``"torch"``, ``"triton"``).
+        backend: the permutation's and the experts' kernels (``"auto"``: Triton on CUDA; ``"torch"``, ``"triton"``),
+            carried to the experts in the :class:`~lightning_llmfast.moe.dispatcher.ExpertRows`.
         payload: what the exchanges put on the wire (default: the activations' dtype both ways).
 
     Attributes:
@@ -80,6 +83,8 @@ class AllToAllDispatcher(TokenDispatcher):
         self.rank = dist.get_rank(group)
         self.num_experts = num_experts
         self.num_local = num_experts // self.world
+        if backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
         self.backend = backend
         self.host_syncs = 0
         self.send_rows = 0
@@ -106,6 +111,10 @@ class AllToAllDispatcher(TokenDispatcher):
             raise RoutingError(f"expected a plan over {self.num_experts} experts, got {plan.num_experts}")
         self.global_stats = None
         return x if x_compute is None else x_compute
+
+    def _backend(self, rows: Tensor) -> str:
+        """The kernels of the permutation and the experts on ``rows``' device: Triton on CUDA for ``"auto"``."""
+        return resolve_backend(self.backend, rows.device)
 
     def _signature(self, rows: Tensor) -> list[int]:
         if rows.dtype not in _DTYPES:
@@ -155,9 +164,11 @@ class AllToAllDroplessDispatcher(AllToAllDispatcher):
         world, local, num_experts = self.world, self.num_local, self.num_experts
         signature = self._signature(source)
         counts = plan.tokens_per_expert.to(torch.int64)
-        # Every rank gets every source's full counts and token count (W * (E + 4) integers, not W * E_l): its own
-        # experts' receive splits, and the batch-wide counts of the load-balancing loss without an all-reduce.
+        # Every rank gets every source's full counts and valid-token count (W * (E + 4) integers, not W * E_l): its
+        # own experts' receive splits, and the batch-wide counts of the load-balancing loss without an all-reduce.
         header = stage_to_device([plan.num_tokens, *signature], counts.device)  # pinned, non-blocking
+        if plan.token_mask is not None:  # padding counts in no loss: the valid tokens, counted on the device
+            header = torch.cat([plan.token_mask.sum(dtype=torch.int64).view(1), header[1:]])
         send = torch.cat([counts, header]).expand(world, -1).contiguous()
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
@@ -177,18 +188,21 @@ class AllToAllDroplessDispatcher(AllToAllDispatcher):
             self._raise_disagreement("dtype, hidden size or dispatch payload", received)
         self.global_stats = recv[:, : num_experts + 1].sum(dim=0)
         self.send_rows, self.recv_rows = sum(in_splits), sum(out_splits)
-        recv_rows = self._send(rows, out_splits, in_splits)
+        # A token mask's pairs sort after every expert's: the rows past the kept ones are padding and stay home.
+        recv_rows = self._send(rows[: self.send_rows], out_splits, in_splits)
         # Received rows are grouped by (source rank, local expert); the grouped GEMM wants (local expert, source).
         order, inverse = self._expert_major(mine, self.recv_rows)
         grouped = masked_gather(recv_rows, order, None, inverse, None)
         offsets = F.pad(mine.sum(dim=0).cumsum(0), (1, 0)).to(torch.int32)
-        return ExpertRows(grouped, offsets, False), _Return(plan, (inverse, order), in_splits, out_splits)
+        rows = ExpertRows(grouped, offsets, False, self._backend(grouped))
+        return rows, _Return(plan, (inverse, order), in_splits, out_splits)
 
     def combine(self, rows: Tensor, ctx: _Return) -> Tensor:
         """Send the experts' outputs back to their tokens' ranks and weight them at home: ``(T, H)``."""
         inverse, order = ctx.maps
         back = self._return(masked_gather(rows, inverse, None, order, None), ctx.in_splits, ctx.out_splits)
-        return unpermute(back, ctx.plan, backend=self.backend)
+        padding = ctx.plan.num_rows - back.shape[0]  # the masked pairs' rows (zero weight): zeros
+        return unpermute(F.pad(back, (0, 0, 0, padding)), ctx.plan, backend=self.backend)
 
     @staticmethod
     def _expert_major(by_source: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
@@ -233,7 +247,7 @@ class AllToAllCapacityDispatcher(AllToAllDispatcher):
             lambda: torch.arange(local + 1, device=rows.device, dtype=torch.int32) * group_rows,
         )
         ctx = _Return(plan, (row_slot, row_valid, slot_src, slot_valid), None, None)
-        return ExpertRows(grouped, offsets, False), ctx
+        return ExpertRows(grouped, offsets, False, self._backend(grouped)), ctx
 
     def combine(self, rows: Tensor, ctx: _Return) -> Tensor:
         """Send the experts' outputs back to their slots' ranks and weight them at home: ``(T, H)``."""
@@ -279,16 +293,17 @@ def global_aux_loss(plan: RoutingPlan, group: dist.ProcessGroup | None = None, s
     """This rank's share of the load-balancing loss of the whole batch (all ranks of ``group``), from one forward.
 
     The Switch loss ``E * sum_e f_e * P_e`` of :func:`~lightning_llmfast.moe.route` is not a mean of per-rank losses:
-    ``f`` must count the pairs of every rank. The pairs per expert (before the capacity limit) and the token count
-    are summed over ``group`` with one all-reduce of ``E + 1`` integers (queued, no host read); the result is scaled
+    ``f`` must count the pairs of every rank. The valid pairs per expert (before the capacity limit) and the valid
+    token count (a ``token_mask``'s padding counts in neither, nor in ``P``, as in the one-process loss) are summed
+    over ``group`` with one all-reduce of ``E + 1`` integers (queued, no host read); the result is scaled
     so that the mean over the ranks of the returned values, and of their gradients (what DDP averages), is the
     one-process loss of the concatenated batch.
 
     Args:
         plan: this rank's routing plan (its ``router_probs``: softmax, or sigmoid normalised per token).
         group: the ranks whose tokens form the batch (default: the whole world).
-        stats: ``(E + 1,)`` int64 pairs per expert and tokens, already summed over ``group`` (the dropless dispatch
-            exchanges them with its counts); ``None``: all-reduced here.
+        stats: ``(E + 1,)`` int64 valid pairs per expert and valid tokens, already summed over ``group`` (the
+            dropless dispatch exchanges them with its counts); ``None``: all-reduced here.
 
     Returns:
         0-d float32, differentiable with respect to the router logits.
@@ -298,13 +313,19 @@ def global_aux_loss(plan: RoutingPlan, group: dist.ProcessGroup | None = None, s
         loss = global_aux_loss(block.stats.plan)
     """
     group = dist.group.WORLD if group is None else group
-    num_experts, top_k = plan.num_experts, plan.top_k
+    num_experts = plan.num_experts
     if stats is None:
-        ids = plan.expert_ids.reshape(-1).to(torch.int64)
-        stats = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
-        stats.scatter_add_(0, ids, torch.ones_like(ids))  # integer adds: order-free, deterministic
-        stats[num_experts] = plan.num_tokens
+        if plan.routed_per_expert is None:
+            raise RoutingError("global_aux_loss needs a plan from route() (its routed_per_expert counts)")
+        # Valid pairs per expert before the capacity limit and valid tokens: masked (padding) tokens count nowhere.
+        routed = plan.routed_per_expert.to(torch.int64)
+        if plan.token_mask is None:
+            valid = torch.full((1,), plan.num_tokens, dtype=torch.int64, device=routed.device)
+        else:
+            valid = plan.token_mask.sum(dtype=torch.int64).view(1)
+        stats = torch.cat([routed, valid])
         dist.all_reduce(stats, group=group, async_op=True).wait()
+    counts = stats[:num_experts].to(torch.float32)
     tokens = stats[num_experts].clamp(min=1).to(torch.float32)
-    scale = dist.get_world_size(group) * num_experts / (tokens * tokens * top_k)
-    return torch.dot(stats[:num_experts].to(torch.float32), plan.router_probs.sum(dim=0)) * scale
+    scale = dist.get_world_size(group) * num_experts / (counts.sum().clamp(min=1) * tokens)
+    return torch.dot(counts, masked_probs(plan.router_probs, plan.token_mask).sum(dim=0)) * scale

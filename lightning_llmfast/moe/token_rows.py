@@ -1,4 +1,8 @@
-"""Permute tokens into expert-grouped rows and combine expert outputs back, deterministically and sync-free.
+"""Token rows of a routing plan: gathered into expert-grouped rows and combined back, deterministically, sync-free.
+
+The dispatchers' data movement: :class:`~lightning_llmfast.moe.dispatcher.LocalDispatcher` gathers inside the first
+expert GEMM and sums with :func:`sum_rows`; the all-to-all dispatchers materialise the rows with :func:`permute` and
+weight them back at home with :func:`unpermute`.
 
 Both directions are gathers with indices from the :class:`~lightning_llmfast.moe.routing.RoutingPlan`; the
 backward passes are gathers too (never ``index_add_``/``scatter_add_`` of floats, whose atomics on an accelerator
@@ -21,13 +25,22 @@ from torch import Tensor
 from lightning_llmfast._autograd import eager_custom_op
 from lightning_llmfast.errors import RoutingError
 from lightning_llmfast.moe.kernels import combine_rows, combine_rows_backward, gather_rows, resolve_backend
-from lightning_llmfast.moe.kernels.rows import _acc_dtype
+from lightning_llmfast.moe.kernels.rows import acc_dtype
 from lightning_llmfast.moe.routing import RoutingPlan
 
-__all__ = ["permute", "unpermute"]
+__all__ = [
+    "PlanIndices",
+    "combine_token_rows",
+    "pair_values_to_rows",
+    "permute",
+    "permute_rows",
+    "plan_indices",
+    "sum_rows",
+    "unpermute",
+]
 
 
-class _PlanIndices(NamedTuple):
+class PlanIndices(NamedTuple):
     """Index tensors derived from a plan (O(T * k) integers, cheap next to the ``hidden``-wide gathers)."""
 
     pairs: Tensor  # (R,) int32: flattened pair index of each permuted row
@@ -36,7 +49,7 @@ class _PlanIndices(NamedTuple):
     num_valid: Tensor | None  # 0-d: offsets[-1] (kept rows) for a padded plan; None when every pair is kept
 
 
-def _plan_indices(plan: RoutingPlan) -> _PlanIndices:
+def plan_indices(plan: RoutingPlan) -> PlanIndices:
     num_rows = plan.num_rows
     pairs = plan.permutation[:num_rows]
     positions, tokens = plan.positions, plan.row_tokens
@@ -49,7 +62,7 @@ def _plan_indices(plan: RoutingPlan) -> _PlanIndices:
         positions = positions.clamp(max=max(num_rows - 1, 0)).view(plan.num_tokens, plan.top_k)
         tokens = permutation[:num_rows] // plan.top_k
     num_valid = plan.offsets[-1] if plan.padded else None
-    return _PlanIndices(pairs, tokens, positions, num_valid)
+    return PlanIndices(pairs, tokens, positions, num_valid)
 
 
 # The data movement runs inside custom ops rather than as torch.autograd.Function bodies, so that
@@ -63,7 +76,7 @@ def _plan_indices(plan: RoutingPlan) -> _PlanIndices:
 
 
 @torch.library.custom_op("lightning_llmfast::permute_rows", mutates_args=())
-def _permute_rows(
+def permute_rows(
     x: Tensor, tokens: Tensor, num_valid: Tensor | None, positions: Tensor, pair_mask: Tensor | None, backend: str
 ) -> Tensor:
     """``rows[r] = x[tokens[r]]`` (zero from row ``num_valid`` on): ``(R, H)``.
@@ -73,7 +86,7 @@ def _permute_rows(
     return gather_rows(x, tokens, num_valid, backend=backend)
 
 
-@_permute_rows.register_fake
+@permute_rows.register_fake
 def _permute_rows_fake(
     x: Tensor, tokens: Tensor, num_valid: Tensor | None, positions: Tensor, pair_mask: Tensor | None, backend: str
 ) -> Tensor:
@@ -91,30 +104,30 @@ def _permute_rows_backward(ctx: Any, grad_rows: Tensor) -> tuple[Tensor | None, 
     positions, pair_mask = ctx.saved_tensors
     # pair_mask zeroes dropped pairs, whose clamped position points at an unrelated row.
     needed = ctx.needs_input_grad[0]
-    grad_x = _combine_rows(grad_rows, positions, pair_mask, grad_rows.dtype, ctx.backend) if needed else None
+    grad_x = combine_token_rows(grad_rows, positions, pair_mask, grad_rows.dtype, ctx.backend) if needed else None
     return grad_x, None, None, None, None, None
 
 
-_permute_rows.register_autograd(_permute_rows_backward, setup_context=_permute_rows_setup)
+permute_rows.register_autograd(_permute_rows_backward, setup_context=_permute_rows_setup)
 
 
 @torch.library.custom_op("lightning_llmfast::combine_rows", mutates_args=())
-def _combine_rows(
+def combine_token_rows(
     rows: Tensor, positions: Tensor, weights: Tensor | None, out_dtype: torch.dtype, backend: str
 ) -> Tensor:
     """``out[t] = sum_s weights[t, s] * rows[positions[t, s]]`` (plain sum without weights): ``(T, H)``."""
     return combine_rows(rows, positions, weights, out_dtype=out_dtype, backend=backend)
 
 
-@_combine_rows.register_fake
-def _combine_rows_fake(
+@combine_token_rows.register_fake
+def _combine_token_rows_fake(
     rows: Tensor, positions: Tensor, weights: Tensor | None, out_dtype: torch.dtype, backend: str
 ) -> Tensor:
     return rows.new_empty(positions.shape[0], rows.shape[1], dtype=out_dtype)
 
 
 @torch.library.custom_op("lightning_llmfast::sum_rows", mutates_args=())
-def _sum_rows(
+def sum_rows(
     rows: Tensor, positions: Tensor, pair_mask: Tensor | None, tokens: Tensor, num_valid: Tensor | None, backend: str
 ) -> Tensor:
     """``out[t] = sum_s rows[positions[t, s]]`` over kept pairs: ``(T, H)``, the adjoint of ``permute_rows``.
@@ -125,7 +138,7 @@ def _sum_rows(
     return combine_rows(rows, positions, pair_mask, backend=backend)
 
 
-@_sum_rows.register_fake
+@sum_rows.register_fake
 def _sum_rows_fake(
     rows: Tensor, positions: Tensor, pair_mask: Tensor | None, tokens: Tensor, num_valid: Tensor | None, backend: str
 ) -> Tensor:
@@ -141,20 +154,20 @@ def _sum_rows_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
 def _sum_rows_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
     positions, pair_mask, tokens, num_valid = ctx.saved_tensors
     needed = ctx.needs_input_grad[0]
-    grad_rows = _permute_rows(grad, tokens, num_valid, positions, pair_mask, ctx.backend) if needed else None
+    grad_rows = permute_rows(grad, tokens, num_valid, positions, pair_mask, ctx.backend) if needed else None
     return grad_rows, None, None, None, None, None
 
 
-_sum_rows.register_autograd(_sum_rows_backward, setup_context=_sum_rows_setup)
+sum_rows.register_autograd(_sum_rows_backward, setup_context=_sum_rows_setup)
 
 
 @torch.library.custom_op("lightning_llmfast::pair_values_to_rows", mutates_args=())
-def _pair_values_to_rows(values: Tensor, pairs: Tensor, positions: Tensor, kept: Tensor | None) -> Tensor:
+def pair_values_to_rows(values: Tensor, pairs: Tensor, positions: Tensor, kept: Tensor | None) -> Tensor:
     """``out[r] = values.flatten()[pairs[r]]``: ``(R,)``; backward is the gather ``grad[positions]`` (no atomics)."""
     return values.reshape(-1).index_select(0, pairs)
 
 
-@_pair_values_to_rows.register_fake
+@pair_values_to_rows.register_fake
 def _pair_values_to_rows_fake(values: Tensor, pairs: Tensor, positions: Tensor, kept: Tensor | None) -> Tensor:
     return values.new_empty(pairs.shape[0])
 
@@ -176,7 +189,7 @@ def _pair_values_to_rows_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None
     return grad_values, None, None, None
 
 
-_pair_values_to_rows.register_autograd(_pair_values_to_rows_backward, setup_context=_pair_values_to_rows_setup)
+pair_values_to_rows.register_autograd(_pair_values_to_rows_backward, setup_context=_pair_values_to_rows_setup)
 
 
 @torch.library.custom_op("lightning_llmfast::unpermute_rows", mutates_args=())
@@ -233,13 +246,13 @@ def _combine_rows_backward(
 def _combine_rows_backward_fake(
     grad: Tensor, rows: Tensor, src: Tensor, scale: Tensor, positions: Tensor, backend: str
 ) -> tuple[Tensor, Tensor]:
-    return grad.new_empty(rows.shape), rows.new_empty(positions.shape, dtype=_acc_dtype(rows))
+    return grad.new_empty(rows.shape), rows.new_empty(positions.shape, dtype=acc_dtype(rows))
 
 
 # Eager calls skip the dispatcher, compiled ones keep the registered ops (see eager_custom_op).
-_permute_rows, _combine_rows, _sum_rows, _pair_values_to_rows, _unpermute_rows, _combine_rows_backward = (
+permute_rows, combine_token_rows, sum_rows, pair_values_to_rows, _unpermute_rows, _combine_rows_backward = (
     eager_custom_op(op)
-    for op in (_permute_rows, _combine_rows, _sum_rows, _pair_values_to_rows, _unpermute_rows, _combine_rows_backward)
+    for op in (permute_rows, combine_token_rows, sum_rows, pair_values_to_rows, _unpermute_rows, _combine_rows_backward)
 )
 
 
@@ -269,9 +282,9 @@ def permute(x: Tensor, plan: RoutingPlan, *, backend: str = "auto") -> Tensor:
     if x.dim() != 2 or x.shape[0] != plan.num_tokens:
         raise RoutingError(f"x must have shape (num_tokens={plan.num_tokens}, hidden), got {tuple(x.shape)}")
     backend = resolve_backend(backend, x.device)
-    idx = _plan_indices(plan)
+    idx = plan_indices(plan)
     pair_mask = plan.kept.to(x.dtype) if plan.padded else None
-    return _permute_rows(x, idx.tokens, idx.num_valid, idx.positions, pair_mask, backend)
+    return permute_rows(x, idx.tokens, idx.num_valid, idx.positions, pair_mask, backend)
 
 
 def unpermute(rows: Tensor, plan: RoutingPlan, *, backend: str = "auto") -> Tensor:
@@ -299,6 +312,6 @@ def unpermute(rows: Tensor, plan: RoutingPlan, *, backend: str = "auto") -> Tens
     if rows.dim() != 2 or rows.shape[0] != plan.num_rows:
         raise RoutingError(f"rows must have shape (plan.num_rows={plan.num_rows}, hidden), got {tuple(rows.shape)}")
     backend = resolve_backend(backend, rows.device)
-    idx = _plan_indices(plan)
+    idx = plan_indices(plan)
     weights = plan.weights * plan.kept.to(plan.weights.dtype) if plan.padded else plan.weights
     return _unpermute_rows(rows, weights, idx.pairs, idx.tokens, idx.positions, backend)

@@ -1,0 +1,89 @@
+"""Expert parallelism: MoE experts split over the ranks of a process group, tokens exchanged by all-to-all.
+
+Plain PyTorch on top of :mod:`lightning_llmfast.moe` (no Lightning, no :mod:`lightning_llmfast.parallel`):
+
+- :mod:`~lightning_llmfast.expert_parallel.sharding`: :func:`shard_experts` (one block) and
+  :func:`shard_model_experts` (every block of a model, over a DeviceMesh dimension);
+- :mod:`~lightning_llmfast.expert_parallel.dispatchers`: the all-to-all token dispatchers (dropless, capacity) and
+  the batch-wide balance loss :func:`global_aux_loss`;
+- :mod:`~lightning_llmfast.expert_parallel.payload`: what travels on the wire (:class:`DispatchPayload`: bf16, fp8)
+  and the differentiable exchange;
+- :mod:`~lightning_llmfast.expert_parallel.exchange`: the masked gathers around the exchange and the staging of its
+  host-side handshakes;
+- :mod:`~lightning_llmfast.expert_parallel.state`: the sharded expert tensors of a model: gradient reduction, full
+  and sliced state dicts and optimizer states.
+
+The whole-run mesh (``ParallelDims``) and FSDP2 live in :mod:`lightning_llmfast.parallel`, which builds on this.
+
+Example::
+
+    from lightning_llmfast.expert_parallel import shard_experts
+
+    shard_experts(block, dist.group.WORLD, dispatch_dtype="bf16")
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lightning_llmfast._lazy import lazy_dir, lazy_getattr
+
+# public name -> submodule; resolved lazily so that importing the payload does not import the MoE block.
+_LAZY: dict[str, str] = {
+    "AllToAllCapacityDispatcher": "lightning_llmfast.expert_parallel.dispatchers",
+    "AllToAllDispatcher": "lightning_llmfast.expert_parallel.dispatchers",
+    "AllToAllDroplessDispatcher": "lightning_llmfast.expert_parallel.dispatchers",
+    "global_aux_loss": "lightning_llmfast.expert_parallel.dispatchers",
+    "DispatchPayload": "lightning_llmfast.expert_parallel.payload",
+    "shard_experts": "lightning_llmfast.expert_parallel.sharding",
+    "shard_model_experts": "lightning_llmfast.expert_parallel.sharding",
+    "expert_parameters": "lightning_llmfast.expert_parallel.state",
+    "gather_expert_optimizer_state": "lightning_llmfast.expert_parallel.state",
+    "gather_expert_state_dict": "lightning_llmfast.expert_parallel.state",
+    "grouped_moe_blocks": "lightning_llmfast.expert_parallel.state",
+    "reduce_expert_gradients": "lightning_llmfast.expert_parallel.state",
+    "sharded_moe_blocks": "lightning_llmfast.expert_parallel.state",
+    "slice_expert_optimizer_state": "lightning_llmfast.expert_parallel.state",
+    "slice_expert_state_dict": "lightning_llmfast.expert_parallel.state",
+}
+
+__all__ = [
+    "AllToAllCapacityDispatcher",
+    "AllToAllDispatcher",
+    "AllToAllDroplessDispatcher",
+    "DispatchPayload",
+    "expert_parameters",
+    "gather_expert_optimizer_state",
+    "gather_expert_state_dict",
+    "global_aux_loss",
+    "grouped_moe_blocks",
+    "reduce_expert_gradients",
+    "shard_experts",
+    "shard_model_experts",
+    "sharded_moe_blocks",
+    "slice_expert_optimizer_state",
+    "slice_expert_state_dict",
+]
+
+__getattr__ = lazy_getattr(__name__, _LAZY)
+__dir__ = lazy_dir(__name__, _LAZY)
+
+if TYPE_CHECKING:
+    from lightning_llmfast.expert_parallel.dispatchers import (
+        AllToAllCapacityDispatcher,
+        AllToAllDispatcher,
+        AllToAllDroplessDispatcher,
+        global_aux_loss,
+    )
+    from lightning_llmfast.expert_parallel.payload import DispatchPayload
+    from lightning_llmfast.expert_parallel.sharding import shard_experts, shard_model_experts
+    from lightning_llmfast.expert_parallel.state import (
+        expert_parameters,
+        gather_expert_optimizer_state,
+        gather_expert_state_dict,
+        grouped_moe_blocks,
+        reduce_expert_gradients,
+        sharded_moe_blocks,
+        slice_expert_optimizer_state,
+        slice_expert_state_dict,
+    )
