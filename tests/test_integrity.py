@@ -15,13 +15,13 @@ from torch.utils.data import DataLoader
 
 from lightning_llmfast import CheckpointError, LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule, PackedBatch
 from lightning_llmfast.data import pack_documents
-from lightning_llmfast.integrity import VerifiedCheckpointIO
 from lightning_llmfast.parallel.checkpoint import (
     load_distributed_checkpoint,
     model_state,
     optimizer_state,
     save_distributed_checkpoint,
 )
+from lightning_llmfast.parallel.integrity import VerifiedCheckpointIO
 
 STEPS = 3
 

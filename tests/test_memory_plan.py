@@ -27,7 +27,7 @@ from lightning_llmfast.offload import (
     memplan,
     plan_memory,
 )
-from lightning_llmfast.offload.memplan import MECHANISMS, mechanism_cost, predict_peak
+from lightning_llmfast.offload.memory_plan import MECHANISMS, mechanism_cost, predict_peak
 from lightning_llmfast.offload.must_save import MustSaveCounter
 from lightning_llmfast.offload.pool import size_class
 from lightning_llmfast.offload.profile import parse_budget, resolve_budget
@@ -342,7 +342,7 @@ def _plan_and_run(fraction: float, seed: int) -> tuple[ActivationOffloader, int,
 def test_auto_plan_on_the_12_layer_reference_model_meets_its_budget_bit_identically(
     fraction: float, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="lightning_llmfast.offload.planning"):
+    with caplog.at_level(logging.INFO, logger="lightning_llmfast.offload.planner"):
         off, budget, freed_live = _plan_and_run(fraction, seed=3)
     plan = off.memory_plan
     assert plan is not None and plan.predicted_peak <= budget and {"offload", "keep"} <= set(plan.choices)

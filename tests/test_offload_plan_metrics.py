@@ -193,7 +193,7 @@ def test_system_monitor_overlap_is_one_minus_exposed_over_copy(stats: Any, expec
 
 
 def test_layer_profiles_of_a_cpu_copier_cost_their_whole_copy() -> None:
-    from lightning_llmfast.offload.memplan import mechanism_cost
+    from lightning_llmfast.offload.memory_plan import mechanism_cost
 
     layer = LayerProfile(1000, 0, 50.0, 50.0, 1.0)
     overlapping = MemoryProfile((layer, layer), bandwidth_bytes_per_ms=100.0)

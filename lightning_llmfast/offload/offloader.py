@@ -15,12 +15,12 @@ Rebuilds (``rebuild="norms"``, independent of copying): a saved low-precision co
 backward, and a saved output of a Function marked with :func:`~lightning_llmfast.offload.mark_rebuildable` (or a
 copy of one) is rebuilt from what that Function saved; with ``"norms+gemms"`` GEMM outputs too.
 
-Parts that own their state: :class:`~.layercalls.LayerCalls` (the plan, this step's calls), :class:`~.planning.Planner`
-(the ``"auto"`` plans from measuring steps), :class:`~.packing.Packer`
+Parts that own their state: :class:`~.layercalls.LayerCalls` (the plan, this step's calls), :class:`~.planner.Planner`
+(the ``"auto"`` plans from measuring steps), :class:`~.saved_tensors.Packer`
 (pack decisions), :class:`~.reload.Reloader` (copies, prefetch, unpack, release), :class:`~.pool.PinnedBufferPool`,
 :class:`~.nvme.NvmeTier` (files past the pool's budget), :class:`~.copier.Copier` (CUDA streams or synchronous CPU
 copies) and :class:`~.meter.StepMeter` (what a memory plan's step did); the offloader owns the step's lifecycle and
-wires the hooks to them. :mod:`.plan`, :mod:`.memplan` and :mod:`.measure` make the plans.
+wires the hooks to them. :mod:`.schedule`, :mod:`.memory_plan` and :mod:`.measure` make the plans.
 
 On CPU (``force=True``) there are no streams: the same bookkeeping runs with synchronous copies, which is how the
 tests prove bit-identical gradients, deduplication, pool reuse and prefetch ordering without a GPU.
@@ -59,16 +59,16 @@ from lightning_llmfast.offload.layercalls import (
     saved_tensor_hooks,
     tensors_in,
 )
-from lightning_llmfast.offload.memplan import MemoryPlan
+from lightning_llmfast.offload.memory_plan import MemoryPlan
 from lightning_llmfast.offload.meter import StepMeter
 from lightning_llmfast.offload.must_save import MustSaveCounter
 from lightning_llmfast.offload.nvme import NvmeTier
-from lightning_llmfast.offload.packing import Packer
-from lightning_llmfast.offload.planning import Planner
+from lightning_llmfast.offload.planner import Planner
 from lightning_llmfast.offload.pool import PinnedBufferPool
 from lightning_llmfast.offload.recompute import RecomputeHandle, recompute_layer
 from lightning_llmfast.offload.reload import Reloader
 from lightning_llmfast.offload.residents import Residents
+from lightning_llmfast.offload.saved_tensors import Packer
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class ActivationOffloader:
 
     Attributes:
         calls: the layer-call policy (:class:`~lightning_llmfast.offload.layercalls.LayerCalls`).
-        packer: the pack hook's decisions (:class:`~lightning_llmfast.offload.packing.Packer`).
+        packer: the pack hook's decisions (:class:`~lightning_llmfast.offload.saved_tensors.Packer`).
         reloader: copies, prefetch, unpack and release (:class:`~lightning_llmfast.offload.reload.Reloader`).
         pool: the host buffers (:class:`~lightning_llmfast.offload.PinnedBufferPool`).
 
