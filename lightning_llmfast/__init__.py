@@ -46,21 +46,21 @@ _LAZY: dict[str, str] = {
     "OffloadConfig": "lightning_llmfast.offload",
     "PowerSGDConfig": "lightning_llmfast.comm",
     # Lightning layer
-    "PackedDataModule": "lightning_llmfast.datamodules.packed",
+    "PackedDataModule": "lightning_llmfast.datamodules",
     "SequenceMetadataCallback": "lightning_llmfast.callbacks",
     "TokenThroughputMonitor": "lightning_llmfast.callbacks",
     "ExpertLoadMonitor": "lightning_llmfast.callbacks",
     "ExpertBalanceCallback": "lightning_llmfast.callbacks",
     "ActivationOffload": "lightning_llmfast.callbacks",
     "SystemMetricsMonitor": "lightning_llmfast.callbacks",
-    "GroupedRouterMixin": "lightning_llmfast.modules.grouped_router",
+    "GroupedRouterMixin": "lightning_llmfast.modules",
     "LLMFastStrategy": "lightning_llmfast.strategy",
-    "VerifiedCheckpointIO": "lightning_llmfast.parallel.integrity",
-    "MoEGPTLightningModule": "lightning_llmfast.models",
-    "causal_lm_loss": "lightning_llmfast.modules.losses",
-    "HFCausalLMModule": "lightning_llmfast.hf",
+    "VerifiedCheckpointIO": "lightning_llmfast.strategy",
+    "MoEGPTLightningModule": "lightning_llmfast.modules",
+    "causal_lm_loss": "lightning_llmfast.modules",
+    "HFCausalLMModule": "lightning_llmfast.modules",
     "packed_model_inputs": "lightning_llmfast.hf",
-    "scale_by_token_share": "lightning_llmfast.modules.losses",
+    "scale_by_token_share": "lightning_llmfast.modules",
 }
 
 _ERRORS = (CheckpointError, ConfigError, DataError, LLMFastError, MetadataError, OffloadError, RoutingError)

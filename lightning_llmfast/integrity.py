@@ -4,13 +4,13 @@ live in :mod:`lightning_llmfast.parallel.integrity`, :class:`VerifiedCheckpointI
 
 from lightning_llmfast.parallel.integrity import (
     DIGEST_KEY,
-    VerifiedCheckpointIO,
     load_intact,
     tensor_digests,
     verify_shard_digests,
     verify_tensor_digests,
     write_shard_digests,
 )
+from lightning_llmfast.strategy.checkpoint_io import VerifiedCheckpointIO
 
 __all__ = [
     "DIGEST_KEY",

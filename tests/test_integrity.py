@@ -21,7 +21,7 @@ from lightning_llmfast.parallel.checkpoint import (
     optimizer_state,
     save_distributed_checkpoint,
 )
-from lightning_llmfast.parallel.integrity import VerifiedCheckpointIO
+from lightning_llmfast.strategy.checkpoint_io import VerifiedCheckpointIO
 
 STEPS = 3
 

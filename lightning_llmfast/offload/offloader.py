@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from lightning_llmfast._autograd import in_backward
+from lightning_llmfast._layers import resolve_layers
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload.config import OffloadConfig
 from lightning_llmfast.offload.copier import Copier, make_copier
@@ -55,7 +56,6 @@ from lightning_llmfast.offload.layercalls import (
     backward_begins,
     layer_post,
     layer_pre,
-    resolve_layers,
     saved_tensor_hooks,
     tensors_in,
 )
@@ -72,7 +72,7 @@ from lightning_llmfast.offload.saved_tensors import Packer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ActivationOffloader", "resolve_layers"]
+__all__ = ["ActivationOffloader"]
 
 
 class ActivationOffloader:
@@ -119,7 +119,7 @@ class ActivationOffloader:
                 f"ActivationOffloader: layers must be the modules (e.g. model.layers), got {layers!r}; "
                 "resolve names with resolve_layers(model, ...)"
             )
-        self.layers = resolve_layers(nn.Module(), layers)
+        self.layers = resolve_layers(nn.Module(), layers, error=OffloadError, single=True)
         self.pool = PinnedBufferPool(headroom=float(config.pool_headroom))
         self.calls = LayerCalls(config, len(self.layers))
         self._residents = Residents(self.layers)

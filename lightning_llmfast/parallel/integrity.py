@@ -1,12 +1,13 @@
 """Checkpoint integrity: a content digest of every tensor written with the checkpoint, verified when it is loaded.
 
-A single-file checkpoint (:class:`VerifiedCheckpointIO`, the default checkpoint IO of ``strategy="llmfast"``) carries
-a checksum of every tensor's bytes (block sums of its words, see ``_checksum``), computed on the host tensors that
-``torch.save`` serialises anyway; a distributed (DCP) checkpoint gets one digest file per rank, with the checksum of
-each of the rank's shard files and of every tensor chunk inside them (:func:`write_shard_digests`). Loading
-recomputes them: a mismatch, a truncated or unreadable file raises :class:`~lightning_llmfast.errors.CheckpointError`
-naming the file and the first tensor that differs. A checkpoint named ``last*`` (what ``ckpt_path="last"`` resolves
-to) that fails falls back to the newest intact checkpoint beside it, with a warning (:func:`load_intact`).
+A single-file checkpoint (:class:`~lightning_llmfast.strategy.checkpoint_io.VerifiedCheckpointIO`, the default
+checkpoint IO of ``strategy="llmfast"``) carries a checksum of every tensor's bytes (block sums of its words, see
+``_checksum``), computed on the host tensors that ``torch.save`` serialises anyway; a distributed (DCP) checkpoint
+gets one digest file per rank, with the checksum of each of the rank's shard files and of every tensor chunk inside
+them (:func:`write_shard_digests`). Loading recomputes them: a mismatch, a truncated or unreadable file raises
+:class:`~lightning_llmfast.errors.CheckpointError` naming the file and the first tensor that differs. A checkpoint
+named ``last*`` (what ``ckpt_path="last"`` resolves to) that fails falls back to the newest intact checkpoint beside
+it, with a warning (:func:`load_intact`). Plain torch and numpy: the Lightning layer builds on these.
 
 Both detect accidental corruption (bit flips, torn or truncated writes, a block of garbage), not tampering; the block
 sums of a single file do not see two 8-byte words swapped inside one 4 KiB block.
@@ -28,16 +29,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
-from typing_extensions import override
 
 from lightning_llmfast.errors import CheckpointError
 
 __all__ = [
     "DIGEST_KEY",
-    "VerifiedCheckpointIO",
     "load_intact",
     "tensor_digests",
     "verify_shard_digests",
@@ -150,44 +147,6 @@ def load_intact(path: str | Path, load: Callable[[Path], _T]) -> _T:
             warnings.warn(f"{error}; loading the newest intact checkpoint {candidate} instead", stacklevel=2)
             return result
         raise
-
-
-class VerifiedCheckpointIO(TorchCheckpointIO):
-    """``torch.save``/``torch.load`` checkpoints that carry a digest of every tensor, verified on load.
-
-    Saving moves the tensors to the host once (what ``torch.save`` does for device tensors anyway), digests them and
-    stores the digests under :data:`DIGEST_KEY`. Loading verifies every tensor and drops the entry; an unreadable,
-    truncated or altered file raises :class:`~lightning_llmfast.errors.CheckpointError`, and a corrupt ``last*``
-    checkpoint falls back to the newest intact one beside it (:func:`load_intact`). Files without digests (written
-    elsewhere) load unverified.
-
-    Example::
-
-        trainer = L.Trainer(plugins=[VerifiedCheckpointIO()])  # the default under strategy="llmfast"
-    """
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        host = apply_to_collection(checkpoint, Tensor, lambda t: t.detach().cpu())
-        super().save_checkpoint({**host, DIGEST_KEY: tensor_digests(host)}, path, storage_options)
-
-    @override
-    def load_checkpoint(
-        self, path: Any, map_location: Any | None = lambda storage, loc: storage, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        def load(file: Path) -> dict[str, Any]:
-            try:
-                checkpoint = super(VerifiedCheckpointIO, self).load_checkpoint(file, map_location, weights_only)
-            except FileNotFoundError:
-                raise
-            except Exception as err:  # a damaged archive fails in many ways inside torch.load
-                raise CheckpointError(f"{file}: unreadable checkpoint ({type(err).__name__}: {err})") from err
-            digests = checkpoint.pop(DIGEST_KEY, None) if isinstance(checkpoint, dict) else None
-            if digests is not None:
-                verify_tensor_digests(checkpoint, digests, file)
-            return checkpoint
-
-        return load_intact(path, load)
 
 
 def write_shard_digests(path: str | Path, rank: int, extra: tuple[str, ...] = ()) -> Path:

@@ -1,4 +1,4 @@
-"""The strategy room: ``strategy="llmfast"`` and its sharding base (Lightning layer).
+"""The strategy room: ``strategy="llmfast"``, its sharding base and its checkpoint IO (Lightning layer).
 
 Importing this package registers ``"llmfast"``, ``"llmfast_offload"``, ``"llmfast_fsdp"`` and
 ``"llmfast_fsdp_offload"`` in Lightning's ``StrategyRegistry`` (:mod:`.llmfast`); ``import lightning_llmfast`` does.
@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+from lightning_llmfast.strategy.checkpoint_io import VerifiedCheckpointIO
 from lightning_llmfast.strategy.llmfast import LLMFastStrategy
 
-__all__ = ["LLMFastStrategy"]
+__all__ = ["LLMFastStrategy", "VerifiedCheckpointIO"]

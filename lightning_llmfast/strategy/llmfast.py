@@ -31,7 +31,7 @@ from lightning_llmfast.comm.grad import GradReduction, PowerSGDConfig, check_ddp
 from lightning_llmfast.comm.payload import DispatchPayload
 from lightning_llmfast.errors import ConfigError, OffloadError
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
-from lightning_llmfast.parallel.integrity import VerifiedCheckpointIO
+from lightning_llmfast.strategy.checkpoint_io import VerifiedCheckpointIO
 from lightning_llmfast.strategy.sharded import ShardedDataParallelBase
 
 if TYPE_CHECKING:
