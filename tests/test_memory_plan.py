@@ -24,7 +24,7 @@ from lightning_llmfast.offload import (
     LayerProfile,
     MemoryProfile,
     OffloadConfig,
-    memplan,
+    memory_plan,
     plan_memory,
 )
 from lightning_llmfast.offload.memory_plan import MECHANISMS, mechanism_cost, predict_peak
@@ -376,7 +376,7 @@ def test_a_plan_that_recomputes_keeps_what_it_predicted(fraction: float, monkeyp
         freed, added = mechanism_cost(profile, index, mechanism, margin, count)
         return freed, (0.0 if mechanism == "recompute" else added + 1e3)
 
-    monkeypatch.setattr(memplan, "mechanism_cost", recompute_first)
+    monkeypatch.setattr(memory_plan, "mechanism_cost", recompute_first)
     off, budget, freed_live = _plan_and_run(fraction, seed=5)
     plan = off.memory_plan
     assert plan is not None and "recompute" in plan.choices

@@ -93,6 +93,9 @@ class ActivationOffloader:
         packer: the pack hook's decisions (:class:`~lightning_llmfast.offload.saved_tensors.Packer`).
         reloader: copies, prefetch, unpack and release (:class:`~lightning_llmfast.offload.reload.Reloader`).
         pool: the host buffers (:class:`~lightning_llmfast.offload.PinnedBufferPool`).
+        time_copies: time the copies of the steps that begin from now on, for ``copy_ms``/``exposed_copy_ms`` in
+            :attr:`stats` (``False`` by default: no timestamps per copy; ``SystemMetricsMonitor`` turns it on to log
+            ``offload/overlap``).
 
     Raises:
         OffloadError: ``config`` is not an :class:`~lightning_llmfast.offload.OffloadConfig`, or the layer list is
@@ -130,6 +133,7 @@ class ActivationOffloader:
         self.meter = StepMeter()
         self.planner = Planner(config, self.calls, self.pool, self.reloader, self.packer, len(self.layers))
         self._copier: Copier | None = None
+        self.time_copies = False
         self._recomputed: list[RecomputeHandle] = []
         self._fallback: set[int] = set()  # layers recomputing for the rest of the step after the NVMe tier failed
         self._recompute_layers = 0  # layers wrapped in the last step
@@ -256,6 +260,8 @@ class ActivationOffloader:
                 self.packer.nvme = self.reloader.nvme = NvmeTier(self.config.nvme_dir)
         else:
             self._copier = None
+        if self._copier is not None:
+            self._copier.timed = self.time_copies
         if self.packer.nvme is not None:
             self.packer.nvme.begin_step()
         self.calls.begin_step(self._copier)
@@ -392,7 +398,7 @@ class ActivationOffloader:
         with ``nvme_dir``: ``spilled_bytes`` (written to the NVMe tier in the last step), ``nvme_files`` (on disk now),
         ``nvme_failures`` (failed writes so far);
         ``copy_ms`` and ``exposed_copy_ms`` (ms the last ended step's copies ran, and ms compute waited on them; see
-        :meth:`~.copier.Copier.copy_times`), once they can be read without waiting.
+        :meth:`~.copier.Copier.copy_times`) when :attr:`time_copies` is on, once they can be read without waiting.
         """
         times = self._copier.copy_times() if self._copier is not None else None
         copies = {"copy_ms": times[0], "exposed_copy_ms": times[1]} if times is not None else {}
