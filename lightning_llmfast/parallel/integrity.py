@@ -61,10 +61,6 @@ def _checksum(data: np.ndarray) -> int:
     return zlib.crc32(data[words.size * 8 :].tobytes(), checksum) & 0xFFFFFFFF
 
 
-def _bytes_checksum(data: bytes) -> int:
-    return _checksum(np.frombuffer(data, dtype=np.uint8))
-
-
 def _tensor_digest(tensor: Tensor) -> str:
     data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}:{_checksum(data):08x}"
@@ -151,7 +147,8 @@ def load_intact(path: str | Path, load: Callable[[Path], _T]) -> _T:
 
 def write_shard_digests(path: str | Path, rank: int, extra: tuple[str, ...] = ()) -> Path:
     """After ``dcp.save``: writes the digests of ``rank``'s shard files of the DCP checkpoint ``path`` (and of the
-    ``extra`` files, e.g. the metadata), each file's checksum and size plus every tensor chunk's checksum inside it.
+    ``extra`` files, e.g. the metadata): each file's size, every tensor chunk's checksum inside it and the checksum of
+    the bytes around the chunks, so every byte is read once and hashed once.
 
     Example::
 
@@ -168,10 +165,10 @@ def write_shard_digests(path: str | Path, rank: int, extra: tuple[str, ...] = ()
     files = [*sorted(p.name for p in path.glob(f"__{rank}_*.distcp")), *extra]
     entries = {}
     for name in files:
-        data = (path / name).read_bytes()
+        data = _mapped(path / name)  # mapped, not copied: the chunks below are views of it
         items = sorted(chunks.get(name, []), key=lambda item: item[1])
-        sums = [[fqn, offset, length, _bytes_checksum(data[offset : offset + length])] for fqn, offset, length in items]
-        entries[name] = {"size": len(data), "checksum": _bytes_checksum(data), "chunks": sums}
+        sums = [[fqn, offset, length, _checksum(data[offset : offset + length])] for fqn, offset, length in items]
+        entries[name] = {"size": int(data.size), "rest": _checksum(_rest(data, sums)), "chunks": sums}
     out = path / _SHARD_DIGESTS.format(rank=rank)
     out.write_text(json.dumps(entries))
     return out
@@ -198,15 +195,34 @@ def verify_shard_digests(path: str | Path) -> None:
             _verify_file(path / name, entry)
 
 
+def _mapped(file: Path) -> np.ndarray:
+    """The bytes of ``file`` as a read-only memory map (pages the save just wrote are read from the page cache, not
+    copied); an empty file as an empty array (which cannot be mapped)."""
+    if file.stat().st_size == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.memmap(file, dtype=np.uint8, mode="r")
+
+
+def _rest(data: np.ndarray, chunks: list[list[Any]]) -> np.ndarray:
+    """The bytes of ``data`` outside the ``[fqn, offset, length, ...]`` chunks (headers, pickled metadata: small)."""
+    covered = np.zeros(data.size, dtype=bool)
+    for _, offset, length, *_ in chunks:
+        covered[offset : offset + length] = True
+    return data[~covered]
+
+
 def _verify_file(file: Path, entry: dict[str, Any]) -> None:
+    """Every chunk's checksum, then the size and the bytes around the chunks (``"rest"``): each byte is hashed once.
+    A digest without ``"rest"`` (written by lightning_llmfast 0.2) holds one checksum of the whole file instead."""
     if not file.is_file():
         raise CheckpointError(f"{file}: missing from the checkpoint")
-    data = file.read_bytes()
-    if len(data) == entry["size"] and _bytes_checksum(data) == entry["checksum"]:
+    data = _mapped(file)
+    if "rest" not in entry and data.size == entry["size"] and _checksum(data) == entry["checksum"]:
         return
     for fqn, offset, length, crc in entry["chunks"]:
-        if offset + length > len(data) or _bytes_checksum(data[offset : offset + length]) != crc:
-            raise CheckpointError(f"{file}: tensor {fqn!r} differs from what was saved (file of {len(data)} bytes)")
-    raise CheckpointError(
-        f"{file}: differs from what was saved ({len(data)} bytes, saved {entry['size']}) outside the tensor data"
-    )
+        if offset + length > data.size or _checksum(data[offset : offset + length]) != crc:
+            raise CheckpointError(f"{file}: tensor {fqn!r} differs from what was saved (file of {data.size} bytes)")
+    if "rest" not in entry or data.size != entry["size"] or _checksum(_rest(data, entry["chunks"])) != entry["rest"]:
+        raise CheckpointError(
+            f"{file}: differs from what was saved ({data.size} bytes, saved {entry['size']}) outside the tensor data"
+        )
