@@ -46,7 +46,7 @@ _LAZY: dict[str, str] = {
     "OffloadConfig": "lightning_llmfast.offload",
     "PowerSGDConfig": "lightning_llmfast.comm",
     # Lightning layer
-    "PackedDataModule": "lightning_llmfast.datamodule",
+    "PackedDataModule": "lightning_llmfast.datamodules",
     "PreparedDataModule": "lightning_llmfast.datamodules",
     "SequenceMetadataCallback": "lightning_llmfast.callbacks",
     "TokenThroughputMonitor": "lightning_llmfast.callbacks",
@@ -54,14 +54,14 @@ _LAZY: dict[str, str] = {
     "ExpertBalanceCallback": "lightning_llmfast.callbacks",
     "ActivationOffload": "lightning_llmfast.callbacks",
     "SystemMetricsMonitor": "lightning_llmfast.callbacks",
-    "GroupedRouterMixin": "lightning_llmfast.mixin",
+    "GroupedRouterMixin": "lightning_llmfast.modules",
     "LLMFastStrategy": "lightning_llmfast.strategy",
-    "VerifiedCheckpointIO": "lightning_llmfast.integrity",
-    "MoEGPTLightningModule": "lightning_llmfast.models",
-    "causal_lm_loss": "lightning_llmfast.losses",
-    "HFCausalLMModule": "lightning_llmfast.hf",
+    "VerifiedCheckpointIO": "lightning_llmfast.strategy",
+    "MoEGPTLightningModule": "lightning_llmfast.modules",
+    "causal_lm_loss": "lightning_llmfast.modules",
+    "HFCausalLMModule": "lightning_llmfast.modules",
     "packed_model_inputs": "lightning_llmfast.hf",
-    "scale_by_token_share": "lightning_llmfast.losses",
+    "scale_by_token_share": "lightning_llmfast.modules",
 }
 
 _ERRORS = (CheckpointError, ConfigError, DataError, LLMFastError, MetadataError, OffloadError, RoutingError)

@@ -9,6 +9,9 @@ from typing import Any
 
 import torch
 
+# The rebuild protocol (its own module) is re-exported here for the Functions that import it from this module.
+from lightning_llmfast._rebuild import mark_rebuildable
+
 __all__ = ["eager_custom_op", "in_backward", "mark_rebuildable"]
 
 _log = logging.getLogger(__name__)
@@ -160,7 +163,3 @@ def _autograd_function(op: Any) -> type[torch.autograd.Function] | None:
 # id(op) -> ((impl, setup_context, backward), Function); custom ops live as long as the process.
 _FUNCTIONS: dict[int, tuple[tuple[Any, Any, Any], type[torch.autograd.Function]]] = {}
 
-
-# The rebuild protocol lives with the offloader that reads it; re-exported here for the Functions that mark outputs.
-# Imported last: importing the offload package imports in_backward from this module.
-from lightning_llmfast.offload.rebuild import mark_rebuildable  # noqa: E402

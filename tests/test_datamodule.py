@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from lightning_llmfast import PackedDataModule
 from lightning_llmfast.data import IGNORE_INDEX, VOCAB_SIZE, PackedBatch, SyntheticCorpus, pack_documents
-from lightning_llmfast.datamodule import PackedDocumentDataset
+from lightning_llmfast.datamodules.packed import PackedDocumentDataset
 from lightning_llmfast.errors import ConfigError, DataError
 
 
@@ -331,7 +331,7 @@ def test_validate_test_and_predict_with_the_reference_module(monkeypatch):
     data = PackedDataModule(corpus="synthetic", synthetic_num_docs=60, synthetic_mean_len=30, seq_len=32,
                             batch_size=3, num_workers=0, test_fraction=0.2)  # fmt: skip
     logged: list[str] = []
-    monkeypatch.setattr("lightning_llmfast.datamodule.rank_zero_info", logged.append)
+    monkeypatch.setattr("lightning_llmfast.datamodules.packed.rank_zero_info", logged.append)
     trainer = _trainer()
     (tested,) = trainer.test(module, datamodule=data, verbose=False)
     predictions = trainer.predict(module, datamodule=data)

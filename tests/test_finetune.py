@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from lightning_llmfast import HFCausalLMModule, LLMFastStrategy
 from lightning_llmfast.data import pack_documents
-from lightning_llmfast.hf.module import lr_factor
+from lightning_llmfast.modules.hf import lr_factor
 
 pytest.importorskip("transformers")
 

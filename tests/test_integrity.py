@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -15,13 +17,16 @@ from torch.utils.data import DataLoader
 
 from lightning_llmfast import CheckpointError, LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule, PackedBatch
 from lightning_llmfast.data import pack_documents
-from lightning_llmfast.integrity import VerifiedCheckpointIO
+from lightning_llmfast.parallel import integrity
 from lightning_llmfast.parallel.checkpoint import (
+    META_FILENAME,
     load_distributed_checkpoint,
     model_state,
     optimizer_state,
     save_distributed_checkpoint,
 )
+from lightning_llmfast.parallel.integrity import verify_shard_digests, write_shard_digests
+from lightning_llmfast.strategy.checkpoint_io import VerifiedCheckpointIO
 
 STEPS = 3
 
@@ -136,3 +141,43 @@ def test_distributed_checkpoints_refuse_corruption_and_last_falls_back(tmp_path:
     with pytest.warns(UserWarning, match=r"loading the newest intact checkpoint .*step=1\.ckpt"):
         load_distributed_checkpoint(last, fallback)
     _assert_bitwise(fallback.state_dict(), saved.state_dict())
+
+
+def test_shard_digests_hash_every_byte_once_and_see_damage_outside_the_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "step=1.ckpt"
+    _dcp_save(path)
+    hashed: list[int] = []
+    real = integrity._checksum
+
+    def counting(data: np.ndarray) -> int:
+        hashed.append(data.size)
+        return real(data)
+
+    monkeypatch.setattr(integrity, "_checksum", counting)
+    extra = (".metadata", META_FILENAME)
+    digest_file = write_shard_digests(path, 0, extra)
+    files = [path / name for name in ("__0_0.distcp", *extra)]
+    assert sum(hashed) == sum(f.stat().st_size for f in files)  # every byte once (it was twice, plus two copies)
+    entries = json.loads(digest_file.read_text())
+    assert all(e["chunks"] for name, e in entries.items() if name.endswith(".distcp"))
+    verify_shard_digests(path)
+    # a byte of a file without tensor chunks (the strategy's meta file) changed: found, and said so
+    meta = path / META_FILENAME
+    data = bytearray(meta.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    meta.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{META_FILENAME}: differs .* outside the tensor data"):
+        verify_shard_digests(path)
+    data[len(data) // 2] ^= 0xFF
+    meta.write_bytes(bytes(data))
+    # a digest of the previous format (one checksum of the whole file) still verifies, and still refuses damage
+    for name, entry in entries.items():
+        entry["checksum"] = real(np.fromfile(path / name, dtype=np.uint8))
+        del entry["rest"]
+    digest_file.write_text(json.dumps(entries))
+    verify_shard_digests(path)
+    _corrupt_middle(path / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match=r"tensor '.+' differs"):
+        verify_shard_digests(path)

@@ -172,7 +172,7 @@ def test_the_weighting_adds_no_host_sync() -> None:
     from types import SimpleNamespace
 
     from lightning_llmfast.bench.counters import SyncCounter
-    from lightning_llmfast.losses import _StepTokenWeighting
+    from lightning_llmfast.modules.losses import _StepTokenWeighting
 
     g = torch.Generator().manual_seed(3)
     param = nn.Parameter(torch.randn(V, generator=g))
@@ -209,7 +209,7 @@ def test_the_step_count_is_reduced_over_the_layouts_data_parallel_group(monkeypa
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from lightning_llmfast.losses import _StepTokenWeighting
+    from lightning_llmfast.modules.losses import _StepTokenWeighting
     from lightning_llmfast.parallel import ParallelDims
 
     def world_reduce(*args: Any, **kwargs: Any) -> None:

@@ -24,10 +24,10 @@ from lightning_llmfast.offload import (
     LayerProfile,
     MemoryProfile,
     OffloadConfig,
-    memplan,
+    memory_plan,
     plan_memory,
 )
-from lightning_llmfast.offload.memplan import MECHANISMS, mechanism_cost, predict_peak
+from lightning_llmfast.offload.memory_plan import MECHANISMS, mechanism_cost, predict_peak
 from lightning_llmfast.offload.must_save import MustSaveCounter
 from lightning_llmfast.offload.pool import size_class
 from lightning_llmfast.offload.profile import parse_budget, resolve_budget
@@ -342,7 +342,7 @@ def _plan_and_run(fraction: float, seed: int) -> tuple[ActivationOffloader, int,
 def test_auto_plan_on_the_12_layer_reference_model_meets_its_budget_bit_identically(
     fraction: float, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="lightning_llmfast.offload.planning"):
+    with caplog.at_level(logging.INFO, logger="lightning_llmfast.offload.planner"):
         off, budget, freed_live = _plan_and_run(fraction, seed=3)
     plan = off.memory_plan
     assert plan is not None and plan.predicted_peak <= budget and {"offload", "keep"} <= set(plan.choices)
@@ -376,7 +376,7 @@ def test_a_plan_that_recomputes_keeps_what_it_predicted(fraction: float, monkeyp
         freed, added = mechanism_cost(profile, index, mechanism, margin, count)
         return freed, (0.0 if mechanism == "recompute" else added + 1e3)
 
-    monkeypatch.setattr(memplan, "mechanism_cost", recompute_first)
+    monkeypatch.setattr(memory_plan, "mechanism_cost", recompute_first)
     off, budget, freed_live = _plan_and_run(fraction, seed=5)
     plan = off.memory_plan
     assert plan is not None and "recompute" in plan.choices

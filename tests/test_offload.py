@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from lightning_llmfast.bench.counters import SyncCounter
-from lightning_llmfast.errors import OffloadError
+from lightning_llmfast.errors import ConfigError, OffloadError
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
 from lightning_llmfast.models.rmsnorm import rms_norm
 from lightning_llmfast.offload import (
@@ -143,11 +143,13 @@ def test_bad_configuration_raises_at_construction(kwargs: dict[str, Any], field:
 def test_layers_that_match_nothing_raise() -> None:
     model = Stack()
     with pytest.raises(OffloadError, match="no attribute 'blocks'"):
-        resolve_layers(model, "blocks")
-    with pytest.raises(OffloadError, match="matched no modules"):
+        resolve_layers(model, "blocks", error=OffloadError)
+    with pytest.raises(ConfigError, match="matched no modules"):
         resolve_layers(model, nn.ModuleList())
-    with pytest.raises(OffloadError, match=r"no nn\.ModuleList"):
+    with pytest.raises(ConfigError, match=r"no nn\.ModuleList"):
         resolve_layers(nn.Linear(2, 2), None)
+    with pytest.raises(OffloadError, match="matched no modules"):
+        ActivationOffloader(nn.ModuleList())
     with pytest.raises(OffloadError, match="must be the modules"):
         ActivationOffloader("layers")  # type: ignore[arg-type]
     # default: the largest ModuleList of identical blocks

@@ -105,6 +105,7 @@ class _Clock:
 
 def test_cpu_copier_times_each_copy_as_run_and_as_exposed() -> None:
     copier = CpuCopier(torch.device("cpu"))
+    copier.timed = True
     copier.timestamp = _Clock(1.000, 1.003, 2.000, 2.0005)  # type: ignore[method-assign]
     src, dst = torch.arange(10, dtype=torch.uint8), torch.zeros(10, dtype=torch.uint8)
     copier.copy([(dst, src)], to_host=True)
@@ -115,6 +116,48 @@ def test_cpu_copier_times_each_copy_as_run_and_as_exposed() -> None:
     assert copy_ms == pytest.approx(3.5) and exposed_ms == pytest.approx(3.5) and torch.equal(dst, src)
     copier.end_step()
     assert copier.copy_times() is None  # a step without copies has no overlap to report
+
+
+class _CountingCopier(CpuCopier):
+    """Synchronous copies that count their batches of copies and their timestamps (a CPU copier's timing events)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.copies = self.stamps = 0
+
+    def copy(self, pairs: Any, to_host: bool, after: Any = ()) -> Any:
+        self.copies += 1
+        return super().copy(pairs, to_host, after)
+
+    def timestamp(self) -> float:
+        self.stamps += 1
+        return super().timestamp()
+
+
+@pytest.mark.parametrize("timed", [False, True], ids=["nothing-logs", "overlap-logged"])
+def test_the_offloader_times_its_copies_only_when_asked(timed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(7, 7), torch.nn.GELU()) for _ in range(3))
+    offloader = ActivationOffloader(layers, OffloadConfig(force=True, min_offload_bytes=0))
+    copiers: list[_CountingCopier] = []
+    make = lambda device: copiers.append(_CountingCopier(device)) or copiers[-1]  # noqa: E731
+    monkeypatch.setattr(offloader, "_make_copier", make)
+    offloader.time_copies = timed
+    x = torch.randn(5, 7, requires_grad=True)
+    for _ in range(2):
+        with offloader:
+            h = x
+            for layer in layers:
+                h = layer(h)
+            h.square().sum().backward()
+    (copier,) = copiers
+    stats = offloader.stats
+    assert stats["offloaded_bytes"] > 0 and copier.copies >= 4  # two steps, two offloading layers, out and back
+    if timed:
+        assert copier.stamps == 2 * copier.copies and stats["copy_ms"] >= 0 and stats["exposed_copy_ms"] >= 0
+    else:
+        assert copier.stamps == 0 and "copy_ms" not in stats
+    offloader.close()
 
 
 class _Event:
@@ -155,6 +198,7 @@ class _StreamCopier(Copier):
 
 def test_copy_times_wait_for_every_span_and_sum_copies_and_waits_apart() -> None:
     copier = _StreamCopier(torch.device("cpu"))
+    copier.timed = True
     copier.copy([], to_host=True)
     copier.copy([], to_host=False)
     copier.compute_waits(None)
@@ -193,7 +237,7 @@ def test_system_monitor_overlap_is_one_minus_exposed_over_copy(stats: Any, expec
 
 
 def test_layer_profiles_of_a_cpu_copier_cost_their_whole_copy() -> None:
-    from lightning_llmfast.offload.memplan import mechanism_cost
+    from lightning_llmfast.offload.memory_plan import mechanism_cost
 
     layer = LayerProfile(1000, 0, 50.0, 50.0, 1.0)
     overlapping = MemoryProfile((layer, layer), bandwidth_bytes_per_ms=100.0)

@@ -397,7 +397,7 @@ def test_llmfast_offload_by_string_on_cuda_trains_and_offloads() -> None:
 def test_process_group_shutdown_at_exit_is_registered_once_and_is_a_no_op_without_a_group(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from lightning_llmfast import strategy as strategy_module
+    from lightning_llmfast.strategy import llmfast as strategy_module
 
     registered: list[Any] = []
     monkeypatch.setattr(strategy_module.atexit, "register", registered.append)
@@ -414,7 +414,7 @@ def test_process_group_shutdown_at_exit_is_registered_once_and_is_a_no_op_withou
 def test_process_group_shutdown_at_exit_leaves_a_forked_childs_inherited_group_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from lightning_llmfast import strategy as strategy_module
+    from lightning_llmfast.strategy import llmfast as strategy_module
 
     dist = torch.distributed
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

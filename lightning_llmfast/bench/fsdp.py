@@ -92,7 +92,7 @@ def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in local)
 
 
-class _Meter(Callback):
+class StepTimeMeter(Callback):
     """Times the steps after the warm-up and counts what the rank holds after the last one."""
 
     def __init__(self, warmup: int) -> None:
@@ -144,7 +144,7 @@ def _segment(variant: str, settings: E2ESettings, batches: list[Any], world_size
     config = MoEGPTConfig(**settings.model, router_backend="torch")
     module_cls = _PeerModule if variant == "peer" else MoEGPTLightningModule
     module = module_cls(config, lr=settings.lr, warmup_steps=1)
-    meter = _Meter(settings.warmup_steps)
+    meter = StepTimeMeter(settings.warmup_steps)
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=_strategy(variant, world_size, ep), max_steps=len(batches),
         callbacks=[meter], logger=False, enable_checkpointing=False, enable_progress_bar=False,

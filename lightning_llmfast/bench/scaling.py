@@ -36,7 +36,7 @@ import lightning as L
 import torch
 
 from lightning_llmfast.bench.e2e import E2ESettings, make_batches
-from lightning_llmfast.bench.fsdp import _Meter
+from lightning_llmfast.bench.fsdp import StepTimeMeter
 from lightning_llmfast.bench.harness import interleave
 from lightning_llmfast.bench.processes import free_port, leave_world, spawn_world
 from lightning_llmfast.bench.steps import Batches, quiet
@@ -65,7 +65,7 @@ def _segment(settings: E2ESettings, batches: list[Any], world_size: int, device:
 
     torch.manual_seed(settings.seed)
     module = MoEGPTLightningModule(MoEGPTConfig(**settings.model), lr=settings.lr, warmup_steps=1)
-    meter = _Meter(settings.warmup_steps)
+    meter = StepTimeMeter(settings.warmup_steps)
     with quiet():  # the Trainer's banners too: one Trainer per segment
         trainer = L.Trainer(
             accelerator=device, devices=world_size, strategy=LLMFastStrategy(timeout=timedelta(seconds=120)),

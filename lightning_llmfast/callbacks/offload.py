@@ -26,9 +26,9 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_llmfast._layers import LayersSpec
+from lightning_llmfast._layers import LayersSpec, resolve_layers
 from lightning_llmfast.errors import OffloadError
-from lightning_llmfast.offload import ActivationOffloader, OffloadConfig, resolve_layers
+from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 
 __all__ = ["PLAN_METRICS", "PLAN_TOLERANCE", "ActivationOffload"]
 
@@ -89,7 +89,8 @@ class ActivationOffload(L.Callback):
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        layers = resolve_layers(pl_module, self.layers)  # raises before any step runs
+        hint = "ActivationOffload(layers=...)"  # raises before any step runs
+        layers = resolve_layers(pl_module, self.layers, error=OffloadError, hint=hint, single=True)
         device = trainer.strategy.root_device
         if device.type != "cuda" and not self.config.force:
             rank_zero_warn(

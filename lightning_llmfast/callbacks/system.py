@@ -64,7 +64,8 @@ class SystemMetricsMonitor(Callback):
       time around each bucket's future on CPU; the hook it times is the strategy's, see ``grad_reduce_dtype``). Not
       logged with one process (nothing is reduced), with a user ``ddp_comm_hook`` or under FSDP.
     - ``offload/overlap``: the share of the offload copies' time hidden behind compute, when the activation
-      offloader reports ``copy_ms`` and ``exposed_copy_ms`` in its stats.
+      offloader reports ``copy_ms`` and ``exposed_copy_ms`` in its stats (this callback turns on its copy timing:
+      without it the offloader takes no timestamps for its copies).
 
     Args:
         log_every_n_steps: optimizer steps between log points; defaults to the trainer's ``log_every_n_steps``.
@@ -107,6 +108,8 @@ class SystemMetricsMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)  # the fit's peak, not the process's
+        for offloader in _offloaders(trainer):  # made at fit start; copies are timed only when this logs them
+            offloader.time_copies = True
 
     @override
     def on_train_batch_start(
@@ -152,6 +155,12 @@ class SystemMetricsMonitor(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step - 1)
         self.last_metrics = metrics
+
+
+def _offloaders(trainer: pl.Trainer) -> list[Any]:
+    """The activation offloaders of the fit: the strategy's and the ``ActivationOffload`` callbacks'."""
+    owners = [trainer.strategy, *(cb for cb in trainer.callbacks if hasattr(cb, "offloader"))]
+    return [o for o in (getattr(owner, "offloader", None) for owner in owners) if o is not None]
 
 
 def _offload_overlap(trainer: pl.Trainer) -> float | None:

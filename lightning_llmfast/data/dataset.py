@@ -30,7 +30,7 @@ from lightning_llmfast.data.packing import (
     DEFAULT_LOOKAHEAD,
     IGNORE_INDEX,
     Piece,
-    _as_tokens,
+    as_tokens,
     check_packing_args,
     make_batch,
     plan_batches,
@@ -325,7 +325,7 @@ class PackedDocumentDataset(PlannedBatchDataset):
     def read_piece(self, piece: Piece, cache: dict[int, torch.Tensor]) -> torch.Tensor:
         index, start, length = piece
         if index not in cache:
-            tokens = _as_tokens(self.corpus[index], index, self.vocab_size)
+            tokens = as_tokens(self.corpus[index], index, self.vocab_size)
             if tokens.numel() != self.lengths[index]:
                 raise DataError(
                     f"document {index} has {tokens.numel()} tokens but had {self.lengths[index]} when the epoch was "

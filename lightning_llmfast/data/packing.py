@@ -26,6 +26,7 @@ __all__ = [
     "DEFAULT_LOOKAHEAD",
     "IGNORE_INDEX",
     "Piece",
+    "as_tokens",
     "check_packing_args",
     "make_batch",
     "pack_documents",
@@ -147,7 +148,7 @@ def _check_int(name: str, value: object, low: int, why: str) -> int:
         raise DataError(f"{name} must be an int >= {low} ({why}), got {value!r}") from None
 
 
-def _as_tokens(document: Any, index: int, vocab_size: int | None) -> Tensor:
+def as_tokens(document: Any, index: int, vocab_size: int | None) -> Tensor:
     """Document ``index`` as a 1-D int64 CPU tensor (possibly a view of the caller's data: never written)."""
     if isinstance(document, (str, bytes)):
         raise DataError(
@@ -351,7 +352,7 @@ def _pack(
 
     def lengths() -> Iterator[int]:
         for index, document in enumerate(documents):
-            piece = _as_tokens(document, index, vocab_size)
+            piece = as_tokens(document, index, vocab_size)
             if piece.numel():
                 tokens[index], left[index] = piece, piece.numel()
             yield piece.numel()

@@ -17,7 +17,7 @@ from lightning_llmfast._lazy import lazy_dir, lazy_getattr
 _LAZY = {
     "packed_model_inputs": "lightning_llmfast.hf.inputs",
     "block_causal_mask": "lightning_llmfast.hf.inputs",
-    "HFCausalLMModule": "lightning_llmfast.hf.module",
+    "HFCausalLMModule": "lightning_llmfast.modules.hf",
 }
 
 __all__ = ["HFCausalLMModule", "block_causal_mask", "packed_model_inputs"]
@@ -27,4 +27,4 @@ __dir__ = lazy_dir(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from lightning_llmfast.hf.inputs import block_causal_mask, packed_model_inputs
-    from lightning_llmfast.hf.module import HFCausalLMModule
+    from lightning_llmfast.modules.hf import HFCausalLMModule

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_llmfast.errors import ConfigError
-from lightning_llmfast.moe import MoEBlock, MoEConfig, NaiveMoEBlock, SequenceBoundaries
+from lightning_llmfast.moe import MoEBlock, MoEConfig, SequenceBoundaries
 from lightning_llmfast.seqmeta import SequenceMetadata, active_cache
 
 if TYPE_CHECKING:
@@ -46,6 +46,8 @@ def make_ffn(config: MoEGPTConfig, layer_idx: int) -> nn.Module:
             raise ConfigError(
                 "MoEGPTConfig.router_backend='naive' is dropless; capacity_factor needs a grouped backend"
             )
+        from lightning_llmfast.moe.naive import NaiveMoEBlock  # the baseline, loaded only when asked for
+
         return NaiveMoEBlock(*args)
     return MoEBlock(MoEConfig.build(*args, capacity_factor=config.capacity_factor, backend=config.router_backend))
 

@@ -23,8 +23,8 @@ from typing import Any, overload
 import torch
 from torch import Tensor, nn
 
-from lightning_llmfast._autograd import mark_rebuildable
 from lightning_llmfast._checks import check_int, check_number
+from lightning_llmfast._rebuild import mark_rebuildable
 from lightning_llmfast.errors import ConfigError
 
 __all__ = ["RMSNorm", "RMSNormFunction", "add_rms_norm", "rms_norm", "swap_rms_norms"]

@@ -49,8 +49,10 @@ _LAZY: dict[str, str] = {
 
 # Deprecated names that moved to lightning_llmfast.expert_parallel (they resolve with a DeprecationWarning).
 _MOVED: dict[str, str] = {
-    name: "lightning_llmfast.expert_parallel"
-    for name in ("AllToAllCapacityDispatcher", "AllToAllDispatcher", "AllToAllDroplessDispatcher", "shard_experts")
+    "AllToAllCapacityDispatcher": "lightning_llmfast.expert_parallel",
+    "AllToAllDispatcher": "lightning_llmfast.expert_parallel",
+    "AllToAllDroplessDispatcher": "lightning_llmfast.expert_parallel",
+    "shard_experts": "lightning_llmfast.expert_parallel",
 }
 
 __all__ = [

@@ -33,12 +33,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_llmfast.errors import ConfigError
-from lightning_llmfast.moe.block import GroupedMoE, MoEBlock
+from lightning_llmfast.moe.block import GroupedMoE
 from lightning_llmfast.moe.checks import check_block_input
 from lightning_llmfast.moe.config import MoEConfig, RoutingConfig
 from lightning_llmfast.moe.dispatcher import TokenDispatcher
 from lightning_llmfast.moe.kernels import BACKENDS
-from lightning_llmfast.moe.naive import NaiveMoEBlock
 
 __all__ = [
     "HFGroupedMoeBlock",
@@ -121,7 +120,7 @@ def get_moe_adapter(block: nn.Module) -> Adapter | None:
 
     Example::
 
-        get_moe_adapter(NaiveMoEBlock(8, 16, 4, 2))  # the built-in adapter
+        get_moe_adapter(NaiveMoEBlock(8, 16, 4, 2))  # the built-in adapter (registered by moe.naive)
     """
     _register_loaded_hf_adapters()
     for cls in type(block).__mro__:
@@ -201,19 +200,6 @@ def _takes_backend(adapter: Adapter) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 # Built-in adapters
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def _adapt_naive(block: NaiveMoEBlock, backend: str = "auto") -> MoEBlock:
-    """:class:`NaiveMoEBlock` -> :class:`MoEBlock` holding the same router and expert ``Parameter`` objects."""
-    routing = RoutingConfig(top_k=block.top_k, score=block.score, normalize=block.normalize, backend=backend)
-    # Built on the meta device: its own parameters are discarded at once, so they must not allocate.
-    with torch.device("meta"):
-        grouped = MoEBlock(MoEConfig(block.hidden_size, block.ffn_size, block.num_experts, routing))
-    grouped.router = block.router
-    grouped.experts.gate_up_proj = block.experts.gate_up_proj
-    grouped.experts.down_proj = block.experts.down_proj
-    grouped.train(block.training)
-    return grouped
 
 
 class HFGroupedMoeBlock(GroupedMoE):
@@ -347,5 +333,3 @@ def _register_loaded_hf_adapters() -> None:
             if cls is not None and cls not in _ADAPTERS:
                 _ADAPTERS[cls] = adapter
 
-
-register_moe_adapter(NaiveMoEBlock, _adapt_naive)

@@ -16,8 +16,10 @@ from torch import Tensor, nn
 
 from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.moe.adapters import register_moe_adapter
+from lightning_llmfast.moe.block import MoEBlock
 from lightning_llmfast.moe.checks import check_block_input
-from lightning_llmfast.moe.config import SCORES
+from lightning_llmfast.moe.config import SCORES, MoEConfig, RoutingConfig
 from lightning_llmfast.moe.experts import ExpertWeights
 from lightning_llmfast.moe.stats import MoEStats
 
@@ -189,3 +191,20 @@ class NaiveMoEBlock(nn.Module):
 
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, normalize={self.normalize}, score={self.score!r}"
+
+
+def _adapt_naive(block: NaiveMoEBlock, backend: str = "auto") -> MoEBlock:
+    """:class:`NaiveMoEBlock` -> :class:`MoEBlock` holding the same router and expert ``Parameter`` objects."""
+    routing = RoutingConfig(top_k=block.top_k, score=block.score, normalize=block.normalize, backend=backend)
+    # Built on the meta device: its own parameters are discarded at once, so they must not allocate.
+    with torch.device("meta"):
+        grouped = MoEBlock(MoEConfig(block.hidden_size, block.ffn_size, block.num_experts, routing))
+    grouped.router = block.router
+    grouped.experts.gate_up_proj = block.experts.gate_up_proj
+    grouped.experts.down_proj = block.experts.down_proj
+    grouped.train(block.training)
+    return grouped
+
+
+# The baseline registers its own adapter, so the runtime (moe.adapters) never imports the baseline.
+register_moe_adapter(NaiveMoEBlock, _adapt_naive)

@@ -15,15 +15,16 @@ Example::
 
 from __future__ import annotations
 
+from lightning_llmfast._layers import resolve_layers
+from lightning_llmfast._rebuild import RebuildRecord, mark_rebuildable
 from lightning_llmfast.offload.config import REBUILD_MODES, OffloadConfig
 from lightning_llmfast.offload.copier import Copier, CpuCopier, CudaStreamCopier
-from lightning_llmfast.offload.memplan import MemoryPlan, plan_memory
-from lightning_llmfast.offload.offloader import ActivationOffloader, resolve_layers
-from lightning_llmfast.offload.plan import plan_offload, plan_offload_layers, plan_partial_bytes
+from lightning_llmfast.offload.memory_plan import MemoryPlan, plan_memory
+from lightning_llmfast.offload.offloader import ActivationOffloader
 from lightning_llmfast.offload.pool import PinnedBufferPool, size_class
 from lightning_llmfast.offload.profile import LayerProfile, MemoryProfile
-from lightning_llmfast.offload.rebuild import RebuildRecord, mark_rebuildable
 from lightning_llmfast.offload.recompute import recompute_layer, recompute_policy
+from lightning_llmfast.offload.schedule import plan_offload, plan_offload_layers, plan_partial_bytes
 
 __all__ = [
     "REBUILD_MODES",

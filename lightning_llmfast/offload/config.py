@@ -59,7 +59,7 @@ class OffloadConfig:
         profile_steps: with ``plan="auto"``, how many steps are profiled; the plan uses each layer's median times
             over them (one step's times vary by tens of percent on a shared host) and the largest bytes. From 3 on,
             where copies do not overlap compute (CPU), as many probe steps measure the host time per offloaded
-            storage (:mod:`~lightning_llmfast.offload.planning`).
+            storage (:mod:`~lightning_llmfast.offload.planner`).
         nvme_dir: a local directory (an NVMe drive) for the NVMe tier: offloaded storages that would take the pinned
             pool past ``pinned_budget`` go to files there instead (:mod:`~lightning_llmfast.offload.nvme`).
         pinned_budget: with ``nvme_dir``, the most bytes of the pinned pool a step may use: bytes (int) or a size

@@ -4,11 +4,13 @@
 host-to-device stream with an event per batch of copies, :class:`CpuCopier` copies synchronously (``force=True`` on
 CPU: the tests prove the bookkeeping with it, or with a subclass that defers every copy until something waits).
 
-Every copier times its copies for ``offload/overlap``: ``copy`` spans (how long the copies ran) and ``wait`` spans
-(how long compute waited for them), read after the step with :meth:`Copier.copy_times` once they have completed (no
-host sync). On CUDA both are event pairs: a copy span on its side stream, a wait span on the compute stream around
-the first wait for each copy event (later waits on a completed event cost nothing). On CPU a copy runs on the host
-thread that computes, so every copy span is also a wait span: the overlap is 0 by construction.
+A copier asked to (:attr:`Copier.timed`, set when ``offload/overlap`` is logged) times its copies: ``copy`` spans
+(how long the copies ran) and ``wait`` spans (how long compute waited for them), read after the step with
+:meth:`Copier.copy_times` once they have completed (no host sync). On CUDA both are event pairs: a copy span on its
+side stream, a wait span on the compute stream around the first wait for each copy event (later waits on a completed
+event cost nothing). On CPU a copy runs on the host thread that computes, so every copy span is also a wait span: the
+overlap is 0 by construction. An untimed copier takes no timestamps for its copies: on CUDA one plain event per batch
+of copies (what the next stream waits for), no timing events.
 
 Example::
 
@@ -36,11 +38,17 @@ Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 class Copier(ABC):
     """What the offloader needs from a copy engine. ``copy`` returns an event, or ``None`` when the copies have
-    completed by the time it returns; every method accepts ``None`` where it takes an event."""
+    completed by the time it returns; every method accepts ``None`` where it takes an event.
+
+    Attributes:
+        timed: time every copy and every first wait on one for :meth:`copy_times` (``False`` by default: nothing is
+            timed, and :meth:`copy_times` reads ``None``).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
+        self.timed = False
         self._spans: list[tuple[str, Any, Any]] = []  # this step's ("copy" | "wait", start, end)
         self._ended: list[tuple[str, Any, Any]] = []  # the last ended step's
         self._waited: set[int] = set()  # ids of the events compute has waited on this step
@@ -153,12 +161,13 @@ class CpuCopier(Copier):
 
     @override
     def copy(self, pairs: Pairs, to_host: bool, after: Sequence[Any] = ()) -> Any:
-        start = self.timestamp()
+        start = self.timestamp() if self.timed else None
         for dst, src in pairs:
             dst.copy_(src)
-        end = self.timestamp()
-        self._span("copy", start, end)
-        self._span("wait", start, end)  # the host that computes ran the copy: all of it is exposed
+        if start is not None:
+            end = self.timestamp()
+            self._span("copy", start, end)
+            self._span("wait", start, end)  # the host that computes ran the copy: all of it is exposed
         return None
 
     @override
@@ -209,9 +218,12 @@ class CudaStreamCopier(Copier):
             for event in after:
                 if event is not None:
                     stream.wait_event(event)
-            start = self.timestamp()  # on the copy stream, once its waits are met: the copies' own time
+            # On the copy stream, once its waits are met: the copies' own time.
+            start = self.timestamp() if self.timed else None
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
+            if start is None:
+                return stream.record_event()  # what the next stream waits for; no timing
             end = self.timestamp()
         self._span("copy", start, end)
         return end
@@ -221,7 +233,7 @@ class CudaStreamCopier(Copier):
         if event is None:
             return
         stream = torch.cuda.current_stream(self.device)
-        if id(event) in self._waited:
+        if not self.timed or id(event) in self._waited:
             stream.wait_event(event)
             return
         self._waited.add(id(event))

@@ -2,7 +2,7 @@
 
 - :class:`Saved`: a tensor kept on the device, or a view recipe into an offloaded :class:`Block` (one per storage).
 - :class:`Recast`: a parameter's low-precision copy (autocast's bf16 weight), cast again in backward.
-- :class:`Rebuilt`: an output of a Function that declared a rebuild (:mod:`~lightning_llmfast.offload.rebuild`), or
+- :class:`Rebuilt`: an output of a Function that declared a rebuild (:mod:`~lightning_llmfast._rebuild`), or
   a dtype/device copy of one, rebuilt once for all reads of one layer call's backward (:class:`Shared`).
 
 No handle holds a tensor with its ``grad_fn`` or an autograd node strongly (see :func:`kept`): a graph whose backward

@@ -13,10 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch import nn
 
-from lightning_llmfast._layers import LayersSpec
-from lightning_llmfast._layers import resolve_layers as _resolve
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload.config import OffloadConfig
 from lightning_llmfast.offload.copier import Copier
@@ -27,24 +24,9 @@ __all__ = [
     "backward_begins",
     "layer_post",
     "layer_pre",
-    "resolve_layers",
     "saved_tensor_hooks",
     "tensors_in",
 ]
-
-
-def resolve_layers(root: nn.Module, layers: LayersSpec) -> list[nn.Module]:
-    """The layer stack whose activations are offloaded: ``None`` (the largest ``nn.ModuleList`` of identical
-    blocks), an attribute path such as ``"model.layers"``, or the modules (one module is a stack of one).
-
-    Raises:
-        OffloadError: when nothing matches.
-
-    Example::
-
-        layers = resolve_layers(model, "layers")
-    """
-    return _resolve(root, layers, error=OffloadError, single=True)
 
 
 class LayerCalls:

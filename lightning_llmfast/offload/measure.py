@@ -18,10 +18,10 @@ from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload.config import OffloadConfig
 from lightning_llmfast.offload.copier import Copier
 from lightning_llmfast.offload.handles import Segment
-from lightning_llmfast.offload.memplan import MemoryPlan, plan_memory
+from lightning_llmfast.offload.memory_plan import MemoryPlan, plan_memory
 from lightning_llmfast.offload.nvme import NvmeTier
-from lightning_llmfast.offload.plan import AUTO_MARGIN, plan_offload, plan_partial_bytes
 from lightning_llmfast.offload.profile import LayerProfile, MemoryProfile, resolve_budget
+from lightning_llmfast.offload.schedule import AUTO_MARGIN, plan_offload, plan_partial_bytes
 
 __all__ = [
     "auto_plan",

@@ -1,8 +1,8 @@
 """What a planned step really did, for comparison with its :class:`~lightning_llmfast.offload.MemoryPlan`: the peak of
 live saved bytes and the step's time, both from the offloader's own records (no host sync in the step).
 
-Live saved bytes follow the model :func:`~lightning_llmfast.offload.memplan.predict_peak` predicts with: a layer call
-adds, when it ends, what it keeps on the device (counted by the pack hook once per storage, with the outputs a
+Live saved bytes follow the model :func:`~lightning_llmfast.offload.memory_plan.predict_peak` predicts with: a layer
+call adds, when it ends, what it keeps on the device (counted by the pack hook once per storage, with the outputs a
 recomputed layer stores for its backward); its bytes go when the backward of the call before it starts (its own
 backward is done then); and the device buffer sets that prefetched layers are reloaded into count from the moment they
 are allocated. Transients inside one layer's backward (recomputation, rebuilt tensors, gradients) are not counted, as
@@ -27,7 +27,7 @@ from collections import deque
 from typing import Any
 
 from lightning_llmfast.offload.copier import Copier
-from lightning_llmfast.offload.memplan import MemoryPlan
+from lightning_llmfast.offload.memory_plan import MemoryPlan
 
 __all__ = ["StepMeter"]
 

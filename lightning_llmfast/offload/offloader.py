@@ -15,12 +15,12 @@ Rebuilds (``rebuild="norms"``, independent of copying): a saved low-precision co
 backward, and a saved output of a Function marked with :func:`~lightning_llmfast.offload.mark_rebuildable` (or a
 copy of one) is rebuilt from what that Function saved; with ``"norms+gemms"`` GEMM outputs too.
 
-Parts that own their state: :class:`~.layercalls.LayerCalls` (the plan, this step's calls), :class:`~.planning.Planner`
-(the ``"auto"`` plans from measuring steps), :class:`~.packing.Packer`
+Parts that own their state: :class:`~.layercalls.LayerCalls` (the plan, this step's calls), :class:`~.planner.Planner`
+(the ``"auto"`` plans from measuring steps), :class:`~.saved_tensors.Packer`
 (pack decisions), :class:`~.reload.Reloader` (copies, prefetch, unpack, release), :class:`~.pool.PinnedBufferPool`,
 :class:`~.nvme.NvmeTier` (files past the pool's budget), :class:`~.copier.Copier` (CUDA streams or synchronous CPU
 copies) and :class:`~.meter.StepMeter` (what a memory plan's step did); the offloader owns the step's lifecycle and
-wires the hooks to them. :mod:`.plan`, :mod:`.memplan` and :mod:`.measure` make the plans.
+wires the hooks to them. :mod:`.schedule`, :mod:`.memory_plan` and :mod:`.measure` make the plans.
 
 On CPU (``force=True``) there are no streams: the same bookkeeping runs with synchronous copies, which is how the
 tests prove bit-identical gradients, deduplication, pool reuse and prefetch ordering without a GPU.
@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from lightning_llmfast._autograd import in_backward
+from lightning_llmfast._layers import resolve_layers
 from lightning_llmfast.errors import OffloadError
 from lightning_llmfast.offload.config import OffloadConfig
 from lightning_llmfast.offload.copier import Copier, make_copier
@@ -55,24 +56,23 @@ from lightning_llmfast.offload.layercalls import (
     backward_begins,
     layer_post,
     layer_pre,
-    resolve_layers,
     saved_tensor_hooks,
     tensors_in,
 )
-from lightning_llmfast.offload.memplan import MemoryPlan
+from lightning_llmfast.offload.memory_plan import MemoryPlan
 from lightning_llmfast.offload.meter import StepMeter
 from lightning_llmfast.offload.must_save import MustSaveCounter
 from lightning_llmfast.offload.nvme import NvmeTier
-from lightning_llmfast.offload.packing import Packer
-from lightning_llmfast.offload.planning import Planner
+from lightning_llmfast.offload.planner import Planner
 from lightning_llmfast.offload.pool import PinnedBufferPool
 from lightning_llmfast.offload.recompute import RecomputeHandle, recompute_layer
 from lightning_llmfast.offload.reload import Reloader
 from lightning_llmfast.offload.residents import Residents
+from lightning_llmfast.offload.saved_tensors import Packer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ActivationOffloader", "resolve_layers"]
+__all__ = ["ActivationOffloader"]
 
 
 class ActivationOffloader:
@@ -90,9 +90,12 @@ class ActivationOffloader:
 
     Attributes:
         calls: the layer-call policy (:class:`~lightning_llmfast.offload.layercalls.LayerCalls`).
-        packer: the pack hook's decisions (:class:`~lightning_llmfast.offload.packing.Packer`).
+        packer: the pack hook's decisions (:class:`~lightning_llmfast.offload.saved_tensors.Packer`).
         reloader: copies, prefetch, unpack and release (:class:`~lightning_llmfast.offload.reload.Reloader`).
         pool: the host buffers (:class:`~lightning_llmfast.offload.PinnedBufferPool`).
+        time_copies: time the copies of the steps that begin from now on, for ``copy_ms``/``exposed_copy_ms`` in
+            :attr:`stats` (``False`` by default: no timestamps per copy; ``SystemMetricsMonitor`` turns it on to log
+            ``offload/overlap``).
 
     Raises:
         OffloadError: ``config`` is not an :class:`~lightning_llmfast.offload.OffloadConfig`, or the layer list is
@@ -119,7 +122,7 @@ class ActivationOffloader:
                 f"ActivationOffloader: layers must be the modules (e.g. model.layers), got {layers!r}; "
                 "resolve names with resolve_layers(model, ...)"
             )
-        self.layers = resolve_layers(nn.Module(), layers)
+        self.layers = resolve_layers(nn.Module(), layers, error=OffloadError, single=True)
         self.pool = PinnedBufferPool(headroom=float(config.pool_headroom))
         self.calls = LayerCalls(config, len(self.layers))
         self._residents = Residents(self.layers)
@@ -130,6 +133,7 @@ class ActivationOffloader:
         self.meter = StepMeter()
         self.planner = Planner(config, self.calls, self.pool, self.reloader, self.packer, len(self.layers))
         self._copier: Copier | None = None
+        self.time_copies = False
         self._recomputed: list[RecomputeHandle] = []
         self._fallback: set[int] = set()  # layers recomputing for the rest of the step after the NVMe tier failed
         self._recompute_layers = 0  # layers wrapped in the last step
@@ -256,6 +260,8 @@ class ActivationOffloader:
                 self.packer.nvme = self.reloader.nvme = NvmeTier(self.config.nvme_dir)
         else:
             self._copier = None
+        if self._copier is not None:
+            self._copier.timed = self.time_copies
         if self.packer.nvme is not None:
             self.packer.nvme.begin_step()
         self.calls.begin_step(self._copier)
@@ -392,7 +398,7 @@ class ActivationOffloader:
         with ``nvme_dir``: ``spilled_bytes`` (written to the NVMe tier in the last step), ``nvme_files`` (on disk now),
         ``nvme_failures`` (failed writes so far);
         ``copy_ms`` and ``exposed_copy_ms`` (ms the last ended step's copies ran, and ms compute waited on them; see
-        :meth:`~.copier.Copier.copy_times`), once they can be read without waiting.
+        :meth:`~.copier.Copier.copy_times`) when :attr:`time_copies` is on, once they can be read without waiting.
         """
         times = self._copier.copy_times() if self._copier is not None else None
         copies = {"copy_ms": times[0], "exposed_copy_ms": times[1]} if times is not None else {}

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from lightning_llmfast.errors import ConfigError
-from lightning_llmfast.integrity import load_intact, verify_shard_digests, write_shard_digests
+from lightning_llmfast.parallel.integrity import load_intact, verify_shard_digests, write_shard_digests
 
 __all__ = [
     "META_FILENAME",
@@ -132,7 +132,7 @@ def load_distributed_checkpoint(
 
     Raises:
         ConfigError: ``path`` is not a distributed checkpoint, or it holds fewer optimizers than given.
-        CheckpointError: a shard differs from its digest (:mod:`lightning_llmfast.integrity`).
+        CheckpointError: a shard differs from its digest (:mod:`lightning_llmfast.parallel.integrity`).
 
     Example::
 

@@ -41,8 +41,8 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from lightning_llmfast.errors import CheckpointError, ConfigError
 from lightning_llmfast.hf.state_dict import state_dict_adapter
-from lightning_llmfast.integrity import verify_shard_digests
 from lightning_llmfast.parallel.checkpoint import META_FILENAME, is_distributed_checkpoint
+from lightning_llmfast.parallel.integrity import verify_shard_digests
 from lightning_llmfast.parallel.pretrained import INDEX_FILENAME
 
 __all__ = ["DTYPES", "TOKENIZER_FILES", "export_checkpoint", "export_module"]

@@ -51,9 +51,9 @@ from dataclasses import dataclass
 
 from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import OffloadError
-from lightning_llmfast.offload.plan import AUTO_MARGIN
 from lightning_llmfast.offload.pool import aligned_bytes, size_class
 from lightning_llmfast.offload.profile import LayerProfile, MemoryProfile
+from lightning_llmfast.offload.schedule import AUTO_MARGIN
 
 __all__ = ["MECHANISMS", "MemoryPlan", "mechanism_cost", "plan_memory", "predict_peak"]
 
@@ -124,7 +124,7 @@ class MemoryPlan:
     def plot(self, path: str) -> None:
         """Draw the predicted live saved bytes over the step (forward up, backward down) against the budget, one
         colour per mechanism, into ``path`` (needs matplotlib)."""
-        from lightning_llmfast.offload.memplot import plot_plan
+        from lightning_llmfast.offload.memory_plan_plot import plot_plan
 
         plot_plan(self, path)
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from lightning_llmfast.errors import OffloadError
 
 if TYPE_CHECKING:
-    from lightning_llmfast.offload.memplan import MemoryPlan
+    from lightning_llmfast.offload.memory_plan import MemoryPlan
 
 __all__ = ["plot_plan"]
 

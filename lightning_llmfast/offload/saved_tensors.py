@@ -15,13 +15,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor as _DTensor
 
 from lightning_llmfast._autograd import in_backward
+from lightning_llmfast._rebuild import RebuildRecord, rebuild_origin, rebuild_record
 from lightning_llmfast.offload.config import OffloadConfig
 from lightning_llmfast.offload.copier import Copier
 from lightning_llmfast.offload.handles import Block, Rebuilt, Recast, Saved, Segment, Shared, kept, view_of
 from lightning_llmfast.offload.layercalls import LayerCalls, tensors_in
 from lightning_llmfast.offload.nvme import NvmeTier
 from lightning_llmfast.offload.pool import PinnedBufferPool
-from lightning_llmfast.offload.rebuild import RebuildRecord, rebuild_origin, rebuild_record
 from lightning_llmfast.offload.residents import Residents
 
 __all__ = ["Packer"]

@@ -18,8 +18,8 @@ from lightning_llmfast._checks import check_int, check_number
 from lightning_llmfast._compile import check_compile, compile_layers
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.hf.inputs import packed_model_inputs
-from lightning_llmfast.losses import causal_lm_loss, scale_by_token_share
-from lightning_llmfast.mixin import GroupedRouterMixin
+from lightning_llmfast.modules.grouped_router import GroupedRouterMixin
+from lightning_llmfast.modules.losses import causal_lm_loss, scale_by_token_share
 from lightning_llmfast.moe.stats import MoELayer
 from lightning_llmfast.parallel.export import export_module
 from lightning_llmfast.parallel.fsdp import materialize_module

@@ -15,7 +15,7 @@ Example::
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,10 +28,10 @@ from typing_extensions import override
 
 from lightning_llmfast import expert_parallel
 from lightning_llmfast._checks import check_int
+from lightning_llmfast._layers import LayersSpec, resolve_layers
 from lightning_llmfast.comm.grad import with_reduce_dtype
-from lightning_llmfast.errors import ConfigError, OffloadError
+from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.expert_parallel import expert_parameters
-from lightning_llmfast.offload.offloader import resolve_layers
 from lightning_llmfast.parallel import checkpoint as dcp_io
 from lightning_llmfast.parallel.clip import clip_grad_norm, sharded_grads
 from lightning_llmfast.parallel.dims import SHARDINGS, ParallelDims
@@ -48,11 +48,7 @@ if TYPE_CHECKING:
 
     from lightning_llmfast.expert_parallel import DispatchPayload
 
-__all__ = ["LayersSpec", "ShardedDataParallelBase"]
-
-LayersSpec = Sequence[nn.Module] | nn.Module | str | None
-"""How a layer stack is named: ``None`` (found), an attribute path, or the modules."""
-
+__all__ = ["ShardedDataParallelBase"]
 
 class ShardedDataParallelBase(DDPStrategy):
     """DDPStrategy with ``sharding="fsdp"``: FSDP2 in place of the DDP wrapper and DCP checkpoints.
@@ -170,8 +166,8 @@ class ShardedDataParallelBase(DDPStrategy):
         assert self.lightning_module is not None
         mixed_precision_policy(self.precision_plugin.precision)
         try:
-            return resolve_layers(self.lightning_module, layers)
-        except OffloadError as err:
+            return resolve_layers(self.lightning_module, layers, hint="LLMFastStrategy(layers=...)", single=True)
+        except ConfigError as err:
             raise ConfigError(f"sharding='fsdp' shards the layer stack block by block: {err}") from err
 
     def _grad_reduce_dtype(self) -> torch.dtype | None:

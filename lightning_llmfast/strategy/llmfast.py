@@ -30,9 +30,9 @@ from lightning_llmfast.callbacks.offload import ActivationOffload
 from lightning_llmfast.comm.grad import GradReduction, PowerSGDConfig, check_ddp_arguments
 from lightning_llmfast.errors import ConfigError, OffloadError
 from lightning_llmfast.expert_parallel import DispatchPayload
-from lightning_llmfast.integrity import VerifiedCheckpointIO
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
-from lightning_llmfast.sharding import ShardedDataParallelBase
+from lightning_llmfast.strategy.checkpoint_io import VerifiedCheckpointIO
+from lightning_llmfast.strategy.sharded import ShardedDataParallelBase
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -79,7 +79,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
     With ``sharding="fsdp"`` and several processes it builds a device mesh (:attr:`device_mesh`) and shards the
     model with FSDP2 instead of wrapping it in DDP: every block of ``layers`` and every top-level child holding other
     parameters is a ``fully_shard`` group, so parameters, gradients and optimizer state are split over the ranks
-    (:class:`~lightning_llmfast.sharding.ShardedDataParallelBase`, :mod:`~lightning_llmfast.parallel.fsdp`).
+    (:class:`~lightning_llmfast.strategy.sharded.ShardedDataParallelBase`, :mod:`~lightning_llmfast.parallel.fsdp`).
     ``precision="bf16-mixed"`` computes in bf16 and reduces and keeps master weights in fp32. A model built in
     ``configure_model`` on the meta device is sharded first and then materialised shard by shard through its
     modules' ``reset_parameters()``. Checkpoints are DCP directories that every rank writes its shards into and

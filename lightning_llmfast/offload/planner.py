@@ -24,11 +24,11 @@ from lightning_llmfast.offload.config import OffloadConfig
 from lightning_llmfast.offload.copier import Copier
 from lightning_llmfast.offload.handles import Segment
 from lightning_llmfast.offload.layercalls import LayerCalls
-from lightning_llmfast.offload.memplan import MemoryPlan
-from lightning_llmfast.offload.packing import Packer
+from lightning_llmfast.offload.memory_plan import MemoryPlan
 from lightning_llmfast.offload.pool import PinnedBufferPool
 from lightning_llmfast.offload.profile import MemoryProfile
 from lightning_llmfast.offload.reload import Reloader
+from lightning_llmfast.offload.saved_tensors import Packer
 
 log = logging.getLogger(__name__)
 
