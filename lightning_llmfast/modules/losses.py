@@ -170,11 +170,11 @@ def _weighting(module: pl.LightningModule | None) -> _StepTokenWeighting | None:
 
 
 def _data_parallel(trainer: pl.Trainer) -> tuple[dist.ProcessGroup | None, int]:
-    """The data-parallel group and size: the strategy's ``ParallelDims`` ``"dp_shard"`` group when it has one, else
-    ``(None, world_size)`` (the strategy's own reduce over its world)."""
+    """The data-parallel group and size: the strategy's ``ParallelDims`` group of every data-parallel rank when it has
+    one, else ``(None, world_size)`` (the strategy's own reduce over its world)."""
     dims = getattr(trainer.strategy, "parallel_dims", None)
     if isinstance(dims, ParallelDims) and dims.dp_group is not None:
-        return dims.dp_group, dims.dp_shard
+        return dims.dp_group, dims.dp
     return None, trainer.world_size
 
 

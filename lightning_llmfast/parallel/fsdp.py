@@ -10,7 +10,7 @@ Example::
 
     dims = ParallelDims(8, "fsdp")
     dims.build_mesh("cuda")
-    roots = shard_module(lightning_module, dims.dp_shard_mesh, layers=lightning_module.model.layers,
+    roots = shard_module(lightning_module, dims.dp_mesh, layers=lightning_module.model.layers,
                          mp_policy=mixed_precision_policy("bf16-mixed"))
     materialize_module(lightning_module, torch.device("cuda"))  # only if built on the meta device
 """
@@ -95,8 +95,8 @@ def shard_module(
 
     Args:
         module: the model (a LightningModule or any module whose children are called through ``forward``).
-        mesh: the data-parallel mesh (:attr:`ParallelDims.dp_shard_mesh`); checked only by ``fully_shard``, after the
-            arguments above.
+        mesh: the data-parallel mesh (:attr:`ParallelDims.dp_mesh`: 1-D shards FSDP-style, 2-D
+            ``("dp_replicate", "dp_shard")`` HSDP-style); checked only by ``fully_shard``, after the arguments above.
         layers: the blocks of the layer stack, in execution order, all inside ``module``.
         mp_policy: FSDP2 mixed precision (:func:`mixed_precision_policy`); ``None`` computes in the stored dtype.
         reshard_after_forward: free gathered parameters after each block's forward (ZeRO-3); ``False`` keeps them
@@ -289,8 +289,11 @@ def fully_shard_experts(
     FSDP2 gathers a group's parameters when its module's ``forward`` runs; the block reads its experts' weights in its
     own ``forward``, so the block is the experts' group (over ``"edp"``), and its other children with parameters
     (router, shared experts, their gates) are groups of their own over ``"dp_shard"``, sharded like every dense
-    parameter. Each rank then holds ``1 / world`` of every expert tensor. Expert gradients are summed over ``"edp"``
-    and divided by the world size: each local expert's gradient already sums the losses of its ``"ep"`` group's
+    parameter. Each rank then holds ``1 / world`` of every expert tensor. Under ``"hsdp"`` the experts' mesh is
+    ``("dp_replicate", "edp")`` and the other children's ``("dp_replicate", "dp_shard")``: sharded inside a node,
+    replicated across nodes (:attr:`ParallelDims.expert_mesh`, :attr:`ParallelDims.dp_mesh`), each rank holding
+    ``1 / ranks_per_node``. Expert gradients are summed over every rank holding the same experts and divided by the
+    world size: each local expert's gradient already sums the losses of its ``"ep"`` group's
     ranks (the all-to-all's backward brings them home), so this makes it the gradient of the mean of all ranks'
     losses, as for the dense parameters.
 
@@ -308,10 +311,11 @@ def fully_shard_experts(
             raise ConfigError(f"expert parallelism under FSDP: MoE block {name!r} holds parameters directly ({own})")
         for child_name, child in block.named_children():
             if child_name != "experts" and any(True for _ in child.parameters()):
-                fully_shard(child, mesh=dims.dp_shard_mesh, **kwargs)
-        fully_shard(block, mesh=dims.edp_mesh, **kwargs)
+                fully_shard(child, mesh=dims.dp_mesh, **kwargs)
+        fully_shard(block, mesh=dims.expert_mesh, **kwargs)
         block.set_gradient_divide_factor(float(dims.world_size))
-        # gloo has no pre-multiplied sum: a plain sum, then the division (NCCL fuses it). Not with one "edp" rank:
-        # there FSDP2 sends nothing and divides once itself (forcing the sum would divide a second time).
+        # gloo has no pre-multiplied sum: a plain sum, then the division (NCCL fuses it). Not with one "edp" rank
+        # (per node under "hsdp"): there FSDP2 reduce-scatters nothing and divides once itself, before the replicas'
+        # all-reduce (a forced sum would divide a second time after it).
         gloo = dist.get_backend(dims.edp_mesh.get_group()) == "gloo"
-        block.set_force_sum_reduction_for_comms(gloo and dims.edp > 1)
+        block.set_force_sum_reduction_for_comms(gloo and dims.edp_mesh.size() > 1)

@@ -7,7 +7,7 @@
    process group on NCCL takes device tensors only; one broadcast per bucket, not per tensor);
 2. with ``expert_parallel_size > 1`` every MoE block keeps its share of the experts (``"ep"``);
 3. under FSDP2 the experts are ``fully_shard`` ed over ``"edp"``, the layer stack and the remaining top-level
-   children over ``"dp_shard"``;
+   children over ``"dp_shard"`` (under HSDP, both 2-D with ``"dp_replicate"`` first: replicated across nodes);
 4. a model built on the meta device is materialised shard by shard, or read from its pretrained checkpoint, each rank
    reading only what it holds (unless ``device`` is the meta device itself: a sharding plan,
    :mod:`lightning_llmfast.plan`).
@@ -76,14 +76,14 @@ def parallelize(
         broadcast_module_states(module, device)
     if dims.ep_enabled:
         shard_model_experts(
-            module, dims.ep_mesh, loss_group=dims.dp_group, fsdp=dims.sharding == "fsdp", dispatch=dispatch
+            module, dims.ep_mesh, loss_group=dims.dp_group, fsdp=dims.sharding != "ddp", dispatch=dispatch
         )
     roots: list[nn.Module] = []
     if dims.fsdp_enabled:
         if dims.ep_enabled:
             fully_shard_experts(module, dims, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
         roots = shard_module(
-            module, dims.dp_shard_mesh, layers, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+            module, dims.dp_mesh, layers, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
         )
     if device.type == "meta":
         return roots  # a sharding plan: nothing to allocate

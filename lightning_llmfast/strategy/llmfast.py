@@ -185,7 +185,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
         self._layers_spec = layers
         config = self.offload_config
         self._offload = ActivationOffload(config, layers=layers) if config is not None else None
-        if config is None and layers is not None and sharding != "fsdp":
+        if config is None and layers is not None and sharding == "ddp":
             # FSDP shards `layers` block by block: there the argument is used without offload too.
             rank_zero_warn("LLMFastStrategy: layers= does nothing without offload (or strategy='llmfast_offload')")
 
@@ -243,9 +243,9 @@ class LLMFastStrategy(ShardedDataParallelBase):
             self._setup_expert_parallel()  # before DDP wraps the model and the optimizers are built
         elif self.sharding == "ddp" and not self.single_process:
             self._materialize()  # a meta-device model, before DDP broadcasts it
-        if self.sharding == "fsdp":
+        if self.sharding != "ddp":
             self._check_fsdp_config(self._layers_spec)  # on every world size, before any step
-        if self.sharding == "fsdp" and not self.single_process:
+        if self.sharding != "ddp" and not self.single_process:
             self._setup_sharded(trainer, self._layers_spec)
         elif self.single_process:
             self._materialize()  # configure_model (or a pretrained directory) on the meta device

@@ -1,15 +1,19 @@
-"""The sharding half of ``strategy="llmfast"``: ``sharding="ddp" | "fsdp"`` on top of Lightning's DDPStrategy.
+"""The sharding half of ``strategy="llmfast"``: ``sharding="ddp" | "fsdp" | "hsdp"`` on top of Lightning's DDPStrategy.
 
 :class:`ShardedDataParallelBase` is the base of :class:`~lightning_llmfast.LLMFastStrategy`. With several processes
 it builds the run's one layout, :class:`~lightning_llmfast.parallel.ParallelDims` and its device mesh, in
-:meth:`~ShardedDataParallelBase.setup_environment`; under ``"fsdp"`` its ``_setup_sharded`` replaces DDP's wrapper
-with :func:`~lightning_llmfast.parallel.parallelize` (FSDP2, and expert parallelism when asked); with ``"fsdp"`` on
-any world size, checkpoints are DCP directories (:mod:`lightning_llmfast.parallel.checkpoint`) restored after setup,
-optimizer state included, so they reshard. With ``"ddp"`` every hook is DDPStrategy's.
+:meth:`~ShardedDataParallelBase.setup_environment` (from the world size and the Trainer's ``num_nodes``); under
+``"fsdp"`` and ``"hsdp"`` its ``_setup_sharded`` replaces DDP's wrapper with
+:func:`~lightning_llmfast.parallel.parallelize` (FSDP2 over the world, or within each node and replicated across
+nodes, and expert parallelism when asked); with either on any world size, checkpoints are DCP directories
+(:mod:`lightning_llmfast.parallel.checkpoint`) restored after setup, optimizer state included, so they reshard (an
+``"hsdp"`` checkpoint resumes under ``"fsdp"`` or another number of nodes, and back). With ``"ddp"`` every hook is
+DDPStrategy's.
 
 Example::
 
     trainer = L.Trainer(strategy="llmfast_fsdp", accelerator="cuda", devices=8, precision="bf16-mixed")
+    trainer = L.Trainer(strategy=LLMFastStrategy(sharding="hsdp"), num_nodes=4, devices=8)  # shards of 1/8
 """
 
 from __future__ import annotations
@@ -50,19 +54,21 @@ if TYPE_CHECKING:
 
 __all__ = ["ShardedDataParallelBase"]
 
+
 class ShardedDataParallelBase(DDPStrategy):
-    """DDPStrategy with ``sharding="fsdp"``: FSDP2 in place of the DDP wrapper and DCP checkpoints.
+    """DDPStrategy with ``sharding="fsdp"`` or ``"hsdp"``: FSDP2 in place of the DDP wrapper and DCP checkpoints.
 
     Args:
         *args: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
-        sharding: ``"ddp"`` (replicated model, DDPStrategy unchanged) or ``"fsdp"`` (FSDP2 sharded data parallel).
+        sharding: ``"ddp"`` (replicated model, DDPStrategy unchanged), ``"fsdp"`` (FSDP2 sharded data parallel) or
+            ``"hsdp"`` (FSDP2 sharded within each node, replicated across the Trainer's ``num_nodes``).
         expert_parallel_size: ranks that split every MoE block's routed experts (``1``: none).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
 
     Raises:
-        ConfigError: at construction for a ``sharding`` other than ``"ddp"`` or ``"fsdp"`` or an
-            ``expert_parallel_size`` that is not an int ``>= 1``; in :meth:`setup_environment` when it does not divide
-            the world size.
+        ConfigError: at construction for a ``sharding`` outside :data:`~lightning_llmfast.parallel.dims.SHARDINGS`
+            or an ``expert_parallel_size`` that is not an int ``>= 1``; in :meth:`setup_environment` when it does not
+            divide the world size (under ``"hsdp"``: the processes of a node).
 
     Example::
 
@@ -92,8 +98,8 @@ class ShardedDataParallelBase(DDPStrategy):
 
     @property
     def device_mesh(self) -> DeviceMesh | None:
-        """The ``("edp", "ep")`` device mesh with several processes (``"dp_shard"`` its flattened world), else
-        ``None``."""
+        """The ``("edp", "ep")`` device mesh with several processes (``"dp_shard"`` its flattened world;
+        ``("dp_replicate", "edp", "ep")`` under ``"hsdp"``), else ``None``."""
         dims = self._parallel_dims
         return dims.mesh if dims is not None and dims.world_size > 1 else None
 
@@ -106,17 +112,17 @@ class ShardedDataParallelBase(DDPStrategy):
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         # Sharded states load into the sharded model and the optimizers built on it.
-        return self.sharding == "fsdp" or super().restore_checkpoint_after_setup
+        return self.sharding != "ddp" or super().restore_checkpoint_after_setup
 
     @property
     @override
     def lightning_restore_optimizer(self) -> bool:
-        return self.sharding != "fsdp"  # load_checkpoint restores them, resharded
+        return self.sharding == "ddp"  # load_checkpoint restores them, resharded
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        dims = ParallelDims(self.world_size, self.sharding, self.expert_parallel_size)
+        dims = ParallelDims(self.world_size, self.sharding, self.expert_parallel_size, num_nodes=self.num_nodes)
         if dims.world_size > 1:
             dims.build_mesh(self.mesh_device_type)
         self._parallel_dims = dims
@@ -162,13 +168,14 @@ class ShardedDataParallelBase(DDPStrategy):
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
 
     def _check_fsdp_config(self, layers: LayersSpec) -> list[nn.Module]:
-        """Everything ``sharding="fsdp"`` needs, checked on every world size before any step; returns the layers."""
+        """Everything ``sharding="fsdp"`` (or ``"hsdp"``) needs, checked on every world size before any step; returns
+        the layers."""
         assert self.lightning_module is not None
         mixed_precision_policy(self.precision_plugin.precision)
         try:
             return resolve_layers(self.lightning_module, layers, hint="LLMFastStrategy(layers=...)", single=True)
         except ConfigError as err:
-            raise ConfigError(f"sharding='fsdp' shards the layer stack block by block: {err}") from err
+            raise ConfigError(f"sharding={self.sharding!r} shards the layer stack block by block: {err}") from err
 
     def _grad_reduce_dtype(self) -> torch.dtype | None:
         """The dtype gradients are reduced in (``None``: their own); a subclass may choose one."""
@@ -203,7 +210,7 @@ class ShardedDataParallelBase(DDPStrategy):
         # A setup that failed before materialising leaves meta tensors, which the base teardown's `.cpu()` cannot
         # move; give them (uninitialised) host storage so the error that stopped setup is the one the user sees.
         module = self.lightning_module
-        if self.sharding == "fsdp" and module is not None:
+        if self.sharding != "ddp" and module is not None:
             if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
                 module.to_empty(device="cpu")
         super().teardown()
@@ -211,7 +218,7 @@ class ShardedDataParallelBase(DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        if self.sharding == "fsdp":
+        if self.sharding != "ddp":
             return dcp_io.model_state(self.lightning_module)
         state = super().lightning_module_state_dict()
         if self._ddp_experts:  # full expert tensors: the keys and shapes of a one-process checkpoint
@@ -223,7 +230,7 @@ class ShardedDataParallelBase(DDPStrategy):
         assert self.lightning_module is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
-        if self.sharding == "fsdp":
+        if self.sharding != "ddp":
             return dcp_io.optimizer_state(self.lightning_module, optimizer)
         state = super().optimizer_state(optimizer)
         if self._ddp_experts:
@@ -232,23 +239,25 @@ class ShardedDataParallelBase(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if self.sharding != "fsdp":
+        if self.sharding == "ddp":
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
         if storage_options is not None:
-            raise ConfigError(f"{type(self).__name__}(sharding='fsdp'): save_checkpoint takes no storage_options")
+            raise ConfigError(
+                f"{type(self).__name__}(sharding={self.sharding!r}): save_checkpoint takes no storage_options"
+            )
         path = Path(self.broadcast(str(filepath)))  # rank 0's path: every rank writes into the same directory
         dcp_io.save_distributed_checkpoint(checkpoint, path, rank=self.global_rank)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        if self.sharding != "fsdp":
+        if self.sharding == "ddp":
             return super().load_checkpoint(checkpoint_path, weights_only)
         path = Path(self.broadcast(str(checkpoint_path)))
         if not dcp_io.is_distributed_checkpoint(path):
             raise ConfigError(
-                f"{type(self).__name__}(sharding='fsdp') resumes from distributed checkpoint directories; {path} is "
-                "not one (load a single-file checkpoint's weights with LightningModule.load_from_checkpoint)"
+                f"{type(self).__name__}(sharding={self.sharding!r}) resumes from distributed checkpoint directories; "
+                f"{path} is not one (load a single-file checkpoint's weights with LightningModule.load_from_checkpoint)"
             )
         assert self.lightning_module is not None
         return dcp_io.load_distributed_checkpoint(
@@ -261,7 +270,7 @@ class ShardedDataParallelBase(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self.sharding == "fsdp":
+        if self.sharding != "ddp":
             return  # load_checkpoint already loaded the shards
         if self._ddp_experts:
             state = expert_parallel.slice_expert_state_dict(self.lightning_module, checkpoint["state_dict"])
@@ -270,7 +279,7 @@ class ShardedDataParallelBase(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self.sharding == "fsdp":
+        if self.sharding != "ddp":
             return
         if self._ddp_experts:
             states = [
