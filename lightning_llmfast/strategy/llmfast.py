@@ -88,7 +88,8 @@ class LLMFastStrategy(ShardedDataParallelBase):
     checkpoints.
 
     Args:
-        sharding: ``"ddp"`` (replicated model) or ``"fsdp"`` (FSDP2 sharded data parallel).
+        sharding: ``"ddp"`` (replicated model), ``"fsdp"`` (FSDP2 sharded data parallel) or ``"hsdp"`` (FSDP2 sharded
+            within each node, replicated across the Trainer's ``num_nodes``; docs/multinode.md).
         offload: offload saved activations of ``layers`` to pinned host memory with these settings
             (:class:`~lightning_llmfast.offload.OffloadConfig`; ``True``: its defaults; ``None``/``False``: off).
             The layers' saved RMSNorm outputs (and, under ``precision="bf16-mixed"``, their saved bf16 weight copies)
