@@ -1,30 +1,34 @@
 """sharding="hsdp": sharded within a node, replicated across nodes, on the one DeviceMesh (with expert parallelism).
 
-The layout checks run on torch's fake process group. The proof runs 4 gloo processes as 2 nodes x 2 processes
-against an independent reference, torch's ``DistributedDataParallel`` on the same 4 processes and the same per-rank
-batches: HSDP (and HSDP x EP over 2) gives the DDP losses and gradients (first step to 1e-5), the global gradient norm
-of ``clip_grad_norm_`` on the DDP model with clipping active, and close weights after the steps; every rank holds half
-of every parameter (2 processes per node), equal to its replica on the other node. Its DCP checkpoint resumes bitwise
-under HSDP, continues under FSDP2 over the 4 processes, and loads into one process.
+The layout checks run on torch's fake process group, also through Lightning: ``Trainer(num_nodes=2, devices=2)``
+gives the strategy its nodes, and an expert-parallel group that would span nodes fails before any step. The proof
+runs 4 gloo processes as 2 nodes x 2 processes against an independent reference, torch's ``DistributedDataParallel``
+on the same 4 processes and the same per-rank batches: HSDP (and HSDP x EP over 2) gives the DDP losses and gradients
+(first step to 1e-5), the global gradient norm of ``clip_grad_norm_`` on the DDP model with clipping active, and close
+weights after the steps; every rank holds half of every parameter (2 processes per node), equal to its replica on the
+other node. Its DCP checkpoint resumes bitwise under HSDP, continues under FSDP2 over the 4 processes, and loads into
+one process.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _distributed import run_distributed
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from lightning_llmfast import ConfigError, LLMFastStrategy
+from lightning_llmfast import ConfigError, LLMFastStrategy, MoEGPTLightningModule
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
 from lightning_llmfast.parallel import (
     ParallelDims,
@@ -85,6 +89,60 @@ def test_hsdp_mesh_replicates_over_nodes_and_shards_within_with_ep_inside_the_no
     assert dims.expert_mesh.mesh_dim_names == ("dp_replicate", "edp")
     assert dims.expert_mesh.mesh.tolist() == [[1, 3], [5, 7]]  # ... and their replicas on the other node
     assert dims.dp_group is not None and dist.get_world_size(dims.dp_group) == 8  # losses and norms: every rank
+
+
+@pytest.fixture
+def fake_node() -> Iterator[int]:
+    """Rank 0 of 4 on torch's fake backend (its broadcasts deliver nothing: Lightning's come from rank 0), as
+    Lightning sees it on the first of 2 nodes of 2 processes."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    env = {"LOCAL_RANK": "0", "NODE_RANK": "0", "RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = "1"
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield 0
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        dist.destroy_process_group()
+
+
+class _SetupDone(Exception):
+    pass
+
+
+class _StopAfterSetup(L.Callback):
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        raise _SetupDone  # set-up done: stop before any step
+
+
+@pytest.mark.parametrize("ep", [1, 4])
+def test_the_strategy_takes_the_nodes_from_the_trainer_and_refuses_ep_across_nodes(fake_node: int, ep: int) -> None:
+    config = MoEGPTConfig(vocab_size=32, hidden_size=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_size=16)
+    module = MoEGPTLightningModule(config)
+    strategy = LLMFastStrategy(sharding="hsdp", expert_parallel_size=ep, process_group_backend="fake")
+    trainer = L.Trainer(
+        accelerator="cpu", num_nodes=2, devices=2, strategy=strategy, max_steps=1, logger=False,
+        callbacks=[_StopAfterSetup()], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    if ep == 4:  # 4 ranks split the experts, 2 per node: an expert-parallel group would span both nodes
+        with pytest.raises(ConfigError, match="expert_parallel_size=4 must divide the 2 ranks of a node"):
+            trainer.fit(module, train_dataloaders=[0])
+        return
+    with pytest.raises(_SetupDone):
+        trainer.fit(module, train_dataloaders=[0])
+    dims = strategy.parallel_dims
+    assert strategy.global_rank == fake_node and dims is not None
+    assert (dims.num_nodes, dims.dp_replicate, dims.dp_shard) == (2, 2, 2)
+    assert dims.dp_mesh.mesh.tolist() == [[0, 1], [2, 3]] and dims.dp_shard_mesh.mesh.tolist() == [0, 1]
+    weight = module.model.layers[0].attn.qkv.weight
+    assert isinstance(weight, DTensor) and weight.device_mesh == dims.dp_mesh
+    assert weight.placements == (Replicate(), Shard(0)) and weight.to_local().numel() * 2 == weight.numel()
 
 
 # ---------------------------------------------------------------------------------------------- 2 nodes x 2 processes
