@@ -27,6 +27,13 @@ Two dispatchers, chosen by the block's routing config:
 
 Every exchange is differentiable: the backward of an all-to-all is the reverse all-to-all.
 
+Across nodes (``ep_dispatch``): ``"flat"`` sends every (token, expert) pair straight to the expert's rank, so a token
+whose ``k`` experts sit on another node crosses the node boundary ``k`` times; ``"hierarchical"``
+(:class:`~lightning_llmfast.expert_parallel.hierarchical.HierarchicalDispatcher`, given the group's
+:class:`~lightning_llmfast.expert_parallel.hierarchical.NodeGroups`) sends it once per destination node and fans it
+out inside the node. With a ``node_layout`` both count the bytes they send inside the node and across it
+(:attr:`AllToAllDispatcher.traffic`).
+
 Payloads (``dispatch_dtype``, a :class:`~lightning_llmfast.expert_parallel.DispatchPayload`): ``None`` sends every row
 in the activations' dtype; ``"bf16"`` sends the tokens in bf16 (``2 H`` bytes a row) and ``"fp8"`` as e4m3 with one
 fp32 scale per row (``H + 4`` bytes: half of bf16 plus the scales), both quantized after the local permutation and
@@ -69,11 +76,15 @@ from lightning_llmfast.expert_parallel.dispatchers import (
     AllToAllDroplessDispatcher,
 )
 from lightning_llmfast.expert_parallel.exchange import comm_device
+from lightning_llmfast.expert_parallel.hierarchical import HierarchicalDispatcher, NodeGroups, check_node_limited
 from lightning_llmfast.expert_parallel.payload import DispatchPayload
-from lightning_llmfast.expert_parallel.state import expert_parameters, grouped_moe_blocks
+from lightning_llmfast.expert_parallel.state import expert_parameters, grouped_moe_blocks, sharded_moe_blocks
 from lightning_llmfast.moe.block import GroupedMoE
 
-__all__ = ["shard_experts", "shard_model_experts"]
+__all__ = ["EP_DISPATCHES", "set_ep_dispatch", "shard_experts", "shard_model_experts"]
+
+EP_DISPATCHES = ("flat", "hierarchical")
+"""How tokens cross nodes: every pair to its expert's rank, or once per destination node (module docstring)."""
 
 # Expert-parameter dimensions compared across ranks by shard_experts (four 3-D parameters at most).
 _SHAPE_SLOTS = 12
@@ -100,6 +111,8 @@ def shard_experts(
     *,
     loss_group: dist.ProcessGroup | None = None,
     dispatch_dtype: str | DispatchPayload | None = None,
+    ep_dispatch: str = "flat",
+    node_layout: NodeGroups | None = None,
 ) -> nn.Module:
     """Shard an MoE block's experts over ``group`` in place: each rank keeps ``Parameter`` s of its ``E / W`` only.
 
@@ -119,14 +132,18 @@ def shard_experts(
         loss_group: the ranks whose tokens form one batch for the load-balancing loss (default: the whole world).
         dispatch_dtype: the tokens' payload on the wire: ``None`` (their dtype), ``"bf16"`` or ``"fp8"`` (outputs and
             gradients then come back in bf16), or a :class:`~lightning_llmfast.expert_parallel.DispatchPayload`.
+        ep_dispatch: ``"flat"`` or ``"hierarchical"`` (a token crosses the node boundary once per destination node;
+            needs ``node_layout``).
+        node_layout: the group's nodes and sub-groups
+            (:func:`~lightning_llmfast.expert_parallel.hierarchical.node_groups`), or ``None`` (one node).
 
     Returns:
         ``block``, for chaining.
 
     Raises:
-        ConfigError: an unknown ``dispatch_dtype``, not a grouped MoE block, already sharded, ``W`` does not divide
-            ``E``, or (checked with one all-gather over ``group``, on every rank) the ranks' blocks differ in their
-            expert shapes.
+        ConfigError: an unknown ``dispatch_dtype`` or ``ep_dispatch``, not a grouped MoE block, already sharded,
+            ``W`` does not divide ``E``, (checked with one all-gather over ``group``, on every rank) the ranks'
+            blocks differ in their expert shapes, or from :func:`set_ep_dispatch`.
 
     Example::
 
@@ -134,6 +151,7 @@ def shard_experts(
         shard_experts(block, group, dispatch_dtype="fp8")  # e4m3 tokens out, bf16 outputs back
     """
     payload = DispatchPayload.of(dispatch_dtype)
+    _check_ep_dispatch(ep_dispatch, node_layout)
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("shard_experts needs an initialised torch.distributed process group")
     group = dist.group.WORLD if group is None else group
@@ -148,15 +166,66 @@ def shard_experts(
         )
     params = dict(block.experts.named_parameters(recurse=False))
     _check_same_blocks(params, group)
-    routing = block.config.routing
-    kind = AllToAllDroplessDispatcher if routing.capacity_factor is None else AllToAllCapacityDispatcher
-    dispatcher = kind(group, num_experts, loss_group, routing.backend, payload)
+    dispatcher = _dispatcher(block, group, num_experts, loss_group, payload, ep_dispatch, node_layout)
     experts = dispatcher.local_experts
     for name, param in params.items():
         local = nn.Parameter(param.detach()[experts.start : experts.stop].clone(), requires_grad=param.requires_grad)
         setattr(block.experts, name, local)
     block.set_dispatcher(dispatcher)
     return block
+
+
+def _check_ep_dispatch(ep_dispatch: str, node_layout: NodeGroups | None) -> None:
+    if ep_dispatch not in EP_DISPATCHES:
+        raise ConfigError(f"ep_dispatch must be one of {EP_DISPATCHES}, got {ep_dispatch!r}")
+    if ep_dispatch == "hierarchical" and node_layout is None:
+        raise ConfigError("ep_dispatch='hierarchical' needs the group's node_layout (expert_parallel.node_groups)")
+
+
+def _dispatcher(
+    block: nn.Module,
+    group: dist.ProcessGroup,
+    num_experts: int,
+    loss_group: dist.ProcessGroup | None,
+    payload: DispatchPayload,
+    ep_dispatch: str,
+    node_layout: NodeGroups | None,
+) -> AllToAllDispatcher:
+    """The dispatcher of ``block``'s experts over ``group``: by ``ep_dispatch`` and the block's capacity limit."""
+    routing = block.config.routing
+    if ep_dispatch == "hierarchical":
+        assert node_layout is not None
+        check_node_limited(routing, num_experts, node_layout.num_nodes, type(block).__qualname__)
+        return HierarchicalDispatcher(group, num_experts, node_layout, loss_group, routing.backend, payload)
+    kind = AllToAllDroplessDispatcher if routing.capacity_factor is None else AllToAllCapacityDispatcher
+    nodes = node_layout.nodes if node_layout is not None else None
+    return kind(group, num_experts, loss_group, routing.backend, payload, nodes)
+
+
+def set_ep_dispatch(module: nn.Module, ep_dispatch: str, node_layout: NodeGroups) -> None:
+    """Give every sharded MoE block of ``module`` the ``ep_dispatch`` dispatcher over its nodes (in place).
+
+    The blocks keep their experts, groups, loss group and payloads; only how tokens cross nodes changes, and the
+    dispatchers count their bytes inside the node and across (:attr:`AllToAllDispatcher.traffic`).
+
+    Args:
+        module: a model whose blocks :func:`shard_model_experts` sharded.
+        ep_dispatch: ``"flat"`` or ``"hierarchical"``.
+        node_layout: the expert-parallel group's nodes and sub-groups
+            (:func:`~lightning_llmfast.expert_parallel.hierarchical.node_groups`).
+
+    Raises:
+        ConfigError: an unknown ``ep_dispatch``; hierarchical with group-limited routing whose groups do not fall
+            inside the nodes (:func:`~lightning_llmfast.expert_parallel.hierarchical.check_node_limited`).
+
+    Example::
+
+        set_ep_dispatch(model, "hierarchical", node_groups(dims.ep_mesh.get_group(), ranks_per_node=8))
+    """
+    _check_ep_dispatch(ep_dispatch, node_layout)
+    for _, block, old in list(sharded_moe_blocks(module)):
+        new = _dispatcher(block, old.group, old.num_experts, old.loss_group, old.payload, ep_dispatch, node_layout)
+        block.set_dispatcher(new)
 
 
 def _check_same_blocks(params: dict[str, Tensor], group: dist.ProcessGroup) -> None:

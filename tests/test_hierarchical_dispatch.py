@@ -1,0 +1,161 @@
+"""Hierarchical expert-parallel dispatch on 4 gloo processes as 2 simulated nodes of 2 (node of a rank: rank // 2),
+against the flat dispatch of the same block: outputs and every gradient, and the bytes that cross the node boundary
+(counted by a spy on ``all_to_all_single``)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _distributed import COLLECTIVE_TIMEOUT, run_distributed
+
+from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.expert_parallel import HierarchicalDispatcher, node_groups, set_ep_dispatch, shard_experts
+from lightning_llmfast.expert_parallel.hierarchical import group_nodes
+from lightning_llmfast.moe import MoEBlock, MoEConfig
+
+WORLD, PER_NODE = 4, 2
+HIDDEN = 16
+TOKENS = (5, 0, 3, 7)  # per rank: awkward sizes, one rank without tokens
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = 1e-5) -> float:
+    actual, expected = actual.detach(), expected.detach()
+    scale = expected.abs().max().clamp(min=1e-30) if expected.numel() else torch.tensor(1.0)
+    err = float((actual - expected).abs().max() / scale) if expected.numel() else 0.0
+    assert err <= rtol, f"{what}: max error {err:.3g} relative to max |expected| (tolerance {rtol})"
+    return err
+
+
+@contextmanager
+def _inter_node_spy() -> Iterator[list[int]]:
+    """Bytes of float rows this rank sends to ranks on other nodes through ``all_to_all_single`` (the int64 split
+    handshakes are not payload)."""
+    sent = [0]
+    real = dist.all_to_all_single
+
+    def spy(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,
+            input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:  # fmt: skip
+        if input.is_floating_point() and input.shape[0]:
+            ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+            splits = input_split_sizes or [input.shape[0] // len(ranks)] * len(ranks)
+            row_bytes = input[0].numel() * input.element_size()
+            me = dist.get_rank() // PER_NODE
+            sent[0] += sum(rows * row_bytes for rows, g in zip(splits, ranks, strict=True) if g // PER_NODE != me)
+        return real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    dist.all_to_all_single = spy
+    try:
+        yield sent
+    finally:
+        dist.all_to_all_single = real
+
+
+def _pair(layout: Any, **options: Any) -> tuple[MoEBlock, MoEBlock]:
+    """The same block sharded flat and hierarchical (same seed on every rank)."""
+    torch.manual_seed(1234)
+    flat = MoEBlock(MoEConfig.build(HIDDEN, 12, 8, 4, backend="torch", **options))
+    hier = copy.deepcopy(flat)
+    shard_experts(flat, dist.group.WORLD, node_layout=layout)
+    shard_experts(hier, dist.group.WORLD, ep_dispatch="hierarchical", node_layout=layout)
+    assert isinstance(hier.dispatcher, HierarchicalDispatcher)
+    return flat, hier
+
+
+def _step(block: MoEBlock, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Output, input/router/expert gradients, and the forward's spied and counted inter-node bytes."""
+    xs = x.clone().requires_grad_()
+    traffic = block.dispatcher.traffic
+    before = traffic.inter
+    with _inter_node_spy() as spied:
+        out = block(xs)
+    counted = traffic.inter - before
+    (out * g).sum().add(0.1 * block.stats.aux_loss).backward()
+    experts = [getattr(block.experts, n).grad for n in ("gate_up_proj", "down_proj")]
+    return out, xs.grad, block.router.weight.grad, *experts, torch.tensor([spied[0], counted])
+
+
+def _compare(rank: int, layout: Any, seed: int, routing: Callable[[MoEBlock, torch.Tensor], torch.Tensor] | None,
+             tokens: tuple[int, ...] = TOKENS, **options: Any) -> tuple[int, int]:  # fmt: skip
+    flat, hier = _pair(layout, **options)
+    gen = torch.Generator().manual_seed(seed + rank)
+    x, g = torch.randn(tokens[rank], HIDDEN, generator=gen), torch.randn(tokens[rank], HIDDEN, generator=gen)
+    if routing is not None:
+        x = routing(flat, x)
+        hier.load_state_dict(flat.state_dict())
+    expected, actual = _step(flat, x, g), _step(hier, x, g)
+    names = ("output", "input gradient", "router gradient", "gate_up gradient", "down gradient")
+    errors = [_close(a, e, n) for a, e, n in zip(actual[:-1], expected[:-1], names, strict=True)]
+    flat_bytes, hier_bytes = expected[-1].tolist(), actual[-1].tolist()
+    assert flat_bytes[0] == flat_bytes[1] and hier_bytes[0] == hier_bytes[1], (flat_bytes, hier_bytes)
+    if rank == 0:
+        print(f"seed {seed} {options}: max relative errors {max(errors):.2g}, inter-node bytes {flat_bytes[0]} flat, "
+              f"{hier_bytes[0]} hierarchical")  # fmt: skip
+    assert hier.dispatcher.host_syncs == 2
+    return flat_bytes[0], hier_bytes[0]
+
+
+def _everything_to_node_0(block: MoEBlock, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():  # experts 0 > 1 > 2 > 3 for every (positive) token: node 1 receives nothing
+        block.router.weight.zero_()
+        block.router.weight[:4] = torch.tensor([10.0, 9.0, 8.0, 7.0])[:, None]
+    return x.abs()
+
+
+def _total(value: int) -> int:
+    total = torch.tensor([value])
+    dist.all_reduce(total)
+    return int(total)
+
+
+def _cases(rank: int, world: int) -> None:
+    layout = node_groups(dist.group.WORLD, PER_NODE, timeout=COLLECTIVE_TIMEOUT)
+    assert layout.nodes == (0, 0, 1, 1) and layout.num_nodes == 2
+    _compare(rank, layout, 0, None)
+    flat_bytes, hier_bytes = _compare(rank, layout, 1, _everything_to_node_0)
+    # Node 0 sends one 64-byte sum back per node-1 token of its local index, node 1 each token once, with its 4
+    # weights and expert ids (32 bytes); flat sends 4 rows per node-1 token and returns 2 rows per pair it holds.
+    row = 4 * HIDDEN
+    assert hier_bytes == (row * TOKENS[rank + 2] if rank < 2 else (row + 32) * TOKENS[rank])
+    assert flat_bytes == (2 * row * (TOKENS[2] + TOKENS[3]) if rank < 2 else 4 * row * TOKENS[rank])
+    _compare(rank, layout, 2, None, (6,) * WORLD, capacity_factor=0.5)  # flat capacity: equal tokens per rank
+    _compare(rank, layout, 3, None, score="sigmoid", num_groups=4, topk_groups=2)
+    # Node-limited routing: top-4 of 8 experts within 1 of the 2 nodes' groups.
+    flat_bytes, hier_bytes = (_total(b) for b in _compare(rank, layout, 4, None, num_groups=2, topk_groups=1))
+    assert 0 < hier_bytes <= flat_bytes // 2, (flat_bytes, hier_bytes)
+    # Groups that straddle the nodes bound nothing: refused.
+    torch.manual_seed(0)
+    block = MoEBlock(MoEConfig.build(HIDDEN, 12, 8, 4, backend="torch", num_groups=1, topk_groups=1))
+    with pytest.raises(ConfigError, match="does not align"):
+        shard_experts(block, dist.group.WORLD, ep_dispatch="hierarchical", node_layout=layout)
+    # An already sharded block switched to hierarchical (the strategy's path) keeps its experts and equals flat.
+    flat, switched = _pair(layout)
+    set_ep_dispatch(switched, "flat", layout)
+    set_ep_dispatch(switched, "hierarchical", layout)
+    assert isinstance(switched.dispatcher, HierarchicalDispatcher)
+    x = torch.randn(TOKENS[rank], HIDDEN)
+    torch.testing.assert_close(switched(x), flat(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_hierarchical_equals_flat_and_crosses_nodes_less() -> None:
+    run_distributed(_cases, WORLD, timeout=240.0)
+
+
+def test_group_nodes_and_bad_arguments() -> None:
+    assert group_nodes([4, 5, 6, 7], 2) == (0, 0, 1, 1)
+    assert group_nodes([0, 1], 4) == (0, 0)
+    with pytest.raises(ConfigError, match="whole nodes"):
+        group_nodes([0, 1, 2], 2)
+    with pytest.raises(ConfigError, match="ranks_per_node"):
+        group_nodes([0, 1], 0)
+    block = MoEBlock(MoEConfig.build(HIDDEN, 12, 8, 4, backend="torch"))
+    with pytest.raises(ConfigError, match="ep_dispatch must be one of"):
+        shard_experts(block, ep_dispatch="tree")
+    with pytest.raises(ConfigError, match="needs the group's node_layout"):
+        shard_experts(block, ep_dispatch="hierarchical")
