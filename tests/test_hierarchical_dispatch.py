@@ -5,15 +5,22 @@ against the flat dispatch of the same block: outputs and every gradient, and the
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 from _distributed import COLLECTIVE_TIMEOUT, run_distributed
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+from typing_extensions import override
 
+from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule
+from lightning_llmfast.data import pack_documents
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.expert_parallel import HierarchicalDispatcher, node_groups, set_ep_dispatch, shard_experts
 from lightning_llmfast.expert_parallel.hierarchical import group_nodes
@@ -127,6 +134,8 @@ def _cases(rank: int, world: int) -> None:
     _compare(rank, layout, 3, None, score="sigmoid", num_groups=4, topk_groups=2)
     # Node-limited routing: top-4 of 8 experts within 1 of the 2 nodes' groups.
     flat_bytes, hier_bytes = (_total(b) for b in _compare(rank, layout, 4, None, num_groups=2, topk_groups=1))
+    if rank == 0:
+        print(f"node-limited, all ranks: inter-node bytes {flat_bytes} flat, {hier_bytes} hierarchical")
     assert 0 < hier_bytes <= flat_bytes // 2, (flat_bytes, hier_bytes)
     # Groups that straddle the nodes bound nothing: refused.
     torch.manual_seed(0)
@@ -135,8 +144,9 @@ def _cases(rank: int, world: int) -> None:
         shard_experts(block, dist.group.WORLD, ep_dispatch="hierarchical", node_layout=layout)
     # An already sharded block switched to hierarchical (the strategy's path) keeps its experts and equals flat.
     flat, switched = _pair(layout)
-    set_ep_dispatch(switched, "flat", layout)
-    set_ep_dispatch(switched, "hierarchical", layout)
+    assert set_ep_dispatch(switched, "flat", PER_NODE) is None
+    assert switched.dispatcher.nodes == (0, 0, 1, 1)
+    assert set_ep_dispatch(switched, "hierarchical", PER_NODE, timeout=COLLECTIVE_TIMEOUT).nodes == layout.nodes
     assert isinstance(switched.dispatcher, HierarchicalDispatcher)
     x = torch.randn(TOKENS[rank], HIDDEN)
     torch.testing.assert_close(switched(x), flat(x), rtol=1e-5, atol=1e-6)
@@ -159,3 +169,75 @@ def test_group_nodes_and_bad_arguments() -> None:
         shard_experts(block, ep_dispatch="tree")
     with pytest.raises(ConfigError, match="needs the group's node_layout"):
         shard_experts(block, ep_dispatch="hierarchical")
+
+
+class _ForwardBytes(Callback):
+    """Spies on each training step's forward (batch start to backward) and reads what the strategy logged for it."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, float, float]] = []
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._spy = _inter_node_spy()
+        self._sent = self._spy.__enter__()
+
+    @override
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        self._spy.__exit__(None, None, None)
+        metrics = trainer.callback_metrics
+        self.steps.append(
+            (self._sent[0], float(metrics["comm/inter_node_bytes"]), float(metrics["comm/intra_node_bytes"]))
+        )
+
+
+def _fit(rank: int, ep_dispatch: str) -> tuple[dict[str, torch.Tensor], list[tuple[int, float, float]]]:
+    torch.manual_seed(0)
+    config = MoEGPTConfig(
+        vocab_size=64, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_size=16, num_experts=8, top_k=4,
+        router_backend="torch",
+    )  # fmt: skip
+    module = MoEGPTLightningModule(config, lr=1e-2, warmup_steps=1)
+    g = torch.Generator().manual_seed(7 + rank)
+    batches = [next(pack_documents([torch.randint(0, 64, (8,), generator=g)], 8, 1)) for _ in range(2)]
+    spy = _ForwardBytes()
+    strategy = LLMFastStrategy(expert_parallel_size=WORLD, ep_dispatch=ep_dispatch, process_group_backend="gloo")
+    L.Trainer(
+        accelerator="cpu", devices=PER_NODE, num_nodes=WORLD // PER_NODE, strategy=strategy, max_steps=2,
+        use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[spy],
+    ).fit(module, DataLoader(batches, batch_size=None))  # fmt: skip
+    assert strategy.ep_dispatch == ep_dispatch
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}, spy.steps
+
+
+def _fit_cases(rank: int, world: int) -> None:
+    # Two simulated nodes of two processes: Lightning joins the process group run_distributed created.
+    os.environ.update(LOCAL_RANK=str(rank % PER_NODE), NODE_RANK=str(rank // PER_NODE), WORLD_SIZE=str(world))
+    os.environ.update(RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    flat, flat_steps = _fit(rank, "flat")
+    hier, hier_steps = _fit(rank, "hierarchical")
+    # Two AdamW steps amplify the summation-order differences of the gradients (as test_expert_parallel_fit allows).
+    for name, value in flat.items():
+        torch.testing.assert_close(hier[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    for spied, inter, intra in flat_steps + hier_steps:
+        assert spied == inter and intra > 0, (flat_steps, hier_steps)
+    flat_inter = _total(sum(int(step[1]) for step in flat_steps))
+    hier_inter = _total(sum(int(step[1]) for step in hier_steps))
+    if rank == 0:
+        print(f"fit, 2 steps: inter-node bytes {flat_inter} flat, {hier_inter} hierarchical")
+    assert 0 < hier_inter < flat_inter
+
+
+@pytest.mark.slow
+def test_strategy_hierarchical_fit_equals_flat_and_logs_node_bytes() -> None:
+    run_distributed(_fit_cases, WORLD, timeout=300.0)
+
+
+def test_strategy_checks_ep_dispatch() -> None:
+    with pytest.raises(ConfigError, match="ep_dispatch must be one of"):
+        LLMFastStrategy(expert_parallel_size=2, ep_dispatch="tree")
+    with pytest.raises(ConfigError, match="needs expert_parallel_size > 1"):
+        LLMFastStrategy(ep_dispatch="hierarchical")

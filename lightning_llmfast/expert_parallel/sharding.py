@@ -62,6 +62,9 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -76,7 +79,12 @@ from lightning_llmfast.expert_parallel.dispatchers import (
     AllToAllDroplessDispatcher,
 )
 from lightning_llmfast.expert_parallel.exchange import comm_device
-from lightning_llmfast.expert_parallel.hierarchical import HierarchicalDispatcher, NodeGroups, check_node_limited
+from lightning_llmfast.expert_parallel.hierarchical import (
+    HierarchicalDispatcher,
+    NodeGroups,
+    check_node_limited,
+    node_groups,
+)
 from lightning_llmfast.expert_parallel.payload import DispatchPayload
 from lightning_llmfast.expert_parallel.state import expert_parameters, grouped_moe_blocks, sharded_moe_blocks
 from lightning_llmfast.moe.block import GroupedMoE
@@ -151,7 +159,9 @@ def shard_experts(
         shard_experts(block, group, dispatch_dtype="fp8")  # e4m3 tokens out, bf16 outputs back
     """
     payload = DispatchPayload.of(dispatch_dtype)
-    _check_ep_dispatch(ep_dispatch, node_layout)
+    _check_ep_dispatch(ep_dispatch)
+    if ep_dispatch == "hierarchical" and node_layout is None:
+        raise ConfigError("ep_dispatch='hierarchical' needs the group's node_layout (expert_parallel.node_groups)")
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("shard_experts needs an initialised torch.distributed process group")
     group = dist.group.WORLD if group is None else group
@@ -166,7 +176,9 @@ def shard_experts(
         )
     params = dict(block.experts.named_parameters(recurse=False))
     _check_same_blocks(params, group)
-    dispatcher = _dispatcher(block, group, num_experts, loss_group, payload, ep_dispatch, node_layout)
+    hierarchical = node_layout if ep_dispatch == "hierarchical" else None
+    nodes = node_layout.nodes if node_layout is not None else None
+    dispatcher = _dispatcher(block, group, num_experts, loss_group, payload, hierarchical, nodes)
     experts = dispatcher.local_experts
     for name, param in params.items():
         local = nn.Parameter(param.detach()[experts.start : experts.stop].clone(), requires_grad=param.requires_grad)
@@ -175,11 +187,9 @@ def shard_experts(
     return block
 
 
-def _check_ep_dispatch(ep_dispatch: str, node_layout: NodeGroups | None) -> None:
+def _check_ep_dispatch(ep_dispatch: str) -> None:
     if ep_dispatch not in EP_DISPATCHES:
         raise ConfigError(f"ep_dispatch must be one of {EP_DISPATCHES}, got {ep_dispatch!r}")
-    if ep_dispatch == "hierarchical" and node_layout is None:
-        raise ConfigError("ep_dispatch='hierarchical' needs the group's node_layout (expert_parallel.node_groups)")
 
 
 def _dispatcher(
@@ -188,44 +198,60 @@ def _dispatcher(
     num_experts: int,
     loss_group: dist.ProcessGroup | None,
     payload: DispatchPayload,
-    ep_dispatch: str,
-    node_layout: NodeGroups | None,
+    hierarchical: NodeGroups | None,
+    nodes: Sequence[int] | None,
 ) -> AllToAllDispatcher:
-    """The dispatcher of ``block``'s experts over ``group``: by ``ep_dispatch`` and the block's capacity limit."""
+    """The dispatcher of ``block``'s experts over ``group``: hierarchical over the nodes of ``hierarchical``, else
+    flat (counting its bytes by ``nodes``), dropless or with the block's capacity limit."""
     routing = block.config.routing
-    if ep_dispatch == "hierarchical":
-        assert node_layout is not None
-        check_node_limited(routing, num_experts, node_layout.num_nodes, type(block).__qualname__)
-        return HierarchicalDispatcher(group, num_experts, node_layout, loss_group, routing.backend, payload)
+    if hierarchical is not None:
+        check_node_limited(routing, num_experts, hierarchical.num_nodes, type(block).__qualname__)
+        return HierarchicalDispatcher(group, num_experts, hierarchical, loss_group, routing.backend, payload)
     kind = AllToAllDroplessDispatcher if routing.capacity_factor is None else AllToAllCapacityDispatcher
-    nodes = node_layout.nodes if node_layout is not None else None
     return kind(group, num_experts, loss_group, routing.backend, payload, nodes)
 
 
-def set_ep_dispatch(module: nn.Module, ep_dispatch: str, node_layout: NodeGroups) -> None:
-    """Give every sharded MoE block of ``module`` the ``ep_dispatch`` dispatcher over its nodes (in place).
+def set_ep_dispatch(
+    module: nn.Module, ep_dispatch: str, ranks_per_node: int, *, timeout: timedelta | None = None
+) -> NodeGroups | None:
+    """Give every sharded MoE block of ``module`` the ``ep_dispatch`` dispatcher over its nodes, in place (every rank
+    of the world calls it).
 
     The blocks keep their experts, groups, loss group and payloads; only how tokens cross nodes changes, and the
-    dispatchers count their bytes inside the node and across (:attr:`AllToAllDispatcher.traffic`).
+    dispatchers count their bytes inside the node and across it (:attr:`AllToAllDispatcher.traffic`).
 
     Args:
-        module: a model whose blocks :func:`shard_model_experts` sharded.
+        module: a model whose blocks :func:`shard_model_experts` sharded (over one expert-parallel group).
         ep_dispatch: ``"flat"`` or ``"hierarchical"``.
-        node_layout: the expert-parallel group's nodes and sub-groups
-            (:func:`~lightning_llmfast.expert_parallel.hierarchical.node_groups`).
+        ranks_per_node: processes per node (global rank ``g`` runs on node ``g // ranks_per_node``).
+        timeout: the hierarchical sub-groups' collective timeout (``None``: torch's default).
+
+    Returns:
+        The group's :class:`~lightning_llmfast.expert_parallel.hierarchical.NodeGroups` (hierarchical), else ``None``.
 
     Raises:
-        ConfigError: an unknown ``ep_dispatch``; hierarchical with group-limited routing whose groups do not fall
-            inside the nodes (:func:`~lightning_llmfast.expert_parallel.hierarchical.check_node_limited`).
+        ConfigError: an unknown ``ep_dispatch``, blocks sharded over different groups; hierarchical: the group does
+            not fill whole nodes equally, or group-limited routing whose groups straddle nodes
+            (:func:`~lightning_llmfast.expert_parallel.hierarchical.check_node_limited`).
 
     Example::
 
-        set_ep_dispatch(model, "hierarchical", node_groups(dims.ep_mesh.get_group(), ranks_per_node=8))
+        set_ep_dispatch(model, "hierarchical", ranks_per_node=8, timeout=timedelta(minutes=5))
     """
-    _check_ep_dispatch(ep_dispatch, node_layout)
-    for _, block, old in list(sharded_moe_blocks(module)):
-        new = _dispatcher(block, old.group, old.num_experts, old.loss_group, old.payload, ep_dispatch, node_layout)
+    _check_ep_dispatch(ep_dispatch)
+    blocks = list(sharded_moe_blocks(module))
+    groups = {id(old.group): old.group for _, _, old in blocks}
+    if len(groups) > 1:
+        raise ConfigError(f"set_ep_dispatch needs every MoE block sharded over one group, got {len(groups)} groups")
+    if not groups:
+        return None
+    group = next(iter(groups.values()))
+    layout = node_groups(group, ranks_per_node, timeout=timeout) if ep_dispatch == "hierarchical" else None
+    nodes = tuple(rank // ranks_per_node for rank in dist.get_process_group_ranks(group))
+    for _, block, old in blocks:
+        new = _dispatcher(block, group, old.num_experts, old.loss_group, old.payload, layout, nodes)
         block.set_dispatcher(new)
+    return layout
 
 
 def _check_same_blocks(params: dict[str, Tensor], group: dist.ProcessGroup) -> None:
