@@ -5,6 +5,7 @@ against the flat dispatch of the same block: outputs and every gradient, and the
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,7 +25,8 @@ from lightning_llmfast.data import pack_documents
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.expert_parallel import HierarchicalDispatcher, node_groups, set_ep_dispatch, shard_experts
 from lightning_llmfast.expert_parallel.hierarchical import group_nodes
-from lightning_llmfast.moe import MoEBlock, MoEConfig
+from lightning_llmfast.moe import MoEBlock, MoEConfig, RoutingConfig, route
+from lightning_llmfast.plan import expected_remote_nodes, expected_remote_pairs, inter_node_bytes, main
 
 WORLD, PER_NODE = 4, 2
 HIDDEN = 16
@@ -241,3 +243,50 @@ def test_strategy_checks_ep_dispatch() -> None:
         LLMFastStrategy(expert_parallel_size=2, ep_dispatch="tree")
     with pytest.raises(ConfigError, match="needs expert_parallel_size > 1"):
         LLMFastStrategy(ep_dispatch="hierarchical")
+
+
+def _brute_force(experts: int, top_k: int, nodes: int, groups: int | None, chosen: int | None) -> tuple[float, float]:
+    """Remote pairs and remote nodes per token on node 0, averaged over every equally likely routing of the model."""
+    per_node = experts // nodes
+    outcomes = []
+    group_sets = itertools.combinations(range(groups), chosen) if groups else [None]
+    for picked in group_sets:
+        pool = (
+            range(experts)
+            if picked is None
+            else [e for g in picked for e in range(g * experts // groups, (g + 1) * experts // groups)]
+        )
+        for selected in itertools.combinations(pool, top_k):
+            hit = {e // per_node for e in selected}
+            outcomes.append((sum(e >= per_node for e in selected), len(hit - {0})))
+    return tuple(sum(o[i] for o in outcomes) / len(outcomes) for i in (0, 1))  # fmt: skip
+
+
+@pytest.mark.parametrize(("experts", "top_k", "nodes", "groups", "chosen"),
+                         [(8, 4, 2, None, None), (8, 4, 2, 2, 1), (16, 4, 4, 8, 2), (12, 3, 3, 3, 2)])  # fmt: skip
+def test_plan_expectations_equal_a_brute_force_count(experts: int, top_k: int, nodes: int, groups: Any,
+                                                     chosen: Any) -> None:  # fmt: skip
+    pairs, reached = _brute_force(experts, top_k, nodes, groups, chosen)
+    assert expected_remote_pairs(experts, top_k, nodes) == pytest.approx(pairs, rel=1e-12)
+    assert expected_remote_nodes(experts, top_k, nodes, groups, chosen) == pytest.approx(reached, rel=1e-12)
+
+
+def test_plan_cli_counts_equal_random_routing(capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI's numbers for the reference model (8 experts, top-2) on 2 nodes x 2 ranks, ep 4, against route() on
+    random logits: remote (token, expert) pairs and (token, node) pairs counted token by token."""
+    plan = main(["reference", "--nodes", "2", "--gpus-per-node", "2", "--ep", "4", "--tokens", "16"])
+    assert "hierarchical" in capsys.readouterr().out
+    nodes = plan.inter_node
+    assert nodes is not None and nodes.nodes == 2
+    experts = route(torch.randn(40000, 8, generator=torch.Generator().manual_seed(0)), top_k=2).expert_ids.long()
+    node = experts // 4  # tokens on node 0: 4 experts a node
+    assert nodes.remote_pairs == pytest.approx((node == 1).sum(dim=1).float().mean().item(), abs=0.02)
+    assert nodes.remote_nodes == pytest.approx((node == 1).any(dim=1).float().mean().item(), abs=0.02)
+    # bf16 rows of 128 values: 4 exchanges a row, plus 8 * k bytes of weights and ids forward and backward.
+    row = 4 * 2 * 128
+    assert nodes.flat_per_token == pytest.approx(nodes.remote_pairs * row)
+    assert nodes.hierarchical_per_token == pytest.approx(nodes.remote_nodes * (row + 2 * 8 * 2))
+    assert nodes.flat_per_step == pytest.approx(nodes.flat_per_token * 16 * 4)  # 16 tokens, 4 MoE layers
+    with pytest.raises(ConfigError, match="does not align"):
+        inter_node_bytes(RoutingConfig(top_k=2, num_groups=3, topk_groups=1), 6, 8, ep=4, gpus_per_node=2,
+                         tokens_per_rank=1, moe_layers=1)  # fmt: skip
