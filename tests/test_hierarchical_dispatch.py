@@ -42,7 +42,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float 
 
 
 @contextmanager
-def _inter_node_spy() -> Iterator[list[int]]:
+def _inter_node_spy(per_node: int = PER_NODE) -> Iterator[list[int]]:
     """Bytes of float rows this rank sends to ranks on other nodes through ``all_to_all_single`` (the int64 split
     handshakes are not payload)."""
     sent = [0]
@@ -54,8 +54,8 @@ def _inter_node_spy() -> Iterator[list[int]]:
             ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
             splits = input_split_sizes or [input.shape[0] // len(ranks)] * len(ranks)
             row_bytes = input[0].numel() * input.element_size()
-            me = dist.get_rank() // PER_NODE
-            sent[0] += sum(rows * row_bytes for rows, g in zip(splits, ranks, strict=True) if g // PER_NODE != me)
+            me = dist.get_rank() // per_node
+            sent[0] += sum(rows * row_bytes for rows, g in zip(splits, ranks, strict=True) if g // per_node != me)
         return real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
     dist.all_to_all_single = spy
@@ -76,12 +76,12 @@ def _pair(layout: Any, **options: Any) -> tuple[MoEBlock, MoEBlock]:
     return flat, hier
 
 
-def _step(block: MoEBlock, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _step(block: MoEBlock, x: torch.Tensor, g: torch.Tensor, per_node: int) -> tuple[torch.Tensor, ...]:
     """Output, input/router/expert gradients, and the forward's spied and counted inter-node bytes."""
     xs = x.clone().requires_grad_()
     traffic = block.dispatcher.traffic
     before = traffic.inter
-    with _inter_node_spy() as spied:
+    with _inter_node_spy(per_node) as spied:
         out = block(xs)
     counted = traffic.inter - before
     (out * g).sum().add(0.1 * block.stats.aux_loss).backward()
@@ -97,7 +97,8 @@ def _compare(rank: int, layout: Any, seed: int, routing: Callable[[MoEBlock, tor
     if routing is not None:
         x = routing(flat, x)
         hier.load_state_dict(flat.state_dict())
-    expected, actual = _step(flat, x, g), _step(hier, x, g)
+    per_node = layout.ranks_per_node
+    expected, actual = _step(flat, x, g, per_node), _step(hier, x, g, per_node)
     names = ("output", "input gradient", "router gradient", "gate_up gradient", "down gradient")
     errors = [_close(a, e, n) for a, e, n in zip(actual[:-1], expected[:-1], names, strict=True)]
     flat_bytes, hier_bytes = expected[-1].tolist(), actual[-1].tolist()
@@ -139,6 +140,13 @@ def _cases(rank: int, world: int) -> None:
     if rank == 0:
         print(f"node-limited, all ranks: inter-node bytes {flat_bytes} flat, {hier_bytes} hierarchical")
     assert 0 < hier_bytes <= flat_bytes // 2, (flat_bytes, hier_bytes)
+    # One node of 4 ranks (nothing crosses), and 4 nodes of one rank (nothing stays inside a node).
+    for per_node in (4, 1):
+        other = node_groups(dist.group.WORLD, per_node, timeout=COLLECTIVE_TIMEOUT)
+        assert other.num_nodes == WORLD // per_node
+        flat_bytes, hier_bytes = _compare(rank, other, 5, None)
+        if per_node == 4:  # (with one rank a node, 16 values a row do not pay for the 32 bytes of weights and ids)
+            assert flat_bytes == hier_bytes == 0
     # Groups that straddle the nodes bound nothing: refused.
     torch.manual_seed(0)
     block = MoEBlock(MoEConfig.build(HIDDEN, 12, 8, 4, backend="torch", num_groups=1, topk_groups=1))
