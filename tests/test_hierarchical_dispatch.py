@@ -152,6 +152,9 @@ def _cases(rank: int, world: int) -> None:
     block = MoEBlock(MoEConfig.build(HIDDEN, 12, 8, 4, backend="torch", num_groups=1, topk_groups=1))
     with pytest.raises(ConfigError, match="does not align"):
         shard_experts(block, dist.group.WORLD, ep_dispatch="hierarchical", node_layout=layout)
+    shard_experts(block, dist.group.WORLD)
+    with pytest.raises(ConfigError, match="does not align"):  # the strategy's path, at setup
+        set_ep_dispatch(block, "hierarchical", PER_NODE, timeout=COLLECTIVE_TIMEOUT)
     # An already sharded block switched to hierarchical (the strategy's path) keeps its experts and equals flat.
     flat, switched = _pair(layout)
     assert set_ep_dispatch(switched, "flat", PER_NODE) is None
