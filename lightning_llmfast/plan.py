@@ -11,11 +11,13 @@ fp32 moments). Per step and rank: bytes received by FSDP2's all-gathers (in the 
 in forward and again in backward, the roots included, except the last layer's own group, once), bytes sent by its
 reduce-scatters (in the reduce dtype, once per group) and the expected all-to-all bytes of the token exchange
 (dispatch and combine, forward and backward, the ``(ep - 1) / ep`` of the rows that leave the rank under uniform
-routing).
+routing). With ``--nodes`` (``world = nodes * gpus_per_node``): the all-to-all bytes that cross the node boundary
+per token and per step, flat against hierarchical dispatch (:class:`InterNodeBytes`).
 
 Example::
 
     python -m lightning_llmfast.plan deepseek-v3 --world 256 --ep 64
+    python -m lightning_llmfast.plan deepseek-v3 --nodes 32 --gpus-per-node 8 --ep 64  # + inter-node bytes
 
     plan = sharding_plan("qwen3-235b-a22b", world=256, ep=64)
     plan.ranks[0].expert_params  # bytes of routed-expert parameters on rank 0
@@ -36,17 +38,23 @@ from torch.distributed.tensor import DTensor
 
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.expert_parallel import grouped_moe_blocks
+from lightning_llmfast.expert_parallel.hierarchical import check_node_limited
 from lightning_llmfast.expert_parallel.payload import WIRES, DispatchPayload, wire_row_bytes
+from lightning_llmfast.moe.config import RoutingConfig
 from lightning_llmfast.parallel.dims import ParallelDims
 from lightning_llmfast.parallel.layout import parallelize
 
 __all__ = [
     "PRESETS",
+    "InterNodeBytes",
     "ParamShape",
     "RankBytes",
     "ShardingPlan",
     "a2a_bytes",
+    "expected_remote_nodes",
+    "expected_remote_pairs",
     "formula_plan",
+    "inter_node_bytes",
     "main",
     "param_shapes",
     "sharding_plan",
@@ -103,6 +111,128 @@ class RankBytes:
 
 
 @dataclass(frozen=True)
+class InterNodeBytes:
+    """Expected all-to-all bytes that cross the node boundary, flat against hierarchical dispatch.
+
+    Attributes:
+        nodes: nodes the expert-parallel group spans (``ep / gpus_per_node``, at least 1).
+        max_nodes: other nodes a token can reach (``topk_groups`` under node-aligned group-limited routing).
+        remote_pairs: flat: expected (token, expert on another node) pairs per token.
+        remote_nodes: hierarchical: expected (token, other node) pairs per token.
+        flat_per_token: flat bytes per token and MoE layer (forward and backward).
+        hierarchical_per_token: hierarchical bytes per token and MoE layer (its weights and expert ids included).
+        flat_per_step: flat bytes per rank and step (all MoE layers).
+        hierarchical_per_step: hierarchical bytes per rank and step.
+    """
+
+    nodes: int
+    max_nodes: int
+    remote_pairs: float
+    remote_nodes: float
+    flat_per_token: float
+    hierarchical_per_token: float
+    flat_per_step: float
+    hierarchical_per_step: float
+
+    def table(self) -> str:
+        """The two dispatches side by side, as text."""
+        return "\n".join([
+            f"inter-node all-to-all (expected; EP spans {self.nodes} nodes, a token reaches at most "
+            f"{self.max_nodes} others):",
+            "dispatch      remote/token  bytes/token/layer  GB/rank/step",
+            f"flat          {self.remote_pairs:12.3f} {self.flat_per_token:18.0f} {self.flat_per_step / 1e9:13.3f}",
+            f"hierarchical  {self.remote_nodes:12.3f} {self.hierarchical_per_token:18.0f} "
+            f"{self.hierarchical_per_step / 1e9:13.3f}",
+        ])  # fmt: skip
+
+
+def expected_remote_pairs(num_experts: int, top_k: int, nodes: int) -> float:
+    """Flat dispatch: expected experts of a token on nodes other than its own, ``k (N - 1) / N``.
+
+    Each chosen expert is on any of the ``N`` nodes alike (routing is symmetric in the experts, and the groups of
+    group-limited routing are too), whatever the selection rule.
+
+    Example::
+
+        expected_remote_pairs(256, 8, nodes=8)  # 7.0
+    """
+    return top_k * (nodes - 1) / nodes
+
+
+def expected_remote_nodes(
+    num_experts: int, top_k: int, nodes: int, num_groups: int | None = None, topk_groups: int | None = None
+) -> float:
+    """Hierarchical dispatch: expected nodes other than its own that a token reaches, ``(N - 1) P(node n hit)``.
+
+    The routing model: the token's ``k`` experts uniform among the ``E`` experts (the top-k of exchangeable scores),
+    or, with group-limited routing, ``topk_groups`` of the ``num_groups`` groups uniform and the ``k`` experts uniform
+    among theirs (groups inside nodes: :func:`~lightning_llmfast.expert_parallel.hierarchical.check_node_limited`).
+    A node ``n`` holding ``j`` of the chosen groups is missed with probability ``C((M - j) s, k) / C(M s, k)``
+    (``s = E / G`` experts a group), ``j`` hypergeometric; without groups, ``C(E - E / N, k) / C(E, k)``.
+
+    Example::
+
+        expected_remote_nodes(256, 8, nodes=8, num_groups=8, topk_groups=4)
+    """
+    if nodes == 1:
+        return 0.0
+    if num_groups is None or topk_groups is None:
+        missed = math.comb(num_experts - num_experts // nodes, top_k) / math.comb(num_experts, top_k)
+    else:
+        per_node, size = num_groups // nodes, num_experts // num_groups
+        pool, choices = math.comb(topk_groups * size, top_k), math.comb(num_groups, topk_groups)
+        missed = sum(
+            math.comb(per_node, j) * math.comb(num_groups - per_node, topk_groups - j) / choices
+            * math.comb((topk_groups - j) * size, top_k) / pool
+            for j in range(min(per_node, topk_groups) + 1)
+        )  # fmt: skip
+    return (nodes - 1) * (1 - missed)
+
+
+def inter_node_bytes(
+    routing: RoutingConfig,
+    num_experts: int,
+    hidden: int,
+    *,
+    ep: int,
+    gpus_per_node: int,
+    tokens_per_rank: int,
+    moe_layers: int,
+    compute_bytes: int = 2,
+    payload: DispatchPayload | None = None,
+) -> InterNodeBytes:
+    """Expected bytes a rank sends across the node boundary, flat against hierarchical dispatch.
+
+    A row crossing the boundary costs what it costs in :func:`a2a_bytes` (dispatch, combine; forward, backward);
+    the hierarchical dispatch's rows also carry the token's ``k`` weights and expert ids, ``8 k`` bytes, forward and
+    backward. Flat sends :func:`expected_remote_pairs` rows a token, hierarchical :func:`expected_remote_nodes`.
+
+    Raises:
+        ConfigError: ``ep`` spans part of a node or nodes unequally, or group-limited routing whose groups straddle
+            nodes.
+
+    Example::
+
+        inter_node_bytes(RoutingConfig(top_k=8), 256, 7168, ep=64, gpus_per_node=8, tokens_per_rank=4096,
+                         moe_layers=58)
+    """
+    if ep > gpus_per_node and ep % gpus_per_node:
+        raise ConfigError(f"ep={ep} must fill whole nodes of {gpus_per_node} GPUs (a multiple of it, or within one)")
+    nodes = max(ep // gpus_per_node, 1)
+    check_node_limited(routing, num_experts, nodes)
+    top_k, groups, chosen = routing.top_k, routing.num_groups, routing.topk_groups
+    payload = payload or DispatchPayload()
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[compute_bytes]
+    row = wire_row_bytes(payload.dispatch, hidden, dtype) + 3 * wire_row_bytes(payload.combine, hidden, dtype)
+    pairs = expected_remote_pairs(num_experts, top_k, nodes)
+    reached = expected_remote_nodes(num_experts, top_k, nodes, groups, chosen)
+    flat, hierarchical = pairs * row, reached * (row + 2 * 8 * top_k)
+    steps = tokens_per_rank * moe_layers
+    max_nodes = min(nodes - 1, chosen if chosen is not None else top_k)
+    return InterNodeBytes(nodes, max_nodes, pairs, reached, flat, hierarchical, flat * steps, hierarchical * steps)
+
+
+@dataclass(frozen=True)
 class ShardingPlan:
     """Per-rank memory and per-step communication of a layout (see the module docstring for the definitions)."""
 
@@ -114,6 +244,7 @@ class ShardingPlan:
     all_gather: tuple[int, ...]
     reduce_scatter: tuple[int, ...]
     all_to_all: int
+    inter_node: InterNodeBytes | None = None
 
     def rows(self) -> list[tuple[int, ...]]:
         """Per rank: ``(dense, expert, grads, optimizer, all-gather, reduce-scatter)`` bytes."""
@@ -136,6 +267,8 @@ class ShardingPlan:
                 )
                 start = index
         lines.append(f"all-to-all per rank and step (expected, uniform routing): {self.all_to_all / 1e9:.3f} GB")
+        if self.inter_node is not None:
+            lines.append(self.inter_node.table())
         return "\n".join(lines)
 
     def _row(self, index: int) -> tuple[int, ...]:
@@ -284,6 +417,7 @@ def sharding_plan(
     compute_bytes: int = 2,
     backend: str = "torch",
     dispatch_dtype: str | DispatchPayload | None = None,
+    gpus_per_node: int | None = None,
 ) -> ShardingPlan:
     """Apply the strategy's FSDP2 x EP sharding to the meta-device model on a fake process group; read the bytes.
 
@@ -295,6 +429,8 @@ def sharding_plan(
         compute_bytes: bytes of the compute dtype (all-gathers and the token exchange; 2 for ``"bf16-mixed"``).
         backend: routing kernels of the swapped MoE blocks.
         dispatch_dtype: the all-to-all payload, as ``LLMFastStrategy(dispatch_dtype=...)`` takes it.
+        gpus_per_node: ranks per node: adds the inter-node bytes of flat and hierarchical dispatch
+            (:func:`inter_node_bytes`, from the first MoE block's routing); ``None``: not computed.
 
     Returns:
         The :class:`ShardingPlan`; nothing is allocated and no process group stays behind.
@@ -318,6 +454,13 @@ def sharding_plan(
     try:
         module, layers, moe_layers, top_k, hidden = _build(name, backend)
         shapes = param_shapes(module, layers)
+        block = grouped_moe_blocks(module)[0][1]
+        inter_node = None
+        if gpus_per_node is not None:
+            inter_node = inter_node_bytes(
+                block.config.routing, block.config.num_experts, hidden, ep=ep, gpus_per_node=gpus_per_node,
+                tokens_per_rank=tokens_per_rank, moe_layers=moe_layers, compute_bytes=compute_bytes, payload=payload,
+            )  # fmt: skip
         dims.build_mesh("cpu")
         parallelize(module, dims, layers, device=torch.device("meta"), dispatch=payload)
         measured = _measured_rows(module, shapes, world)
@@ -328,21 +471,32 @@ def sharding_plan(
     gathered = tuple(g * compute_bytes for _, _, g, _ in measured)
     scattered = tuple(s * 4 for _, _, _, s in measured)
     params = sum(math.prod(p.shape) for p in shapes)
-    return ShardingPlan(name, world, ep, params, ranks, gathered, scattered, a2a)
+    return ShardingPlan(name, world, ep, params, ranks, gathered, scattered, a2a, inter_node)
 
 
 def main(argv: Sequence[str] | None = None) -> ShardingPlan:
-    """``python -m lightning_llmfast.plan MODEL --world W --ep N [--tokens T] [--dispatch-dtype D]``: print it."""
+    """``python -m lightning_llmfast.plan MODEL --world W --ep N [--tokens T] [--dispatch-dtype D] [--nodes N
+    [--gpus-per-node G]]``: print it (``--nodes``: ``world = N * G`` and the inter-node bytes)."""
     parser = argparse.ArgumentParser(prog="python -m lightning_llmfast.plan", description=__doc__.split("\n")[0])
     parser.add_argument("model", choices=PRESETS)
-    parser.add_argument("--world", type=int, default=256)
+    parser.add_argument("--world", type=int, default=None, help="ranks (default 256, or nodes * gpus-per-node)")
+    parser.add_argument("--nodes", type=int, default=None, help="nodes: adds the inter-node bytes, flat vs hier.")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (with --nodes)")
     parser.add_argument("--ep", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank and step")
     parser.add_argument("--dispatch-dtype", choices=WIRES, default=None, help="all-to-all dispatch payload")
     args = parser.parse_args(argv)
+    world = args.world if args.world is not None else 256
+    gpus_per_node = None
+    if args.nodes is not None:
+        gpus_per_node = args.gpus_per_node
+        world = args.nodes * gpus_per_node
+        if args.world is not None and args.world != world:
+            parser.error(f"--world {args.world} is not --nodes {args.nodes} x --gpus-per-node {gpus_per_node}")
     plan = sharding_plan(
-        args.model, args.world, args.ep, tokens_per_rank=args.tokens, dispatch_dtype=args.dispatch_dtype
-    )
+        args.model, world, args.ep, tokens_per_rank=args.tokens, dispatch_dtype=args.dispatch_dtype,
+        gpus_per_node=gpus_per_node,
+    )  # fmt: skip
     print(plan.table())
     return plan
 

@@ -4,8 +4,11 @@ Plain PyTorch on top of :mod:`lightning_llmfast.moe` (no Lightning, no :mod:`lig
 
 - :mod:`~lightning_llmfast.expert_parallel.sharding`: :func:`shard_experts` (one block) and
   :func:`shard_model_experts` (every block of a model, over a DeviceMesh dimension);
-- :mod:`~lightning_llmfast.expert_parallel.dispatchers`: the all-to-all token dispatchers (dropless, capacity) and
-  the batch-wide balance loss :func:`global_aux_loss`;
+- :mod:`~lightning_llmfast.expert_parallel.dispatchers`: the all-to-all token dispatchers (dropless, capacity),
+  their byte counts inside and across nodes (:class:`NodeTraffic`) and the batch-wide balance loss
+  :func:`global_aux_loss`;
+- :mod:`~lightning_llmfast.expert_parallel.hierarchical`: the hierarchical dispatch across nodes (a token crosses the
+  node boundary once per destination node) and the node sub-groups it runs on;
 - :mod:`~lightning_llmfast.expert_parallel.payload`: what travels on the wire (:class:`DispatchPayload`: bf16, fp8)
   and the differentiable exchange;
 - :mod:`~lightning_llmfast.expert_parallel.exchange`: the masked gathers around the exchange and the staging of its
@@ -33,8 +36,13 @@ _LAZY: dict[str, str] = {
     "AllToAllCapacityDispatcher": "lightning_llmfast.expert_parallel.dispatchers",
     "AllToAllDispatcher": "lightning_llmfast.expert_parallel.dispatchers",
     "AllToAllDroplessDispatcher": "lightning_llmfast.expert_parallel.dispatchers",
+    "NodeTraffic": "lightning_llmfast.expert_parallel.dispatchers",
     "global_aux_loss": "lightning_llmfast.expert_parallel.dispatchers",
+    "HierarchicalDispatcher": "lightning_llmfast.expert_parallel.hierarchical",
+    "NodeGroups": "lightning_llmfast.expert_parallel.hierarchical",
+    "node_groups": "lightning_llmfast.expert_parallel.hierarchical",
     "DispatchPayload": "lightning_llmfast.expert_parallel.payload",
+    "set_ep_dispatch": "lightning_llmfast.expert_parallel.sharding",
     "shard_experts": "lightning_llmfast.expert_parallel.sharding",
     "shard_model_experts": "lightning_llmfast.expert_parallel.sharding",
     "expert_parameters": "lightning_llmfast.expert_parallel.state",
@@ -52,12 +60,17 @@ __all__ = [
     "AllToAllDispatcher",
     "AllToAllDroplessDispatcher",
     "DispatchPayload",
+    "HierarchicalDispatcher",
+    "NodeGroups",
+    "NodeTraffic",
     "expert_parameters",
     "gather_expert_optimizer_state",
     "gather_expert_state_dict",
     "global_aux_loss",
     "grouped_moe_blocks",
+    "node_groups",
     "reduce_expert_gradients",
+    "set_ep_dispatch",
     "shard_experts",
     "shard_model_experts",
     "sharded_moe_blocks",
@@ -73,10 +86,12 @@ if TYPE_CHECKING:
         AllToAllCapacityDispatcher,
         AllToAllDispatcher,
         AllToAllDroplessDispatcher,
+        NodeTraffic,
         global_aux_loss,
     )
+    from lightning_llmfast.expert_parallel.hierarchical import HierarchicalDispatcher, NodeGroups, node_groups
     from lightning_llmfast.expert_parallel.payload import DispatchPayload
-    from lightning_llmfast.expert_parallel.sharding import shard_experts, shard_model_experts
+    from lightning_llmfast.expert_parallel.sharding import set_ep_dispatch, shard_experts, shard_model_experts
     from lightning_llmfast.expert_parallel.state import (
         expert_parameters,
         gather_expert_optimizer_state,

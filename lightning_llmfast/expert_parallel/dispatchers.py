@@ -10,7 +10,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -20,14 +21,20 @@ from torch import Tensor
 
 from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.expert_parallel.exchange import comm_device, masked_gather, stage_to_device
-from lightning_llmfast.expert_parallel.payload import DispatchPayload, exchange
+from lightning_llmfast.expert_parallel.payload import DispatchPayload, exchange, wire_row_bytes
 from lightning_llmfast.moe.dispatcher import ExpertRows, TokenDispatcher
 from lightning_llmfast.moe.kernels import BACKENDS, resolve_backend
 from lightning_llmfast.moe.losses import masked_probs
 from lightning_llmfast.moe.routing import RoutingPlan
 from lightning_llmfast.moe.token_rows import permute, unpermute
 
-__all__ = ["AllToAllCapacityDispatcher", "AllToAllDispatcher", "AllToAllDroplessDispatcher", "global_aux_loss"]
+__all__ = [
+    "AllToAllCapacityDispatcher",
+    "AllToAllDispatcher",
+    "AllToAllDroplessDispatcher",
+    "NodeTraffic",
+    "global_aux_loss",
+]
 
 # Wire codes of the activation dtypes in the size signature (ranks must agree on the bytes per row).
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -40,6 +47,37 @@ class _Return(NamedTuple):
     maps: tuple[Tensor, ...]
     in_splits: list[int] | None
     out_splits: list[int] | None
+
+
+@dataclass
+class NodeTraffic:
+    """Bytes a rank has sent to other ranks so far, split by whether they crossed the node boundary.
+
+    Counted on the host from the split sizes an exchange already has (no device read of its own).
+
+    Attributes:
+        inter: bytes sent to ranks on other nodes.
+        intra: bytes sent to other ranks of this rank's node.
+
+    Example::
+
+        traffic = NodeTraffic()
+        traffic.add((0, 0, 1, 1), 0, [3, 2, 1, 0], 64)  # 128 bytes inside the node, 64 across
+    """
+
+    inter: int = 0
+    intra: int = 0
+
+    def add(self, nodes: Sequence[int], me: int, rows: Sequence[int], row_bytes: int) -> None:
+        """Count ``rows[r]`` rows of ``row_bytes`` sent by group rank ``me`` to each group rank ``r`` (on node
+        ``nodes[r]``); the rows a rank keeps cross nothing."""
+        for rank, count in enumerate(rows):
+            if rank == me:
+                continue
+            if nodes[rank] == nodes[me]:
+                self.intra += count * row_bytes
+            else:
+                self.inter += count * row_bytes
 
 
 class AllToAllDispatcher(TokenDispatcher):
@@ -58,6 +96,8 @@ class AllToAllDispatcher(TokenDispatcher):
         backend: the permutation's and the experts' kernels (``"auto"``: Triton on CUDA; ``"torch"``, ``"triton"``),
             carried to the experts in the :class:`~lightning_llmfast.moe.dispatcher.ExpertRows`.
         payload: what the exchanges put on the wire (default: the activations' dtype both ways).
+        nodes: the node of each rank of ``group`` (any integers: equal ones share a node), for :attr:`traffic`;
+            ``None``: the whole group on one node.
 
     Attributes:
         host_syncs: host reads of device values so far (dropless: one per forward; capacity: one per size change).
@@ -66,6 +106,8 @@ class AllToAllDispatcher(TokenDispatcher):
         recv_rows: rows this rank received in the last forward's dispatch exchange.
         global_stats: dropless: ``(E + 1,)`` int64 pairs per expert and tokens of the last forward, summed over the
             group (device tensor); ``None`` with a capacity limit.
+        traffic: the bytes this rank's forward exchanges (dispatch and combine) have sent so far, inside its node
+            and across (:class:`NodeTraffic`; the backward's exchanges mirror them, in the gradients' payload).
     """
 
     def __init__(
@@ -75,6 +117,7 @@ class AllToAllDispatcher(TokenDispatcher):
         loss_group: dist.ProcessGroup | None = None,
         backend: str = "auto",
         payload: DispatchPayload | None = None,
+        nodes: Sequence[int] | None = None,
     ) -> None:
         self.group = group
         self.payload = DispatchPayload() if payload is None else payload
@@ -83,6 +126,10 @@ class AllToAllDispatcher(TokenDispatcher):
         self.rank = dist.get_rank(group)
         self.num_experts = num_experts
         self.num_local = num_experts // self.world
+        self.nodes = tuple(nodes) if nodes is not None else (0,) * self.world
+        if len(self.nodes) != self.world:
+            raise ConfigError(f"nodes must give the node of each of the {self.world} ranks, got {self.nodes}")
+        self.traffic = NodeTraffic()
         if backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
         self.backend = backend
@@ -120,6 +167,13 @@ class AllToAllDispatcher(TokenDispatcher):
         if rows.dtype not in _DTYPES:
             raise RoutingError(f"expert parallelism exchanges {_DTYPES} activations, got {rows.dtype}")
         return [_DTYPES.index(rows.dtype), rows.shape[1], self.payload.code]
+
+    def _count_traffic(self, sent: Sequence[int], returned: Sequence[int], rows: Tensor) -> None:
+        """Add a forward's bytes to :attr:`traffic`: ``sent[r]`` token rows to rank ``r`` in the dispatch payload,
+        ``returned[r]`` output rows back to it in the combine one."""
+        hidden, dtype, payload = rows.shape[1], rows.dtype, self.payload
+        self.traffic.add(self.nodes, self.rank, sent, wire_row_bytes(payload.dispatch, hidden, dtype))
+        self.traffic.add(self.nodes, self.rank, returned, wire_row_bytes(payload.combine, hidden, dtype))
 
     def _send(self, rows: Tensor, out_splits: list[int] | None, in_splits: list[int] | None) -> Tensor:
         """Tokens to their experts in the dispatch payload (their gradients come back in the combine one)."""
@@ -188,6 +242,7 @@ class AllToAllDroplessDispatcher(AllToAllDispatcher):
             self._raise_disagreement("dtype, hidden size or dispatch payload", received)
         self.global_stats = recv[:, : num_experts + 1].sum(dim=0)
         self.send_rows, self.recv_rows = sum(in_splits), sum(out_splits)
+        self._count_traffic(in_splits, out_splits, source)
         # A token mask's pairs sort after every expert's: the rows past the kept ones are padding and stay home.
         recv_rows = self._send(rows[: self.send_rows], out_splits, in_splits)
         # Received rows are grouped by (source rank, local expert); the grouped GEMM wants (local expert, source).
@@ -237,6 +292,7 @@ class AllToAllCapacityDispatcher(AllToAllDispatcher):
         slot_src, slot_valid, row_slot, row_valid = self._slot_maps(plan, rows.device)
         send = masked_gather(rows, slot_src, slot_valid, row_slot, row_valid)  # (E * C, H)
         self.send_rows = self.recv_rows = send.shape[0]
+        self._count_traffic([local * capacity] * world, [local * capacity] * world, send)
         recv = self._send(send, None, None)  # (W * E_l * C, H): source, local expert, slot
         hidden_size = recv.shape[1]
         grouped = recv.view(world, local, capacity, hidden_size).transpose(0, 1).reshape(-1, hidden_size)

@@ -27,6 +27,13 @@ Two dispatchers, chosen by the block's routing config:
 
 Every exchange is differentiable: the backward of an all-to-all is the reverse all-to-all.
 
+Across nodes (``ep_dispatch``): ``"flat"`` sends every (token, expert) pair straight to the expert's rank, so a token
+whose ``k`` experts sit on another node crosses the node boundary ``k`` times; ``"hierarchical"``
+(:class:`~lightning_llmfast.expert_parallel.hierarchical.HierarchicalDispatcher`, given the group's
+:class:`~lightning_llmfast.expert_parallel.hierarchical.NodeGroups`) sends it once per destination node and fans it
+out inside the node. With a ``node_layout`` both count the bytes they send inside the node and across it
+(:attr:`AllToAllDispatcher.traffic`).
+
 Payloads (``dispatch_dtype``, a :class:`~lightning_llmfast.expert_parallel.DispatchPayload`): ``None`` sends every row
 in the activations' dtype; ``"bf16"`` sends the tokens in bf16 (``2 H`` bytes a row) and ``"fp8"`` as e4m3 with one
 fp32 scale per row (``H + 4`` bytes: half of bf16 plus the scales), both quantized after the local permutation and
@@ -55,6 +62,9 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -69,11 +79,20 @@ from lightning_llmfast.expert_parallel.dispatchers import (
     AllToAllDroplessDispatcher,
 )
 from lightning_llmfast.expert_parallel.exchange import comm_device
+from lightning_llmfast.expert_parallel.hierarchical import (
+    HierarchicalDispatcher,
+    NodeGroups,
+    check_node_limited,
+    node_groups,
+)
 from lightning_llmfast.expert_parallel.payload import DispatchPayload
-from lightning_llmfast.expert_parallel.state import expert_parameters, grouped_moe_blocks
+from lightning_llmfast.expert_parallel.state import expert_parameters, grouped_moe_blocks, sharded_moe_blocks
 from lightning_llmfast.moe.block import GroupedMoE
 
-__all__ = ["shard_experts", "shard_model_experts"]
+__all__ = ["EP_DISPATCHES", "set_ep_dispatch", "shard_experts", "shard_model_experts"]
+
+EP_DISPATCHES = ("flat", "hierarchical")
+"""How tokens cross nodes: every pair to its expert's rank, or once per destination node (module docstring)."""
 
 # Expert-parameter dimensions compared across ranks by shard_experts (four 3-D parameters at most).
 _SHAPE_SLOTS = 12
@@ -100,6 +119,8 @@ def shard_experts(
     *,
     loss_group: dist.ProcessGroup | None = None,
     dispatch_dtype: str | DispatchPayload | None = None,
+    ep_dispatch: str = "flat",
+    node_layout: NodeGroups | None = None,
 ) -> nn.Module:
     """Shard an MoE block's experts over ``group`` in place: each rank keeps ``Parameter`` s of its ``E / W`` only.
 
@@ -119,14 +140,18 @@ def shard_experts(
         loss_group: the ranks whose tokens form one batch for the load-balancing loss (default: the whole world).
         dispatch_dtype: the tokens' payload on the wire: ``None`` (their dtype), ``"bf16"`` or ``"fp8"`` (outputs and
             gradients then come back in bf16), or a :class:`~lightning_llmfast.expert_parallel.DispatchPayload`.
+        ep_dispatch: ``"flat"`` or ``"hierarchical"`` (a token crosses the node boundary once per destination node;
+            needs ``node_layout``).
+        node_layout: the group's nodes and sub-groups
+            (:func:`~lightning_llmfast.expert_parallel.hierarchical.node_groups`), or ``None`` (one node).
 
     Returns:
         ``block``, for chaining.
 
     Raises:
-        ConfigError: an unknown ``dispatch_dtype``, not a grouped MoE block, already sharded, ``W`` does not divide
-            ``E``, or (checked with one all-gather over ``group``, on every rank) the ranks' blocks differ in their
-            expert shapes.
+        ConfigError: an unknown ``dispatch_dtype`` or ``ep_dispatch``, not a grouped MoE block, already sharded,
+            ``W`` does not divide ``E``, (checked with one all-gather over ``group``, on every rank) the ranks'
+            blocks differ in their expert shapes, or from :func:`set_ep_dispatch`.
 
     Example::
 
@@ -134,6 +159,9 @@ def shard_experts(
         shard_experts(block, group, dispatch_dtype="fp8")  # e4m3 tokens out, bf16 outputs back
     """
     payload = DispatchPayload.of(dispatch_dtype)
+    _check_ep_dispatch(ep_dispatch)
+    if ep_dispatch == "hierarchical" and node_layout is None:
+        raise ConfigError("ep_dispatch='hierarchical' needs the group's node_layout (expert_parallel.node_groups)")
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("shard_experts needs an initialised torch.distributed process group")
     group = dist.group.WORLD if group is None else group
@@ -148,15 +176,82 @@ def shard_experts(
         )
     params = dict(block.experts.named_parameters(recurse=False))
     _check_same_blocks(params, group)
-    routing = block.config.routing
-    kind = AllToAllDroplessDispatcher if routing.capacity_factor is None else AllToAllCapacityDispatcher
-    dispatcher = kind(group, num_experts, loss_group, routing.backend, payload)
+    hierarchical = node_layout if ep_dispatch == "hierarchical" else None
+    nodes = node_layout.nodes if node_layout is not None else None
+    dispatcher = _dispatcher(block, group, num_experts, loss_group, payload, hierarchical, nodes)
     experts = dispatcher.local_experts
     for name, param in params.items():
         local = nn.Parameter(param.detach()[experts.start : experts.stop].clone(), requires_grad=param.requires_grad)
         setattr(block.experts, name, local)
     block.set_dispatcher(dispatcher)
     return block
+
+
+def _check_ep_dispatch(ep_dispatch: str) -> None:
+    if ep_dispatch not in EP_DISPATCHES:
+        raise ConfigError(f"ep_dispatch must be one of {EP_DISPATCHES}, got {ep_dispatch!r}")
+
+
+def _dispatcher(
+    block: nn.Module,
+    group: dist.ProcessGroup,
+    num_experts: int,
+    loss_group: dist.ProcessGroup | None,
+    payload: DispatchPayload,
+    hierarchical: NodeGroups | None,
+    nodes: Sequence[int] | None,
+) -> AllToAllDispatcher:
+    """The dispatcher of ``block``'s experts over ``group``: hierarchical over the nodes of ``hierarchical``, else
+    flat (counting its bytes by ``nodes``), dropless or with the block's capacity limit."""
+    routing = block.config.routing
+    if hierarchical is not None:
+        check_node_limited(routing, num_experts, hierarchical.num_nodes, type(block).__qualname__)
+        return HierarchicalDispatcher(group, num_experts, hierarchical, loss_group, routing.backend, payload)
+    kind = AllToAllDroplessDispatcher if routing.capacity_factor is None else AllToAllCapacityDispatcher
+    return kind(group, num_experts, loss_group, routing.backend, payload, nodes)
+
+
+def set_ep_dispatch(
+    module: nn.Module, ep_dispatch: str, ranks_per_node: int, *, timeout: timedelta | None = None
+) -> NodeGroups | None:
+    """Give every sharded MoE block of ``module`` the ``ep_dispatch`` dispatcher over its nodes, in place (every rank
+    of the world calls it).
+
+    The blocks keep their experts, groups, loss group and payloads; only how tokens cross nodes changes, and the
+    dispatchers count their bytes inside the node and across it (:attr:`AllToAllDispatcher.traffic`).
+
+    Args:
+        module: a model whose blocks :func:`shard_model_experts` sharded (over one expert-parallel group).
+        ep_dispatch: ``"flat"`` or ``"hierarchical"``.
+        ranks_per_node: processes per node (global rank ``g`` runs on node ``g // ranks_per_node``).
+        timeout: the hierarchical sub-groups' collective timeout (``None``: torch's default).
+
+    Returns:
+        The group's :class:`~lightning_llmfast.expert_parallel.hierarchical.NodeGroups` (hierarchical), else ``None``.
+
+    Raises:
+        ConfigError: an unknown ``ep_dispatch``, blocks sharded over different groups; hierarchical: the group does
+            not fill whole nodes equally, or group-limited routing whose groups straddle nodes
+            (:func:`~lightning_llmfast.expert_parallel.hierarchical.check_node_limited`).
+
+    Example::
+
+        set_ep_dispatch(model, "hierarchical", ranks_per_node=8, timeout=timedelta(minutes=5))
+    """
+    _check_ep_dispatch(ep_dispatch)
+    blocks = list(sharded_moe_blocks(module))
+    groups = {id(old.group): old.group for _, _, old in blocks}
+    if len(groups) > 1:
+        raise ConfigError(f"set_ep_dispatch needs every MoE block sharded over one group, got {len(groups)} groups")
+    if not groups:
+        return None
+    group = next(iter(groups.values()))
+    layout = node_groups(group, ranks_per_node, timeout=timeout) if ep_dispatch == "hierarchical" else None
+    nodes = tuple(rank // ranks_per_node for rank in dist.get_process_group_ranks(group))
+    for _, block, old in blocks:
+        new = _dispatcher(block, group, old.num_experts, old.loss_group, old.payload, layout, nodes)
+        block.set_dispatcher(new)
+    return layout
 
 
 def _check_same_blocks(params: dict[str, Tensor], group: dist.ProcessGroup) -> None:

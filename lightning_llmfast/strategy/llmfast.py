@@ -29,7 +29,8 @@ from typing_extensions import override
 from lightning_llmfast.callbacks.offload import ActivationOffload
 from lightning_llmfast.comm.grad import GradReduction, PowerSGDConfig, check_ddp_arguments
 from lightning_llmfast.errors import ConfigError, OffloadError
-from lightning_llmfast.expert_parallel import DispatchPayload
+from lightning_llmfast.expert_parallel import DispatchPayload, set_ep_dispatch, sharded_moe_blocks
+from lightning_llmfast.expert_parallel.sharding import EP_DISPATCHES
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 from lightning_llmfast.strategy.checkpoint_io import VerifiedCheckpointIO
 from lightning_llmfast.strategy.sharded import ShardedDataParallelBase
@@ -110,6 +111,15 @@ class LLMFastStrategy(ShardedDataParallelBase):
             bf16 plus the scales); the expert outputs and gradients then come back in bf16. A
             :class:`~lightning_llmfast.expert_parallel.DispatchPayload` chooses both (``combine="fp32"``). The error
             bound is in :mod:`~lightning_llmfast.expert_parallel.sharding`.
+        ep_dispatch: with ``expert_parallel_size > 1``, how tokens cross nodes: ``"flat"`` (every (token, expert)
+            pair to its expert's rank) or ``"hierarchical"`` (a token crosses the node boundary once per destination
+            node and is fanned out to its experts inside it;
+            :mod:`~lightning_llmfast.expert_parallel.hierarchical`). The nodes are Lightning's: ``len(devices)``
+            processes on each of ``num_nodes``. Group-limited routing (``num_groups``, ``topk_groups``) must then
+            have its groups inside the nodes (``num_groups`` a multiple of the nodes the expert-parallel group spans),
+            so that each token reaches at most ``topk_groups`` nodes. Either way every training step logs this
+            rank's forward all-to-all bytes as ``comm/inter_node_bytes`` (to other nodes) and
+            ``comm/intra_node_bytes`` (to other ranks of its node), counted on the host from the split sizes.
         grad_reduce_dtype: ``"bf16"`` reduces gradients in bf16 (half the bytes): DDP through torch's
             ``bf16_compress_hook``, FSDP2 through ``MixedPrecisionPolicy.reduce_dtype`` (experts included), the DDP
             experts of ``expert_parallel_size > 1`` in their all-reduce; ``None`` keeps their dtype
@@ -123,9 +133,11 @@ class LLMFastStrategy(ShardedDataParallelBase):
         OffloadError: at construction for an ``offload`` that is neither an ``OffloadConfig``, a bool nor ``None``;
             at :meth:`setup`, before any step, when ``layers`` matches nothing.
         ConfigError: ``expert_parallel_size`` not an int ``>= 1``, a ``dispatch_dtype`` other than ``None``,
-            ``"bf16"``, ``"fp8"`` or a ``DispatchPayload``, or one without expert parallelism; before any step,
-            when ``expert_parallel_size`` does not divide the world size or a block's experts, or the model has no
-            grouped MoE block.
+            ``"bf16"``, ``"fp8"`` or a ``DispatchPayload``, or one without expert parallelism; an ``ep_dispatch``
+            other than ``"flat"`` or ``"hierarchical"``, or ``"hierarchical"`` without expert parallelism; before any
+            step, when ``expert_parallel_size`` does not divide the world size or a block's experts, the model has
+            no grouped MoE block, or (hierarchical) the expert-parallel group does not fill whole nodes equally or
+            group-limited routing has groups that straddle nodes.
         ConfigError: at construction for a ``grad_reduce_dtype`` other than ``None``/``"bf16"``, a
             ``grad_compression`` other than ``None``/``"powersgd"``/a ``PowerSGDConfig``, both together, PowerSGD
             with ``sharding="fsdp"``, or either with a ``ddp_comm_hook``.
@@ -159,6 +171,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
         layers: Sequence[nn.Module] | nn.Module | str | None = None,
         expert_parallel_size: int = 1,
         dispatch_dtype: str | DispatchPayload | None = None,
+        ep_dispatch: str = "flat",
         grad_reduce_dtype: str | None = None,
         grad_compression: str | PowerSGDConfig | None = None,
         **kwargs: Any,
@@ -174,6 +187,12 @@ class LLMFastStrategy(ShardedDataParallelBase):
                 f"{type(self).__name__}: dispatch_dtype={dispatch_dtype!r} needs expert_parallel_size > 1 "
                 "(without expert parallelism no token is sent)"
             )
+        if ep_dispatch not in EP_DISPATCHES:
+            raise ConfigError(f"{type(self).__name__}: ep_dispatch must be one of {EP_DISPATCHES}, got {ep_dispatch!r}")
+        if ep_dispatch != "flat" and expert_parallel_size == 1:
+            raise ConfigError(f"{type(self).__name__}: ep_dispatch={ep_dispatch!r} needs expert_parallel_size > 1")
+        self.ep_dispatch = ep_dispatch
+        """How expert-parallel tokens cross nodes: ``"flat"`` or ``"hierarchical"``."""
         removed = sorted(set(kwargs) & _REMOVED_OFFLOAD_KEYWORDS)
         if removed:
             raise OffloadError(
@@ -242,12 +261,14 @@ class LLMFastStrategy(ShardedDataParallelBase):
         self._setup_clipping()
         if self.sharding == "ddp" and self.expert_parallel_size > 1:
             self._setup_expert_parallel()  # before DDP wraps the model and the optimizers are built
+            self._setup_node_dispatch()
         elif self.sharding == "ddp" and not self.single_process:
             self._materialize()  # a meta-device model, before DDP broadcasts it
         if self.sharding != "ddp":
             self._check_fsdp_config(self._layers_spec)  # on every world size, before any step
         if self.sharding != "ddp" and not self.single_process:
             self._setup_sharded(trainer, self._layers_spec)
+            self._setup_node_dispatch()
         elif self.single_process:
             self._materialize()  # configure_model (or a pretrained directory) on the meta device
             # The base setup (device, precision, optimizers) without DDP's wrapper and module-state broadcast.
@@ -262,6 +283,32 @@ class LLMFastStrategy(ShardedDataParallelBase):
         if self._offload is not None and trainer.state.fn == TrainerFn.FITTING:
             assert self.lightning_module is not None
             self._offload.on_fit_start(trainer, self.lightning_module)
+
+    def _setup_node_dispatch(self) -> None:
+        """Expert parallelism across Lightning's nodes (``len(devices)`` processes each): ``ep_dispatch``'s
+        dispatchers, counting their bytes inside and across nodes."""
+        if self.expert_parallel_size == 1:
+            return
+        assert self.lightning_module is not None and self.parallel_devices is not None
+        ranks_per_node = len(self.parallel_devices)
+        set_ep_dispatch(self.lightning_module, self.ep_dispatch, ranks_per_node, timeout=self._timeout)
+
+    def _node_traffic(self) -> tuple[int, int]:
+        """This rank's expert-parallel all-to-all bytes so far: ``(to other nodes, to other ranks of its node)``."""
+        module = self.lightning_module
+        if self.expert_parallel_size == 1 or module is None:
+            return 0, 0
+        traffic = [dispatcher.traffic for _, _, dispatcher in sharded_moe_blocks(module)]
+        return sum(t.inter for t in traffic), sum(t.intra for t in traffic)
+
+    def _log_node_traffic(self, before: tuple[int, int]) -> None:
+        """Log the bytes of the training step's forward since ``before`` (:meth:`_node_traffic`)."""
+        module = self.lightning_module
+        if self.expert_parallel_size == 1 or module is None:
+            return
+        inter, intra = (now - then for now, then in zip(self._node_traffic(), before, strict=True))
+        module.log("comm/inter_node_bytes", float(inter), on_step=True, on_epoch=False, batch_size=1)
+        module.log("comm/intra_node_bytes", float(intra), on_step=True, on_epoch=False, batch_size=1)
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
@@ -297,14 +344,18 @@ class LLMFastStrategy(ShardedDataParallelBase):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         offload, trainer = self._offload, self.lightning_module.trainer if self.lightning_module else None
+        before = self._node_traffic()
         if offload is None or offload.offloader is None or trainer is None:
-            return super().training_step(*args, **kwargs)
+            output = super().training_step(*args, **kwargs)
+            self._log_node_traffic(before)
+            return output
         assert self.lightning_module is not None
         offload.on_train_batch_start(trainer, self.lightning_module, None, 0)
         try:
             output = super().training_step(*args, **kwargs)
         finally:
             offload.on_before_backward(trainer, self.lightning_module, None)
+        self._log_node_traffic(before)
         # Automatic optimization runs backward next (see `backward`); manual optimization already did it inside
         # training_step, and a `None` output means Lightning skips backward.
         if output is None or not self.lightning_module.automatic_optimization:

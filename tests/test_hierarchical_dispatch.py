@@ -1,0 +1,303 @@
+"""Hierarchical expert-parallel dispatch on 4 gloo processes as 2 simulated nodes of 2 (node of a rank: rank // 2),
+against the flat dispatch of the same block: outputs and every gradient, and the bytes that cross the node boundary
+(counted by a spy on ``all_to_all_single``)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from _distributed import COLLECTIVE_TIMEOUT, run_distributed
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule
+from lightning_llmfast.data import pack_documents
+from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.expert_parallel import HierarchicalDispatcher, node_groups, set_ep_dispatch, shard_experts
+from lightning_llmfast.expert_parallel.hierarchical import group_nodes
+from lightning_llmfast.moe import MoEBlock, MoEConfig, RoutingConfig, route
+from lightning_llmfast.plan import expected_remote_nodes, expected_remote_pairs, inter_node_bytes, main
+
+WORLD, PER_NODE = 4, 2
+HIDDEN = 16
+TOKENS = (5, 0, 3, 7)  # per rank: awkward sizes, one rank without tokens
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = 1e-5) -> float:
+    actual, expected = actual.detach(), expected.detach()
+    scale = expected.abs().max().clamp(min=1e-30) if expected.numel() else torch.tensor(1.0)
+    err = float((actual - expected).abs().max() / scale) if expected.numel() else 0.0
+    assert err <= rtol, f"{what}: max error {err:.3g} relative to max |expected| (tolerance {rtol})"
+    return err
+
+
+@contextmanager
+def _inter_node_spy(per_node: int = PER_NODE) -> Iterator[list[int]]:
+    """Bytes of float rows this rank sends to ranks on other nodes through ``all_to_all_single`` (the int64 split
+    handshakes are not payload)."""
+    sent = [0]
+    real = dist.all_to_all_single
+
+    def spy(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,
+            input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:  # fmt: skip
+        if input.is_floating_point() and input.shape[0]:
+            ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+            splits = input_split_sizes or [input.shape[0] // len(ranks)] * len(ranks)
+            row_bytes = input[0].numel() * input.element_size()
+            me = dist.get_rank() // per_node
+            sent[0] += sum(rows * row_bytes for rows, g in zip(splits, ranks, strict=True) if g // per_node != me)
+        return real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    dist.all_to_all_single = spy
+    try:
+        yield sent
+    finally:
+        dist.all_to_all_single = real
+
+
+def _pair(layout: Any, **options: Any) -> tuple[MoEBlock, MoEBlock]:
+    """The same block sharded flat and hierarchical (same seed on every rank)."""
+    torch.manual_seed(1234)
+    flat = MoEBlock(MoEConfig.build(HIDDEN, 12, 8, 4, backend="torch", **options))
+    hier = copy.deepcopy(flat)
+    shard_experts(flat, dist.group.WORLD, node_layout=layout)
+    shard_experts(hier, dist.group.WORLD, ep_dispatch="hierarchical", node_layout=layout)
+    assert isinstance(hier.dispatcher, HierarchicalDispatcher)
+    return flat, hier
+
+
+def _step(block: MoEBlock, x: torch.Tensor, g: torch.Tensor, per_node: int) -> tuple[torch.Tensor, ...]:
+    """Output, input/router/expert gradients, and the forward's spied and counted inter-node bytes."""
+    xs = x.clone().requires_grad_()
+    traffic = block.dispatcher.traffic
+    before = traffic.inter
+    with _inter_node_spy(per_node) as spied:
+        out = block(xs)
+    counted = traffic.inter - before
+    (out * g).sum().add(0.1 * block.stats.aux_loss).backward()
+    experts = [getattr(block.experts, n).grad for n in ("gate_up_proj", "down_proj")]
+    return out, xs.grad, block.router.weight.grad, *experts, torch.tensor([spied[0], counted])
+
+
+def _compare(rank: int, layout: Any, seed: int, routing: Callable[[MoEBlock, torch.Tensor], torch.Tensor] | None,
+             tokens: tuple[int, ...] = TOKENS, **options: Any) -> tuple[int, int]:  # fmt: skip
+    flat, hier = _pair(layout, **options)
+    gen = torch.Generator().manual_seed(seed + rank)
+    x, g = torch.randn(tokens[rank], HIDDEN, generator=gen), torch.randn(tokens[rank], HIDDEN, generator=gen)
+    if routing is not None:
+        x = routing(flat, x)
+        hier.load_state_dict(flat.state_dict())
+    per_node = layout.ranks_per_node
+    expected, actual = _step(flat, x, g, per_node), _step(hier, x, g, per_node)
+    names = ("output", "input gradient", "router gradient", "gate_up gradient", "down gradient")
+    errors = [_close(a, e, n) for a, e, n in zip(actual[:-1], expected[:-1], names, strict=True)]
+    flat_bytes, hier_bytes = expected[-1].tolist(), actual[-1].tolist()
+    assert flat_bytes[0] == flat_bytes[1] and hier_bytes[0] == hier_bytes[1], (flat_bytes, hier_bytes)
+    if rank == 0:
+        print(f"seed {seed} {options}: max relative errors {max(errors):.2g}, inter-node bytes {flat_bytes[0]} flat, "
+              f"{hier_bytes[0]} hierarchical")  # fmt: skip
+    assert hier.dispatcher.host_syncs == 2
+    return flat_bytes[0], hier_bytes[0]
+
+
+def _everything_to_node_0(block: MoEBlock, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():  # experts 0 > 1 > 2 > 3 for every (positive) token: node 1 receives nothing
+        block.router.weight.zero_()
+        block.router.weight[:4] = torch.tensor([10.0, 9.0, 8.0, 7.0])[:, None]
+    return x.abs()
+
+
+def _total(value: int) -> int:
+    total = torch.tensor([value])
+    dist.all_reduce(total)
+    return int(total)
+
+
+def _cases(rank: int, world: int) -> None:
+    layout = node_groups(dist.group.WORLD, PER_NODE, timeout=COLLECTIVE_TIMEOUT)
+    assert layout.nodes == (0, 0, 1, 1) and layout.num_nodes == 2
+    _compare(rank, layout, 0, None)
+    flat_bytes, hier_bytes = _compare(rank, layout, 1, _everything_to_node_0)
+    # Node 0 sends one 64-byte sum back per node-1 token of its local index, node 1 each token once, with its 4
+    # weights and expert ids (32 bytes); flat sends 4 rows per node-1 token and returns 2 rows per pair it holds.
+    row = 4 * HIDDEN
+    assert hier_bytes == (row * TOKENS[rank + 2] if rank < 2 else (row + 32) * TOKENS[rank])
+    assert flat_bytes == (2 * row * (TOKENS[2] + TOKENS[3]) if rank < 2 else 4 * row * TOKENS[rank])
+    _compare(rank, layout, 2, None, (6,) * WORLD, capacity_factor=0.5)  # flat capacity: equal tokens per rank
+    _compare(rank, layout, 3, None, score="sigmoid", num_groups=4, topk_groups=2)
+    # Node-limited routing: top-4 of 8 experts within 1 of the 2 nodes' groups.
+    flat_bytes, hier_bytes = (_total(b) for b in _compare(rank, layout, 4, None, num_groups=2, topk_groups=1))
+    if rank == 0:
+        print(f"node-limited, all ranks: inter-node bytes {flat_bytes} flat, {hier_bytes} hierarchical")
+    assert 0 < hier_bytes <= flat_bytes // 2, (flat_bytes, hier_bytes)
+    # One node of 4 ranks (nothing crosses), and 4 nodes of one rank (nothing stays inside a node).
+    for per_node in (4, 1):
+        other = node_groups(dist.group.WORLD, per_node, timeout=COLLECTIVE_TIMEOUT)
+        assert other.num_nodes == WORLD // per_node
+        flat_bytes, hier_bytes = _compare(rank, other, 5, None)
+        if per_node == 4:  # (with one rank a node, 16 values a row do not pay for the 32 bytes of weights and ids)
+            assert flat_bytes == hier_bytes == 0
+    # Groups that straddle the nodes bound nothing: refused.
+    torch.manual_seed(0)
+    block = MoEBlock(MoEConfig.build(HIDDEN, 12, 8, 4, backend="torch", num_groups=1, topk_groups=1))
+    with pytest.raises(ConfigError, match="does not align"):
+        shard_experts(block, dist.group.WORLD, ep_dispatch="hierarchical", node_layout=layout)
+    shard_experts(block, dist.group.WORLD)
+    with pytest.raises(ConfigError, match="does not align"):  # the strategy's path, at setup
+        set_ep_dispatch(block, "hierarchical", PER_NODE, timeout=COLLECTIVE_TIMEOUT)
+    # An already sharded block switched to hierarchical (the strategy's path) keeps its experts and equals flat.
+    flat, switched = _pair(layout)
+    assert set_ep_dispatch(switched, "flat", PER_NODE) is None
+    assert switched.dispatcher.nodes == (0, 0, 1, 1)
+    assert set_ep_dispatch(switched, "hierarchical", PER_NODE, timeout=COLLECTIVE_TIMEOUT).nodes == layout.nodes
+    assert isinstance(switched.dispatcher, HierarchicalDispatcher)
+    x = torch.randn(TOKENS[rank], HIDDEN)
+    torch.testing.assert_close(switched(x), flat(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_hierarchical_equals_flat_and_crosses_nodes_less() -> None:
+    run_distributed(_cases, WORLD, timeout=240.0)
+
+
+def test_group_nodes_and_bad_arguments() -> None:
+    assert group_nodes([4, 5, 6, 7], 2) == (0, 0, 1, 1)
+    assert group_nodes([0, 1], 4) == (0, 0)
+    with pytest.raises(ConfigError, match="whole nodes"):
+        group_nodes([0, 1, 2], 2)
+    with pytest.raises(ConfigError, match="ranks_per_node"):
+        group_nodes([0, 1], 0)
+    block = MoEBlock(MoEConfig.build(HIDDEN, 12, 8, 4, backend="torch"))
+    with pytest.raises(ConfigError, match="ep_dispatch must be one of"):
+        shard_experts(block, ep_dispatch="tree")
+    with pytest.raises(ConfigError, match="needs the group's node_layout"):
+        shard_experts(block, ep_dispatch="hierarchical")
+
+
+class _ForwardBytes(Callback):
+    """Spies on each training step's forward (batch start to backward) and reads what the strategy logged for it."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, float, float]] = []
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._spy = _inter_node_spy()
+        self._sent = self._spy.__enter__()
+
+    @override
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        self._spy.__exit__(None, None, None)
+        metrics = trainer.callback_metrics
+        self.steps.append(
+            (self._sent[0], float(metrics["comm/inter_node_bytes"]), float(metrics["comm/intra_node_bytes"]))
+        )
+
+
+def _fit(rank: int, ep_dispatch: str) -> tuple[dict[str, torch.Tensor], list[tuple[int, float, float]]]:
+    torch.manual_seed(0)
+    config = MoEGPTConfig(
+        vocab_size=64, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_size=16, num_experts=8, top_k=4,
+        router_backend="torch",
+    )  # fmt: skip
+    module = MoEGPTLightningModule(config, lr=1e-2, warmup_steps=1)
+    g = torch.Generator().manual_seed(7 + rank)
+    batches = [next(pack_documents([torch.randint(0, 64, (8,), generator=g)], 8, 1)) for _ in range(2)]
+    spy = _ForwardBytes()
+    strategy = LLMFastStrategy(expert_parallel_size=WORLD, ep_dispatch=ep_dispatch, process_group_backend="gloo")
+    L.Trainer(
+        accelerator="cpu", devices=PER_NODE, num_nodes=WORLD // PER_NODE, strategy=strategy, max_steps=2,
+        use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[spy],
+    ).fit(module, DataLoader(batches, batch_size=None))  # fmt: skip
+    assert strategy.ep_dispatch == ep_dispatch
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}, spy.steps
+
+
+def _fit_cases(rank: int, world: int) -> None:
+    # Two simulated nodes of two processes: Lightning joins the process group run_distributed created.
+    os.environ.update(LOCAL_RANK=str(rank % PER_NODE), NODE_RANK=str(rank // PER_NODE), WORLD_SIZE=str(world))
+    os.environ.update(RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    flat, flat_steps = _fit(rank, "flat")
+    hier, hier_steps = _fit(rank, "hierarchical")
+    # Two AdamW steps amplify the summation-order differences of the gradients (as test_expert_parallel_fit allows).
+    for name, value in flat.items():
+        torch.testing.assert_close(hier[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    for spied, inter, intra in flat_steps + hier_steps:
+        assert spied == inter and intra > 0, (flat_steps, hier_steps)
+    flat_inter = _total(sum(int(step[1]) for step in flat_steps))
+    hier_inter = _total(sum(int(step[1]) for step in hier_steps))
+    if rank == 0:
+        print(f"fit, 2 steps: inter-node bytes {flat_inter} flat, {hier_inter} hierarchical")
+    assert 0 < hier_inter < flat_inter
+
+
+@pytest.mark.slow
+def test_strategy_hierarchical_fit_equals_flat_and_logs_node_bytes() -> None:
+    run_distributed(_fit_cases, WORLD, timeout=300.0)
+
+
+def test_strategy_checks_ep_dispatch() -> None:
+    with pytest.raises(ConfigError, match="ep_dispatch must be one of"):
+        LLMFastStrategy(expert_parallel_size=2, ep_dispatch="tree")
+    with pytest.raises(ConfigError, match="needs expert_parallel_size > 1"):
+        LLMFastStrategy(ep_dispatch="hierarchical")
+
+
+def _brute_force(experts: int, top_k: int, nodes: int, groups: int | None, chosen: int | None) -> tuple[float, float]:
+    """Remote pairs and remote nodes per token on node 0, averaged over every equally likely routing of the model."""
+    per_node = experts // nodes
+    outcomes = []
+    group_sets = itertools.combinations(range(groups), chosen) if groups else [None]
+    for picked in group_sets:
+        pool = (
+            range(experts)
+            if picked is None
+            else [e for g in picked for e in range(g * experts // groups, (g + 1) * experts // groups)]
+        )
+        for selected in itertools.combinations(pool, top_k):
+            hit = {e // per_node for e in selected}
+            outcomes.append((sum(e >= per_node for e in selected), len(hit - {0})))
+    return tuple(sum(o[i] for o in outcomes) / len(outcomes) for i in (0, 1))  # fmt: skip
+
+
+@pytest.mark.parametrize(("experts", "top_k", "nodes", "groups", "chosen"),
+                         [(8, 4, 2, None, None), (8, 4, 2, 2, 1), (16, 4, 4, 8, 2), (12, 3, 3, 3, 2)])  # fmt: skip
+def test_plan_expectations_equal_a_brute_force_count(experts: int, top_k: int, nodes: int, groups: Any,
+                                                     chosen: Any) -> None:  # fmt: skip
+    pairs, reached = _brute_force(experts, top_k, nodes, groups, chosen)
+    assert expected_remote_pairs(experts, top_k, nodes) == pytest.approx(pairs, rel=1e-12)
+    assert expected_remote_nodes(experts, top_k, nodes, groups, chosen) == pytest.approx(reached, rel=1e-12)
+
+
+def test_plan_cli_counts_equal_random_routing(capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI's numbers for the reference model (8 experts, top-2) on 2 nodes x 2 ranks, ep 4, against route() on
+    random logits: remote (token, expert) pairs and (token, node) pairs counted token by token."""
+    plan = main(["reference", "--nodes", "2", "--gpus-per-node", "2", "--ep", "4", "--tokens", "16"])
+    assert "hierarchical" in capsys.readouterr().out
+    nodes = plan.inter_node
+    assert nodes is not None and nodes.nodes == 2
+    experts = route(torch.randn(40000, 8, generator=torch.Generator().manual_seed(0)), top_k=2).expert_ids.long()
+    node = experts // 4  # tokens on node 0: 4 experts a node
+    assert nodes.remote_pairs == pytest.approx((node == 1).sum(dim=1).float().mean().item(), abs=0.02)
+    assert nodes.remote_nodes == pytest.approx((node == 1).any(dim=1).float().mean().item(), abs=0.02)
+    # bf16 rows of 128 values: 4 exchanges a row, plus 8 * k bytes of weights and ids forward and backward.
+    row = 4 * 2 * 128
+    assert nodes.flat_per_token == pytest.approx(nodes.remote_pairs * row)
+    assert nodes.hierarchical_per_token == pytest.approx(nodes.remote_nodes * (row + 2 * 8 * 2))
+    assert nodes.flat_per_step == pytest.approx(nodes.flat_per_token * 16 * 4)  # 16 tokens, 4 MoE layers
+    with pytest.raises(ConfigError, match="does not align"):
+        inter_node_bytes(RoutingConfig(top_k=2, num_groups=3, topk_groups=1), 6, 8, ep=4, gpus_per_node=2,
+                         tokens_per_rank=1, moe_layers=1)  # fmt: skip
