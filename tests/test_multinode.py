@@ -37,7 +37,9 @@ def _torchrun(node: int, port: int, out: Path) -> subprocess.Popen[str]:
         "--nproc-per-node", str(worker.DEVICES), "--master-addr", "127.0.0.1", "--master-port", str(port),
         worker.__file__, str(out),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # The workers import the package from this checkout, installed or not.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     with open(out / f"node{node}.log", "w") as log:  # the child writes through its own copy of the descriptor
         return subprocess.Popen(
             command, cwd=Path(worker.__file__).parent, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
