@@ -9,10 +9,7 @@ from typing import Any
 
 import torch
 
-# The rebuild protocol (its own module) is re-exported here for the Functions that import it from this module.
-from lightning_llmfast._rebuild import mark_rebuildable
-
-__all__ = ["eager_custom_op", "in_backward", "mark_rebuildable"]
+__all__ = ["eager_custom_op", "in_backward"]
 
 _log = logging.getLogger(__name__)
 
@@ -47,7 +44,7 @@ def eager_custom_op(op: Any) -> Callable[..., Any]:
 
     Example::
 
-        _sum_rows = eager_custom_op(_sum_rows)  # after its registrations: same arguments, outputs and gradients
+        swiglu_down = eager_custom_op(swiglu_down)  # after its registrations: same arguments, outputs and gradients
     """
     missing = _MISSING_TORCH_STATE or [name for name in _OP_STATE if not hasattr(op, name)]
     if missing:  # a torch that renamed these internals: the dispatcher path, unchanged
@@ -162,4 +159,3 @@ def _autograd_function(op: Any) -> type[torch.autograd.Function] | None:
 
 # id(op) -> ((impl, setup_context, backward), Function); custom ops live as long as the process.
 _FUNCTIONS: dict[int, tuple[tuple[Any, Any, Any], type[torch.autograd.Function]]] = {}
-

@@ -13,9 +13,7 @@ if TYPE_CHECKING:
 __all__ = ["lazy_dir", "lazy_getattr"]
 
 
-def lazy_getattr(
-    package: str, names: dict[str, str], moved: dict[str, str] | None = None
-) -> Callable[[str], Any]:
+def lazy_getattr(package: str, names: dict[str, str], moved: dict[str, str] | None = None) -> Callable[[str], Any]:
     """A module ``__getattr__`` that imports ``names[name]`` (a module path) on first use and caches the value.
 
     ``moved`` maps deprecated names of ``package`` to the package that now holds them: they still resolve, with a

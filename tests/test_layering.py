@@ -90,12 +90,15 @@ LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "torchmetrics")
 # Lazy names that a lower room keeps at the path users imported them from before their module moved up (into the
 # Lightning layer, or into expert_parallel): resolved on attribute access only (importing the room loads nothing
 # above it), and drawn in docs/architecture.md. They are not edges of the room graph.
-COMPAT_LAZY_NAMES: frozenset[tuple[str, str]] = frozenset({
-    (f"{NAME}.hf", f"{NAME}.modules.hf"),
-    (f"{NAME}.models", f"{NAME}.modules.reference"),
-    (f"{NAME}.comm", f"{NAME}.expert_parallel"),
-    (f"{NAME}.moe", f"{NAME}.expert_parallel"),
-})
+COMPAT_LAZY_NAMES: frozenset[tuple[str, str]] = frozenset(
+    {
+        (f"{NAME}.hf", f"{NAME}.modules.hf"),
+        (f"{NAME}.models", f"{NAME}.modules.reference"),
+        (f"{NAME}.comm", f"{NAME}.expert_parallel"),
+        (f"{NAME}.moe", f"{NAME}.expert_parallel"),
+    }
+)
+
 
 @dataclass(frozen=True)
 class Edge:

@@ -110,6 +110,7 @@ def test_each_epoch_has_a_new_order_that_workers_do_not_change(data: dict[str, A
     assert first == [key(b) for b in _epoch(batches(shuffle_seed=3), 0, num_workers=2)]
     assert first != [key(b) for b in _epoch(batches(shuffle_seed=3), 1)]
     assert first != [key(b) for b in _epoch(batches(shuffle_seed=4), 0)]
+
     def rows(epoch: list[PackedBatch]) -> list[tuple[int, ...]]:
         return sorted(tuple(row) for b in epoch for row in b.input_ids.tolist())
 
@@ -224,6 +225,7 @@ def test_the_reference_model_and_hf_module_train_and_a_smaller_vocabulary_is_ref
         lambda v: MoEGPTLightningModule(MoEGPTConfig(vocab_size=v, **tiny)),
         lambda v: HFCausalLMModule(transformers.LlamaConfig(vocab_size=v, **hf)),
     ):
+
         def datamodule() -> PreparedDataModule:
             return PreparedDataModule(path=data["a"], seq_len=SEQ_LEN, batch_size=2, num_workers=0)
 

@@ -86,9 +86,7 @@ def test_key_table_maps_both_ways(family: str, checkpoints: dict[str, Path]) -> 
     assert first is not None and any(f".experts.3.{first.down}.weight" in key for key in on_disk)
 
 
-def test_load_from_checkpoint_and_cli_argument_keep_the_directory(
-    checkpoints: dict[str, Path], tmp_path: Path
-) -> None:
+def test_load_from_checkpoint_and_cli_argument_keep_the_directory(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     import lightning as L
 
     directory = checkpoints["qwen3_moe"]

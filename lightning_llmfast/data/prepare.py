@@ -662,9 +662,7 @@ def _assemble(
     for f in ids_raw.values():
         f.close()
     if split_counts["train"]["documents"] == 0:
-        raise DataError(
-            f"val_fraction={config.val_fraction} leaves no training document among {document}; lower it"
-        )
+        raise DataError(f"val_fraction={config.val_fraction} leaves no training document among {document}; lower it")
     _npy_from_raw(offsets_raw, output / "documents.npy", 1)
     offsets_map = np.load(output / "documents.npy", mmap_mode="r")
     layouts: dict[str, dict[str, Any]] = {}

@@ -27,6 +27,8 @@ __all__ = ["PackedDataModule", "PackedDocumentDataset"]
 
 _CORPORA = ("stdlib", "synthetic", "files")
 _SPLIT_SEED_OFFSET = {"train": 0, "val": 1, "test": 2}
+
+
 class PackedDataModule(PositionedDataModule):
     """Packed documents for training, validation, test and predict, packed in worker processes, pinned.
 

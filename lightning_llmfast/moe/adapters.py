@@ -332,4 +332,3 @@ def _register_loaded_hf_adapters() -> None:
             cls = getattr(sys.modules.get(f"transformers.models.{model}.modeling_{model}"), class_name, None)
             if cls is not None and cls not in _ADAPTERS:
                 _ADAPTERS[cls] = adapter
-

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_llmfast._autograd import eager_custom_op, mark_rebuildable
+from lightning_llmfast._autograd import eager_custom_op
+from lightning_llmfast._rebuild import mark_rebuildable
 from lightning_llmfast.moe.kernels import gather_rows
 from lightning_llmfast.moe.kernels.swiglu import (
     swiglu_backward_reference,
@@ -163,6 +164,8 @@ def _swiglu_down_grad(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
 
 
 swiglu_down.register_autograd(_swiglu_down_grad, setup_context=_swiglu_down_setup)
+
+
 @torch.library.custom_op("lightning_llmfast::permute_grouped_mm", mutates_args=())
 def gather_grouped_mm(
     x: Tensor,
@@ -270,4 +273,3 @@ def _gather_rows_into_fake(out: Tensor, x: Tensor, tokens: Tensor, num_valid: Te
 grouped_mm, silu_glu, _silu_glu_backward, swiglu_down, gather_grouped_mm = (
     eager_custom_op(op) for op in (grouped_mm, silu_glu, _silu_glu_backward, swiglu_down, gather_grouped_mm)
 )
-

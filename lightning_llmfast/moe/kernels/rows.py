@@ -24,6 +24,7 @@ __all__ = [
     "scale_rows",
 ]
 
+
 def acc_dtype(data: Tensor) -> torch.dtype:
     """Accumulation dtype for activations ``data``: float32, or float64 for float64 data (gradcheck).
 

@@ -38,6 +38,7 @@ __all__ = [
 
 SwigluGrads = tuple[Tensor, Tensor | None, Tensor | None]
 
+
 def swiglu_forward_reference(gate_up: Tensor, scale: Tensor | None = None) -> Tensor:
     """PyTorch reference: ``silu(gate) * up`` in the input's dtype, times ``scale`` per row (in float32, one rounding).
 
