@@ -6,10 +6,10 @@ The default corpus is the running Python's standard library source (no download)
 ``python -m lightning_llmfast.prepare``, comes in with ``--data lightning_llmfast.PreparedDataModule --data.path DIR``
 (and ``--data.seq_len`` one of the lengths it was prepared for); the reference model's vocabulary follows the data's.
 A local pretrained transformers directory is fine-tuned with ``--model lightning_llmfast.HFCausalLMModule
---model.model /path/to/dir`` (``examples/configs/finetune.yaml``). ``fit --help`` lists the model's size settings
-(``--model.config.n_layers`` ...). The run ends with one summary line, printed by rank 0: real tokens/sec of all
-ranks together over the whole fit (padding excluded; unlike the logged ``train/tokens_per_sec`` it includes the first
-step and validation) and the first and last training loss (rank 0's).
+--model.model /path/to/dir`` (``examples/configs/finetune.yaml``). ``fit --model.help MoEGPTLightningModule`` lists
+the reference model's size settings (``--model.config.n_layers`` ...). The run ends with one summary line, printed by
+rank 0: real tokens/sec of all ranks together over the whole fit (padding excluded; unlike the logged
+``train/tokens_per_sec`` it includes the first step and validation) and the first and last training loss (rank 0's).
 """
 
 from __future__ import annotations
