@@ -36,6 +36,7 @@ from lightning_llmfast import (
     MoEGPTLightningModule,
     PackedBatch,
     SequenceMetadataCallback,
+    SystemMetricsMonitor,
     TokenThroughputMonitor,
 )
 from lightning_llmfast.models import MoEGPT
@@ -156,6 +157,8 @@ class Recorder(L.Callback):
                 record["metadata_builds_last_batch"] = callback.builds_last_batch
             if isinstance(callback, TokenThroughputMonitor):
                 record["throughput"] = callback.last_metrics
+            if isinstance(callback, SystemMetricsMonitor):
+                record["system"] = callback.last_metrics
         torch.save(record, self.out / f"rank{trainer.global_rank}-{self.tag}.pt")
         if trainer.global_rank == 0:
             torch.save({**record, "weights": full}, self.out / f"result-{self.tag}.pt")
@@ -177,7 +180,7 @@ def fit(
         expert_parallel_size=EP,
         timeout=timedelta(seconds=90),
     )
-    callbacks: list[L.Callback] = [Recorder(out, tag), *(extra or [])]
+    callbacks: list[L.Callback] = [Recorder(out, tag), SystemMetricsMonitor(log_every_n_steps=1), *(extra or [])]
     if tag == "meta":  # the package's callbacks on top of FSDP2, unchanged
         callbacks += [SequenceMetadataCallback(), TokenThroughputMonitor(log_every_n_steps=1)]
     if tag in ("fresh", "killed"):

@@ -94,6 +94,8 @@ def test_n_processes_equal_one_process_on_the_same_global_batch(runs: dict[str, 
     init = MoEGPTLightningModule(MoEGPTConfig(**worker.CONFIG)).state_dict()
     assert not torch.allclose(one["weights"]["model.embed.weight"], init["model.embed.weight"])  # it trained
     assert one["tied"] and many["tied"]
+    # train/grad_sync_ms: FSDP2's reduce-scatters of the last step, timed (one process reduces nothing)
+    assert "train/grad_sync_ms" not in one["system"] and many["system"]["train/grad_sync_ms"] > 0
 
 
 @pytest.mark.parametrize("world", [2, 4])

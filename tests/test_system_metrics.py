@@ -114,6 +114,27 @@ def test_sync_span_waits_for_pending_events_and_buckets_without_blocking() -> No
     assert timer.read_ms() == pytest.approx((9.0 + 2.0) / 2)
 
 
+def test_sync_span_closed_by_the_caller_waits_for_the_buckets_it_launched() -> None:
+    """FSDP2's reduce-scatters cannot tell their last one: the strategy closes the step after backward."""
+    device = _FakeDevice()
+    timer = SpanTimer(device)
+    timer.close()  # nothing launched: no step
+    a, b = timer.begin(), timer.begin()
+    timer.end(a)
+    timer.close()
+    device.run(1.0, 4.0)
+    assert timer.read_ms() is None  # b has not completed
+    c = timer.begin()  # the next step opens its own span
+    assert c is not a
+    timer.end(b)
+    device.run(10.0, 12.0)  # c's start, b's end
+    assert timer.read_ms() == pytest.approx(11.0)  # launch of a to completion of b
+    timer.end(c)
+    timer.close()  # closing after every bucket ended closes at once
+    device.run(25.0)
+    assert timer.read_ms() == pytest.approx(15.0)
+
+
 def test_sync_span_is_thread_safe_with_host_stamps() -> None:
     timer = SpanTimer(HostClock())
     for _ in range(20):

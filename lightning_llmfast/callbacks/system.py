@@ -60,9 +60,10 @@ class SystemMetricsMonitor(Callback):
       Not logged on CPU, which has no device memory; there ``train/host_peak_rss`` is the counterpart.
     - ``train/host_peak_rss`` (GiB): the process's peak resident set size (host memory, pinned buffers included).
     - ``train/grad_sync_ms``: per step, from the launch of the first gradient bucket to the completion of the last,
-      under :class:`~lightning_llmfast.LLMFastStrategy` with DDP on several processes (CUDA events on GPUs, host
-      time around each bucket's future on CPU; the hook it times is the strategy's, see ``grad_reduce_dtype``). Not
-      logged with one process (nothing is reduced), with a user ``ddp_comm_hook`` or under FSDP.
+      under :class:`~lightning_llmfast.LLMFastStrategy` on several processes (CUDA events on GPUs, host time on CPU):
+      with DDP its communication hook's buckets (see ``grad_reduce_dtype``), with ``sharding="fsdp"``/``"hsdp"``
+      FSDP2's reduce-scatters (through ``FSDPModule.set_custom_reduce_scatter``; HSDP's cross-node all-reduce is not
+      included). Not logged with one process (nothing is reduced) or with a user ``ddp_comm_hook``.
     - ``offload/overlap``: the share of the offload copies' time hidden behind compute, when the activation
       offloader reports ``copy_ms`` and ``exposed_copy_ms`` in its stats (this callback turns on its copy timing:
       without it the offloader takes no timestamps for its copies).

@@ -117,9 +117,21 @@ class SpanTimer:
         stamp = self.clock.stamp()
         with self._lock:
             span.ends.append(stamp)
-            if span.last_launched and len(span.ends) == span.launched:
-                self._closed.append(span)
-                del self._closed[:-_MAX_PENDING]
+            self._close_if_done(span)
+
+    def close(self) -> None:
+        """End the open step with the buckets launched so far, for reductions that cannot tell their last bucket
+        when they launch it (FSDP2's reduce-scatters: the step ends before the optimizer update)."""
+        with self._lock:
+            span, self._open = self._open, None
+            if span is not None:
+                span.last_launched = True
+                self._close_if_done(span)
+
+    def _close_if_done(self, span: _Span) -> None:
+        if span.last_launched and len(span.ends) == span.launched:
+            self._closed.append(span)
+            del self._closed[:-_MAX_PENDING]
 
     def read_ms(self) -> float | None:
         """Mean milliseconds per step over the closed steps whose stamps completed, or ``None`` if there is none.

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from lightning_llmfast.comm.timing import SpanTimer
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.expert_parallel.state import sharded_moe_blocks
 from lightning_llmfast.parallel.dims import ParallelDims
@@ -39,6 +40,7 @@ __all__ = [
     "materialize_module",
     "mixed_precision_policy",
     "shard_module",
+    "time_reduce_scatters",
 ]
 
 BROADCAST_BUCKET_BYTES = 25 << 20
@@ -319,3 +321,50 @@ def fully_shard_experts(
         # all-reduce (a forced sum would divide a second time after it).
         gloo = dist.get_backend(dims.edp_mesh.get_group()) == "gloo"
         block.set_force_sum_reduction_for_comms(gloo and dims.edp_mesh.size() > 1)
+
+
+class _TimedReduceScatter:
+    """FSDP2's reduce-scatter (``dist.reduce_scatter_tensor`` into a fresh buffer, as its default) with each call
+    stamped by a :class:`~lightning_llmfast.comm.timing.SpanTimer`: the ``allocate``/``__call__`` protocol of
+    ``FSDPModule.set_custom_reduce_scatter``. FSDP2 calls it inside its reduce-scatter stream, so a CUDA clock's
+    events land in that stream's order."""
+
+    def __init__(self, timer: SpanTimer) -> None:
+        self.timer = timer
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        span = self.timer.begin()
+        work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        if work is None:
+            self.timer.end(span)
+        else:
+            work.get_future().then(lambda _: self.timer.end(span))
+        return work
+
+
+def time_reduce_scatters(module: nn.Module, timer: SpanTimer) -> int:
+    """Stamp every reduce-scatter of ``module``'s FSDP2 units with ``timer`` (the step is closed by the caller with
+    ``timer.close()`` once backward is over); returns the number of units timed.
+
+    Example::
+
+        timer = SpanTimer(clock_for(device))
+        time_reduce_scatters(model, timer)
+        loss.backward(); timer.close(); optimizer.step()
+        timer.read_ms()  # the step's reduce-scatters: first launch to last completion
+    """
+    comm = _TimedReduceScatter(timer)
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_custom_reduce_scatter(comm)  # type: ignore[arg-type]  # the protocol, not torch's private base class
+    return len(units)

@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from torch import Tensor
     from torch.optim import Optimizer
 
+    from lightning_llmfast.comm.timing import SpanTimer
+
 __all__ = ["LLMFastStrategy"]
 
 # Offload settings the strategy once took as keywords: refused by name (DDP would take them, and ignore them on one
@@ -325,6 +327,10 @@ class LLMFastStrategy(ShardedDataParallelBase):
     @override
     def _dispatch(self) -> DispatchPayload:
         return self.dispatch_payload
+
+    @override
+    def _grad_sync_timer(self) -> SpanTimer | None:
+        return self.grad_reduction.timer
 
     @override
     def _grad_reduce_dtype(self) -> torch.dtype | None:

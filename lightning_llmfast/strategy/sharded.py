@@ -39,7 +39,7 @@ from lightning_llmfast.expert_parallel import expert_parameters
 from lightning_llmfast.parallel import checkpoint as dcp_io
 from lightning_llmfast.parallel.clip import clip_grad_norm, sharded_grads
 from lightning_llmfast.parallel.dims import SHARDINGS, ParallelDims
-from lightning_llmfast.parallel.fsdp import materialize_module, mixed_precision_policy
+from lightning_llmfast.parallel.fsdp import materialize_module, mixed_precision_policy, time_reduce_scatters
 from lightning_llmfast.parallel.layout import parallelize
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.optim import Optimizer
 
+    from lightning_llmfast.comm.timing import SpanTimer
     from lightning_llmfast.expert_parallel import DispatchPayload
 
 __all__ = ["ShardedDataParallelBase"]
@@ -153,6 +154,16 @@ class ShardedDataParallelBase(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        timer = self._grad_sync_timer() if self.sharding != "ddp" else None
+        if timer is not None:
+
+            def closure_then_close() -> Any:
+                # FSDP2's reduce-scatters launch during backward; the step's last one has launched when it ends.
+                result = closure()
+                timer.close()
+                return result
+
+            return super().optimizer_step(optimizer, closure_then_close, model, **kwargs)
         if not self._ddp_experts:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         dims = self._parallel_dims
@@ -185,6 +196,10 @@ class ShardedDataParallelBase(DDPStrategy):
         """The expert-parallel all-to-all payloads (``None``: the activations' dtype); a subclass may choose them."""
         return None
 
+    def _grad_sync_timer(self) -> SpanTimer | None:
+        """The timer of each step's gradient reduction, if one was asked for (``train/grad_sync_ms``)."""
+        return None
+
     def _fsdp_mp_policy(self) -> MixedPrecisionPolicy | None:
         """FSDP2's mixed-precision policy for the precision setting, reducing in :meth:`_grad_reduce_dtype`."""
         return with_reduce_dtype(mixed_precision_policy(self.precision_plugin.precision), self._grad_reduce_dtype())
@@ -201,6 +216,9 @@ class ShardedDataParallelBase(DDPStrategy):
         parallelize(
             module, self._parallel_dims, layers, device=self.root_device, mp_policy=policy, dispatch=self._dispatch()
         )
+        timer = self._grad_sync_timer()
+        if timer is not None and self._parallel_dims.world_size > 1:
+            time_reduce_scatters(module, timer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
