@@ -113,6 +113,15 @@ def _num_experts(block: nn.Module) -> int:
     return sizes.pop()
 
 
+def _check_sharding_arguments(ep_dispatch: str, node_layout: NodeGroups | None) -> None:
+    """``shard_experts``' checks before any collective."""
+    _check_ep_dispatch(ep_dispatch)
+    if ep_dispatch == "hierarchical" and node_layout is None:
+        raise ConfigError("ep_dispatch='hierarchical' needs the group's node_layout (expert_parallel.node_groups)")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("shard_experts needs an initialised torch.distributed process group")
+
+
 def shard_experts(
     block: nn.Module,
     group: dist.ProcessGroup | None = None,
@@ -159,11 +168,7 @@ def shard_experts(
         shard_experts(block, group, dispatch_dtype="fp8")  # e4m3 tokens out, bf16 outputs back
     """
     payload = DispatchPayload.of(dispatch_dtype)
-    _check_ep_dispatch(ep_dispatch)
-    if ep_dispatch == "hierarchical" and node_layout is None:
-        raise ConfigError("ep_dispatch='hierarchical' needs the group's node_layout (expert_parallel.node_groups)")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ConfigError("shard_experts needs an initialised torch.distributed process group")
+    _check_sharding_arguments(ep_dispatch, node_layout)
     group = dist.group.WORLD if group is None else group
     num_experts = _num_experts(block)
     if isinstance(block.dispatcher, AllToAllDispatcher):
