@@ -1,4 +1,9 @@
-"""The MoE numbers do not move: block outputs, losses and every gradient are bit-identical to a stored golden file.
+"""The MoE numbers do not move: block outputs, losses and every gradient match a stored golden file.
+
+Bitwise equality of float reductions is a property of one machine (CPU model, vector width), not of the code: the
+golden comparison allows a few units in the last place of each dtype (scaled by the tensor's magnitude), which
+rounding cannot cross and a real change does (a test scales one weight matrix by 1 + 1e-3 and checks the comparison fails).
+Bitwise checks stay within one run: the same case computed twice in one process is bit-identical.
 
 The golden file (``tests/golden/moe_golden.pt``) holds, per case, the initial state dict, the inputs and the results of
 one forward+backward on fixed seeds: the grouped block dropless and with a capacity limit, softmax and sigmoid routing
@@ -282,17 +287,57 @@ def write() -> None:
     print(f"wrote {len(golden)} cases to {GOLDEN}")
 
 
+# How far rounding moves a value across CPU models (relative to itself and to its tensor's largest magnitude: a sum
+# of cancelling terms keeps the rounding of its terms); counts, ids and masks must be equal.
+_RELATIVE = {torch.float32: 1e-5, torch.bfloat16: 2 * torch.finfo(torch.bfloat16).eps}
+
+
+def _mismatches(results: dict[str, Tensor], expected: dict[str, Tensor]) -> list[str]:
+    """The keys whose values differ from the golden ones by more than rounding can explain."""
+    out = []
+    for key, value in expected.items():
+        got = results[key]
+        if got.dtype != value.dtype or got.shape != value.shape:
+            out.append(f"{key}: {got.dtype}{tuple(got.shape)} != {value.dtype}{tuple(value.shape)}")
+        elif not value.is_floating_point():
+            if not torch.equal(got, value):
+                out.append(f"{key}: differs")
+        else:
+            error = (got.double() - value.double()).abs()
+            scale = value.double().abs().max().clamp_min(1.0) if value.numel() else torch.tensor(1.0)
+            limit = _RELATIVE[value.dtype] * (value.double().abs() + scale * 0.1)
+            if error.numel() and bool((error > limit).any()):
+                out.append(f"{key}: max abs {error.max():.3g}")
+    return out
+
+
 @pytest.mark.parametrize("name", list(_cases()))
-def test_outputs_and_gradients_are_bit_identical_to_the_golden_file(name: str) -> None:
+def test_outputs_and_gradients_match_the_golden_file(name: str) -> None:
     golden = torch.load(GOLDEN, weights_only=True)
     assert name in golden, f"case {name!r} is not in the golden file: regenerate it only if the numbers may move"
     _, results = _compute(name, golden[name]["state"])
     expected = golden[name]["results"]
     assert sorted(results) == sorted(expected)
-    for key, value in expected.items():
-        got = results[key]
-        assert got.dtype == value.dtype and got.shape == value.shape, key
-        assert torch.equal(got, value), f"{name}: {key} differs (max abs {(got.double() - value.double()).abs().max()})"
+    assert not _mismatches(results, expected), f"{name}: {_mismatches(results, expected)}"
+
+
+@pytest.mark.parametrize("name", ["dropless", "capacity_position", "autocast_bf16_dropless", "moegpt_dropless"])
+def test_outputs_and_gradients_are_bit_identical_within_one_run(name: str) -> None:
+    golden = torch.load(GOLDEN, weights_only=True)
+    _, first = _compute(name, golden[name]["state"])
+    _, second = _compute(name, golden[name]["state"])
+    for key, value in first.items():
+        assert torch.equal(value, second[key]), f"{name}: {key} differs between two runs in one process"
+
+
+@pytest.mark.parametrize("name", ["dropless", "autocast_bf16_dropless", "moegpt_dropless"])
+def test_the_golden_comparison_catches_a_real_change(name: str) -> None:
+    golden = torch.load(GOLDEN, weights_only=True)
+    state = {k: v.clone() for k, v in golden[name]["state"].items()}
+    weight = [k for k, v in state.items() if v.is_floating_point() and v.dim() >= 2][-1]
+    state[weight] *= 1 + 1e-3  # one weight matrix moved by a relative 1e-3
+    _, results = _compute(name, state)
+    assert _mismatches(results, golden[name]["results"]), f"{name}: a 1e-3 change to {weight} went unnoticed"
 
 
 def test_golden_file_covers_every_case() -> None:
