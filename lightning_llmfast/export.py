@@ -35,7 +35,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("checkpoint", help="a Lightning .ckpt file or a DCP checkpoint directory")
     parser.add_argument("out_dir", help="the directory to create (must not exist)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="weights' dtype (default: the source's)")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="weights' dtype (default: the source checkpoint's; bf16 for a block-FP8 source)",
+    )
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB")
     args = parser.parse_args(argv)
     try:

@@ -233,7 +233,8 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
 
         Args:
             directory: the output directory (must not exist yet).
-            dtype: the weights' dtype on disk (``None``: the config's ``dtype``).
+            dtype: the weights' dtype on disk (``None``: the source checkpoint's dtype, bf16 for a block-FP8 source,
+                as the export CLI; :func:`~lightning_llmfast.parallel.export.export_dtype`).
             max_shard_size: largest safetensors shard (``"5GB"``, ``"500MB"`` or bytes).
 
         Example::

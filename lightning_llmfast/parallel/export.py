@@ -3,9 +3,12 @@
 The output is what ``save_pretrained`` writes: sharded safetensors (``model-0000i-of-0000N.safetensors``, per-expert
 keys as the family's :class:`~lightning_llmfast.hf.state_dict.StateDictAdapter` says) with
 ``model.safetensors.index.json``, ``config.json``, ``generation_config.json`` and the tokenizer files of the
-pretrained directory the model came from. The shards are planned from the tensors' shapes first and then written one
-at a time, each holding only its own tensors in memory, into a temporary directory beside the output that is renamed
-at the end: after a failure or a kill the output either does not exist or is complete.
+pretrained directory the model came from. Unless a dtype is asked for, the weights are written in the source
+checkpoint's dtype (:func:`export_dtype`; bf16 for a block-FP8 release, whose ``quantization_config`` and
+multi-token-prediction layer are not written: the export is the model as trained). The shards are planned from the
+tensors' shapes first and then written one at a time, each holding only its own tensors in memory, into a temporary
+directory beside the output that is renamed at the end: after a failure or a kill the output either does not exist
+or is complete.
 
 Sources:
 
@@ -45,7 +48,7 @@ from lightning_llmfast.parallel.checkpoint import META_FILENAME, is_distributed_
 from lightning_llmfast.parallel.integrity import verify_shard_digests
 from lightning_llmfast.parallel.pretrained import INDEX_FILENAME
 
-__all__ = ["DTYPES", "TOKENIZER_FILES", "export_checkpoint", "export_module"]
+__all__ = ["DTYPES", "TOKENIZER_FILES", "export_checkpoint", "export_dtype", "export_module"]
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 """``--dtype`` names."""
@@ -76,7 +79,8 @@ def export_module(
         model: the transformers model (its ``config`` is written).
         directory: the output directory; must not exist.
         source: the pretrained directory it was built from (generation config and tokenizer files are copied).
-        dtype: weights' dtype on disk (``None``: the config's ``dtype``, else the tensors').
+        dtype: weights' dtype on disk (``None``: the source checkpoint's, bf16 for a block-FP8 source;
+            :func:`export_dtype`).
         max_shard_size: largest shard (``"5GB"``, ``"500MB"`` or bytes); a larger single tensor is a shard alone.
 
     Raises:
@@ -110,7 +114,8 @@ def export_checkpoint(
     Args:
         checkpoint: the ``.ckpt`` file or DCP directory (written by any number of ranks).
         directory: the output directory; must not exist.
-        dtype: weights' dtype on disk (``None``: the pretrained config's ``dtype``, else the checkpoint's).
+        dtype: weights' dtype on disk (``None``: the source checkpoint's, bf16 for a block-FP8 source;
+            :func:`export_dtype`).
         max_shard_size: largest shard (``"5GB"``, ``"500MB"`` or bytes).
 
     Returns:
@@ -204,7 +209,7 @@ def _write(
         raise ConfigError(f"{out} exists; export writes a new directory")
     adapter = state_dict_adapter(config.model_type, (config.architectures or [None])[0])
     keys = _exported_keys(config, tensors)
-    dtype = dtype or _config_dtype(config)
+    dtype = dtype or export_dtype(config, source)
     limit = convert_file_size_to_int(max_shard_size)
     shards = _plan(keys, tensors, dtype, limit)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -259,16 +264,41 @@ def _cast(tensor: Tensor, dtype: torch.dtype) -> Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
-def _config_dtype(config: PreTrainedConfig) -> torch.dtype:
-    dtype = getattr(config, "dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+def export_dtype(config: PreTrainedConfig, source: Path | None) -> torch.dtype:
+    """The dtype an export writes when none is asked for: the source checkpoint's.
+
+    That is the dtype ``config.json`` of the pretrained directory ``source`` names (``dtype``, or ``torch_dtype`` of
+    older files), bf16 for a block-FP8 source (its ``quantization_config``: the weights were dequantized on load);
+    without a source (a model built from a config), ``config``'s dtype, else float32.
+
+    Example::
+
+        export_dtype(module.model.config, Path("DeepSeek-V3"))  # torch.bfloat16
+    """
+    if source is not None and (source / "config.json").is_file():
+        declared = json.loads((source / "config.json").read_text())
+        if declared.get("quantization_config") is not None:
+            return torch.bfloat16
+        named = _dtype(declared.get("dtype") or declared.get("torch_dtype"))
+        if named is not None:
+            return named
+    return _dtype(getattr(config, "dtype", None)) or torch.float32
+
+
+def _dtype(value: Any) -> torch.dtype | None:
+    value = getattr(torch, value, None) if isinstance(value, str) else value
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else None
 
 
 def _write_configs(config: PreTrainedConfig, out: Path, source: Path | None, dtype: torch.dtype) -> None:
     config = config.__class__.from_dict(config.to_dict())  # a copy: the caller's config is not changed
     config.dtype = dtype
+    # What is written is the model in memory: dequantized, and without the layers transformers does not build
+    # (DeepSeek's multi-token prediction, skipped on load).
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
+    if getattr(config, "num_nextn_predict_layers", 0):
+        config.num_nextn_predict_layers = 0
     config.save_pretrained(out)
     generation = source / "generation_config.json" if source is not None else None
     if generation is not None and generation.is_file():
