@@ -12,7 +12,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from _pretrained import FAMILIES, VOCAB, save_tiny
+from _pretrained import FAMILIES, VOCAB, save_tiny, tiny_config
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
@@ -50,6 +50,36 @@ def test_load_then_save_pretrained_reproduces_every_tensor_bitwise(family: str, 
     assert set(index) == set(theirs) and len(set(index.values())) > 1  # sharded
     assert (out / "tokenizer_config.json").read_text() == (source / "tokenizer_config.json").read_text()
     assert (out / "generation_config.json").is_file() and (out / "config.json").is_file()
+
+
+def test_save_pretrained_and_the_cli_write_the_source_dtype_unless_told(tmp_path: Path) -> None:
+    """One rule on both paths: the source checkpoint's dtype (here bf16; the module trains in fp32), or ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    module = HFCausalLMModule.from_pretrained(tmp_path / "src", moe_backend="torch")
+    module.configure_model()
+    module.materialize()
+    assert {p.dtype for p in module.parameters()} == {torch.float32}
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, max_steps=0)
+    trainer.strategy.connect(module)
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    written = {
+        "save_pretrained": module.save_pretrained(tmp_path / "a"),
+        "cli": tmp_path / "b" if main([str(tmp_path / "m.ckpt"), str(tmp_path / "b")]) == 0 else None,
+        "save_pretrained fp32": module.save_pretrained(tmp_path / "c", dtype=torch.float32),
+        "cli fp32": tmp_path / "d"
+        if main([str(tmp_path / "m.ckpt"), str(tmp_path / "d"), "--dtype", "fp32"]) == 0
+        else None,
+    }
+    for path, out in written.items():
+        assert out is not None, path
+        expected = torch.float32 if path.endswith("fp32") else torch.bfloat16
+        assert {t.dtype for t in _tensors(out).values()} == {expected}, path
+        assert json.loads((out / "config.json").read_text())["dtype"] == str(expected).removeprefix("torch."), path
+    assert _tensors(tmp_path / "a").keys() == _tensors(tmp_path / "b").keys()
+    assert all(torch.equal(v, _tensors(tmp_path / "b")[k]) for k, v in _tensors(tmp_path / "a").items())
 
 
 def _batches(count: int, seed: int) -> list[PackedBatch]:

@@ -4,7 +4,9 @@ Tiny checkpoints of every supported family are written sharded by transformers' 
 on disk, several files, tensors split across them). After loading, every parameter and persistent buffer equals
 transformers' own ``from_pretrained`` bitwise, the rotary tables are computed, tied weights tied, and the logits equal
 transformers' (1e-5) in one process and, in ``test_per_rank_load_*``, under FSDP2, EP and FSDP2 x EP on 2 gloo
-processes, where each rank holds only its shards. Broken checkpoints are refused naming the key or file.
+processes, where each rank holds only its shards. Broken checkpoints are refused naming the key or file. Counters: each
+shard header is parsed once per rank, each byte read once, the pieces go to the device in a few staging batches; under
+DDP every rank reads locally and DDP's start-up broadcast is off.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from _pretrained import FAMILIES, MOE_FAMILIES, VOCAB, reference_logits, save_tiny
+from _pretrained import FAMILIES, MOE_FAMILIES, VOCAB, reference_logits, save_tiny, tiny_config
 from safetensors.torch import load_file, save_file
 
 from lightning_llmfast import HFCausalLMModule
@@ -184,6 +186,38 @@ def test_broken_checkpoint_is_refused_naming_it(kind: str, checkpoints: dict[str
         assert all(family in str(info.value) for family in ADAPTERS)
 
 
+def test_one_load_parses_each_header_once_and_reads_each_byte_once(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_llmfast.parallel import pretrained
+
+    parses: list[Path] = []
+    parse = pretrained.read_header
+    monkeypatch.setattr(pretrained, "read_header", lambda path: parses.append(path) or parse(path))
+    stats: list[pretrained.LoadStats] = []
+    load = pretrained.PretrainedCheckpoint.load_into
+    monkeypatch.setattr(
+        pretrained.PretrainedCheckpoint, "load_into", lambda self, m: stats.append(load(self, m)) or stats[-1]
+    )
+    directory = checkpoints["qwen3_moe"]
+    _loaded(directory)
+    files = sorted(set(_index(directory).values()))
+    assert sorted(p.name for p in parses) == files and len(files) > 2
+    checkpoint = pretrained.PretrainedCheckpoint.open(directory)
+    (done,) = stats
+    assert done.bytes_read == checkpoint.total_bytes  # every byte once, the tied lm_head absent from the files
+    assert done.reads == len(checkpoint.files) and done.batches == 1  # 4 MiB of staging holds this checkpoint
+
+
+def test_a_shard_truncated_after_open_is_refused_naming_it(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    directory = _copy(checkpoints["qwen3_moe"], tmp_path)
+    module = HFCausalLMModule.from_pretrained(directory, moe_backend="torch")
+    last = sorted(directory.glob("*.safetensors"))[-1]
+    os.truncate(last, last.stat().st_size - 5)
+    with pytest.raises(CheckpointError, match=last.name):
+        module.materialize()
+
+
 def test_a_missing_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="no such pretrained directory"):
         HFCausalLMModule(str(tmp_path / "absent"))
@@ -266,3 +300,73 @@ def test_per_rank_load_under_fsdp_ep_and_fsdp_x_ep_equals_transformers(
         for sharding, ep in LAYOUTS:
             got = results[f"{family}/{sharding}/ep{ep}"]
             torch.testing.assert_close(got, reference, rtol=0, atol=1e-5, msg=f"{family} {sharding} ep={ep}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DDP: one read per byte (each rank reads locally, DDP's start-up broadcast is off)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _ddp_worker(rank: int, world: int, directory: str, out: str) -> None:
+    import lightning as L
+    import torch.distributed as dist
+    import torch.nn.parallel.distributed as ddp
+    from fsdp_worker import Batches
+
+    from lightning_llmfast import LLMFastStrategy
+    from lightning_llmfast.data import pack_documents
+    from lightning_llmfast.parallel import pretrained
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    syncs: list[int] = []
+    stats: list[Any] = []
+    parses: list[str] = []
+    sync = ddp._sync_module_states
+    ddp._sync_module_states = lambda *a, **k: syncs.append(1) or sync(*a, **k)  # type: ignore[assignment]
+    load = pretrained.PretrainedCheckpoint.load_into
+    pretrained.PretrainedCheckpoint.load_into = lambda self, m: stats.append(load(self, m)) or stats[-1]  # type: ignore[method-assign]
+    parse = pretrained.read_header
+    pretrained.read_header = lambda path: parses.append(path.name) or parse(path)  # type: ignore[assignment]
+    results: dict[str, Any] = {}
+    for name, ep, source in (("pretrained", 1, directory), ("pretrained_ep", 2, directory), ("random", 1, None)):
+        for record in (syncs, stats, parses):
+            record.clear()
+        model = source if source is not None else tiny_config("qwen3_moe")
+        module = HFCausalLMModule(model, moe_backend="torch", aux_loss_coef=0.0)
+        strategy = LLMFastStrategy(expert_parallel_size=ep, process_group_backend="gloo")
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world, strategy=strategy, max_steps=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, use_distributed_sampler=False,
+        )  # fmt: skip
+        docs = [torch.randint(0, VOCAB, (8,), generator=torch.Generator().manual_seed(rank))]
+        trainer.fit(module, Batches(list(pack_documents(docs, 8, 1))))
+        replicated = [p for n, p in module.named_parameters() if ".experts." not in n]
+        digest = torch.stack([p.detach().double().sum() for p in replicated])
+        gathered = [torch.empty_like(digest) for _ in range(world)]
+        dist.all_gather(gathered, digest)
+        results[name] = {
+            "syncs": len(syncs), "bytes": stats[0].bytes_read if stats else 0, "parses": len(parses),
+            "equal": all(torch.equal(g, gathered[0]) for g in gathered),
+        }  # fmt: skip
+    torch.save(results, Path(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_ddp_reads_each_byte_once_per_rank_without_a_broadcast(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    from _distributed import run_distributed
+
+    from lightning_llmfast.parallel.pretrained import PretrainedCheckpoint
+
+    directory = checkpoints["qwen3_moe"]
+    run_distributed(_ddp_worker, 2, str(directory), str(tmp_path), timeout=240)
+    checkpoint = PretrainedCheckpoint.open(directory)
+    files = len(set(checkpoint.files.values()))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert got["pretrained"] == {"syncs": 0, "bytes": checkpoint.total_bytes, "parses": files, "equal": True}
+        ep = got["pretrained_ep"]  # the replicated weights whole, half the experts
+        assert ep["syncs"] == 0 and ep["parses"] == files and ep["equal"], ep
+        assert checkpoint.total_bytes * 0.3 < ep["bytes"] < checkpoint.total_bytes * 0.8, ep
+        assert got["random"]["syncs"] == 1 and got["random"]["equal"]  # random weights still come from rank 0

@@ -32,6 +32,7 @@ from lightning_llmfast.errors import ConfigError, OffloadError
 from lightning_llmfast.expert_parallel import DispatchPayload, set_ep_dispatch, sharded_moe_blocks
 from lightning_llmfast.expert_parallel.sharding import EP_DISPATCHES
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
+from lightning_llmfast.parallel.pretrained import loads_every_weight
 from lightning_llmfast.strategy.checkpoint_io import VerifiedCheckpointIO
 from lightning_llmfast.strategy.sharded import ShardedDataParallelBase
 
@@ -182,6 +183,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
         """The gradient reduction (dtype or PowerSGD; bytes per step in ``wire_bytes``)."""
         check_ddp_arguments(self.grad_reduction, sharding, kwargs, owner=type(self).__name__)
         self._user_comm_hook = kwargs.get("ddp_comm_hook") is not None
+        self._user_init_sync = "init_sync" in kwargs
         self.dispatch_payload = DispatchPayload.of(dispatch_dtype)
         """The expert-parallel all-to-all payloads (``DispatchPayload()``: the activations' dtype both ways)."""
         if self.dispatch_payload != DispatchPayload() and expert_parallel_size == 1:
@@ -261,6 +263,8 @@ class LLMFastStrategy(ShardedDataParallelBase):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._setup_clipping()
+        if self.sharding == "ddp" and not self.single_process:
+            self._read_locally()
         if self.sharding == "ddp" and self.expert_parallel_size > 1:
             self._setup_expert_parallel()  # before DDP wraps the model and the optimizers are built
             self._setup_node_dispatch()
@@ -285,6 +289,19 @@ class LLMFastStrategy(ShardedDataParallelBase):
         if self._offload is not None and trainer.state.fn == TrainerFn.FITTING:
             assert self.lightning_module is not None
             self._offload.on_fit_start(trainer, self.lightning_module)
+
+    def _read_locally(self) -> None:
+        """Under DDP a model whose every weight comes from a pretrained directory is read by each rank from the same
+        files (rank-local reads, :mod:`~lightning_llmfast.parallel.pretrained`); DDP's start-up broadcast of rank 0's
+        copy would then move every byte a second time, so it is turned off (``init_sync=False``) unless the user
+        set ``init_sync``. A model initialised at random keeps the broadcast."""
+        if self._user_init_sync:
+            return
+        assert self.lightning_module is not None
+        if loads_every_weight(self.lightning_module):
+            self._ddp_kwargs["init_sync"] = False
+        else:
+            self._ddp_kwargs.pop("init_sync", None)
 
     def _setup_node_dispatch(self) -> None:
         """Expert parallelism across Lightning's nodes (``len(devices)`` processes each): ``ep_dispatch``'s
