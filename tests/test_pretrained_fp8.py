@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from _pretrained import VOCAB, reference_logits, save_fp8_release
@@ -24,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from lightning_llmfast import HFCausalLMModule
 from lightning_llmfast.errors import CheckpointError
+from lightning_llmfast.export import main
 from lightning_llmfast.hf.fp8 import dequantize
 from lightning_llmfast.parallel import pretrained
 
@@ -106,6 +108,13 @@ def test_export_of_an_fp8_load_is_bf16_without_mtp_or_quantization(release: tupl
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     for key, value in module.model.state_dict().items():
         assert torch.equal(reloaded.state_dict()[key], value.bfloat16().float()), key
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, max_steps=0)
+    trainer.strategy.connect(module)
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    assert main([str(tmp_path / "m.ckpt"), str(tmp_path / "cli")]) == 0  # the CLI: the same rule, the same files
+    assert json.loads((tmp_path / "cli" / "config.json").read_text()) == config
+    assert _tensors(tmp_path / "cli").keys() == exported.keys()
+    assert all(torch.equal(_tensors(tmp_path / "cli")[k], v) for k, v in exported.items())
     fp32 = module.save_pretrained(tmp_path / "fp32", dtype=torch.float32)
     assert {t.dtype for t in _tensors(fp32).values()} == {torch.float32}
     torch.testing.assert_close(reference_logits(fp32, IDS), reference_logits(real_dir, IDS), rtol=0, atol=1e-5)

@@ -44,7 +44,8 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
     A local pretrained directory (as ``save_pretrained`` writes it; nothing is downloaded) builds the model on the
     meta device from its ``config.json``, in fp32 and in train mode; the strategy parallelises it, then each rank reads
     from the safetensors shards only the slices it holds (:mod:`~lightning_llmfast.parallel.pretrained`; per-expert
-    keys into the fused expert tensors, under expert parallelism only the local experts). Outside a Trainer,
+    keys into the fused expert tensors, under expert parallelism only the local experts; a block-FP8 release such as
+    DeepSeek-V3 is dequantized on read, its multi-token-prediction layer skipped). Outside a Trainer,
     :meth:`materialize` reads it. The directory is kept in the hyper-parameters, so ``load_from_checkpoint`` works.
 
     Args:

@@ -18,6 +18,11 @@ buffer, copied to the device in one asynchronous copy per batch, then converted 
 dtype (dequantized first when quantized) and copied into place. No file is memory-mapped, so a rank's resident memory
 grows by its share and one buffer of at least its largest read.
 
+torch DCP's ``QuantizedHuggingFaceStorageReader`` dequantizes the same format, but its planner reads checkpoint keys
+one to one into state-dict keys (here one per-expert key fills a box of a fused expert tensor), it reads a matrix's
+whole scale tensor and dequantizes block by block in a Python loop; the format and formula are shared
+(:mod:`~lightning_llmfast.hf.fp8`), the reading is this module's, as it is for bf16 checkpoints.
+
 :func:`~lightning_llmfast.parallel.fsdp.materialize_module` calls it for a model that carries a checkpoint in its
 :data:`PRETRAINED_ATTRIBUTE`, in place of the random initialisation.
 
@@ -47,7 +52,7 @@ from lightning_llmfast.errors import CheckpointError
 from lightning_llmfast.expert_parallel.state import expert_parameters
 from lightning_llmfast.hf.fp8 import FP8_DTYPES, SCALE_SUFFIX, block_size, dequantize, scale_key, scale_shape
 from lightning_llmfast.hf.state_dict import Piece, StateDictAdapter, state_dict_adapter
-from lightning_llmfast.parallel.staging import StagedReader
+from lightning_llmfast.parallel.staging import ALIGNMENT, StagedReader
 
 __all__ = [
     "INDEX_FILENAME", "PRETRAINED_ATTRIBUTE", "SINGLE_FILENAME", "STAGING_BYTES", "LoadStats", "PretrainedCheckpoint",
@@ -324,9 +329,11 @@ class _Read:
 
     @property
     def nbytes(self) -> int:
-        return sum(-(-n // 64) * 64 for _, _, n in self.ranges)
+        """Staging bytes of its ranges."""
+        return sum(-(-n // ALIGNMENT) * ALIGNMENT for _, _, n in self.ranges)
 
     def finish(self, parts: list[Tensor]) -> None:
+        """Its ranges' bytes (on the target's device) into the target: viewed, sliced, dequantized, cast."""
         entry = self.entry
         rows = parts[0].view(entry.dtype).view((self.rows[1] - self.rows[0], *entry.shape[1:]))
         values = rows[(slice(None), *self.source[1:])] if entry.shape else rows.view(())
@@ -413,8 +420,9 @@ def _check_quantized(
     ``quantization_config`` that says the block size."""
     for key, entry in entries.items():
         if key.endswith(SCALE_SUFFIX):
-            if key[: -len(SCALE_SUFFIX)] not in entries:
-                raise CheckpointError(f"{directory / weight_map[key]}: scales {key!r} without their weight")
+            weight = entries.get(key[: -len(SCALE_SUFFIX)])
+            if weight is None or weight.dtype not in FP8_DTYPES:
+                raise CheckpointError(f"{directory / weight_map[key]}: scales {key!r} without an fp8 weight")
             continue
         if entry.dtype not in FP8_DTYPES:
             continue

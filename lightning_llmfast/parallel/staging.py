@@ -93,7 +93,7 @@ class StagedReader:
         if self._device is not None:
             self._device[: self._used].copy_(host[: self._used], non_blocking=True)
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
             self._copied[self._current] = event
             source = self._device
         for spans, finish in self._pending:
