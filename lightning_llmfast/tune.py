@@ -745,6 +745,10 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _pruned_record(candidate: _Candidate) -> TrialRecord:
+    return TrialRecord(candidate.settings, "pruned", None, candidate.predicted, None, candidate.pruned)
+
+
 class _Search:
     """Successive halving over the candidates, resuming from the records of an earlier run of the same search."""
 
@@ -797,8 +801,7 @@ class _Search:
         alive = []
         for c in candidates:
             if c.pruned:
-                self._record(c.settings, 0, lambda c=c: TrialRecord(c.settings, "pruned", None, c.predicted, None,
-                                                                   c.pruned))  # fmt: skip
+                self._record(c.settings, 0, lambda c=c: _pruned_record(c))
             else:
                 alive.append(c)
         steps, rung = self.tc.steps, 0
