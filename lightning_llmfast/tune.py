@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import copy
 import csv
+import dataclasses
 import hashlib
 import importlib
 import itertools
@@ -400,8 +401,6 @@ def _model_config(config: Mapping[str, Any]) -> Any:
 def _probe_model(model_config: Any) -> tuple[nn.Module, list[int]]:
     """One layer of each kind of the model (a dense layer if it has any, an MoE layer if it has any), and for every
     layer of the full model the index of its probed kind."""
-    import dataclasses
-
     from lightning_llmfast.models import MoEGPT
 
     n = model_config.n_layers
@@ -436,6 +435,8 @@ def _measure_probe(config: Mapping[str, Any]) -> tuple[_Probe, list[int]]:
     from lightning_llmfast.offload.must_save import MustSaveCounter
 
     model_config = _model_config(config)
+    if model_config.router_backend in ("auto", "triton"):  # on CPU: the kernels' PyTorch reference saves the same
+        model_config = dataclasses.replace(model_config, router_backend="torch")
     torch.manual_seed(0)
     model, kinds = _probe_model(model_config)
     seq_len = int(_get(config, "data.seq_len", 256))
@@ -545,7 +546,7 @@ def predict_memory(
         if model_key not in probes:
             probes[model_key] = _measure_probe(config)
         return _model_states(config, world) + _activations(config, *probes[model_key])
-    except (LLMFastError, TypeError, ValueError):
+    except (LLMFastError, TypeError, ValueError, RuntimeError):  # a config the model refuses: the trial will say why
         return None
 
 

@@ -118,6 +118,8 @@ def test_predicted_memory_adds_the_sharding_plan_and_activations_linear_in_the_m
     assert predict_memory(apply_settings(config, {**deep, "trainer.strategy.init_args.offload": recompute}), 1) < kept
     quiet = {**deep, "trainer.strategy.init_args.offload": True}  # no device, no force: the offloader idles
     assert predict_memory(apply_settings(config, quiet), world=1) == kept
+    triton = {"model.config.router_backend": "triton", "data.batch_size": 5}  # probed with its PyTorch reference
+    assert predict_memory(apply_settings(config, triton), world=1) == predicted[5]
     assert predict_memory({**config, "model": {"class_path": "lightning_llmfast.HFCausalLMModule"}}, 1) is None
 
 
@@ -194,10 +196,10 @@ def test_the_time_budget_stops_the_search_and_a_rerun_continues_it(tmp_path: Pat
     monkeypatch.setenv("FAKE_TRIAL_CALLS", str(tmp_path / "calls.jsonl"))
     space = {"data.batch_size": [1, 2, 4, 8], "model.lr": [0.003, 0.002]}
     start = time.monotonic()
-    result = tune(_fake(tmp_path, space, time_budget=5.0, global_batch=8))  # rung 0 alone takes 8 x 1 s
-    assert time.monotonic() - start < 5.0 + 1.5  # the budget, the bookkeeping and the kill of the running trial
+    result = tune(_fake(tmp_path, space, time_budget=7.0, global_batch=8))  # rung 0 alone takes 8 x 1 s and more
+    assert time.monotonic() - start < 7.0 + 4.0  # the budget, then the kill of the running trial and the report
     assert result.stopped_by_budget and 1 <= len(result.records) < 8  # the trial cut by the budget is not recorded
-    assert len(_lines(tmp_path / "calls.jsonl")) == len(result.records) + 1
+    assert len(_lines(tmp_path / "calls.jsonl")) - len(result.records) in (0, 1)  # the cut one, if it had started
     assert "time budget stopped the search" in (tmp_path / "out/report.md").read_text()
     monkeypatch.setenv("FAKE_TRIAL_SLEEP", "0")
     again = tune(_fake(tmp_path, space, global_batch=8))
