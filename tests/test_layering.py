@@ -73,6 +73,7 @@ ROOT_MODULES: dict[str, str] = {
     "plan": "cli",
     "prepare": "cli",
     "export": "cli",
+    "tune": "cli",
     "datamodule": "compat",
     "mixin": "compat",
     "losses": "compat",

@@ -1,0 +1,285 @@
+"""``python -m lightning_llmfast.tune`` (issue 49): settings, memory prediction, successive halving, pruning, failing
+and timed-out trials, the time budget, resume after kill -9, the files it writes, and one real search of the example
+CLI whose ``best.yaml`` trains.
+
+Most searches run :mod:`tests.scripts.fake_trial` (the example CLI's stand-in: no torch, milliseconds) or an
+in-process runner; ``test_real_search_of_the_example_cli`` runs the example CLI itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.models import MoEGPT, MoEGPTConfig
+from lightning_llmfast.tune import (
+    RECORD_FIELDS,
+    Measurement,
+    Trial,
+    TrialLog,
+    TrialRecord,
+    TuneConfig,
+    apply_settings,
+    default_space,
+    main,
+    predict_memory,
+    tune,
+    write_plot,
+)
+
+ROOT = Path(__file__).parents[1]
+FAKE = ROOT / "tests" / "scripts" / "fake_trial.py"
+MODEL = {"hidden_size": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_size": 64, "num_experts": 4, "top_k": 2}
+
+
+def _config(tmp_path: Path, **data: Any) -> Path:
+    config = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 1, "strategy": "llmfast", "max_steps": 50, "logger": False,
+                    "enable_checkpointing": False},
+        "model": {"config": dict(MODEL), "lr": 0.003},
+        "data": {"corpus": "synthetic", "synthetic_num_docs": 64, "seq_len": 32, "batch_size": 4, "num_workers": 0,
+                 **data},
+    }  # fmt: skip
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+class FakeRunner:
+    """In-process trials: a rate per batch size (or a crash for a negative lr); remembers every trial it ran."""
+
+    def __init__(self, rates: dict[int, float]) -> None:
+        self.rates, self.trials = rates, []
+
+    def __call__(self, trial: Trial) -> Measurement:
+        self.trials.append(trial)
+        if trial.config["model"]["lr"] < 0:
+            return Measurement("failed", reason="exit status 1: ValueError: Invalid learning rate")
+        return Measurement("ok", self.rates[trial.config["data"]["batch_size"]], 1 << 20)
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_settings_go_into_the_config_sections() -> None:
+    config = {"trainer": {"strategy": "llmfast"}, "data": {"class_path": "x.Data", "init_args": {"seq_len": 8}}}
+    out = apply_settings(config, {"trainer.strategy.init_args.sharding": "fsdp", "data.batch_size": 2, "model.lr": 1})
+    assert out["trainer"]["strategy"] == {"class_path": "lightning_llmfast.LLMFastStrategy",
+                                          "init_args": {"sharding": "fsdp"}}  # fmt: skip
+    assert out["data"]["init_args"] == {"seq_len": 8, "batch_size": 2} and out["model"] == {"lr": 1}
+    assert config["trainer"]["strategy"] == "llmfast"  # the input is not changed
+    with pytest.raises(ConfigError, match=r"trainer.strategy.init_args.x: strategy is 'ddp'"):
+        apply_settings({"trainer": {"strategy": "ddp"}}, {"trainer.strategy.init_args.x": 1})
+
+
+def test_default_space_follows_the_config_and_the_world(tmp_path: Path) -> None:
+    config = yaml.safe_load(_config(tmp_path).read_text())
+    assert default_space(config, world=1, cuda=False) == {"data.batch_size": [1, 2, 4, 8]}
+    space = default_space(config, world=4, cuda=True)
+    assert space["trainer.strategy.init_args.sharding"] == ["ddp", "fsdp"]
+    assert space["trainer.strategy.init_args.expert_parallel_size"] == [1, 2, 4]  # divide the world and 4 experts
+    assert space["model.config.router_backend"] == ["triton", "torch"] and space["model.compile"] == [False, True]
+    assert len(space["trainer.strategy.init_args.offload"]) == 3
+    config["model"]["config"]["num_experts"] = 3
+    assert "trainer.strategy.init_args.expert_parallel_size" not in default_space(config, world=4, cuda=False)
+
+
+def test_predicted_memory_adds_the_sharding_plan_and_activations_linear_in_the_micro_batch(tmp_path: Path) -> None:
+    config = yaml.safe_load(_config(tmp_path).read_text())
+    predicted = {b: predict_memory(apply_settings(config, {"data.batch_size": b}), world=1) for b in (1, 2, 5)}
+    per_sequence = predicted[2] - predicted[1]
+    assert per_sequence > 0 and predicted[5] - predicted[1] == 4 * per_sequence  # one probe, scaled
+    # The model states, independently: every parameter in fp32, its gradient and two AdamW moments.
+    model = MoEGPT(MoEGPTConfig(**MODEL, vocab_size=258))
+    states = 4 * 4 * sum(p.numel() for p in model.parameters())
+    assert predicted[1] - per_sequence == pytest.approx(states, rel=0.35)  # what no sequence needs: states + const
+    assert predicted[1] > states
+    fsdp = {"trainer.strategy.init_args.sharding": "fsdp", "data.batch_size": 1}
+    assert predict_memory(apply_settings(config, fsdp), world=4) < predicted[1]  # the states are sharded
+    deep = {"model.config.n_layers": 6, "data.batch_size": 5}
+    kept = predict_memory(apply_settings(config, deep), world=1)
+    offload = {"force": True, "keep_last_layers": 1, "min_offload_bytes": 0}
+    assert predict_memory(apply_settings(config, {**deep, "trainer.strategy.init_args.offload": offload}), 1) < kept
+    recompute = {"force": True, "offload_layers": 0, "recompute": "selective"}
+    assert predict_memory(apply_settings(config, {**deep, "trainer.strategy.init_args.offload": recompute}), 1) < kept
+    quiet = {**deep, "trainer.strategy.init_args.offload": True}  # no device, no force: the offloader idles
+    assert predict_memory(apply_settings(config, quiet), world=1) == kept
+    triton = {"model.config.router_backend": "triton", "data.batch_size": 5}  # probed with its PyTorch reference
+    assert predict_memory(apply_settings(config, triton), world=1) == predicted[5]
+    assert predict_memory({**config, "model": {"class_path": "lightning_llmfast.HFCausalLMModule"}}, 1) is None
+
+
+def test_successive_halving_prunes_and_keeps_the_optimizer_batch(tmp_path: Path) -> None:
+    space = {"data.batch_size": [1, 2, 3, 4, 8, 16], "model.lr": [0.003, -1.0]}
+    runner = FakeRunner({1: 100.0, 2: 300.0, 4: 250.0, 8: 200.0})
+    small = predict_memory(apply_settings(yaml.safe_load(_config(tmp_path).read_text()), {"data.batch_size": 8}), 1)
+    config = TuneConfig(_config(tmp_path), tmp_path / "out", space=space, global_batch=8, memory_budget=small, eta=2)
+    result = tune(config, runner)
+    lines = _lines(tmp_path / "out/trials.jsonl")
+    assert all(tuple(line) == RECORD_FIELDS for line in lines)
+    by = {(r["settings"]["data.batch_size"], r["settings"]["model.lr"], r["status"]): r for r in lines}
+    assert "not a multiple of micro-batch 3" in by[3, 0.003, "pruned"]["reason"]
+    assert "not a multiple of micro-batch 16" in by[16, 0.003, "pruned"]["reason"]  # 16 > 8 sequences a step
+    assert by[8, 0.003, "ok"]["predicted_memory"] == small
+    assert "Invalid learning rate" in by[1, -1.0, "failed"]["reason"]  # the search went on
+    assert {r["settings"]["trainer.accumulate_grad_batches"] for r in lines if r["status"] == "ok"} == {1, 2, 4, 8}
+    for trial in runner.trials:  # every trial's optimizer batch is 8 sequences
+        assert trial.config["data"]["batch_size"] * trial.config["trainer"]["accumulate_grad_batches"] == 8
+    # rung 0: the 4 runnable lr=0.003 candidates and 4 crashing ones, 4 steps; rung 1: the best 2 of 4, 8 steps
+    assert [(t.config["data"]["batch_size"], t.steps) for t in runner.trials[8:]] == [(2, 8), (4, 8)]
+    assert result.best is not None and result.best.settings["data.batch_size"] == 2 and result.best_steps == 8
+    assert yaml.safe_load((tmp_path / "out/best.yaml").read_text())["data"]["batch_size"] == 2
+    report = (tmp_path / "out/report.md").read_text()
+    assert report.index("data.batch_size=2, model.lr=0.003") < report.index("data.batch_size=1, model.lr=0.003")
+
+
+def test_memory_budget_prunes_before_running(tmp_path: Path) -> None:
+    base = yaml.safe_load(_config(tmp_path).read_text())
+    budget = predict_memory(apply_settings(base, {"data.batch_size": 2}), 1)
+    runner = FakeRunner({1: 1.0, 2: 2.0, 4: 4.0})
+    result = tune(TuneConfig(_config(tmp_path), tmp_path / "out", space={"data.batch_size": [1, 2, 4]},
+                             global_batch=4, memory_budget=budget), runner)  # fmt: skip
+    pruned = [r for r in result.records if r.status == "pruned"]
+    assert [r.settings["data.batch_size"] for r in pruned] == [4] and "> memory budget" in pruned[0].reason
+    assert pruned[0].predicted_memory > budget
+    assert sorted(t.config["data"]["batch_size"] for t in runner.trials) == [1, 2]
+    assert result.best is not None and result.best.settings["data.batch_size"] == 2
+
+
+def test_trial_log_drops_a_cut_line_and_refuses_a_damaged_one(tmp_path: Path) -> None:
+    log = TrialLog(tmp_path / "trials.jsonl")
+    record = TrialRecord({"data.batch_size": 2}, "ok", 10.0, 5, 6, "")
+    log.append(record)
+    with open(log.path, "a") as f:
+        f.write('{"settings": {"data.batch_size": 4}, "sta')  # a kill mid-write
+    assert log.read() == [record]
+    assert log.path.read_text().count("\n") == 1 and log.path.read_text().endswith("}\n")  # the cut line is gone
+    log.append(record)
+    assert log.read() == [record, record]
+    log.path.write_text('{"not": "a record"}\n' + log.path.read_text())
+    with pytest.raises(ConfigError, match="line 1 is not a trial record"):
+        log.read()
+
+
+def _fake(tmp_path: Path, space: dict[str, list[Any]], **kwargs: Any) -> TuneConfig:
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump(space))
+    return TuneConfig(_config(tmp_path), tmp_path / "out", space=tmp_path / "space.yaml", script=FAKE,
+                      warmup_steps=1, steps=2, **kwargs)  # fmt: skip
+
+
+def test_a_trial_past_its_timeout_is_stopped_and_the_search_goes_on(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("FAKE_TRIAL_SLEEP", "30")
+    start = time.monotonic()
+    result = tune(_fake(tmp_path, {"data.batch_size": [2, 4]}, trial_timeout=1.0))
+    assert time.monotonic() - start < 20
+    assert [r.status for r in result.records] == ["timeout", "timeout"] and result.best is None
+    assert "no result within 1s" in result.records[0].reason and not result.stopped_by_budget
+    assert "No trial measured a rate" in (tmp_path / "out/report.md").read_text()
+
+
+def test_the_time_budget_stops_the_search_and_a_rerun_continues_it(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("FAKE_TRIAL_SLEEP", "1")
+    monkeypatch.setenv("FAKE_TRIAL_CALLS", str(tmp_path / "calls.jsonl"))
+    space = {"data.batch_size": [1, 2, 4, 8], "model.lr": [0.003, 0.002]}
+    start = time.monotonic()
+    result = tune(_fake(tmp_path, space, time_budget=7.0, global_batch=8))  # rung 0 alone takes 8 x 1 s and more
+    assert time.monotonic() - start < 7.0 + 4.0  # the budget, then the kill of the running trial and the report
+    assert result.stopped_by_budget and 1 <= len(result.records) < 8  # the trial cut by the budget is not recorded
+    assert len(_lines(tmp_path / "calls.jsonl")) - len(result.records) in (0, 1)  # the cut one, if it had started
+    assert "time budget stopped the search" in (tmp_path / "out/report.md").read_text()
+    monkeypatch.setenv("FAKE_TRIAL_SLEEP", "0")
+    again = tune(_fake(tmp_path, space, global_batch=8))
+    assert not again.stopped_by_budget and again.best is not None and again.best.settings["data.batch_size"] == 8
+    calls = _lines(tmp_path / "calls.jsonl")
+    for record in result.records:  # measured before the budget ran out: not run again
+        batch, lr = record.settings["data.batch_size"], record.settings["model.lr"]
+        assert sum((c["batch"], c["lr"], c["steps"]) == (batch, lr, 3) for c in calls) == 1
+
+
+def test_resume_after_kill_9_repeats_no_finished_trial(tmp_path: Path) -> None:
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump({"data.batch_size": [1, 2, 4, 8], "model.lr": [0.003, -1.0]}))
+    calls = tmp_path / "calls.jsonl"
+    env = {**os.environ, "FAKE_TRIAL_SLEEP": "0.2", "FAKE_TRIAL_CALLS": str(calls),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    command = [sys.executable, "-m", "lightning_llmfast.tune", "--config", str(_config(tmp_path)), "--out",
+               str(tmp_path / "out"), "--space", str(space), "--global-batch", "8", "--steps", "1",
+               "--warmup-steps", "1", "--eta", "2", "--script", str(FAKE)]  # fmt: skip
+    log = tmp_path / "out" / "trials.jsonl"
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not log.exists() or log.read_text().count("\n") < 3):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    with open(log, "a") as f:
+        f.write('{"settings": {"data.batch_si')  # and the kill cut a line
+    before = [json.loads(line) for line in log.read_text().splitlines()[:-1]]
+    assert 3 <= len(before) < 10  # rung 0: 8 trials, rung 1: the best 2 of the 4 that ran
+    time.sleep(0.5)  # the orphaned trial ends
+    ran_before = len(_lines(calls))
+    finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert finished.returncode == 0, finished.stderr
+    after = _lines(log)
+    assert after[: len(before)] == before  # kept as they were
+    ran = _lines(calls)[ran_before:]
+    # the rerun ran exactly the trials the log lacked; only the one the kill cut ran twice, if any
+    assert len(ran) == len(after) - len(before) and len(_lines(calls)) - len(after) in (0, 1)
+    keys = [(r["settings"]["data.batch_size"], r["settings"]["model.lr"]) for r in after]
+    assert len(after) == 10 and len(set(keys[:8])) == 8  # rung 0: each candidate once
+    assert yaml.safe_load((tmp_path / "out/best.yaml").read_text())["data"]["batch_size"] == 8
+
+
+def test_errors_are_one_line(tmp_path: Path, capsys) -> None:
+    assert main(["--config", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "out")]) == 2
+    assert "error: TuneConfig.config: no such file" in capsys.readouterr().err
+    config = _config(tmp_path)
+    runner = FakeRunner({2: 1.0, 4: 2.0})
+    tune(TuneConfig(config, tmp_path / "out", space={"data.batch_size": [2, 4]}), runner)
+    with pytest.raises(ConfigError, match=r"holds another search .*space"):
+        tune(TuneConfig(config, tmp_path / "out", space={"data.batch_size": [2]}), runner)
+    with pytest.raises(ConfigError, match=r"space: model.lr must list at least one value"):
+        tune(TuneConfig(config, tmp_path / "o2", space={"model.lr": []}), runner)
+    with pytest.raises(ConfigError, match="--global-batch sets per candidate"):
+        tune(TuneConfig(config, tmp_path / "o3", space={"trainer.accumulate_grad_batches": [1]}, global_batch=8))
+    with pytest.raises(ConfigError, match=r"TuneConfig.warmup_steps must be an int >= 1"):
+        TuneConfig(config, tmp_path / "o4", warmup_steps=0)
+
+
+def test_without_matplotlib_the_plot_is_skipped_with_a_message(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert write_plot(tmp_path / "report.png", [TrialRecord({}, "ok", 1.0, 1, 1)]) is None
+    assert "matplotlib is missing" in capsys.readouterr().err and not (tmp_path / "report.png").exists()
+
+
+def test_real_search_of_the_example_cli(tmp_path: Path, monkeypatch) -> None:
+    """Two trials of the example CLI (one crashes), then ``best.yaml`` trains as it is."""
+    monkeypatch.chdir(tmp_path)
+    config = TuneConfig(_config(tmp_path), tmp_path / "out", space={"model.lr": [0.003, -1.0]}, steps=2,
+                        warmup_steps=1, trial_timeout=300)  # fmt: skip
+    result = tune(config)
+    ok, failed = result.records
+    assert (ok.status, failed.status) == ("ok", "failed") and "Invalid learning rate" in failed.reason
+    assert ok.tokens_per_sec > 0 and ok.peak_memory > ok.predicted_memory > 0  # RSS holds the interpreter too
+    assert ok.settings == {"model.lr": 0.003, "trainer.accumulate_grad_batches": 1}
+    assert (tmp_path / "out/report.png").stat().st_size > 0
+    spec = importlib.util.spec_from_file_location("train_moe", ROOT / "examples" / "train_moe.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    cli = example.main(["fit", "--config", str(tmp_path / "out/best.yaml"), "--trainer.max_steps", "1"])
+    assert cli.trainer.global_step == 1 and torch.isfinite(cli.trainer.callback_metrics["train/loss"])
