@@ -1,7 +1,9 @@
 """``PreparedDataModule``: train on datasets written by ``python -m lightning_llmfast.prepare``, memory-mapped.
 
-The rows were packed offline; this module only deals them (see :class:`~lightning_llmfast.data.PreparedBatches`)
-and keeps the position (see :class:`~lightning_llmfast.datamodules.PositionedDataModule`).
+The rows were packed offline (or, for a length the data was not prepared with, from the document index when the
+module is set up, then cached beside the data); this module only deals them (see
+:class:`~lightning_llmfast.data.PreparedBatches`) and keeps the position (see
+:class:`~lightning_llmfast.datamodules.PositionedDataModule`).
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ class PreparedDataModule(PositionedDataModule):
 
     Args:
         path: a prepared directory, or a list of them.
-        seq_len: tokens per row; the directories must have been prepared with it (``--seq-len``).
+        seq_len: tokens per row, any length: one given to ``prepare --seq-len`` is read as packed then, another is
+            packed from the document index at :meth:`setup` (seconds per million documents, no token read) and
+            cached beside the data for every later run, rank and worker.
         batch_size: rows per batch.
         num_workers: ``DataLoader`` worker processes (0 reads in the main process).
         seed: seed of the epoch orders.
@@ -63,9 +67,8 @@ class PreparedDataModule(PositionedDataModule):
 
     Raises:
         ConfigError: ``num_workers``, ``pin_memory`` or a ``limit_*`` not of its type and range, or no ``path``.
-        DataError: at :meth:`setup`: an incomplete or damaged directory (naming the file), a ``seq_len`` it was not
-            prepared with, bad ``weights``, directories from different tokenizers, or a model whose vocabulary is
-            smaller than the data's.
+        DataError: at :meth:`setup`: an incomplete or damaged directory (naming the file), bad ``weights``,
+            directories from different tokenizers, or a model whose vocabulary is smaller than the data's.
 
     Example::
 
@@ -122,7 +125,8 @@ class PreparedDataModule(PositionedDataModule):
     @override
     def setup(self, stage: str) -> None:
         # Opening here (not in __init__) keeps construction cheap for LightningCLI's argument parsing; a damaged
-        # directory, a missing layout or a too small model still fail before the first step.
+        # directory or a too small model still fail before the first step, and a new length is packed (and cached)
+        # here, in the main process, before any DataLoader worker starts.
         if stage == "fit":
             self._dataset("train")
         for source in self.sources:
