@@ -692,7 +692,8 @@ def _read_record(output: Path, index: int) -> dict[str, Any]:
     try:
         record = json.loads(path.read_text())
         counts = [record[key] for key in ("documents", "tokens", "bytes")]
-        if not (all(isinstance(c, int) for c in counts) and len(record["lengths"]) == record["documents"]):
+        lengths = record["lengths"]
+        if not (all(isinstance(c, int) for c in counts) and len(lengths) == counts[0] and sum(lengths) == counts[1]):
             raise ValueError("counts that do not match its lengths")
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
         raise DataError(
