@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 from lightning_llmfast import DataError, HFCausalLMModule, MoEGPTConfig, MoEGPTLightningModule, PreparedDataModule
 from lightning_llmfast.data import IGNORE_INDEX, PackedBatch, PreparedBatches, PreparedDataset
 from lightning_llmfast.data.prepare import PrepareConfig, prepare
+from lightning_llmfast.data.prepared import SPLITS
 
 SEQ_LEN = 16
 REPO = Path(__file__).parents[1]
@@ -267,6 +268,21 @@ def test_incomplete_and_truncated_directories_are_refused_at_setup(data: dict[st
     (root / "manifest.json").unlink()
     with pytest.raises(DataError, match=r"no manifest\.json, so the preparation did not finish"):
         PreparedDataModule(path=str(root), seq_len=SEQ_LEN).setup("fit")
+
+
+def test_a_new_length_is_packed_once_in_prepare_data_and_opened_by_setup(
+    data: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "b"
+    prepare(PrepareConfig(inputs=(str(data["root"] / "b.jsonl"),), tokenizer=str(data["tokenizer"]), output=str(root),
+                          seq_len=(SEQ_LEN,), val_fraction=0.15, progress=False))  # fmt: skip
+    PreparedDataModule(path=str(root), seq_len=12).prepare_data()
+    assert {p.name for p in root.glob("*-L12-*")} == {f"{k}-L12-{s}.npy" for k in ("rows", "pieces") for s in SPLITS}
+    monkeypatch.setattr("lightning_llmfast.data.prepared.write_layout", None)  # setup on every rank packs nothing
+    module = PreparedDataModule(path=str(root), seq_len=12, batch_size=2, num_workers=0)
+    module.setup("fit")
+    batch = next(iter(module.train_dataloader()))
+    assert batch.input_ids.shape == (2, 12) and module._has_split("val")
 
 
 def test_the_example_cli_trains_on_a_prepared_directory(

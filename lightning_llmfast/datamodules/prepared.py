@@ -13,7 +13,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_llmfast._checks import check_bool, check_int
-from lightning_llmfast.data.prepared import PreparedBatches, PreparedDataset
+from lightning_llmfast.data.prepared import SPLITS, PreparedBatches, PreparedDataset
 from lightning_llmfast.datamodules.positioned import PositionedDataModule
 from lightning_llmfast.errors import ConfigError, DataError
 
@@ -54,8 +54,8 @@ class PreparedDataModule(PositionedDataModule):
     Args:
         path: a prepared directory, or a list of them.
         seq_len: tokens per row, any length: one given to ``prepare --seq-len`` is read as packed then, another is
-            packed from the document index at :meth:`setup` (seconds per million documents, no token read) and
-            cached beside the data for every later run, rank and worker.
+            packed from the document index in :meth:`prepare_data` (once per node, seconds per million documents, no
+            token read) and cached beside the data for every rank, worker and later run.
         batch_size: rows per batch.
         num_workers: ``DataLoader`` worker processes (0 reads in the main process).
         seed: seed of the epoch orders.
@@ -121,6 +121,14 @@ class PreparedDataModule(PositionedDataModule):
     def vocab_size(self) -> int:
         """Vocabulary of the data's tokenizer (the largest among the directories)."""
         return max(source.vocab_size for source in self.sources)
+
+    @override
+    def prepare_data(self) -> None:
+        # Lightning runs this on one process per node before any rank's setup: a row length the data was not
+        # prepared with is packed and cached beside the data there, once, and every rank's setup then opens it.
+        for source in self.sources:
+            for split in SPLITS:
+                source.layout(self.seq_len, split)
 
     @override
     def setup(self, stage: str) -> None:
