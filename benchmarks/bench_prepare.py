@@ -1,19 +1,25 @@
-"""Prepare throughput against the tokenizer alone, its scaling with workers, loader speed and peak memory.
+"""Prepare throughput against the tokenizer alone, files, a new row length, loader speed and peak memory.
 
-    python benchmarks/bench_prepare.py --mib 16 --rss-mib 2 100 --json benchmarks/results/cpu_prepare_<date>.json
+    python benchmarks/bench_prepare.py --mib 1024 --json benchmarks/results/prepare.json
 
-Everything is built in a temp dir (a synthetic jsonl corpus, a byte-level BPE tokenizer trained on it: no download):
+Everything is built in a temp dir (a synthetic jsonl corpus of ``--mib`` MiB, a byte-level BPE tokenizer trained on
+it: no download):
 
 - ``tokenizer``: the transformers tokenizer alone on the corpus's texts, in batches of 1000, one process, one thread
   (``TOKENIZERS_PARALLELISM=false``, as each prepare worker runs); JSON parsing excluded;
-- ``prepare_wN``: ``prepare`` end to end with ``N`` workers (reading, tokenizing, writing, index, packing,
-  checksums, manifest); tokens/s and its ratio to the tokenizer alone, per worker;
-- ``loader``: batches/s of ``PreparedBatches`` over the prepared rows (one process), and one training step of the
-  reference MoE GPT (default CPU size) on such a batch, for the loader's share of a step;
+- ``prepare_wN``: ``prepare`` end to end with ``N`` workers (reading, JSON parsing, tokenizing, writing, sharding,
+  index, packing, checksums, manifest), interleaved with the tokenizer alone over ``--repeats`` rounds. Per worker:
+  ``ratio_per_worker`` = tokens/s / N / the tokenizer's tokens/s (wall clock: on a shared or small machine N
+  workers do not get N cores) and ``cpu_ratio_per_worker`` = tokens per CPU second of a worker / the tokenizer's
+  tokens per CPU second (what a worker delivers for the core it gets); medians with min and max;
+- ``files``: the files of the output, against one token file per 4,096 documents before (format version 1);
+- ``new_seq_len``: the time to serve a row length the data was not prepared with (both splits packed from the
+  document index and cached), against the prepare time, and to open it again from the cache;
+- ``loader``: batches/s of ``PreparedBatches`` (one process) at the prepared and at the new length;
 - ``rss``: peak RSS of ``python -m lightning_llmfast.prepare --workers 1`` (a fresh process) on inputs of the given
   sizes: it should not grow with the input.
 
-The machine these run on is shared: repeat and compare ratios, not absolute rates.
+The machine these run on is shared: compare ratios, not absolute rates.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import os
 import platform
 import random
 import resource
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -75,20 +83,23 @@ def make_tokenizer(directory: Path, sample: Path) -> Path:
 
 
 def tokenizer_alone(tokenizer_dir: Path, corpus: Path) -> dict[str, float]:
-    with open(corpus) as f:
-        texts = [json.loads(line)["text"] for line in f]
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cpu, start, tokens = _cpu_seconds()[0], time.perf_counter(), 0
-    for i in range(0, len(texts), 1000):
-        tokens += sum(len(ids) + 1 for ids in tokenizer(texts[i : i + 1000], add_special_tokens=False)["input_ids"])
-    seconds, cpu = time.perf_counter() - start, _cpu_seconds()[0] - cpu
+    seconds = cpu = tokens = 0
+    with open(corpus) as f:
+        while texts := [json.loads(line)["text"] for _, line in zip(range(20_000), f, strict=False)]:
+            before_cpu, start = _cpu_seconds()[0], time.perf_counter()  # JSON parsing excluded
+            for i in range(0, len(texts), 1000):
+                ids = tokenizer(texts[i : i + 1000], add_special_tokens=False)["input_ids"]
+                tokens += sum(len(d) + 1 for d in ids)
+            seconds, cpu = seconds + time.perf_counter() - start, cpu + _cpu_seconds()[0] - before_cpu
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "cpu_s": cpu,
             "tokens_per_cpu_s": tokens / cpu}  # fmt: skip
 
 
 def prepare_run(tokenizer_dir: Path, corpus: Path, output: Path, workers: int, seq_len: int) -> dict[str, float]:
+    shutil.rmtree(output, ignore_errors=True)  # an output complete with the same settings would be kept as it is
     config = PrepareConfig(inputs=(str(corpus),), tokenizer=str(tokenizer_dir), output=str(output), workers=workers,
-                           seq_len=(seq_len,), overwrite=True, progress=False)  # fmt: skip
+                           seq_len=(seq_len,), progress=False)  # fmt: skip
     cpu = _cpu_seconds()
     start = time.perf_counter()
     manifest = prepare(config)
@@ -108,27 +119,39 @@ def _cpu_seconds() -> tuple[float, float]:
 
 
 def loader_run(prepared: Path, seq_len: int, batch_size: int, limit: int) -> dict[str, float]:
-    from lightning_llmfast import MoEGPTConfig
-    from lightning_llmfast.models import MoEGPT
-
     batches = PreparedBatches([PreparedDataset(prepared)], "train", seq_len=seq_len, batch_size=batch_size,
                               shuffle_seed=0)  # fmt: skip
-    start, count = time.perf_counter(), 0
-    for batch in batches:  # noqa: B007 (the last batch feeds the model step below)
-        count += 1
+    start, count, tokens = time.perf_counter(), 0, 0
+    for batch in batches:
+        count, tokens = count + 1, tokens + batch.num_tokens
         if count == limit:
             break
-    loader_s = (time.perf_counter() - start) / count
-    model = MoEGPT(MoEGPTConfig(vocab_size=8001))
-    step_times = []
-    for _ in range(3):  # the first is a warm-up
-        start = time.perf_counter()
-        logits = model(batch.input_ids, batch.position_ids)
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=-100).backward()
-        step_times.append(time.perf_counter() - start)
-    step_s = min(step_times[1:])
-    return {"batches": count, "batches_per_s": 1 / loader_s, "seconds_per_batch": loader_s,
-            "model_step_seconds": step_s, "share_of_step": loader_s / (loader_s + step_s)}  # fmt: skip
+    seconds = time.perf_counter() - start
+    return {"seq_len": seq_len, "batch_size": batch_size, "batches": count, "batches_per_s": count / seconds,
+            "tokens_per_s": tokens / seconds}  # fmt: skip
+
+
+def new_length(prepared: Path, seq_len: int, prepare_seconds: float) -> dict[str, float]:
+    """Serve ``seq_len`` (not prepared): both splits packed from the document index and cached; then reopened."""
+    start = time.perf_counter()
+    dataset = PreparedDataset(prepared)
+    rows = sum(dataset.layout(seq_len, split).num_rows for split in ("train", "val"))
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    again = PreparedDataset(prepared)
+    assert sum(again.layout(seq_len, split).num_rows for split in ("train", "val")) == rows
+    cached = time.perf_counter() - start
+    return {"seq_len": seq_len, "rows": rows, "first_use_seconds": first, "prepare_seconds": prepare_seconds,
+            "fraction_of_prepare": first / prepare_seconds, "cached_open_seconds": cached}  # fmt: skip
+
+
+def _median(runs: list[dict[str, float]]) -> dict[str, Any]:
+    """The median of every field over the runs, with the min and max of the ratios."""
+    out: dict[str, Any] = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    for key in [k for k in runs[0] if "ratio" in k]:
+        out[f"{key}_min"], out[f"{key}_max"] = min(r[key] for r in runs), max(r[key] for r in runs)
+    out["repeats"] = len(runs)
+    return out
 
 
 def peak_rss(tokenizer_dir: Path, corpus: Path, output: Path, seq_len: int) -> dict[str, float]:
@@ -144,15 +167,17 @@ def peak_rss(tokenizer_dir: Path, corpus: Path, output: Path, seq_len: int) -> d
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
     return {"input_mib": corpus.stat().st_size / 2**20, "peak_rss_mib": int(proc.stdout.split()[-1]) / 1024,
-            "seconds": time.perf_counter() - start}  # fmt: skip
+            "seconds": time.perf_counter() - start, "files": len(list(output.iterdir()))}  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=float, default=16, help="corpus size for the throughput runs")
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--rss-mib", type=float, nargs="+", default=[2, 100], help="input sizes for peak RSS")
-    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--mib", type=float, default=16, help="corpus size for the throughput runs (1024: 1 GiB)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of tokenizer and prepare runs")
+    parser.add_argument("--rss-mib", type=float, nargs="+", default=[2, 16], help="input sizes for peak RSS")
+    parser.add_argument("--seq-len", type=int, default=1024, help="the row length prepared")
+    parser.add_argument("--new-seq-len", type=int, default=4096, help="a row length served without preparing it")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,23 +191,34 @@ def main() -> None:
             "python": platform.python_version(), "torch": torch.__version__,
             "corpus_mib": args.mib, "documents": documents, "seq_len": args.seq_len,
         }  # fmt: skip
-        alone = tokenizer_alone(tokenizer_dir, corpus)
-        result["tokenizer"] = alone
-        for workers in args.workers:
-            run = prepare_run(tokenizer_dir, corpus, root / f"out-w{workers}", workers, args.seq_len)
-            run["ratio_to_tokenizer"] = run["tokens_per_s"] / alone["tokens_per_s"]
-            run["ratio_per_worker"] = run["ratio_to_tokenizer"] / workers
-            # per CPU second: what the pipeline costs beyond tokenizing, whatever the load
-            run["tokenizer_share_of_cpu"] = alone["cpu_s"] / (run["main_cpu_s"] + run["workers_cpu_s"])
-            result[f"prepare_w{workers}"] = run
-            print(f"workers={workers}: {run}", flush=True)
+        alones, runs = [], {w: [] for w in args.workers}  # type: ignore[var-annotated]
+        for _ in range(args.repeats):  # interleaved: the machine's load changes under all of them alike
+            alone = tokenizer_alone(tokenizer_dir, corpus)
+            alones.append(alone)
+            for workers in args.workers:
+                run = prepare_run(tokenizer_dir, corpus, root / f"out-w{workers}", workers, args.seq_len)
+                run["ratio_per_worker"] = run["tokens_per_s"] / workers / alone["tokens_per_s"]
+                # the workers' CPU (the main process's when it tokenizes itself), per worker, against the tokenizer's
+                cpu = run["workers_cpu_s"] if workers > 1 else run["main_cpu_s"]
+                run["cpu_ratio_per_worker"] = run["tokens"] / cpu / alone["tokens_per_cpu_s"]
+                runs[workers].append(run)
+                print(f"workers={workers}: {run}", flush=True)
+        result["tokenizer"] = _median(alones)
+        for workers, measured in runs.items():
+            result[f"prepare_w{workers}"] = _median(measured)
+        output = root / f"out-w{args.workers[0]}"
+        names = sorted(p.name for p in output.iterdir())
+        result["files"] = {"count": len(names), "token_files": sum(n.startswith("tokens-") for n in names),
+                           "token_files_v1": -(-documents // 4096), "names": names}  # fmt: skip
+        prepare_seconds = result[f"prepare_w{args.workers[0]}"]["seconds"]
+        result["new_seq_len"] = new_length(output, args.new_seq_len, prepare_seconds)
+        result["loader"] = [loader_run(output, n, 8, 200) for n in (args.seq_len, args.new_seq_len)]
         result["rss"] = []
         for mib in args.rss_mib:
             big = root / f"rss-{mib}.jsonl"
             write_corpus(big, mib, seed=1)
             result["rss"].append(peak_rss(tokenizer_dir, big, root / f"rss-{mib}", args.seq_len))
             big.unlink()
-        result["loader"] = loader_run(root / f"out-w{args.workers[0]}", args.seq_len, 4, 200)
     text = json.dumps(result, indent=1)
     print(text)
     if args.json is not None:

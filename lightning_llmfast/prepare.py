@@ -9,7 +9,9 @@ Verify (recompute every checksum)::
 
     python -m lightning_llmfast.prepare --verify prepared/
 
-A bad input ends the run with one line ``error: ...`` and exit status 2, never a traceback. Running the same command
+A bad input ends the run with one line ``error: ...`` and exit status 2 (1 for an unexpected error, 130 when
+interrupted), never a traceback. An output that cannot be read, or of another format version, is refused and left as
+it is unless ``--overwrite`` is given. Running the same command
 again after an interruption (even ``kill -9``) continues from the finished chunks. See
 :mod:`lightning_llmfast.data.prepare` for the pipeline and ``docs/data.md`` for the format.
 """
@@ -20,7 +22,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from lightning_llmfast.data.prepare import PrepareConfig, prepare, verify
+from lightning_llmfast.data.prepare import SHARD_BYTES, PrepareConfig, prepare, verify
 from lightning_llmfast.errors import LLMFastError
 
 __all__ = ["main", "parser"]
@@ -52,11 +54,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verify", metavar="DIR", help="recheck the size and sha256 of every file of DIR, then exit")
     p.add_argument("--chunk-docs", type=int, default=4096, help=argparse.SUPPRESS)
+    p.add_argument("--shard-bytes", type=int, default=SHARD_BYTES, help=argparse.SUPPRESS)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command; return its exit status (0, or 2 after printing ``error: ...``).
+    """Run the command; return its exit status (0, or 2, 1 or 130 after printing ``error: ...``).
 
     Example::
 
@@ -75,12 +78,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = PrepareConfig(
             inputs=tuple(args.input), tokenizer=args.tokenizer, output=args.output, text_key=args.text_key,
             workers=args.workers, seq_len=tuple(args.seq_len), val_fraction=args.val_fraction, lines=args.lines,
-            bos=args.bos, overwrite=args.overwrite, chunk_docs=args.chunk_docs, progress=not args.no_progress,
+            bos=args.bos, overwrite=args.overwrite, chunk_docs=args.chunk_docs, shard_bytes=args.shard_bytes,
+            progress=not args.no_progress,
         )  # fmt: skip
         manifest = prepare(config)
     except (LLMFastError, OSError) as err:  # OSError: an unwritable output, a full disk
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("error: interrupted; run the same command again to continue from the finished chunks", file=sys.stderr)
+        return 130
+    except Exception as err:  # a defect of ours: still one line, and the way to report it
+        print(f"error: unexpected {type(err).__name__}: {err} (please report it)", file=sys.stderr)
+        return 1
     rows = ", ".join(
         f"seq_len {n}: {layout['train']['rows']} train / {layout['val']['rows']} val rows"
         for n, layout in manifest["layouts"].items()

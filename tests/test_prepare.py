@@ -4,6 +4,7 @@ complete-or-refused outputs, and one-line errors for bad input."""
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import multiprocessing
 import os
@@ -13,6 +14,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -22,9 +24,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from lightning_llmfast import DataError
-from lightning_llmfast.data import PreparedDataset
+from lightning_llmfast.data import PreparedBatches, PreparedDataset
+from lightning_llmfast.data import prepared as prepared_module
 from lightning_llmfast.data.prepare import PrepareConfig, prepare
-from lightning_llmfast.data.prepared import permute
+from lightning_llmfast.data.prepared import in_validation, layout_files, permute
 from lightning_llmfast.prepare import main
 
 
@@ -43,7 +46,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 
 def _config(corpus: dict[str, object], output: Path, **kwargs: object) -> PrepareConfig:
     args = {"inputs": corpus["inputs"], "tokenizer": corpus["tokenizer"], "output": str(output), "seq_len": (16, 7),
-            "val_fraction": 0.2, "chunk_docs": 9, "progress": False, **kwargs}  # fmt: skip
+            "val_fraction": 0.2, "chunk_docs": 9, "shard_bytes": 1500, "progress": False, **kwargs}  # fmt: skip
     return PrepareConfig(**args)  # type: ignore[arg-type]
 
 
@@ -71,7 +74,12 @@ def test_every_document_is_the_tokenizers_ids_plus_eos_in_input_order(
     assert manifest["num_tokens"] == sum(map(len, reference)) == int(dataset.offsets[-1])  # type: ignore[arg-type]
     assert manifest["splits"]["train"]["documents"] + manifest["splits"]["val"]["documents"] == 131
     assert 0 < manifest["splits"]["val"]["documents"] < 131 * 0.4
-    assert len(manifest["shards"]) == -(-131 // 9)  # a shard per chunk of 9 documents
+    # shards of whole chunks (9 documents) that grow to 1500 bytes: fewer than the chunks, contiguous
+    shards = manifest["shards"]
+    assert 1 < len(shards) < -(-131 // 9) and all(s["tokens"] * 2 >= 1500 for s in shards[:-1])
+    assert [s["first_document"] for s in shards] == np.cumsum([0] + [s["documents"] for s in shards[:-1]]).tolist()
+    assert [s["first_token"] for s in shards] == np.cumsum([0] + [s["tokens"] for s in shards[:-1]]).tolist()
+    assert all(s["documents"] % 9 == 0 for s in shards[:-1])
     # the packed layout of each split covers its documents whole, once, as consecutive pieces
     for seq_len in (7, 16):
         seen: dict[int, list[tuple[int, int]]] = {}
@@ -151,37 +159,42 @@ def test_one_or_two_workers_write_the_same_bytes(corpus: dict[str, object], prep
 def test_a_chunk_also_ends_at_its_character_limit(
     corpus: dict[str, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("lightning_llmfast.data.prepare.CHUNK_CHARS", 500)
-    prepare(_config(corpus, tmp_path / "out", chunk_docs=1000))
+    monkeypatch.setattr("lightning_llmfast.data.prepare.CHUNK_SIZE", 500)
+    prepare(_config(corpus, tmp_path / "out", chunk_docs=1000, shard_bytes=1))  # a shard per chunk
     dataset = PreparedDataset(tmp_path / "out")
-    expected, chars, count = [], 0, 0
-    for text in corpus["texts"]:  # type: ignore[attr-defined]
-        chars, count = chars + len(text), count + 1
-        if chars >= 500:
+    # a jsonl document counts the bytes of its line (parsed in a worker), a parquet one the characters of its text
+    texts = corpus["texts"]  # type: ignore[index]
+    sizes = [len(json.dumps({"id": i, "text": t}) + "\n") for i, t in enumerate(texts[:90])] + [
+        len(t) for t in texts[90:]
+    ]  # type: ignore[index]
+    expected, used, count = [], 0, 0
+    for size in sizes:
+        used, count = used + size, count + 1
+        if used >= 500:
             expected.append(count)
-            chars, count = 0, 0
+            used, count = 0, 0
     expected += [count] if count else []
     assert [shard["documents"] for shard in dataset.manifest["shards"]] == expected and len(expected) > 10
-    assert dataset.manifest["settings"]["chunk_chars"] == 500
+    assert dataset.manifest["settings"]["chunk_size"] == 500
     assert [d.tolist() for d in dataset] == corpus["reference"]
 
 
 def test_kill_9_mid_run_then_the_same_command_ends_with_the_same_bytes(tmp_path: Path) -> None:
     tokenizer = make_tokenizer(tmp_path / "tok")
-    write_jsonl(tmp_path / "big.jsonl", make_texts(6000, seed=5, max_words=30))
+    write_jsonl(tmp_path / "big.jsonl", make_texts(3000, seed=5, max_words=30))
     args = ["--input", str(tmp_path / "big.jsonl"), "--tokenizer", str(tokenizer), "--seq-len", "32",
-            "--val-fraction", "0.1", "--chunk-docs", "2", "--workers", "2", "--no-progress"]  # fmt: skip
+            "--val-fraction", "0.1", "--chunk-docs", "20", "--workers", "2", "--no-progress"]  # fmt: skip
     killed = tmp_path / "killed"
     # the command in a forked process (no second interpreter start-up), with its own two worker processes
     proc = multiprocessing.get_context("fork").Process(target=main, args=([*args, "--output", str(killed)],))
     proc.start()
     partial, deadline = killed / ".partial", time.monotonic() + 120
-    while len(list(partial.glob("chunk-*.json"))) < 20 and proc.is_alive() and time.monotonic() < deadline:
+    while len(list(partial.glob("chunk-*.json"))) < 10 and proc.is_alive() and time.monotonic() < deadline:
         time.sleep(0.002)
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(timeout=30)
     done = len(list(partial.glob("chunk-*.json")))
-    assert proc.exitcode == -signal.SIGKILL and 20 <= done < 3000, (proc.exitcode, done)
+    assert proc.exitcode == -signal.SIGKILL and 10 <= done < 150, (proc.exitcode, done)
     assert not (killed / "manifest.json").exists()
     with pytest.raises(DataError, match=r"no manifest\.json, so the preparation did not finish"):
         PreparedDataset(killed)
@@ -247,7 +260,8 @@ def test_missing_paths_tokenizers_and_other_settings_are_refused(
         (["--input", str(tmp_path / "nope.jsonl"), "--tokenizer", tok], "nope.jsonl: no such file or directory"),
         (["--input", *inputs, "--tokenizer", str(tmp_path / "slow")], "no tokenizer.json, so no fast tokenizer"),
         (["--input", *inputs, "--tokenizer", str(tmp_path / "none")], "none: no such directory"),
-        (["--input", *inputs, "--tokenizer", tok, "--seq-len", "16", "7", "--val-fraction", "0.5", "--chunk-docs", "9"],
+        (["--input", *inputs, "--tokenizer", tok, "--seq-len", "16", "7", "--val-fraction", "0.5", "--chunk-docs", "9",
+          "--shard-bytes", "1500"],
          "holds a prepared dataset with other settings (val_fraction differ); pass --overwrite"),
     ]  # fmt: skip
     for args, message in cases:
@@ -288,3 +302,239 @@ def test_the_epoch_permutation_is_a_bijection_that_depends_on_its_key(size: int)
     assert permute(positions[::-1], size, key=1).tolist() == first[::-1].tolist()  # per position, order-free
     if size >= 16:
         assert first.tolist() != second.tolist() and first.tolist() != list(range(size))
+
+
+def _cli_args(corpus: dict[str, object], output: Path) -> list[str]:
+    """The command line of :func:`_config`'s settings."""
+    return ["--input", *corpus["inputs"], "--tokenizer", corpus["tokenizer"], "--output", str(output),  # type: ignore[misc]
+            "--seq-len", "16", "7", "--val-fraction", "0.2", "--chunk-docs", "9", "--shard-bytes", "1500",
+            "--no-progress"]  # fmt: skip
+
+
+def _copy(source: Path, target: Path) -> Path:
+    target.mkdir()
+    for name, data in file_bytes(source).items():
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        (target / name).write_bytes(data)
+    return target
+
+
+def _unfinished(directory: Path) -> None:
+    (directory / "manifest.json").unlink()
+    (directory / ".partial").mkdir()
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda d: (d / "manifest.json").write_bytes((d / "manifest.json").read_bytes()[:-40]),
+         r"manifest\.json cannot be read \(JSONDecodeError"),
+        (lambda d: (d / "manifest.json").write_text(
+            (d / "manifest.json").read_text().replace('"format_version": 2', '"format_version": 1')),
+         "holds a prepared dataset of format version 1, not 2"),
+        (lambda d: _unfinished(d) or (d / ".partial" / "settings.json").write_text('{"format_version": 2, '),
+         r"settings\.json cannot be read"),
+        (lambda d: _unfinished(d) or (d / ".partial" / "settings.json").write_text('{"format_version": 3}'),
+         "holds an unfinished preparation of format version 3"),
+        (lambda d: _unfinished(d), r"holds prepared files without manifest\.json or settings to read"),
+    ],
+)  # fmt: skip
+def test_prepare_never_deletes_what_it_cannot_read(
+    corpus: dict[str, object], prepared: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: object,
+    message: str,
+) -> None:  # fmt: skip
+    output = _copy(prepared, tmp_path / "out")
+    damage(output)  # type: ignore[operator]
+    before = file_bytes(output)
+    assert main(_cli_args(corpus, output)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and re.search(message, err), err
+    assert "pass --overwrite to replace it" in err
+    assert file_bytes(output) == before  # every byte in place
+    assert main([*_cli_args(corpus, output), "--overwrite"]) == 0
+    assert file_bytes(output) == file_bytes(prepared)
+
+
+def test_a_version_1_output_is_refused_without_overwrite(corpus: dict[str, object], tmp_path: Path) -> None:
+    output = _copy(Path(__file__).parent / "golden" / "prepared_v1", tmp_path / "v1")
+    before = file_bytes(output)
+    with pytest.raises(DataError, match="holds a prepared dataset of format version 1, not 2; pass --overwrite"):
+        prepare(_config(corpus, output))
+    assert file_bytes(output) == before
+
+
+def test_every_file_is_flushed_to_disk_before_its_rename(
+    corpus: dict[str, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: set[str] = set()
+    renamed: list[tuple[str, bool]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def logged_fsync(fd: int) -> None:
+        synced.add(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    def logged_replace(source: str | Path, target: str | Path) -> None:
+        renamed.append((Path(target).name, str(Path(source).resolve()) in synced))
+        replace(source, target)
+
+    monkeypatch.setattr(os, "fsync", logged_fsync)
+    monkeypatch.setattr(os, "replace", logged_replace)
+    manifest = prepare(_config(corpus, tmp_path / "out", workers=1))
+    names = {name for name, _ in renamed}
+    assert {"manifest.json", "settings.json", "chunk-00000.bin", "chunk-00000.json"} <= names
+    assert set(manifest["files"]) <= names and all(was_synced for _, was_synced in renamed), renamed
+
+
+def test_a_corrupt_chunk_record_or_chunk_file_is_named(
+    corpus: dict[str, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def stop(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("lightning_llmfast.data.prepare._assemble", stop)  # every chunk done, then interrupted
+    output = tmp_path / "out"
+    assert main(_cli_args(corpus, output)) == 130
+    assert "interrupted; run the same command again" in capsys.readouterr().err
+    monkeypatch.undo()
+    record, chunk = output / ".partial" / "chunk-00002.json", output / ".partial" / "chunk-00004.bin"
+    record.write_text('{"documents": 9, "tok')
+    assert main(_cli_args(corpus, output)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {record}: corrupt chunk record (JSONDecodeError") and err.count("\n") == 1, err
+    record.unlink()  # as the message says: the chunk is redone
+    chunk.write_bytes(chunk.read_bytes()[:-2])
+    assert main(_cli_args(corpus, output)) == 2
+    assert capsys.readouterr().err.startswith(f"error: {chunk}: ")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_a_damaged_gz_ends_in_one_error_line_naming_it(
+    corpus: dict[str, object], tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
+) -> None:
+    gz = tmp_path / "c.jsonl.gz"
+    with gzip.open(gz, "wt") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in make_texts(400, seed=4))
+    data = bytearray(gz.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0xFF
+    gz.write_bytes(bytes(data))
+    argv = ["--input", str(gz), "--tokenizer", corpus["tokenizer"], "--output", str(tmp_path / "out")]  # type: ignore[list-item]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"error: {re.escape(str(gz))}: unreadable after line \d+ \(\w+: .*\)\n", err), err
+
+
+def test_an_unexpected_error_is_one_line_too(
+    corpus: dict[str, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken(config: PrepareConfig) -> None:
+        raise RuntimeError("a defect")
+
+    monkeypatch.setattr("lightning_llmfast.prepare.prepare", broken)
+    assert main(_cli_args(corpus, tmp_path / "out")) == 1
+    assert capsys.readouterr().err == "error: unexpected RuntimeError: a defect (please report it)\n"
+
+
+def _tokens_by_hand(directory: Path) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """The manifest and documents of a prepared directory, read as docs/data.md shows."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    stream = np.concatenate([np.fromfile(directory / s["file"], dtype=manifest["dtype"]) for s in manifest["shards"]])
+    offsets = np.load(directory / "documents.npy")
+    return manifest, [stream[a:b] for a, b in itertools.pairwise(offsets)]
+
+
+def _layout_bytes(directory: Path, seq_len: int) -> dict[str, bytes]:
+    return {n: (directory / n).read_bytes() for s in ("train", "val") for n in layout_files(seq_len, s)}
+
+
+def test_any_seq_len_is_packed_from_the_index_on_first_use_and_cached(
+    corpus: dict[str, object], prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    only16 = tmp_path / "only16"
+    prepare(_config(corpus, only16, seq_len=(16,)))
+    tokens = {n: b for n, b in file_bytes(only16).items() if n.startswith("tokens-")}
+    dataset = PreparedDataset(only16)
+    for split in ("train", "val"):
+        dataset.layout(7, split)
+    # equal, byte for byte, to what prepare --seq-len 7 writes; the token files untouched; verify unaffected
+    assert _layout_bytes(only16, 7) == _layout_bytes(prepared, 7)
+    assert {n: b for n, b in file_bytes(only16).items() if n.startswith("tokens-")} == tokens
+    assert main(["--verify", str(only16)]) == 0
+    assert not [p for p in only16.iterdir() if ".tmp-" in p.name or p.name.endswith(".raw")]
+    # a later reader (another process, a DataLoader worker) finds the cache and packs nothing
+    monkeypatch.setattr("lightning_llmfast.data.prepared.write_layout", None)
+    assert PreparedDataset(only16).layout(7, "train").num_rows == dataset.layout(7, "train").num_rows
+    monkeypatch.undo()
+    # a damaged cache is packed again; a directory that cannot be written keeps the layout in memory
+    (only16 / "rows-L7-val.npy").write_bytes((only16 / "rows-L7-val.npy").read_bytes()[:-8])
+    write_layout = prepared_module.write_layout
+
+    def read_only(directory: Path, *args: object) -> dict[str, int]:
+        if directory == only16:
+            raise PermissionError(f"{directory}: read-only file system")
+        return write_layout(directory, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("lightning_llmfast.data.prepared.write_layout", read_only)
+    layout = PreparedDataset(only16).layout(7, "val")
+    reference = np.load(prepared / "rows-L7-val.npy"), np.load(prepared / "pieces-L7-val.npy")
+    assert np.array_equal(layout.rows, reference[0]) and np.array_equal(layout.pieces, reference[1])
+    monkeypatch.undo()
+    assert PreparedDataset(only16).layout(7, "val").num_rows == len(reference[0]) - 1  # packed again, cached
+    assert _layout_bytes(only16, 7) == _layout_bytes(prepared, 7)
+
+
+@pytest.mark.parametrize("seq_len", [2, 3, 97])
+def test_a_derived_layout_holds_every_document_of_its_split_once(prepared: Path, tmp_path: Path, seq_len: int) -> None:
+    copy = _copy(prepared, tmp_path / "copy")
+    dataset = PreparedDataset(copy)
+    _, documents = _tokens_by_hand(copy)
+    val = in_validation(0, len(dataset), dataset.manifest["settings"]["val_fraction"])
+    for split, members in (("train", ~val), ("val", val)):
+        layout = dataset.layout(seq_len, split)
+        seen: dict[int, list[tuple[int, int]]] = {}
+        for r in range(layout.num_rows):
+            row = layout.row(r)
+            assert 0 < sum(n for _, _, n in row) <= seq_len
+            for d, s, n in row:
+                seen.setdefault(d, []).append((s, n))
+        assert sorted(seen) == np.flatnonzero(members).tolist()
+        for d, pieces in seen.items():  # whole chunks of seq_len from the start, then the remainder
+            assert sorted(pieces) == [
+                (s, min(seq_len, len(documents[d]) - s)) for s in range(0, len(documents[d]), seq_len)
+            ]
+
+
+def test_a_version_1_directory_is_read_and_serves_any_length(tmp_path: Path) -> None:
+    v1 = _copy(Path(__file__).parent / "golden" / "prepared_v1", tmp_path / "v1")
+    manifest, documents = _tokens_by_hand(v1)
+    assert manifest["version"] == 1 and len(manifest["shards"]) == 3  # a shard per chunk of 16 documents
+    dataset = PreparedDataset(v1)
+    assert len(dataset) == len(documents) == 40
+    assert all(np.array_equal(dataset[i], doc) and doc[-1] == dataset.eos_id for i, doc in enumerate(documents))
+    assert dataset.layout(16, "train").num_rows == manifest["layouts"]["16"]["train"]["rows"]
+    batches = PreparedBatches([dataset], "train", seq_len=5, batch_size=4, shuffle_seed=0)
+    segments = [b.num_tokens for b in batches]
+    assert sum(segments) == manifest["splits"]["train"]["tokens"]
+    assert main(["--verify", str(v1)]) == 0
+
+
+def _mapped_shards(directory: Path) -> set[str]:
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    return {line.split()[-1] for line in maps if str(directory) in line and "tokens-" in line}
+
+
+def test_files_grow_with_bytes_and_a_reader_keeps_a_few_shards_mapped(
+    corpus: dict[str, object], tmp_path: Path
+) -> None:
+    one = prepare(_config(corpus, tmp_path / "one", shard_bytes=1 << 28))
+    assert [s["file"] for s in one["shards"]] == ["tokens-00000.bin"]  # 131 documents, 15 chunks: one token file
+    many = prepare(_config(corpus, tmp_path / "many", shard_bytes=1))  # a shard per chunk
+    assert len(many["shards"]) == 15
+    dataset = PreparedDataset(tmp_path / "many")
+    order = np.random.default_rng(0).permutation(len(dataset))
+    for i in order:
+        assert int(dataset[int(i)][-1]) == dataset.eos_id
+    assert len(_mapped_shards(tmp_path / "many")) <= 4

@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 from lightning_llmfast import DataError, HFCausalLMModule, MoEGPTConfig, MoEGPTLightningModule, PreparedDataModule
 from lightning_llmfast.data import IGNORE_INDEX, PackedBatch, PreparedBatches, PreparedDataset
 from lightning_llmfast.data.prepare import PrepareConfig, prepare
+from lightning_llmfast.data.prepared import SPLITS
 
 SEQ_LEN = 16
 REPO = Path(__file__).parents[1]
@@ -137,8 +138,26 @@ def test_blending_two_directories_by_weight(data: dict[str, Any]) -> None:
     assert set(passes) <= {total // 2 // rows_b, total // 2 // rows_b + 1}
     with pytest.raises(DataError, match=r"weights: one per prepared dataset \(2\), got 1"):
         PreparedBatches([a, b], "train", seq_len=SEQ_LEN, batch_size=5, weights=[1.0], shuffle_seed=1)
-    with pytest.raises(DataError, match="has packed rows for seq_len \\[16\\], not 8"):
-        PreparedBatches([a], "train", seq_len=8, batch_size=5)
+    # a length it was not prepared with is packed from the document index: every train document, whole, in rows of 5
+    other = PreparedBatches([a, b], "train", seq_len=5, batch_size=3, shuffle_seed=2)
+    pieces: dict[int, list[tuple[int, list[int]]]] = {}
+    for batch, rows in zip(_epoch(other, 0), other.epoch_batches(0), strict=True):
+        assert batch.input_ids.shape[1] == 5
+        for (document, tokens), (_, start, _) in zip(_segments(batch), (p for row in rows for p in row), strict=True):
+            pieces.setdefault(document, []).append((start, tokens))
+    train = [d for d in range(len(reference)) if d not in _val_documents(a, b)]
+    assert sorted(pieces) == train
+    assert all([t for _, ts in sorted(pieces[d]) for t in ts] == reference[d] for d in train)
+
+
+def _val_documents(*sources: PreparedDataset) -> set[int]:
+    """The validation documents of the sources, numbered in their concatenation (read from their val layouts)."""
+    found, offset = set(), 0
+    for source in sources:
+        layout = source.layout(SEQ_LEN, "val")
+        found |= {offset + d for r in range(layout.num_rows) for d, _, _ in layout.row(r)}
+        offset += len(source)
+    return found
 
 
 def _rank_epochs(rank: int, world: int, path: str) -> None:
@@ -241,7 +260,7 @@ def test_the_reference_model_and_hf_module_train_and_a_smaller_vocabulary_is_ref
 def test_incomplete_and_truncated_directories_are_refused_at_setup(data: dict[str, Any], tmp_path: Path) -> None:
     root = tmp_path / "copy"
     prepare(PrepareConfig(inputs=(str(data["root"] / "b.jsonl"),), tokenizer=str(data["tokenizer"]), output=str(root),
-                          seq_len=(SEQ_LEN,), chunk_docs=8, progress=False))  # fmt: skip
+                          seq_len=(SEQ_LEN,), chunk_docs=8, shard_bytes=1, progress=False))  # fmt: skip
     shard = root / "tokens-00001.bin"
     shard.write_bytes(shard.read_bytes()[:-1])
     with pytest.raises(DataError, match=re.escape(f"{root}: tokens-00001.bin has")):
@@ -249,6 +268,21 @@ def test_incomplete_and_truncated_directories_are_refused_at_setup(data: dict[st
     (root / "manifest.json").unlink()
     with pytest.raises(DataError, match=r"no manifest\.json, so the preparation did not finish"):
         PreparedDataModule(path=str(root), seq_len=SEQ_LEN).setup("fit")
+
+
+def test_a_new_length_is_packed_once_in_prepare_data_and_opened_by_setup(
+    data: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "b"
+    prepare(PrepareConfig(inputs=(str(data["root"] / "b.jsonl"),), tokenizer=str(data["tokenizer"]), output=str(root),
+                          seq_len=(SEQ_LEN,), val_fraction=0.15, progress=False))  # fmt: skip
+    PreparedDataModule(path=str(root), seq_len=12).prepare_data()
+    assert {p.name for p in root.glob("*-L12-*")} == {f"{k}-L12-{s}.npy" for k in ("rows", "pieces") for s in SPLITS}
+    monkeypatch.setattr("lightning_llmfast.data.prepared.write_layout", None)  # setup on every rank packs nothing
+    module = PreparedDataModule(path=str(root), seq_len=12, batch_size=2, num_workers=0)
+    module.setup("fit")
+    batch = next(iter(module.train_dataloader()))
+    assert batch.input_ids.shape == (2, 12) and module._has_split("val")
 
 
 def test_the_example_cli_trains_on_a_prepared_directory(

@@ -1,14 +1,20 @@
 """The prepare pipeline: local text corpora -> token shards, document index, pre-packed rows and manifest.
 
-Documents are read in input order (file order, then row order) and cut into chunks of ``chunk_docs`` documents;
-the chunk boundaries depend on the inputs alone, never on ``workers``. Each chunk is tokenized (by a worker process
-when ``workers > 1``) and written as its own token shard, first under a temporary name and then renamed, with a
-record of its document lengths renamed last: a chunk is either done or absent. Once every chunk is done, the
-document index, the validation split and the packed rows are derived from the chunk records alone, and
-``manifest.json`` is written last, atomically. So a killed run, started again with the same command, skips the done
-chunks and ends with the same bytes as an uninterrupted one, and a directory without a manifest is never mistaken
-for a complete one. Memory stays bounded by a few chunks in flight (plus the packer's look-ahead), whatever the
-size of the input.
+Documents are read in input order (file order, then row order) and cut into chunks of ``chunk_docs`` documents (or
+:data:`CHUNK_SIZE` of input); the chunk boundaries depend on the inputs alone, never on ``workers``. jsonl lines
+travel to the workers unparsed (the main process only splits lines): JSON is parsed where it is tokenized. Each
+chunk is tokenized (by a worker process when ``workers > 1``) and written to ``.partial/`` under a temporary name,
+flushed to disk and renamed, with a record of its document lengths renamed last: a chunk is either done or absent.
+Once every chunk is done, the chunks are concatenated into token shards of about ``shard_bytes`` (so the number of
+files grows with the bytes, not with the documents), the document index, the validation split and the packed rows
+are derived from the chunk records alone, and ``manifest.json`` is written last (every file flushed to disk before
+its rename, every sha256 read back from the file on disk). So a killed run, started again with the same command,
+skips the done chunks and ends with the same bytes as an uninterrupted one, and a directory without a manifest is
+never mistaken for a complete one. Memory stays bounded by a few chunks in flight (plus the packer's look-ahead),
+whatever the size of the input.
+
+``prepare`` never deletes what it cannot read: an output whose manifest or settings cannot be parsed, or that was
+written in another format version, is refused unless ``overwrite`` is set.
 
 The tokenizer runs through the ``tokenizers`` backend of the user's transformers tokenizer (exactly the one
 ``AutoTokenizer`` builds, handed to the workers as JSON), without special tokens; EOS is appended to every document
@@ -24,6 +30,7 @@ import multiprocessing
 import os
 import shutil
 import time
+import zlib
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -34,30 +41,36 @@ from typing import Any
 import numpy as np
 
 from lightning_llmfast._checks import check_bool, check_int, check_number
-from lightning_llmfast.data.packing import DEFAULT_LOOKAHEAD, plan_rows
+from lightning_llmfast.data.packing import DEFAULT_LOOKAHEAD
 from lightning_llmfast.data.prepared import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
     SPLITS,
+    atomic_file,
+    in_validation,
     layout_files,
-    mix64,
+    npy_from_raw,
     read_manifest,
     sha256_file,
     shard_file,
+    write_layout,
 )
 from lightning_llmfast.errors import ConfigError, DataError
 
 __all__ = [
-    "CHUNK_CHARS",
+    "CHUNK_SIZE",
     "PARTIAL",
+    "SHARD_BYTES",
     "ChunkWriter",
     "InputFile",
+    "JsonLine",
     "PrepareConfig",
     "TokenizerInfo",
     "input_files",
     "iter_documents",
     "load_tokenizer",
+    "parse_document",
     "prepare",
     "verify",
 ]
@@ -66,11 +79,15 @@ PARTIAL = ".partial"
 """Directory inside the output holding the settings and the records of done chunks while a preparation runs."""
 
 _SUFFIXES = {".jsonl": "jsonl", ".jsonl.gz": "jsonl.gz", ".parquet": "parquet", ".txt": "txt"}
-_VAL_KEY = 0x5EED5A1D  # fixed key of the validation split's document hash
-_WRITE_BLOCK = 1 << 16  # pieces / rows buffered before a write
 _ENCODE_BATCH = 256  # documents encoded at once inside a chunk
-CHUNK_CHARS = 1 << 25
-"""A chunk also ends once its texts reach this many characters, so a chunk of long documents stays bounded."""
+CHUNK_SIZE = 1 << 25
+"""A chunk also ends once its documents reach this size (jsonl: bytes of the lines; other inputs: characters of
+the texts), so a chunk of long documents stays bounded."""
+SHARD_BYTES = 1 << 28
+"""Default size of a token shard (256 MiB): chunks are concatenated into a shard until it reaches this many bytes."""
+
+JsonLine = tuple[str, int, bytes]
+"""A jsonl document before parsing: ``(file, line number, the line's bytes)``, parsed where it is tokenized."""
 
 
 @dataclass(frozen=True)
@@ -88,8 +105,10 @@ class PrepareConfig:
         val_fraction: share of documents (whole ones, drawn by a fixed hash of their index) in the validation split.
         lines: read ``.txt`` files as one document per non-empty line instead of one per file.
         bos: prepend the tokenizer's BOS to every document.
-        overwrite: replace an output prepared with other settings (else refused).
-        chunk_docs: documents per chunk (and token shard): the unit of work, of resuming and of memory.
+        overwrite: replace an output prepared with other settings, in another format version or that cannot be
+            read (else refused, and left untouched).
+        chunk_docs: documents per chunk: the unit of work, of resuming and of memory.
+        shard_bytes: size a token shard grows to before the next one starts (whole chunks, whole documents).
         progress: show a progress bar on a terminal.
 
     Example::
@@ -108,6 +127,7 @@ class PrepareConfig:
     bos: bool = False
     overwrite: bool = False
     chunk_docs: int = 4096
+    shard_bytes: int = SHARD_BYTES
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -129,6 +149,7 @@ class PrepareConfig:
         for name in ("lines", "bos", "overwrite", "progress"):
             check_bool(name, getattr(self, name))
         check_int("chunk_docs", self.chunk_docs, low=1)
+        check_int("shard_bytes", self.shard_bytes, low=1)
 
 
 @dataclass(frozen=True)
@@ -268,27 +289,45 @@ def _text(value: object, where: str, text_key: str) -> str:
     return value
 
 
-def _jsonl(file: InputFile, text_key: str) -> Iterator[tuple[str, int]]:
+def _jsonl(file: InputFile) -> Iterator[tuple[JsonLine, int]]:
+    """Every non-blank line of a jsonl file, unparsed, with the file's bytes read so far."""
+    name, number = str(file.path), 0
     with open(file.path, "rb") as raw:
         stream = gzip.GzipFile(fileobj=raw) if file.kind == "jsonl.gz" else raw
-        for number, line in enumerate(stream, start=1):
-            where = f"{file.path}:{number}"
-            line = line.rstrip(b"\r\n")
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except UnicodeDecodeError as err:
-                raise DataError(f"{where}: not UTF-8 ({err.reason} at byte {err.start})") from None
-            except json.JSONDecodeError as err:
-                raise DataError(f"{where}: malformed JSON ({err.msg} at column {err.colno})") from None
-            except (OSError, EOFError) as err:  # a damaged .gz
-                raise DataError(f"{where}: unreadable ({err})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{where}: a JSON {type(record).__name__}, expected an object with {text_key!r}")
-            if text_key not in record:
-                raise DataError(f"{where}: no field {text_key!r} (fields: {', '.join(map(repr, record)) or 'none'})")
-            yield _text(record[text_key], where, text_key), raw.tell()
+        try:
+            for number, line in enumerate(stream, start=1):
+                if line.strip():
+                    yield (name, number, line), raw.tell()
+        except (OSError, EOFError, zlib.error) as err:  # a damaged .gz (BadGzipFile is an OSError)
+            raise DataError(f"{file.path}: unreadable after line {number} ({type(err).__name__}: {err})") from None
+
+
+def parse_document(document: str | JsonLine, text_key: str) -> str:
+    """The text of a document as :func:`iter_documents` reads it: a jsonl line is parsed here.
+
+    Raises:
+        DataError: malformed JSON or text that is not UTF-8 (file and line number), not a JSON object, no
+            ``text_key`` field, or a value that is not a string.
+
+    Example::
+
+        parse_document(("a.jsonl", 1, b'{"text": "hi"}\\n'), "text")  # 'hi'
+    """
+    if isinstance(document, str):
+        return document
+    name, number, line = document
+    where = f"{name}:{number}"
+    try:
+        record = json.loads(line.rstrip(b"\r\n"))
+    except UnicodeDecodeError as err:
+        raise DataError(f"{where}: not UTF-8 ({err.reason} at byte {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise DataError(f"{where}: malformed JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a JSON {type(record).__name__}, expected an object with {text_key!r}")
+    if text_key not in record:
+        raise DataError(f"{where}: no field {text_key!r} (fields: {', '.join(map(repr, record)) or 'none'})")
+    return _text(record[text_key], where, text_key)
 
 
 def _table_batches(file: InputFile) -> Iterator[Any]:
@@ -352,16 +391,23 @@ def iter_documents(
 
     Raises:
         DataError: a malformed JSON line (file and line number), a record without ``text_key`` or whose value is not
-            a string, a missing column, text that is not UTF-8, or an unreadable parquet/arrow file.
+            a string, a missing column, text that is not UTF-8, or an unreadable parquet/arrow/``.gz`` file.
 
     Example::
 
         for text, _ in iter_documents(input_files(["corpus.jsonl"])): ...
     """
+    for document, position in _raw_documents(files, text_key, lines):
+        yield parse_document(document, text_key), position
+
+
+def _raw_documents(files: Sequence[InputFile], text_key: str, lines: bool) -> Iterator[tuple[str | JsonLine, int]]:
+    """:func:`iter_documents` with jsonl lines left unparsed (:data:`JsonLine`): what the main process reads."""
     done = 0
+    stream: Iterator[tuple[str | JsonLine, int]]
     for file in files:
         if file.kind in ("jsonl", "jsonl.gz"):
-            stream = _jsonl(file, text_key)
+            stream = _jsonl(file)
         elif file.kind == "txt":
             stream = _txt(file, lines)
         else:
@@ -376,7 +422,7 @@ def iter_documents(
 class ChunkWriter:
     """Tokenizes one chunk of documents and writes its shard and record (in a worker or in the main process)."""
 
-    def __init__(self, backend: str, eos_id: int, bos_id: int | None, dtype: str, output: str) -> None:
+    def __init__(self, backend: str, eos_id: int, bos_id: int | None, dtype: str, output: str, text_key: str) -> None:
         from tokenizers import Tokenizer
 
         self.tokenizer = Tokenizer.from_str(backend)
@@ -385,10 +431,11 @@ class ChunkWriter:
         self.tokenizer.no_padding()
         self.prefix = [] if bos_id is None else [bos_id]
         self.suffix = [eos_id]
-        self.dtype, self.output = np.dtype(dtype), Path(output)
+        self.dtype, self.output, self.text_key = np.dtype(dtype), Path(output), text_key
 
-    def __call__(self, index: int, texts: list[str]) -> int:
-        """Write shard ``index`` and its record; return its token count."""
+    def __call__(self, index: int, documents: list[str | JsonLine]) -> int:
+        """Write chunk ``index`` and its record into ``.partial/``; return its token count."""
+        texts = [parse_document(document, self.text_key) for document in documents]
         # Encodings carry offsets and token strings (tens of bytes per token): keep only a batch of them alive.
         lengths: list[int] = []
         parts = []
@@ -405,12 +452,11 @@ class ChunkWriter:
             lengths += sizes
             del encodings
         tokens = np.concatenate(parts)
-        data = tokens.tobytes()
-        shard = self.output / shard_file(index)
-        _write_atomic(shard, data)
-        record = {"documents": len(texts), "tokens": int(tokens.size), "bytes": len(data),
-                  "sha256": hashlib.sha256(data).hexdigest(), "lengths": lengths}  # fmt: skip
-        _write_atomic(_chunk_record(self.output, index), json.dumps(record).encode())
+        with atomic_file(_chunk_file(self.output, index)) as f:
+            f.write(tokens.data)
+        record = {"documents": len(texts), "tokens": int(tokens.size), "bytes": tokens.nbytes, "lengths": lengths}
+        with atomic_file(_chunk_record(self.output, index)) as f:
+            f.write(json.dumps(record).encode())
         return int(tokens.size)
 
 
@@ -423,20 +469,17 @@ def _start_worker(*args: Any) -> None:
     _WORKER = ChunkWriter(*args)
 
 
-def _work(index: int, texts: list[str]) -> int:
+def _work(index: int, documents: list[str | JsonLine]) -> int:
     assert _WORKER is not None
-    return _WORKER(index, texts)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    return _WORKER(index, documents)
 
 
 def _chunk_record(output: Path, index: int) -> Path:
     return output / PARTIAL / f"chunk-{index:05d}.json"
+
+
+def _chunk_file(output: Path, index: int) -> Path:
+    return output / PARTIAL / f"chunk-{index:05d}.bin"
 
 
 def _settings(config: PrepareConfig, files: Sequence[InputFile], tokenizer: TokenizerInfo) -> dict[str, Any]:
@@ -454,44 +497,69 @@ def _settings(config: PrepareConfig, files: Sequence[InputFile], tokenizer: Toke
         "seq_len": list(config.seq_len),
         "val_fraction": config.val_fraction,
         "chunk_docs": config.chunk_docs,
-        "chunk_chars": CHUNK_CHARS,
+        "chunk_size": CHUNK_SIZE,
+        "shard_bytes": config.shard_bytes,
         "lookahead": DEFAULT_LOOKAHEAD,
     }
 
 
 def _ours(name: str) -> bool:
-    """Whether ``name`` is a file this pipeline writes in an output directory."""
-    return name in (MANIFEST, PARTIAL, "documents.npy") or name.startswith(("tokens-", "rows-L", "pieces-L"))
+    """Whether ``name`` is a file this pipeline (or a reader deriving a layout) writes in an output directory."""
+    return name == PARTIAL or name.startswith((MANIFEST, "documents.npy", "tokens-", "rows-L", "pieces-L"))
+
+
+def _previous(output: Path) -> tuple[dict[str, Any] | None, str]:
+    """The settings of what ``output`` holds (``None``: nothing of a run) and what it is, for messages.
+
+    Raises:
+        DataError: a manifest or settings file that cannot be parsed, or one of another format version: prepare
+            does not replace what it cannot read unless told to (``overwrite``).
+    """
+    if (output / MANIFEST).is_file():
+        source, what = output / MANIFEST, "a prepared dataset"
+    elif (output / PARTIAL / "settings.json").is_file():
+        source, what = output / PARTIAL / "settings.json", "an unfinished preparation"
+    elif any(_ours(n) and n != PARTIAL for n in os.listdir(output)) or any((output / PARTIAL).glob("*")):
+        raise DataError(f"output {output}: holds prepared files without {MANIFEST} or settings to read")
+    else:
+        return None, ""
+    try:
+        loaded = json.loads(source.read_text())
+        settings = loaded["settings"] if source.name == MANIFEST else loaded
+        version = settings["format_version"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+        raise DataError(f"output {output}: {source.name} cannot be read ({type(err).__name__}: {err})") from None
+    if version != FORMAT_VERSION:
+        raise DataError(f"output {output}: holds {what} of format version {version!r}, not {FORMAT_VERSION}")
+    return settings, what
 
 
 def _claim_output(output: Path, settings: dict[str, Any], overwrite: bool) -> bool:
-    """Make ``output`` ready for a run with ``settings``; ``True`` when it already holds that complete output."""
+    """Make ``output`` ready for a run with ``settings``; ``True`` when it already holds that complete output.
+
+    Nothing is deleted unless ``overwrite`` is set: an output of other settings, of another format version, or whose
+    manifest or settings cannot be parsed is refused and left as it is.
+    """
     if output.exists() and not output.is_dir():
         raise DataError(f"output {output}: exists and is not a directory")
     if not output.is_dir():
         output.mkdir(parents=True)
         return False
-    previous: dict[str, Any] | None = None
-    if (output / MANIFEST).is_file():
-        try:
-            previous = json.loads((output / MANIFEST).read_text())["settings"]
-        except (OSError, ValueError, KeyError, TypeError):
-            previous = None
-    elif (output / PARTIAL / "settings.json").is_file():
-        try:
-            previous = json.loads((output / PARTIAL / "settings.json").read_text())
-        except (OSError, ValueError):
-            previous = None
     foreign = sorted(n for n in os.listdir(output) if not _ours(n))
-    if previous == settings and not foreign:
-        return (output / MANIFEST).is_file()
     if foreign:
         raise DataError(
             f"output {output}: holds files prepare did not write ({', '.join(foreign[:3])}...); choose a new or empty "
             "directory"
         )
+    try:
+        previous, what = _previous(output)
+    except DataError as err:
+        if not overwrite:
+            raise DataError(f"{err}; pass --overwrite to replace it, or choose another directory") from None
+        previous, what = {}, ""
+    if previous == settings:
+        return (output / MANIFEST).is_file()
     if previous is not None and not overwrite:
-        what = "a prepared dataset" if (output / MANIFEST).is_file() else "an unfinished preparation"
         differ = sorted(k for k in set(previous) | set(settings) if previous.get(k) != settings.get(k))
         raise DataError(
             f"output {output}: holds {what} with other settings ({', '.join(differ)} differ); pass --overwrite to "
@@ -514,7 +582,9 @@ def prepare(config: PrepareConfig) -> dict[str, Any]:
 
     Raises:
         DataError: bad input (see :func:`input_files`, :func:`iter_documents`, :func:`load_tokenizer`), no document
-            at all, a validation split that leaves nothing to train on, or an output that holds other data.
+            at all, a validation split that leaves nothing to train on, an output that holds other data, or one
+            that cannot be read or is of another format version (without ``overwrite``), or a corrupt chunk record
+            of an unfinished run (named).
 
     Example::
 
@@ -525,7 +595,7 @@ def prepare(config: PrepareConfig) -> dict[str, Any]:
     """
     files = input_files(config.inputs)
     tokenizer = load_tokenizer(config.tokenizer)
-    documents = iter_documents(files, config.text_key, config.lines)
+    documents = _raw_documents(files, config.text_key, config.lines)
     first = next(documents, None)
     if first is None:
         raise DataError(f"no document in the inputs ({', '.join(str(f.path) for f in files)}): they are empty")
@@ -534,26 +604,27 @@ def prepare(config: PrepareConfig) -> dict[str, Any]:
     if _claim_output(output, settings, config.overwrite):
         return read_manifest(output)
     (output / PARTIAL).mkdir(exist_ok=True)
-    _write_atomic(output / PARTIAL / "settings.json", json.dumps(settings, indent=1).encode())
+    with atomic_file(output / PARTIAL / "settings.json") as f:
+        f.write(json.dumps(settings, indent=1).encode())
     dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32"
     total = sum(f.path.stat().st_size for f in files)
     num_chunks = _tokenize(config, chain([first], documents), tokenizer, dtype, total)
     return _assemble(output, num_chunks, config, settings, tokenizer, dtype)
 
 
-def _chunks(documents: Iterator[tuple[str, int]], size: int) -> Iterator[tuple[list[str], int]]:
-    """Consecutive chunks of ``size`` documents or :data:`CHUNK_CHARS` characters, with the input position after
-    each; the boundaries depend on the documents alone."""
-    texts: list[str] = []
-    position = chars = 0
-    for text, position in documents:
-        texts.append(text)
-        chars += len(text)
-        if len(texts) == size or chars >= CHUNK_CHARS:
-            yield texts, position
-            texts, chars = [], 0
-    if texts:
-        yield texts, position
+def _chunks(documents: Iterator[tuple[str | JsonLine, int]], size: int) -> Iterator[tuple[list[str | JsonLine], int]]:
+    """Consecutive chunks of ``size`` documents or :data:`CHUNK_SIZE` of input, with the input position after each;
+    the boundaries depend on the documents alone."""
+    chunk: list[str | JsonLine] = []
+    position = used = 0
+    for document, position in documents:
+        chunk.append(document)
+        used += len(document) if isinstance(document, str) else len(document[2])
+        if len(chunk) == size or used >= CHUNK_SIZE:
+            yield chunk, position
+            chunk, used = [], 0
+    if chunk:
+        yield chunk, position
 
 
 def _tokenize(
@@ -563,7 +634,14 @@ def _tokenize(
     from tqdm.auto import tqdm
 
     output = Path(config.output)
-    args = (tokenizer.backend, tokenizer.eos_id, tokenizer.bos_id if config.bos else None, dtype, str(output))
+    args = (
+        tokenizer.backend,
+        tokenizer.eos_id,
+        tokenizer.bos_id if config.bos else None,
+        dtype,
+        str(output),
+        config.text_key,
+    )
     if config.workers == 1:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         local, pool = ChunkWriter(*args), None
@@ -582,12 +660,12 @@ def _tokenize(
 
     index = 0
     try:
-        for index, (texts, position) in enumerate(_chunks(documents, config.chunk_docs)):
+        for index, (chunk, position) in enumerate(_chunks(documents, config.chunk_docs)):
             if not _chunk_record(output, index).is_file():
                 if local is not None:
-                    finish(local(index, texts), len(texts))
+                    finish(local(index, chunk), len(chunk))
                 else:
-                    pending.append((pool.apply_async(_work, (index, texts)), len(texts)))  # type: ignore[union-attr]
+                    pending.append((pool.apply_async(_work, (index, chunk)), len(chunk)))  # type: ignore[union-attr]
                     while len(pending) > 2 * config.workers:
                         result, count = pending.popleft()
                         finish(result.get(), count)
@@ -604,28 +682,66 @@ def _tokenize(
     return index + 1
 
 
-def _split_of(first: int, count: int, val_fraction: float) -> np.ndarray:
-    """Whether each of documents ``first ... first + count - 1`` is in the validation split (a fixed hash)."""
-    if val_fraction == 0:
-        return np.zeros(count, dtype=bool)
-    ids = np.arange(first, first + count, dtype=np.uint64)
-    return (mix64(ids ^ np.uint64(_VAL_KEY)) >> np.uint64(11)).astype(np.float64) / 2.0**53 < val_fraction
+def _read_record(output: Path, index: int) -> dict[str, Any]:
+    """The record of done chunk ``index``, after checking it and its token file.
 
-
-def _npy_from_raw(raw: Path, target: Path, columns: int) -> None:
-    """Turn a raw file of ``int64`` values (rows of ``columns``) into the ``.npy`` file ``target``, atomically.
-
-    The header is written, then the values copied in blocks: no array of the whole file is held in memory.
+    Raises:
+        DataError: a record that cannot be parsed or lacks a field, or a token file of another size (names the file).
     """
-    count = raw.stat().st_size // 8
-    shape = (count // columns, columns) if columns > 1 else (count,)
-    tmp = target.with_name(target.name + ".tmp")
-    with open(tmp, "wb") as f, open(raw, "rb") as source:
-        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.int64)), "fortran_order": False, "shape": shape}
-        np.lib.format.write_array_header_1_0(f, header)
-        shutil.copyfileobj(source, f, 1 << 22)
-    os.replace(tmp, target)
-    raw.unlink()
+    path = _chunk_record(output, index)
+    try:
+        record = json.loads(path.read_text())
+        counts = [record[key] for key in ("documents", "tokens", "bytes")]
+        lengths = record["lengths"]
+        if not (all(isinstance(c, int) for c in counts) and len(lengths) == counts[0] and sum(lengths) == counts[1]):
+            raise ValueError("counts that do not match its lengths")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+        raise DataError(
+            f"{path}: corrupt chunk record ({type(err).__name__}: {err}); delete it and run the same command again to "
+            "redo that chunk"
+        ) from None
+    tokens = _chunk_file(output, index)
+    size = tokens.stat().st_size if tokens.is_file() else None
+    if size != record["bytes"]:
+        raise DataError(
+            f"{tokens}: {size} bytes, its record {path.name} says {record['bytes']}; delete the record and run the "
+            "same command again to redo that chunk"
+        )
+    return record
+
+
+def _write_shards(output: Path, chunks: list[dict[str, Any]], shard_bytes: int) -> list[dict[str, Any]]:
+    """Concatenate the chunks' token files, in order, into shards of about ``shard_bytes``; return their entries."""
+    shards: list[dict[str, Any]] = []
+    first = 0
+    while first < len(chunks):
+        last, size = first, chunks[first]["bytes"]
+        while size < shard_bytes and last + 1 < len(chunks):
+            last += 1
+            size += chunks[last]["bytes"]
+        name = shard_file(len(shards))
+        with atomic_file(output / name) as f:
+            for index in range(first, last + 1):
+                with open(_chunk_file(output, index), "rb") as source:
+                    shutil.copyfileobj(source, f, 1 << 22)
+        group = chunks[first : last + 1]
+        shards.append({"file": name, "first_document": group[0]["first_document"],
+                       "documents": sum(c["documents"] for c in group), "first_token": group[0]["first_token"],
+                       "tokens": sum(c["tokens"] for c in group)})  # fmt: skip
+        first = last + 1
+    return shards
+
+
+def _fsync_directory(path: Path) -> None:
+    """Make the renames inside ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _assemble(
@@ -636,9 +752,9 @@ def _assemble(
     tokenizer: TokenizerInfo,
     dtype: str,
 ) -> dict[str, Any]:
-    """Index, split, pack and list what the chunks hold, then write the manifest (last, atomically)."""
+    """Shard, index, split, pack and list what the chunks hold, then write the manifest (last, atomically)."""
     partial = output / PARTIAL
-    shards, files = [], {}
+    chunks: list[dict[str, Any]] = []
     ids_raw = {split: open(partial / f"{split}-documents.bin", "wb") for split in SPLITS}
     offsets_raw = partial / "documents.bin"
     split_counts = {split: {"documents": 0, "tokens": 0} for split in SPLITS}
@@ -646,13 +762,12 @@ def _assemble(
     with open(offsets_raw, "wb") as offsets:
         offsets.write(np.zeros(1, dtype=np.int64).tobytes())
         for index in range(num_chunks):
-            record = json.loads(_chunk_record(output, index).read_text())
+            record = _read_record(output, index)
             lengths = np.array(record["lengths"], dtype=np.int64)
-            shards.append({"file": shard_file(index), "first_document": document, "documents": record["documents"],
-                           "first_token": token, "tokens": record["tokens"]})  # fmt: skip
-            files[shard_file(index)] = {"bytes": record["bytes"], "sha256": record["sha256"]}
+            chunks.append({"first_document": document, "first_token": token,
+                           **{k: record[k] for k in ("documents", "tokens", "bytes")}})  # fmt: skip
             offsets.write((token + np.cumsum(lengths)).tobytes())
-            val = _split_of(document, len(lengths), config.val_fraction)
+            val = in_validation(document, len(lengths), config.val_fraction)
             for split, members in (("train", ~val), ("val", val)):
                 ids_raw[split].write((document + np.flatnonzero(members)).astype(np.int64).tobytes())
                 split_counts[split]["documents"] += int(members.sum())
@@ -663,7 +778,8 @@ def _assemble(
         f.close()
     if split_counts["train"]["documents"] == 0:
         raise DataError(f"val_fraction={config.val_fraction} leaves no training document among {document}; lower it")
-    _npy_from_raw(offsets_raw, output / "documents.npy", 1)
+    shards = _write_shards(output, chunks, config.shard_bytes)
+    npy_from_raw(offsets_raw, output / "documents.npy", 1)
     offsets_map = np.load(output / "documents.npy", mmap_mode="r")
     layouts: dict[str, dict[str, Any]] = {}
     for seq_len in config.seq_len:
@@ -671,10 +787,13 @@ def _assemble(
         for split in SPLITS:
             ids = np.memmap(partial / f"{split}-documents.bin", dtype=np.int64, mode="r") if split_counts[split][
                 "documents"] else np.zeros(0, dtype=np.int64)  # fmt: skip
-            layouts[str(seq_len)][split] = _pack_split(output, partial, seq_len, split, ids, offsets_map)
+            layouts[str(seq_len)][split] = write_layout(output, seq_len, split, ids, offsets_map, DEFAULT_LOOKAHEAD,
+                                                        partial)  # fmt: skip
     del offsets_map
-    for name in ["documents.npy", *(n for s in config.seq_len for split in SPLITS for n in layout_files(s, split))]:
-        files[name] = {"bytes": (output / name).stat().st_size, "sha256": sha256_file(output / name)}
+    names = [s["file"] for s in shards] + ["documents.npy"]
+    names += [n for s in config.seq_len for split in SPLITS for n in layout_files(s, split)]
+    # read back from disk: the checksums are of the bytes a reader will get
+    files = {name: {"bytes": (output / name).stat().st_size, "sha256": sha256_file(output / name)} for name in names}
     manifest = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -688,45 +807,12 @@ def _assemble(
         "files": dict(sorted(files.items())),
         "settings": settings,
     }
-    _write_atomic(output / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    _fsync_directory(output)
+    with atomic_file(output / MANIFEST) as f:
+        f.write((json.dumps(manifest, indent=1) + "\n").encode())
+    _fsync_directory(output)
     shutil.rmtree(partial)
     return manifest
-
-
-def _pack_split(
-    output: Path, partial: Path, seq_len: int, split: str, ids: np.ndarray, offsets: np.ndarray
-) -> dict[str, int]:
-    """Pack the documents ``ids`` of ``split`` into rows (:func:`plan_rows`) and write its rows and pieces files."""
-    rows_name, pieces_name = layout_files(seq_len, split)
-    rows_raw, pieces_raw = partial / f"{rows_name}.bin", partial / f"{pieces_name}.bin"
-    num_rows = num_pieces = 0
-
-    def lengths() -> Iterator[int]:
-        for start in range(0, len(ids), _WRITE_BLOCK):
-            block = np.asarray(ids[start : start + _WRITE_BLOCK])
-            yield from (offsets[block + 1] - offsets[block]).tolist()
-
-    with open(rows_raw, "wb") as rows_file, open(pieces_raw, "wb") as pieces_file:
-        rows_file.write(np.zeros(1, dtype=np.int64).tobytes())
-        ends: list[int] = []
-        pieces: list[tuple[int, int, int]] = []
-        if len(ids):
-            for row in plan_rows(lengths(), seq_len, DEFAULT_LOOKAHEAD):
-                # plan_rows numbers the split's documents 0, 1, ...: map them back to dataset documents
-                pieces.extend((int(ids[d]), s, n) for d, s, n in row)
-                num_pieces += len(row)
-                ends.append(num_pieces)
-                if len(pieces) >= _WRITE_BLOCK:
-                    pieces_file.write(np.array(pieces, dtype=np.int64).tobytes())
-                    rows_file.write(np.array(ends, dtype=np.int64).tobytes())
-                    num_rows += len(ends)
-                    pieces, ends = [], []
-        pieces_file.write(np.array(pieces, dtype=np.int64).reshape(-1, 3).tobytes())
-        rows_file.write(np.array(ends, dtype=np.int64).tobytes())
-        num_rows += len(ends)
-    _npy_from_raw(rows_raw, output / rows_name, 1)
-    _npy_from_raw(pieces_raw, output / pieces_name, 3)
-    return {"rows": num_rows, "pieces": num_pieces}
 
 
 def verify(path: str | Path) -> dict[str, Any]:

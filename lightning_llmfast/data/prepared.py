@@ -1,14 +1,15 @@
-"""Prepared datasets: token shards, a document index and pre-packed rows on disk, read through memory maps.
+"""Prepared datasets: token shards, a document index and packed rows on disk, read through memory maps.
 
 ``python -m lightning_llmfast.prepare`` writes a directory (see ``docs/data.md`` for the format, readable with NumPy
 alone):
 
 - ``tokens-NNNNN.bin``: raw token ids (``uint16`` when the vocabulary fits, else ``uint32``), whole documents, each
-  ending with the tokenizer's EOS;
+  ending with the tokenizer's EOS; a shard holds hundreds of MiB (format version 2; one per chunk in version 1);
 - ``documents.npy``: ``int64`` offsets of the documents in the concatenated token stream (``N + 1`` entries);
 - ``rows-L{seq_len}-{split}.npy`` and ``pieces-L{seq_len}-{split}.npy``: the split's documents packed into rows of
-  ``seq_len`` tokens, once, offline: row ``r`` is ``pieces[rows[r]:rows[r + 1]]``, each piece a
-  ``(document, start, length)`` triple;
+  ``seq_len`` tokens: row ``r`` is ``pieces[rows[r]:rows[r + 1]]``, each piece a ``(document, start, length)``
+  triple. Written by ``prepare`` for its ``--seq-len`` (listed in the manifest), and derived from the document index
+  on first use for any other length (:func:`write_layout`, cached beside the data);
 - ``manifest.json``, written last: format version, tokenizer, counts, dtypes, settings and the size and sha256 of
   every file. A directory without it is incomplete and refused.
 
@@ -22,12 +23,17 @@ epoch's order is a keyed permutation computed per batch (:func:`permute`), never
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import os
+import shutil
+import tempfile
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, overload
+from typing import IO, Any, overload
 
 import numpy as np
 import torch
@@ -35,31 +41,40 @@ from typing_extensions import override
 
 from lightning_llmfast._checks import check_int, check_number
 from lightning_llmfast.data.dataset import PlannedBatchDataset
-from lightning_llmfast.data.packing import Piece
+from lightning_llmfast.data.packing import Piece, plan_rows
 from lightning_llmfast.errors import DataError
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",
+    "READ_VERSIONS",
     "SPLITS",
     "PackedLayout",
     "PreparedBatches",
     "PreparedDataset",
+    "atomic_file",
+    "in_validation",
     "layout_files",
     "mix64",
+    "npy_from_raw",
     "permute",
     "read_manifest",
     "sha256_file",
     "sha256_text",
     "shard_file",
+    "write_layout",
 ]
 
 FORMAT = "lightning_llmfast.prepared"
 """The ``format`` field of every manifest."""
 
-FORMAT_VERSION = 1
-"""Version of the on-disk layout; a reader refuses any other."""
+FORMAT_VERSION = 2
+"""Version of the on-disk layout that ``prepare`` writes."""
+
+READ_VERSIONS = (1, 2)
+"""Versions a reader reads (1: a token shard per chunk of documents; 2: shards of hundreds of MiB); it refuses any
+other."""
 
 MANIFEST = "manifest.json"
 """Name of the manifest, the file that makes a prepared directory complete."""
@@ -69,6 +84,9 @@ SPLITS = ("train", "val")
 
 _MASK64 = (1 << 64) - 1
 _FEISTEL_ROUNDS = 4
+_VAL_KEY = 0x5EED5A1D  # fixed key of the validation split's document hash
+_BLOCK = 1 << 16  # documents / rows handled at once while packing a layout
+_OPEN_SHARDS = 4  # token shards a reader keeps mapped at once (least recently used closed first)
 
 
 def shard_file(index: int) -> str:
@@ -93,6 +111,20 @@ def mix64(values: np.ndarray | int) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
+
+
+def in_validation(first: int, count: int, val_fraction: float) -> np.ndarray:
+    """Whether each of documents ``first ... first + count - 1`` is in the validation split (a fixed hash).
+
+    Example::
+
+        >>> in_validation(0, 4, 0.0).tolist()
+        [False, False, False, False]
+    """
+    if val_fraction == 0:
+        return np.zeros(count, dtype=bool)
+    ids = np.arange(first, first + count, dtype=np.uint64)
+    return (mix64(ids ^ np.uint64(_VAL_KEY)) >> np.uint64(11)).astype(np.float64) / 2.0**53 < val_fraction
 
 
 def _key(*parts: int) -> int:
@@ -158,6 +190,114 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[IO[bytes]]:
+    """A binary file written beside ``path``, flushed to disk (fsync), then renamed over it; removed on error.
+
+    A reader sees the old file or the whole new one, never a part, whenever the writer is killed. The temporary
+    name carries the process id, so processes writing the same file (ranks deriving the same layout) do not meet.
+
+    Example::
+
+        with atomic_file(Path("out/manifest.json")) as f:
+            f.write(data)
+    """
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def npy_from_raw(raw: Path, target: Path, columns: int) -> None:
+    """Turn a raw file of ``int64`` values (rows of ``columns``) into the ``.npy`` file ``target``, atomically.
+
+    The header is written, then the values copied in blocks: no array of the whole file is held in memory.
+    """
+    count = raw.stat().st_size // 8
+    shape = (count // columns, columns) if columns > 1 else (count,)
+    with atomic_file(target) as f, open(raw, "rb") as source:
+        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.int64)), "fortran_order": False, "shape": shape}
+        np.lib.format.write_array_header_1_0(f, header)
+        shutil.copyfileobj(source, f, 1 << 22)
+
+
+def write_layout(
+    directory: Path, seq_len: int, split: str, ids: np.ndarray, offsets: np.ndarray, lookahead: int, scratch: Path
+) -> dict[str, int]:
+    """Pack documents ``ids`` into rows of ``seq_len`` tokens and write the split's rows and pieces files.
+
+    The rows are :func:`~lightning_llmfast.data.packing.plan_rows`'s (whole documents, longer ones cut into
+    ``seq_len`` chunks, short pieces packed best-fit with ``lookahead``), so a layout derived at load time equals the
+    one ``prepare`` writes for the same length. Lengths and document numbers are computed by blocks with NumPy, and
+    the pieces go to disk by blocks: memory stays bounded whatever the number of documents. The pieces file is
+    renamed into place before the rows file, so a present rows file means a complete pair.
+
+    Args:
+        directory: where the ``.npy`` files go.
+        seq_len: tokens per row.
+        split: the split's name (for the file names).
+        ids: ``int64`` numbers of the split's documents, ascending.
+        offsets: the document index (``N + 1`` token offsets).
+        lookahead: the packer's look-ahead.
+        scratch: a directory for the raw files written before the ``.npy`` headers are known.
+
+    Returns:
+        ``{"rows": R, "pieces": P}``.
+    """
+    rows_name, pieces_name = layout_files(seq_len, split)
+    tag = f".{os.getpid()}.raw"
+    rows_raw, pieces_raw = scratch / f"{rows_name}{tag}", scratch / f"{pieces_name}{tag}"
+    try:
+        counts = _pack_raw(rows_raw, pieces_raw, seq_len, ids, offsets, lookahead)
+        npy_from_raw(pieces_raw, directory / pieces_name, 3)
+        npy_from_raw(rows_raw, directory / rows_name, 1)
+    finally:
+        rows_raw.unlink(missing_ok=True)
+        pieces_raw.unlink(missing_ok=True)
+    return counts
+
+
+def _pack_raw(
+    rows_raw: Path, pieces_raw: Path, seq_len: int, ids: np.ndarray, offsets: np.ndarray, lookahead: int
+) -> dict[str, int]:
+    """:func:`write_layout`'s packing into raw ``int64`` files (rows offsets, pieces triples)."""
+
+    def lengths() -> Iterator[int]:
+        for start in range(0, len(ids), _BLOCK):
+            block = np.asarray(ids[start : start + _BLOCK])
+            yield from (offsets[block + 1] - offsets[block]).tolist()
+
+    num_rows = num_pieces = 0
+    with open(rows_raw, "wb") as rows_file, open(pieces_raw, "wb") as pieces_file:
+        rows_file.write(np.zeros(1, dtype=np.int64).tobytes())
+        ends: list[int] = []
+        pieces: list[Piece] = []
+
+        def flush() -> None:
+            block = np.array(pieces, dtype=np.int64).reshape(-1, 3)
+            block[:, 0] = np.asarray(ids)[block[:, 0]]  # plan_rows numbers the split's documents 0, 1, ...
+            pieces_file.write(block.tobytes())
+            rows_file.write(np.array(ends, dtype=np.int64).tobytes())
+            pieces.clear()
+            ends.clear()
+
+        for row in plan_rows(lengths(), seq_len, lookahead) if len(ids) else ():
+            pieces.extend(row)
+            num_pieces += len(row)
+            num_rows += 1
+            ends.append(num_pieces)
+            if len(pieces) >= _BLOCK:
+                flush()
+        flush()
+    return {"rows": num_rows, "pieces": num_pieces}
+
+
 def read_manifest(path: str | Path, *, checksums: bool = False) -> dict[str, Any]:
     """The manifest of a complete prepared directory, after checking that every file it lists is there, whole.
 
@@ -190,10 +330,10 @@ def read_manifest(path: str | Path, *, checksums: bool = False) -> dict[str, Any
         raise DataError(f"prepared dataset {root}: unreadable {MANIFEST}: {err}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DataError(f"prepared dataset {root}: {MANIFEST} is not a {FORMAT} manifest")
-    if manifest.get("version") != FORMAT_VERSION:
+    if manifest.get("version") not in READ_VERSIONS:
         raise DataError(
-            f"prepared dataset {root}: format version {manifest.get('version')!r}, this reader reads version "
-            f"{FORMAT_VERSION}; prepare it again"
+            f"prepared dataset {root}: format version {manifest.get('version')!r}, this reader reads versions "
+            f"{', '.join(map(str, READ_VERSIONS))}; prepare it again"
         )
     for name, entry in manifest["files"].items():
         file = root / name
@@ -241,7 +381,9 @@ class PreparedDataset(Sequence[np.ndarray]):
     """The documents of a prepared directory: ``dataset[i]`` is document ``i``'s tokens, EOS included.
 
     Memory-mapped: opening reads the manifest and checks file sizes, and ``dataset[i]`` is a read-only view into a
-    token shard (``uint16`` or ``uint32``). Pickles without its maps (``DataLoader`` workers reopen them).
+    token shard (``uint16`` or ``uint32``). At most a few token shards are mapped at once (the least recently used
+    is closed first), so a reader holds O(1) maps and file descriptors whatever the number of shards. Pickles
+    without its maps (``DataLoader`` workers reopen them). Reads format versions 1 and 2.
 
     Args:
         path: a directory written by ``python -m lightning_llmfast.prepare``.
@@ -271,17 +413,26 @@ class PreparedDataset(Sequence[np.ndarray]):
         self._shard_first = np.array([s["first_document"] for s in shards], dtype=np.int64)
         self._shard_start = np.array([s["first_token"] for s in shards], dtype=np.int64)
         self._maps: dict[str, np.ndarray] = {}
+        self._shards: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_maps": {}}
+        return {**self.__dict__, "_maps": {}, "_shards": OrderedDict()}
 
     def _map(self, name: str) -> np.ndarray:
         if name not in self._maps:
-            if name.endswith(".npy"):
-                self._maps[name] = np.load(self.path / name, mmap_mode="r")
-            else:
-                self._maps[name] = np.memmap(self.path / name, dtype=self.dtype, mode="r")
+            self._maps[name] = np.load(self.path / name, mmap_mode="r")
         return self._maps[name]
+
+    def _shard(self, index: int) -> np.ndarray:
+        """Token shard ``index``, mapped; the least recently used map beyond a few is dropped (and so closed)."""
+        if index in self._shards:
+            self._shards.move_to_end(index)
+        else:
+            self._shards[index] = np.memmap(self.path / self.manifest["shards"][index]["file"], dtype=self.dtype,
+                                            mode="r")  # fmt: skip
+            if len(self._shards) > _OPEN_SHARDS:
+                self._shards.popitem(last=False)
+        return self._shards[index]
 
     @property
     def offsets(self) -> np.ndarray:
@@ -310,22 +461,61 @@ class PreparedDataset(Sequence[np.ndarray]):
         """Tokens ``[start, start + length)`` of ``document``, a read-only view of its shard."""
         shard = int(np.searchsorted(self._shard_first, document, side="right")) - 1
         begin = int(self.offsets[document]) - int(self._shard_start[shard]) + start
-        return self._map(shard_file(shard))[begin : begin + length]
+        return self._shard(shard)[begin : begin + length]  # a view keeps its map open, even once dropped here
 
     def layout(self, seq_len: int, split: str) -> PackedLayout:
-        """The pre-packed rows of ``split`` for rows of ``seq_len`` tokens.
+        """The packed rows of ``split`` for rows of ``seq_len`` tokens, for any ``seq_len``.
+
+        The lengths given to ``prepare --seq-len`` were packed then (listed and checked by the manifest). Any other
+        length is packed from the document index on first use, with the same packer, and cached beside the data
+        (``rows-L{seq_len}-{split}.npy``, written atomically) for every later reader; no token file is read or
+        changed. On a read-only directory the derived layout is kept in this process's memory instead.
 
         Raises:
-            DataError: the directory was prepared without this ``seq_len`` (the message lists the prepared ones).
+            DataError: ``seq_len`` below 2, or ``split`` not one of :data:`SPLITS`.
         """
-        if str(seq_len) not in self.manifest["layouts"]:
-            prepared = sorted(int(n) for n in self.manifest["layouts"])
-            raise DataError(
-                f"prepared dataset {self.path} has packed rows for seq_len {prepared}, not {seq_len}: run prepare "
-                f"again with --seq-len {seq_len} (into a new directory or with --overwrite)"
-            )
+        seq_len = check_int("seq_len", seq_len, low=2, error=DataError)
+        if split not in SPLITS:
+            raise DataError(f"split must be one of {SPLITS}, got {split!r}")
         rows, pieces = layout_files(seq_len, split)
-        return PackedLayout(self._map(rows), self._map(pieces))
+        if str(seq_len) in self.manifest["layouts"] or (rows in self._maps and pieces in self._maps):
+            return PackedLayout(self._map(rows), self._map(pieces))
+        cached = self._cached_layout(rows, pieces)
+        if cached is None:
+            cached = self._derive_layout(seq_len, split)
+        self._maps[rows], self._maps[pieces] = cached.rows, cached.pieces
+        return cached
+
+    def _cached_layout(self, rows_name: str, pieces_name: str) -> PackedLayout | None:
+        """A layout derived earlier, when its pair of files is there and consistent."""
+        try:
+            rows = np.load(self.path / rows_name, mmap_mode="r")
+            pieces = np.load(self.path / pieces_name, mmap_mode="r")
+        except (OSError, ValueError):
+            return None
+        whole = rows.ndim == 1 and len(rows) >= 1 and pieces.ndim == 2 and pieces.shape[1] == 3
+        if not (whole and rows.dtype == pieces.dtype == np.int64 and rows[0] == 0 and rows[-1] == len(pieces)):
+            return None
+        return PackedLayout(rows, pieces)
+
+    def _derive_layout(self, seq_len: int, split: str) -> PackedLayout:
+        """Pack ``split`` for ``seq_len`` from the document index and cache it beside the data (when writable)."""
+        settings = self.manifest["settings"]
+        members = np.zeros(len(self), dtype=bool)
+        for first in range(0, len(self), _BLOCK):
+            count = min(_BLOCK, len(self) - first)
+            members[first : first + count] = in_validation(first, count, settings["val_fraction"])
+        ids = np.flatnonzero(members if split == "val" else ~members).astype(np.int64)
+        try:
+            write_layout(self.path, seq_len, split, ids, self.offsets, settings["lookahead"], self.path)
+        except OSError:  # a read-only directory: pack into memory instead
+            with tempfile.TemporaryDirectory() as scratch:
+                write_layout(Path(scratch), seq_len, split, ids, self.offsets, settings["lookahead"], Path(scratch))
+                rows_name, pieces_name = layout_files(seq_len, split)
+                return PackedLayout(np.load(Path(scratch) / rows_name), np.load(Path(scratch) / pieces_name))
+        cached = self._cached_layout(*layout_files(seq_len, split))
+        assert cached is not None  # just written whole
+        return cached
 
 
 class PreparedBatches(PlannedBatchDataset):
@@ -342,7 +532,8 @@ class PreparedBatches(PlannedBatchDataset):
     Args:
         sources: the prepared datasets; all from the same tokenizer.
         split: ``"train"`` or ``"val"``.
-        seq_len: tokens per row; each source must have been prepared with it.
+        seq_len: tokens per row: any length (one a source was not prepared with is packed on first use, see
+            :meth:`PreparedDataset.layout`).
         batch_size: rows per batch.
         weights: share of the epoch's rows per source (normalised); ``None`` keeps the sources' sizes.
         shuffle_seed: seed of the epoch orders; ``None`` reads rows in order.
@@ -353,9 +544,8 @@ class PreparedBatches(PlannedBatchDataset):
         uneven: ``"drop"`` or ``"fill"`` the last incomplete round (see ``PlannedBatchDataset``).
 
     Raises:
-        DataError: no source, sources from different tokenizers, a ``seq_len`` a source was not prepared with, bad
-            ``weights`` (one per source, non-negative, not all zero), a weighted source without rows in ``split``,
-            or no row at all.
+        DataError: no source, sources from different tokenizers, a ``seq_len`` below 2, bad ``weights`` (one per
+            source, non-negative, not all zero), a weighted source without rows in ``split``, or no row at all.
 
     Example::
 
@@ -416,7 +606,7 @@ class PreparedBatches(PlannedBatchDataset):
 
     @property
     def layouts(self) -> list[PackedLayout]:
-        """Every source's packed rows of this split and ``seq_len`` (memory-mapped)."""
+        """Every source's packed rows of this split and ``seq_len`` (memory-mapped; packed on first use if needed)."""
         if self._layouts is None:
             self._layouts = [source.layout(self.seq_len, self.split) for source in self.sources]
         return self._layouts

@@ -1,7 +1,9 @@
 """``PreparedDataModule``: train on datasets written by ``python -m lightning_llmfast.prepare``, memory-mapped.
 
-The rows were packed offline; this module only deals them (see :class:`~lightning_llmfast.data.PreparedBatches`)
-and keeps the position (see :class:`~lightning_llmfast.datamodules.PositionedDataModule`).
+The rows were packed offline (or, for a length the data was not prepared with, from the document index when the
+module is set up, then cached beside the data); this module only deals them (see
+:class:`~lightning_llmfast.data.PreparedBatches`) and keeps the position (see
+:class:`~lightning_llmfast.datamodules.PositionedDataModule`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_llmfast._checks import check_bool, check_int
-from lightning_llmfast.data.prepared import PreparedBatches, PreparedDataset
+from lightning_llmfast.data.prepared import SPLITS, PreparedBatches, PreparedDataset
 from lightning_llmfast.datamodules.positioned import PositionedDataModule
 from lightning_llmfast.errors import ConfigError, DataError
 
@@ -51,7 +53,9 @@ class PreparedDataModule(PositionedDataModule):
 
     Args:
         path: a prepared directory, or a list of them.
-        seq_len: tokens per row; the directories must have been prepared with it (``--seq-len``).
+        seq_len: tokens per row, any length: one given to ``prepare --seq-len`` is read as packed then, another is
+            packed from the document index in :meth:`prepare_data` (once per node, seconds per million documents, no
+            token read) and cached beside the data for every rank, worker and later run.
         batch_size: rows per batch.
         num_workers: ``DataLoader`` worker processes (0 reads in the main process).
         seed: seed of the epoch orders.
@@ -63,9 +67,8 @@ class PreparedDataModule(PositionedDataModule):
 
     Raises:
         ConfigError: ``num_workers``, ``pin_memory`` or a ``limit_*`` not of its type and range, or no ``path``.
-        DataError: at :meth:`setup`: an incomplete or damaged directory (naming the file), a ``seq_len`` it was not
-            prepared with, bad ``weights``, directories from different tokenizers, or a model whose vocabulary is
-            smaller than the data's.
+        DataError: at :meth:`setup`: an incomplete or damaged directory (naming the file), bad ``weights``,
+            directories from different tokenizers, or a model whose vocabulary is smaller than the data's.
 
     Example::
 
@@ -120,9 +123,18 @@ class PreparedDataModule(PositionedDataModule):
         return max(source.vocab_size for source in self.sources)
 
     @override
+    def prepare_data(self) -> None:
+        # Lightning runs this on one process per node before any rank's setup: a row length the data was not
+        # prepared with is packed and cached beside the data there, once, and every rank's setup then opens it.
+        for source in self.sources:
+            for split in SPLITS:
+                source.layout(self.seq_len, split)
+
+    @override
     def setup(self, stage: str) -> None:
         # Opening here (not in __init__) keeps construction cheap for LightningCLI's argument parsing; a damaged
-        # directory, a missing layout or a too small model still fail before the first step.
+        # directory or a too small model still fail before the first step, and a new length is packed (and cached)
+        # here, in the main process, before any DataLoader worker starts.
         if stage == "fit":
             self._dataset("train")
         for source in self.sources:
