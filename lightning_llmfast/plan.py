@@ -204,8 +204,9 @@ def inter_node_bytes(
     """Expected bytes a rank sends across the node boundary, flat against hierarchical dispatch.
 
     A row crossing the boundary costs what it costs in :func:`a2a_bytes` (dispatch, combine; forward, backward);
-    the hierarchical dispatch's rows also carry the token's ``k`` weights and expert ids, ``8 k`` bytes, forward and
-    backward. Flat sends :func:`expected_remote_pairs` rows a token, hierarchical :func:`expected_remote_nodes`.
+    the hierarchical dispatch's rows also carry the token's ``k`` weights and expert ids, ``8 k`` bytes, forward, and
+    the weights' gradients, ``4 k`` bytes, backward. Flat sends :func:`expected_remote_pairs` rows a token,
+    hierarchical :func:`expected_remote_nodes`.
 
     Raises:
         ConfigError: ``ep`` spans part of a node or nodes unequally, or group-limited routing whose groups straddle
@@ -226,7 +227,7 @@ def inter_node_bytes(
     row = wire_row_bytes(payload.dispatch, hidden, dtype) + 3 * wire_row_bytes(payload.combine, hidden, dtype)
     pairs = expected_remote_pairs(num_experts, top_k, nodes)
     reached = expected_remote_nodes(num_experts, top_k, nodes, groups, chosen)
-    flat, hierarchical = pairs * row, reached * (row + 2 * 8 * top_k)
+    flat, hierarchical = pairs * row, reached * (row + 12 * top_k)
     steps = tokens_per_rank * moe_layers
     max_nodes = min(nodes - 1, chosen if chosen is not None else top_k)
     return InterNodeBytes(nodes, max_nodes, pairs, reached, flat, hierarchical, flat * steps, hierarchical * steps)
