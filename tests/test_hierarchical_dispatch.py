@@ -170,7 +170,8 @@ def _check_counts(rank: int) -> None:
     all-reduce for the balance loss."""
     layout = node_groups(dist.group.WORLD, PER_NODE, timeout=COLLECTIVE_TIMEOUT)
     top_k, experts, nodes = 4, 8, 2
-    handshake = ("all_to_all_single", torch.int64, 8 * (2 * experts + nodes + 4))
+    # Every rank's pairs per expert and tokens per node, its valid tokens and its signature (dtype, hidden, payload).
+    handshake = ("all_to_all_single", torch.int64, 8 * (experts + nodes + 4))
     for dispatch, wire, out_bytes in ((None, torch.float32, 4 * HIDDEN), ("fp8", torch.uint8, HIDDEN + 4)):
         _, hier = _pair(layout, DispatchPayload(dispatch))
         x = torch.randn(TOKENS[rank], HIDDEN, requires_grad=True)

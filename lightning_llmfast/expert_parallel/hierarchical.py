@@ -363,8 +363,9 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         return across, torch.where(valid, plan.expert_ids, -1).to(torch.int32)
 
     def _handshake(self, plan: RoutingPlan, across: RoutingPlan, signature: list[int]) -> tuple[_Splits, Tensor]:
-        """Every rank's pairs per expert, tokens per node, valid tokens and signature to every rank of the group: one
-        all-to-all and the one host read of the dispatch. Sets :attr:`global_stats` (the balance loss's counts).
+        """Every rank's pairs per expert (with a capacity limit, also before it: the balance loss counts those),
+        tokens per node, valid tokens and signature to every rank of the group: one all-to-all and the one host read
+        of the dispatch. Sets :attr:`global_stats` (the balance loss's counts).
 
         Returns:
             The split sizes of both hops, and ``(L, E_l)`` the rows this rank receives from each rank of its node per
@@ -372,22 +373,23 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         """
         num_nodes, per_node = self.node_layout.num_nodes, self.node_layout.ranks_per_node
         num_experts, world = self.num_experts, self.world
-        kept = plan.tokens_per_expert.to(torch.int64)
-        routed = kept if plan.routed_per_expert is None else plan.routed_per_expert.to(torch.int64)
+        counts = [plan.tokens_per_expert.to(torch.int64)]
+        if plan.capacity is not None and plan.routed_per_expert is not None:  # the loss counts the dropped pairs too
+            counts.append(plan.routed_per_expert.to(torch.int64))
         to_nodes = across.tokens_per_expert.to(torch.int64)
-        header = stage_to_device([plan.num_tokens, *signature], kept.device)  # pinned, non-blocking
+        header = stage_to_device([plan.num_tokens, *signature], to_nodes.device)  # pinned, non-blocking
         if plan.token_mask is not None:  # padding counts in no loss: the valid tokens, counted on the device
             header = torch.cat([plan.token_mask.sum(dtype=torch.int64).view(1), header[1:]])
-        send = torch.cat([kept, routed, to_nodes, header]).expand(world, -1).contiguous()
+        send = torch.cat([*counts, to_nodes, header]).expand(world, -1).contiguous()
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         # pairs[n, l, m, l', e]: rank (n, l)'s pairs for the e-th expert of rank (m, l').
         pairs = recv[:, :num_experts].view(num_nodes, per_node, num_nodes, per_node, self.num_local)
-        node, mine = self.node, self.local_index
-        from_nodes = recv[:, 2 * num_experts : 2 * num_experts + num_nodes].view(num_nodes, per_node, num_nodes)
+        node, mine, start = self.node, self.local_index, len(counts) * num_experts
+        from_nodes = recv[:, start : start + num_nodes].view(num_nodes, per_node, num_nodes)
         by_source = pairs[:, :, node, mine].sum(dim=0)
         onward = pairs[:, mine, node].sum(dim=(0, 2))
-        tail = 2 * num_experts + num_nodes + 1
+        tail = start + num_nodes + 1
         # NOTE: host sync, the one of the hierarchical dispatch (once per layer and forward; the combine and the
         # backward reuse these splits).
         host = torch.cat([to_nodes, from_nodes[:, mine, node], onward, by_source.sum(dim=1), recv[:, tail:].flatten()])
@@ -398,7 +400,7 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         received = [host[cut[3] + width * i : cut[3] + width * (i + 1)] for i in range(world)]
         if any(r != signature for r in received):
             self._raise_disagreement("dtype, hidden size or dispatch payload", received)
-        self.global_stats = torch.cat([recv[:, num_experts : 2 * num_experts], recv[:, tail - 1 : tail]], 1).sum(0)
+        self.global_stats = torch.cat([recv[:, start - num_experts : start], recv[:, tail - 1 : tail]], 1).sum(0)
         splits = _Splits(host[: cut[0]], host[cut[0] : cut[1]], host[cut[1] : cut[2]], host[cut[2] : cut[3]])
         self.send_rows, self.recv_rows = sum(splits.across_send), sum(splits.within_recv)
         return splits, by_source
