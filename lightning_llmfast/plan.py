@@ -12,12 +12,14 @@ in forward and again in backward, the roots included, except the last layer's ow
 reduce-scatters (in the reduce dtype, once per group) and the expected all-to-all bytes of the token exchange
 (dispatch and combine, forward and backward, the ``(ep - 1) / ep`` of the rows that leave the rank under uniform
 routing). With ``--nodes`` (``world = nodes * gpus_per_node``): the all-to-all bytes that cross the node boundary
-per token and per step, flat against hierarchical dispatch (:class:`InterNodeBytes`).
+per token and per step, flat against hierarchical dispatch (:class:`InterNodeBytes`); with ``--link-gbps`` and
+``--tflops``: per MoE layer, that exchange's time against the expert GEMMs' time (:class:`ExchangeOverlap`).
 
 Example::
 
     python -m lightning_llmfast.plan deepseek-v3 --world 256 --ep 64
     python -m lightning_llmfast.plan deepseek-v3 --nodes 32 --gpus-per-node 8 --ep 64  # + inter-node bytes
+    python -m lightning_llmfast.plan deepseek-v3 --nodes 8 --ep 64 --link-gbps 400 --tflops 400  # + can it hide?
 
     plan = sharding_plan("qwen3-235b-a22b", world=256, ep=64)
     plan.ranks[0].expert_params  # bytes of routed-expert parameters on rank 0
@@ -46,12 +48,14 @@ from lightning_llmfast.parallel.layout import parallelize
 
 __all__ = [
     "PRESETS",
+    "ExchangeOverlap",
     "InterNodeBytes",
     "ParamShape",
     "RankBytes",
     "ShardingPlan",
     "a2a_bytes",
     "expected_remote_nodes",
+    "exchange_overlap",
     "expected_remote_pairs",
     "formula_plan",
     "inter_node_bytes",
@@ -204,8 +208,9 @@ def inter_node_bytes(
     """Expected bytes a rank sends across the node boundary, flat against hierarchical dispatch.
 
     A row crossing the boundary costs what it costs in :func:`a2a_bytes` (dispatch, combine; forward, backward);
-    the hierarchical dispatch's rows also carry the token's ``k`` weights and expert ids, ``8 k`` bytes, forward and
-    backward. Flat sends :func:`expected_remote_pairs` rows a token, hierarchical :func:`expected_remote_nodes`.
+    the hierarchical dispatch's rows also carry the token's ``k`` weights and expert ids, ``8 k`` bytes, forward, and
+    the weights' gradients, ``4 k`` bytes, backward. Flat sends :func:`expected_remote_pairs` rows a token,
+    hierarchical :func:`expected_remote_nodes`.
 
     Raises:
         ConfigError: ``ep`` spans part of a node or nodes unequally, or group-limited routing whose groups straddle
@@ -226,10 +231,99 @@ def inter_node_bytes(
     row = wire_row_bytes(payload.dispatch, hidden, dtype) + 3 * wire_row_bytes(payload.combine, hidden, dtype)
     pairs = expected_remote_pairs(num_experts, top_k, nodes)
     reached = expected_remote_nodes(num_experts, top_k, nodes, groups, chosen)
-    flat, hierarchical = pairs * row, reached * (row + 2 * 8 * top_k)
+    flat, hierarchical = pairs * row, reached * (row + 12 * top_k)
     steps = tokens_per_rank * moe_layers
     max_nodes = min(nodes - 1, chosen if chosen is not None else top_k)
     return InterNodeBytes(nodes, max_nodes, pairs, reached, flat, hierarchical, flat * steps, hierarchical * steps)
+
+
+@dataclass(frozen=True)
+class ExchangeOverlap:
+    """Per MoE layer and rank: the expected inter-node exchange time at a link bandwidth against the routed experts'
+    grouped-GEMM time at a throughput, forward and backward, for flat and hierarchical dispatch.
+
+    The exchange can hide behind the GEMMs (``ep_overlap``) when its time is at most theirs: ``ratio <= 1``.
+
+    Attributes:
+        link_gbps: the inter-node bandwidth of one rank (Gbit/s, each way).
+        tflops: the expert GEMMs' throughput of one rank (dense TFLOP/s).
+        gemm_ms: ``(forward, backward)`` milliseconds of the expert GEMMs.
+        flat_ms: ``(forward, backward)`` milliseconds of flat dispatch's inter-node exchanges.
+        hierarchical_ms: the same for hierarchical dispatch.
+    """
+
+    link_gbps: float
+    tflops: float
+    gemm_ms: tuple[float, float]
+    flat_ms: tuple[float, float]
+    hierarchical_ms: tuple[float, float]
+
+    def table(self) -> str:
+        """Exchange against GEMM time per dispatch and direction, as text."""
+        lines = [
+            f"per MoE layer and rank at {self.link_gbps:g} Gbit/s across nodes, {self.tflops:g} TFLOP/s in the "
+            "expert GEMMs (expected):",
+            "dispatch      pass      exchange_ms  gemm_ms  ratio  hides",
+        ]
+        for name, times in (("flat", self.flat_ms), ("hierarchical", self.hierarchical_ms)):
+            for index, direction in enumerate(("forward", "backward")):
+                exchange, gemm = times[index], self.gemm_ms[index]
+                ratio, hides = exchange / gemm, "yes" if exchange <= gemm else "no"
+                lines.append(f"{name:<13} {direction:<9} {exchange:11.3f} {gemm:8.3f} {ratio:6.2f}  {hides}")
+        return "\n".join(lines)
+
+
+def exchange_overlap(
+    routing: RoutingConfig,
+    num_experts: int,
+    hidden: int,
+    ffn: int,
+    *,
+    ep: int,
+    gpus_per_node: int,
+    tokens_per_rank: int,
+    link_gbps: float,
+    tflops: float,
+    compute_bytes: int = 2,
+    payload: DispatchPayload | None = None,
+) -> ExchangeOverlap:
+    """Whether the inter-node exchange of an MoE layer can hide behind its expert GEMMs, per rank.
+
+    GEMMs: a (token, expert) pair costs ``6 H F`` FLOPs forward (SwiGLU: ``H -> 2 F`` and ``F -> H``) and twice that
+    backward; a rank's experts process ``T k`` pairs on average. Exchange: the expected inter-node rows of
+    :func:`inter_node_bytes`, forward ``dispatch + combine`` (hierarchical: ``+ 8 k`` bytes of weights and ids),
+    backward two ``combine`` rows (hierarchical: ``+ 4 k`` bytes of the weights' gradients), sent at ``link_gbps``.
+    Rows between ranks of one node are left out (they travel on the node's faster links).
+
+    Raises:
+        ConfigError: ``link_gbps`` or ``tflops`` not a positive finite number, or from :func:`inter_node_bytes`.
+
+    Example::
+
+        exchange_overlap(RoutingConfig(top_k=8), 256, 7168, 2048, ep=64, gpus_per_node=8, tokens_per_rank=4096,
+                         link_gbps=400, tflops=400)
+    """
+    for name, value in (("link_gbps", link_gbps), ("tflops", tflops)):
+        if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+            raise ConfigError(f"{name} must be a positive number, got {value!r}")
+    nodes = inter_node_bytes(
+        routing, num_experts, hidden, ep=ep, gpus_per_node=gpus_per_node, tokens_per_rank=tokens_per_rank,
+        moe_layers=1, compute_bytes=compute_bytes, payload=payload,
+    )  # fmt: skip
+    payload = payload or DispatchPayload()
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[compute_bytes]
+    out, back = wire_row_bytes(payload.dispatch, hidden, dtype), wire_row_bytes(payload.combine, hidden, dtype)
+    top_k = routing.top_k
+
+    def ms(rows: float, row_bytes: float) -> float:
+        return tokens_per_rank * rows * row_bytes * 8 / (link_gbps * 1e9) * 1e3
+
+    forward = tokens_per_rank * top_k * 6 * hidden * ffn / (tflops * 1e12) * 1e3
+    return ExchangeOverlap(
+        link_gbps, tflops, (forward, 2 * forward),
+        (ms(nodes.remote_pairs, out + back), ms(nodes.remote_pairs, 2 * back)),
+        (ms(nodes.remote_nodes, out + back + 8 * top_k), ms(nodes.remote_nodes, 2 * back + 4 * top_k)),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -245,6 +339,7 @@ class ShardingPlan:
     reduce_scatter: tuple[int, ...]
     all_to_all: int
     inter_node: InterNodeBytes | None = None
+    overlap: ExchangeOverlap | None = None
 
     def rows(self) -> list[tuple[int, ...]]:
         """Per rank: ``(dense, expert, grads, optimizer, all-gather, reduce-scatter)`` bytes."""
@@ -269,6 +364,8 @@ class ShardingPlan:
         lines.append(f"all-to-all per rank and step (expected, uniform routing): {self.all_to_all / 1e9:.3f} GB")
         if self.inter_node is not None:
             lines.append(self.inter_node.table())
+        if self.overlap is not None:
+            lines.append(self.overlap.table())
         return "\n".join(lines)
 
     def _row(self, index: int) -> tuple[int, ...]:
@@ -408,6 +505,20 @@ def _measured_rows(module: nn.Module, shapes: Sequence[ParamShape], world: int) 
     return [tuple(r) for r in rows]  # type: ignore[misc]
 
 
+def _across_nodes(
+    config: Any, hidden: int, moe_layers: int, link: tuple[float | None, float | None], **nodes: Any
+) -> tuple[InterNodeBytes, ExchangeOverlap | None]:
+    """A block config's inter-node bytes and, given ``link = (link_gbps, tflops)``, its exchange against GEMM times."""
+    inter_node = inter_node_bytes(config.routing, config.num_experts, hidden, moe_layers=moe_layers, **nodes)
+    link_gbps, tflops = link
+    if link_gbps is None or tflops is None:
+        return inter_node, None
+    overlap = exchange_overlap(
+        config.routing, config.num_experts, hidden, config.ffn_size, link_gbps=link_gbps, tflops=tflops, **nodes
+    )
+    return inter_node, overlap
+
+
 def sharding_plan(
     name: str,
     world: int,
@@ -418,6 +529,8 @@ def sharding_plan(
     backend: str = "torch",
     dispatch_dtype: str | DispatchPayload | None = None,
     gpus_per_node: int | None = None,
+    link_gbps: float | None = None,
+    tflops: float | None = None,
 ) -> ShardingPlan:
     """Apply the strategy's FSDP2 x EP sharding to the meta-device model on a fake process group; read the bytes.
 
@@ -431,12 +544,15 @@ def sharding_plan(
         dispatch_dtype: the all-to-all payload, as ``LLMFastStrategy(dispatch_dtype=...)`` takes it.
         gpus_per_node: ranks per node: adds the inter-node bytes of flat and hierarchical dispatch
             (:func:`inter_node_bytes`, from the first MoE block's routing); ``None``: not computed.
+        link_gbps, tflops: with ``gpus_per_node``: adds each MoE layer's inter-node exchange time at ``link_gbps``
+            against its expert GEMM time at ``tflops`` (:func:`exchange_overlap`).
 
     Returns:
         The :class:`ShardingPlan`; nothing is allocated and no process group stays behind.
 
     Raises:
-        ConfigError: an unknown model, a layout that does not fit, or a process group already initialised.
+        ConfigError: an unknown model, a layout that does not fit, a process group already initialised, or only one
+            of ``link_gbps`` and ``tflops`` (or either without ``gpus_per_node``).
 
     Example::
 
@@ -444,6 +560,8 @@ def sharding_plan(
     """
     if name not in PRESETS:
         raise ConfigError(f"sharding plan: model must be one of {PRESETS}, got {name!r}")
+    if (link_gbps is None) != (tflops is None) or (link_gbps is not None and gpus_per_node is None):
+        raise ConfigError("sharding plan: link_gbps and tflops go together, with gpus_per_node (the nodes)")
     dims = ParallelDims(world, "fsdp", ep)
     payload = DispatchPayload.of(dispatch_dtype)
     if dist.is_initialized():
@@ -455,12 +573,11 @@ def sharding_plan(
         module, layers, moe_layers, top_k, hidden = _build(name, backend)
         shapes = param_shapes(module, layers)
         block = grouped_moe_blocks(module)[0][1]
-        inter_node = None
+        inter_node, overlap = None, None
         if gpus_per_node is not None:
-            inter_node = inter_node_bytes(
-                block.config.routing, block.config.num_experts, hidden, ep=ep, gpus_per_node=gpus_per_node,
-                tokens_per_rank=tokens_per_rank, moe_layers=moe_layers, compute_bytes=compute_bytes, payload=payload,
-            )  # fmt: skip
+            nodes = {"ep": ep, "gpus_per_node": gpus_per_node, "tokens_per_rank": tokens_per_rank,
+                     "compute_bytes": compute_bytes, "payload": payload}  # fmt: skip
+            inter_node, overlap = _across_nodes(block.config, hidden, moe_layers, (link_gbps, tflops), **nodes)
         dims.build_mesh("cpu")
         parallelize(module, dims, layers, device=torch.device("meta"), dispatch=payload)
         measured = _measured_rows(module, shapes, world)
@@ -471,12 +588,14 @@ def sharding_plan(
     gathered = tuple(g * compute_bytes for _, _, g, _ in measured)
     scattered = tuple(s * 4 for _, _, _, s in measured)
     params = sum(math.prod(p.shape) for p in shapes)
-    return ShardingPlan(name, world, ep, params, ranks, gathered, scattered, a2a, inter_node)
+    return ShardingPlan(name, world, ep, params, ranks, gathered, scattered, a2a, inter_node, overlap)
 
 
 def main(argv: Sequence[str] | None = None) -> ShardingPlan:
     """``python -m lightning_llmfast.plan MODEL --world W --ep N [--tokens T] [--dispatch-dtype D] [--nodes N
-    [--gpus-per-node G]]``: print it (``--nodes``: ``world = N * G`` and the inter-node bytes)."""
+    [--gpus-per-node G] [--link-gbps B --tflops F]]``: print it (``--nodes``: ``world = N * G`` and the inter-node
+    bytes; ``--link-gbps``/``--tflops``: each MoE layer's exchange time against its expert GEMM time). Bad values
+    exit with a message (argparse's usage error), not a traceback."""
     parser = argparse.ArgumentParser(prog="python -m lightning_llmfast.plan", description=__doc__.split("\n")[0])
     parser.add_argument("model", choices=PRESETS)
     parser.add_argument("--world", type=int, default=None, help="ranks (default 256, or nodes * gpus-per-node)")
@@ -485,6 +604,8 @@ def main(argv: Sequence[str] | None = None) -> ShardingPlan:
     parser.add_argument("--ep", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank and step")
     parser.add_argument("--dispatch-dtype", choices=WIRES, default=None, help="all-to-all dispatch payload")
+    parser.add_argument("--link-gbps", type=float, default=None, help="inter-node Gbit/s per rank (with --nodes)")
+    parser.add_argument("--tflops", type=float, default=None, help="expert GEMM TFLOP/s per rank (with --link-gbps)")
     args = parser.parse_args(argv)
     world = args.world if args.world is not None else 256
     gpus_per_node = None
@@ -493,10 +614,15 @@ def main(argv: Sequence[str] | None = None) -> ShardingPlan:
         world = args.nodes * gpus_per_node
         if args.world is not None and args.world != world:
             parser.error(f"--world {args.world} is not --nodes {args.nodes} x --gpus-per-node {gpus_per_node}")
-    plan = sharding_plan(
-        args.model, world, args.ep, tokens_per_rank=args.tokens, dispatch_dtype=args.dispatch_dtype,
-        gpus_per_node=gpus_per_node,
-    )  # fmt: skip
+    if (args.link_gbps is None) != (args.tflops is None) or (args.link_gbps is not None and args.nodes is None):
+        parser.error("--link-gbps and --tflops go together, with --nodes")
+    try:
+        plan = sharding_plan(
+            args.model, world, args.ep, tokens_per_rank=args.tokens, dispatch_dtype=args.dispatch_dtype,
+            gpus_per_node=gpus_per_node, link_gbps=args.link_gbps, tflops=args.tflops,
+        )  # fmt: skip
+    except ConfigError as error:
+        parser.error(str(error))
     print(plan.table())
     return plan
 

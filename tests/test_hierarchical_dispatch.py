@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,10 +21,18 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+import lightning_llmfast.expert_parallel.payload as payload_module
 from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule
+from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.data import pack_documents
 from lightning_llmfast.errors import ConfigError
-from lightning_llmfast.expert_parallel import HierarchicalDispatcher, node_groups, set_ep_dispatch, shard_experts
+from lightning_llmfast.expert_parallel import (
+    DispatchPayload,
+    HierarchicalDispatcher,
+    node_groups,
+    set_ep_dispatch,
+    shard_experts,
+)
 from lightning_llmfast.expert_parallel.hierarchical import group_nodes
 from lightning_llmfast.moe import MoEBlock, MoEConfig, RoutingConfig, route
 from lightning_llmfast.plan import expected_remote_nodes, expected_remote_pairs, inter_node_bytes, main
@@ -43,14 +52,14 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float 
 
 @contextmanager
 def _inter_node_spy(per_node: int = PER_NODE) -> Iterator[list[int]]:
-    """Bytes of float rows this rank sends to ranks on other nodes through ``all_to_all_single`` (the int64 split
-    handshakes are not payload)."""
+    """Bytes of rows this rank sends to ranks on other nodes through ``all_to_all_single`` (the int64 split
+    handshakes are not payload; fp8 rows, and hierarchical rows with their weights and ids, travel as bytes)."""
     sent = [0]
     real = dist.all_to_all_single
 
     def spy(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,
             input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:  # fmt: skip
-        if input.is_floating_point() and input.shape[0]:
+        if input.dtype != torch.int64 and input.shape[0]:
             ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
             splits = input_split_sizes or [input.shape[0] // len(ranks)] * len(ranks)
             row_bytes = input[0].numel() * input.element_size()
@@ -65,13 +74,13 @@ def _inter_node_spy(per_node: int = PER_NODE) -> Iterator[list[int]]:
         dist.all_to_all_single = real
 
 
-def _pair(layout: Any, **options: Any) -> tuple[MoEBlock, MoEBlock]:
+def _pair(layout: Any, payload: DispatchPayload | None = None, **options: Any) -> tuple[MoEBlock, MoEBlock]:
     """The same block sharded flat and hierarchical (same seed on every rank)."""
     torch.manual_seed(1234)
     flat = MoEBlock(MoEConfig.build(HIDDEN, 12, 8, 4, backend="torch", **options))
     hier = copy.deepcopy(flat)
-    shard_experts(flat, dist.group.WORLD, node_layout=layout)
-    shard_experts(hier, dist.group.WORLD, ep_dispatch="hierarchical", node_layout=layout)
+    shard_experts(flat, dist.group.WORLD, node_layout=layout, dispatch_dtype=payload)
+    shard_experts(hier, dist.group.WORLD, ep_dispatch="hierarchical", node_layout=layout, dispatch_dtype=payload)
     assert isinstance(hier.dispatcher, HierarchicalDispatcher)
     return flat, hier
 
@@ -90,8 +99,9 @@ def _step(block: MoEBlock, x: torch.Tensor, g: torch.Tensor, per_node: int) -> t
 
 
 def _compare(rank: int, layout: Any, seed: int, routing: Callable[[MoEBlock, torch.Tensor], torch.Tensor] | None,
-             tokens: tuple[int, ...] = TOKENS, **options: Any) -> tuple[int, int]:  # fmt: skip
-    flat, hier = _pair(layout, **options)
+             tokens: tuple[int, ...] = TOKENS, payload: DispatchPayload | None = None, rtol: float = 1e-5,
+             **options: Any) -> tuple[int, int]:  # fmt: skip
+    flat, hier = _pair(layout, payload, **options)
     gen = torch.Generator().manual_seed(seed + rank)
     x, g = torch.randn(tokens[rank], HIDDEN, generator=gen), torch.randn(tokens[rank], HIDDEN, generator=gen)
     if routing is not None:
@@ -100,14 +110,95 @@ def _compare(rank: int, layout: Any, seed: int, routing: Callable[[MoEBlock, tor
     per_node = layout.ranks_per_node
     expected, actual = _step(flat, x, g, per_node), _step(hier, x, g, per_node)
     names = ("output", "input gradient", "router gradient", "gate_up gradient", "down gradient")
-    errors = [_close(a, e, n) for a, e, n in zip(actual[:-1], expected[:-1], names, strict=True)]
+    errors = [_close(a, e, n, rtol) for a, e, n in zip(actual[:-1], expected[:-1], names, strict=True)]
     flat_bytes, hier_bytes = expected[-1].tolist(), actual[-1].tolist()
     assert flat_bytes[0] == flat_bytes[1] and hier_bytes[0] == hier_bytes[1], (flat_bytes, hier_bytes)
     if rank == 0:
-        print(f"seed {seed} {options}: max relative errors {max(errors):.2g}, inter-node bytes {flat_bytes[0]} flat, "
-              f"{hier_bytes[0]} hierarchical")  # fmt: skip
-    assert hier.dispatcher.host_syncs == 2
+        print(f"seed {seed} {payload} {options}: max relative errors {max(errors):.2g}, inter-node bytes "
+              f"{flat_bytes[0]} flat, {hier_bytes[0]} hierarchical")  # fmt: skip
+    assert hier.dispatcher.host_syncs == 1
     return flat_bytes[0], hier_bytes[0]
+
+
+_COLLECTIVES = ("all_to_all_single", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                "broadcast")  # fmt: skip
+
+
+@contextmanager
+def _collective_spy() -> Iterator[list[tuple[str, torch.dtype, int]]]:
+    """Every collective this rank enters: ``(name, dtype, bytes of one row of its input)``."""
+    calls: list[tuple[str, torch.dtype, int]] = []
+    real = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def spy(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            tensor = args[1] if name == "all_to_all_single" else args[0]
+            calls.append((name, tensor.dtype, math.prod(tensor.shape[1:]) * tensor.element_size()))
+            return real[name](*args, **kwargs)
+
+        return call
+
+    for name in _COLLECTIVES:
+        setattr(dist, name, spy(name))
+    try:
+        yield calls
+    finally:
+        for name, function in real.items():
+            setattr(dist, name, function)
+
+
+@contextmanager
+def _fp8_encode_spy() -> Iterator[list[int]]:
+    """The rows of every fp8 encoding (``quantize_rows``) this rank runs."""
+    encoded: list[int] = []
+    real = payload_module.quantize_rows
+
+    def spy(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        encoded.append(rows.shape[0])
+        return real(rows)
+
+    payload_module.quantize_rows = spy
+    try:
+        yield encoded
+    finally:
+        payload_module.quantize_rows = real
+
+
+def _check_counts(rank: int) -> None:
+    """One training forward and backward of a hierarchical block: one host read, one handshake, one exchange per hop
+    and direction (the weights and expert ids inside the tokens' rows, fp8 kept across the intermediate rank), no
+    all-reduce for the balance loss."""
+    layout = node_groups(dist.group.WORLD, PER_NODE, timeout=COLLECTIVE_TIMEOUT)
+    top_k, experts, nodes = 4, 8, 2
+    # Every rank's pairs per expert and tokens per node, its valid tokens and its signature (dtype, hidden, payload).
+    handshake = ("all_to_all_single", torch.int64, 8 * (experts + nodes + 4))
+    for dispatch, wire, out_bytes in ((None, torch.float32, 4 * HIDDEN), ("fp8", torch.uint8, HIDDEN + 4)):
+        _, hier = _pair(layout, DispatchPayload(dispatch))
+        x = torch.randn(TOKENS[rank], HIDDEN, requires_grad=True)
+        back = torch.float32 if dispatch is None else torch.bfloat16
+        back_bytes = HIDDEN * back.itemsize
+        with SyncCounter() as syncs, _collective_spy() as calls, _fp8_encode_spy() as encodes:
+            out = hier(x)
+            forward = list(calls)
+            (out.square().sum() + hier.stats.aux_loss).backward()
+        sent = hier.dispatcher.send_rows  # once at home, never at the intermediate rank
+        assert encodes == [sent] * (dispatch == "fp8"), (encodes, sent)
+        a2a = "all_to_all_single"
+        assert dict(syncs.syncs) == {"tolist": 1} and hier.dispatcher.host_syncs == 1, syncs.syncs
+        assert forward == [
+            handshake,
+            (a2a, torch.uint8, out_bytes + 8 * top_k),  # across: the token's row, k fp32 weights, k int32 ids
+            (a2a, wire, out_bytes),  # inside the node: still encoded
+            (a2a, back, back_bytes),  # the outputs to the intermediate rank
+            (a2a, back, back_bytes),  # their sums home
+        ], forward
+        assert calls[len(forward) :] == [
+            (a2a, back, back_bytes),
+            (a2a, back, back_bytes),
+            (a2a, back, back_bytes),
+            (a2a, torch.uint8, back_bytes + 4 * top_k),  # the rows' gradients with the weights' gradients
+        ], calls
+        assert x.grad is not None and hier.router.weight.grad is not None
 
 
 def _everything_to_node_0(block: MoEBlock, x: torch.Tensor) -> torch.Tensor:
@@ -135,6 +226,12 @@ def _cases(rank: int, world: int) -> None:
     assert flat_bytes == (2 * row * (TOKENS[2] + TOKENS[3]) if rank < 2 else 4 * row * TOKENS[rank])
     _compare(rank, layout, 2, None, (6,) * WORLD, capacity_factor=0.5)  # flat capacity: equal tokens per rank
     _compare(rank, layout, 3, None, score="sigmoid", num_groups=4, topk_groups=2)
+    # Both payloads: the tokens are encoded once at home and stay encoded across the intermediate hop, so they reach
+    # the experts as the flat dispatch's do (sums come back in fp32 here: the combine's rounding is not compared).
+    for dispatch in ("bf16", "fp8"):
+        _compare(rank, layout, 6, None, payload=DispatchPayload(dispatch, combine="fp32"))
+        _compare(rank, layout, 7, None, payload=DispatchPayload(dispatch), rtol=2e-2)  # bf16 sums and gradients
+    _check_counts(rank)
     # Node-limited routing: top-4 of 8 experts within 1 of the 2 nodes' groups.
     flat_bytes, hier_bytes = (_total(b) for b in _compare(rank, layout, 4, None, num_groups=2, topk_groups=1))
     if rank == 0:
@@ -293,10 +390,11 @@ def test_plan_cli_counts_equal_random_routing(capsys: pytest.CaptureFixture[str]
     node = experts // 4  # tokens on node 0: 4 experts a node
     assert nodes.remote_pairs == pytest.approx((node == 1).sum(dim=1).float().mean().item(), abs=0.02)
     assert nodes.remote_nodes == pytest.approx((node == 1).any(dim=1).float().mean().item(), abs=0.02)
-    # bf16 rows of 128 values: 4 exchanges a row, plus 8 * k bytes of weights and ids forward and backward.
+    # bf16 rows of 128 values: 4 exchanges a row, plus 8 * k bytes of weights and ids forward, 4 * k of the weights'
+    # gradients backward.
     row = 4 * 2 * 128
     assert nodes.flat_per_token == pytest.approx(nodes.remote_pairs * row)
-    assert nodes.hierarchical_per_token == pytest.approx(nodes.remote_nodes * (row + 2 * 8 * 2))
+    assert nodes.hierarchical_per_token == pytest.approx(nodes.remote_nodes * (row + 12 * 2))
     assert nodes.flat_per_step == pytest.approx(nodes.flat_per_token * 16 * 4)  # 16 tokens, 4 MoE layers
     with pytest.raises(ConfigError, match="does not align"):
         inter_node_bytes(RoutingConfig(top_k=2, num_groups=3, topk_groups=1), 6, 8, ep=4, gpus_per_node=2,

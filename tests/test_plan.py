@@ -10,7 +10,9 @@ import pytest
 import torch.distributed as dist
 
 from lightning_llmfast import ConfigError
-from lightning_llmfast.plan import formula_plan, main, sharding_plan
+from lightning_llmfast.expert_parallel import DispatchPayload
+from lightning_llmfast.moe import RoutingConfig
+from lightning_llmfast.plan import exchange_overlap, formula_plan, main, sharding_plan
 
 pytest.importorskip("transformers")
 
@@ -135,3 +137,58 @@ def test_plan_communication_equals_what_a_real_gloo_run_moves(
             "all_to_all": plan.all_to_all,
         }, rank  # fmt: skip
     assert plan.all_to_all > 0 and plan.reduce_scatter[0] > 0
+
+
+def test_exchange_overlap_equals_a_hand_computation() -> None:
+    """8 experts, top-2, H = 16, F = 12 on 2 nodes of 2 ranks, 10 tokens a rank, 100 Gbit/s, 2 TFLOP/s."""
+    routing = RoutingConfig(top_k=2)
+    args = {"ep": 4, "gpus_per_node": 2, "tokens_per_rank": 10, "link_gbps": 100.0, "tflops": 2.0}
+    gemm = 10 * 2 * (2 * 16 * 24 + 2 * 12 * 16) / 2e12 * 1e3  # T k pairs, H -> 2F and F -> H, 2 FLOPs a MAC
+    pairs = 2 * 1 / 2  # each of the 2 experts on the other node with probability 1/2
+    reached = 1 - math.comb(4, 2) / math.comb(8, 2)  # P(both experts on this node's 4) = 6/28
+    link = 100e9 / 8 / 1e3  # bytes per millisecond
+    for payload, out, back in ((None, 32, 32), (DispatchPayload("fp8"), 16 + 4, 32)):  # bf16 rows of 16: 32 bytes
+        times = exchange_overlap(routing, 8, 16, 12, payload=payload, **args)
+        assert times.gemm_ms == pytest.approx((gemm, 2 * gemm), rel=1e-12)
+        assert times.flat_ms == pytest.approx((10 * pairs * (out + back) / link, 10 * pairs * 2 * back / link))
+        assert times.hierarchical_ms == pytest.approx(
+            (10 * reached * (out + back + 8 * 2) / link, 10 * reached * (2 * back + 4 * 2) / link), rel=1e-12
+        )
+    # One node: nothing crosses, everything hides.
+    alone = exchange_overlap(routing, 8, 16, 12, **{**args, "gpus_per_node": 4})
+    assert alone.flat_ms == alone.hierarchical_ms == (0.0, 0.0)
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ConfigError, match="link_gbps must be a positive number"):
+            exchange_overlap(routing, 8, 16, 12, **{**args, "link_gbps": bad})
+        with pytest.raises(ConfigError, match="tflops must be a positive number"):
+            exchange_overlap(routing, 8, 16, 12, **{**args, "tflops": bad})
+
+
+def test_plan_cli_prints_the_exchange_against_the_gemms(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_llmfast.models import MoEGPTConfig
+
+    base = ["reference", "--nodes", "2", "--gpus-per-node", "2", "--ep", "4", "--tokens", "16"]
+    plan = main([*base, "--link-gbps", "50", "--tflops", "0.5"])
+    out = capsys.readouterr().out
+    assert "exchange_ms" in out and "hierarchical  backward" in out
+    config = MoEGPTConfig()
+    expected = exchange_overlap(
+        RoutingConfig(top_k=config.top_k), config.num_experts, config.hidden_size, config.ffn_size, ep=4,
+        gpus_per_node=2, tokens_per_rank=16, link_gbps=50, tflops=0.5,
+    )  # fmt: skip
+    assert plan.overlap == expected
+    for flags, message in [
+        (["--link-gbps", "0", "--tflops", "1"], "link_gbps must be a positive number"),
+        (["--link-gbps", "nan", "--tflops", "1"], "link_gbps must be a positive number"),
+        (["--link-gbps", "10", "--tflops", "-2"], "tflops must be a positive number"),
+        (["--link-gbps", "10"], "go together"),
+        (["--link-gbps", "fast", "--tflops", "1"], "invalid float value"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main([*base, *flags])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and message in err and "Traceback" not in err, err
+    with pytest.raises(SystemExit):
+        main(["reference", "--world", "4", "--ep", "2", "--link-gbps", "10", "--tflops", "1"])  # no --nodes
+    assert "go together" in capsys.readouterr().err
+    assert not dist.is_initialized()

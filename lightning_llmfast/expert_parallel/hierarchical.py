@@ -6,24 +6,26 @@ The ``W`` ranks of the expert-parallel group sit on ``N`` nodes of ``L`` ranks e
 ``n * L * E_l`` on. :func:`node_groups` makes two families of sub-groups of the group: the *inter-node* groups (the
 ranks of one local index ``l``, one per node) and the *intra-node* groups (the ranks of one node).
 
-:class:`HierarchicalDispatcher` composes two flat dispatches (:class:`AllToAllDroplessDispatcher`), one per level:
+:class:`HierarchicalDispatcher` moves a token in two hops:
 
 1. Across nodes: each token's kept pairs are keyed by the node of their expert and the first pair of every
-   (token, node) is kept: a routing plan over ``N`` "experts", the nodes. The flat dispatch of that plan over the
-   inter-node group sends every token once to the rank of its own local index on each destination node, and the
-   token's ``k`` combine weights and expert ids travel with it on the same splits (the weights are differentiable:
-   their gradients come back the same way).
-2. Inside the node: the received rows, with the pairs whose expert is on this node, make a routing plan over the
-   node's experts; the flat dispatch of that plan over the intra-node group brings them to their experts, and its
-   combine weights and sums each row's outputs there.
-3. The combine of step 1 sends each (token, node) sum back across the boundary and adds them up at home.
+   (token, node) is kept. The token's row goes once to the rank of its own local index on each destination node
+   (over the inter-node group), encoded in the dispatch payload, with its ``k`` fp32 combine weights and ``k`` int32
+   expert ids appended to the same row (one exchange; the weights' gradients come back appended to the rows'
+   gradients).
+2. Inside the node: the intermediate rank gathers the arrived rows, still encoded (fp8 is decoded only by the
+   expert's rank), once per pair whose expert is on this node, and sends them to the experts' ranks over the
+   intra-node group.
+3. The combine weights and sums each token's outputs on the intermediate rank, sends the one sum per (token, node)
+   back across the boundary and adds them up at home.
 
-Outputs and gradients equal the flat dispatch's up to the order of the float sums (a token's outputs are summed per
-node, then over the nodes). Every dispatch reads split sizes on the host twice (one read per level, each one
-:attr:`AllToAllDispatcher.host_syncs` counts), with or without a capacity limit: the drops of a capacity plan are
-honoured (dropped pairs never leave home) but the splits are not fixed. A quantized payload is applied at each level
-(tokens are encoded before the node hop and again before the hop inside the node; sums come back in the combine
-payload from each level), so its rounding error can add up twice.
+Before the hops, one all-to-all over the whole group gives every rank every rank's pairs per expert, tokens per node,
+valid tokens and signature: the split sizes of both hops (one host read per layer and forward, which
+:attr:`AllToAllDispatcher.host_syncs` counts) and the batch-wide counts of the balance loss (no all-reduce). A
+forward runs five all-to-alls (the handshake, two hops out, two back), a backward four. Outputs and gradients equal
+the flat dispatch's up to the order of the float sums (a token's outputs are summed per node, then over the nodes);
+the tokens are encoded once, as the flat dispatch encodes them. With a capacity limit the plan's drops are honoured
+(dropped pairs never leave home) but the splits are not fixed.
 
 Example::
 
@@ -39,22 +41,19 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_llmfast.errors import ConfigError
-from lightning_llmfast.expert_parallel.dispatchers import (
-    AllToAllDispatcher,
-    AllToAllDroplessDispatcher,
-    global_aux_loss,
-)
-from lightning_llmfast.expert_parallel.exchange import masked_gather
-from lightning_llmfast.expert_parallel.payload import DispatchPayload, exchange
+from lightning_llmfast.expert_parallel.dispatchers import AllToAllDispatcher, AllToAllDroplessDispatcher
+from lightning_llmfast.expert_parallel.exchange import masked_gather, stage_to_device
+from lightning_llmfast.expert_parallel.payload import DispatchPayload, _decode, _encode, exchange, wire_row_bytes
 from lightning_llmfast.moe.config import RoutingConfig
 from lightning_llmfast.moe.dispatcher import ExpertRows
 from lightning_llmfast.moe.kernels import resolve_backend
 from lightning_llmfast.moe.kernels.plan import routing_plan
 from lightning_llmfast.moe.routing import RoutingPlan
-from lightning_llmfast.moe.token_rows import permute
+from lightning_llmfast.moe.token_rows import permute, plan_indices, unpermute
 
 __all__ = ["HierarchicalDispatcher", "NodeGroups", "check_node_limited", "group_nodes", "node_groups"]
 
@@ -163,11 +162,115 @@ def check_node_limited(routing: RoutingConfig, num_experts: int, num_nodes: int,
         )
 
 
-class _Levels(NamedTuple):
-    """The contexts of a hierarchical dispatch: the across-nodes and the inside-the-node flat dispatches."""
+class _Splits(NamedTuple):
+    """Rows one dispatch sends and receives per rank of each sub-group (read on the host once, combine reversed).
 
-    across: Any
-    within: Any
+    Attributes:
+        across_send: token rows to each node (inter-group rank), this rank's tokens once per node.
+        across_recv: token rows from each node.
+        within_send: pair rows to each rank of this node (intra-group rank), from the rows that arrived across.
+        within_recv: pair rows from each rank of this node.
+    """
+
+    across_send: list[int]
+    across_recv: list[int]
+    within_send: list[int]
+    within_recv: list[int]
+
+
+class _Route:
+    """What the two hops of one dispatch share between their forward and backward (no autograd state).
+
+    Attributes:
+        splits: the hops' split sizes.
+        inter, intra: the sub-groups of the hops.
+        payload: the wire of the tokens (forward) and of the outputs and gradients.
+        first_expert: the first expert of this rank's node; ``per_node``: experts a node holds.
+        backend: the permutations' kernels.
+        inside: the plan of the pairs inside the node, set by the forward of the hops (the combine needs it).
+    """
+
+    def __init__(self, dispatcher: HierarchicalDispatcher, splits: _Splits, backend: str) -> None:
+        self.splits, self.payload, self.backend = splits, dispatcher.payload, backend
+        self.inter, self.intra = dispatcher.node_layout.inter, dispatcher.node_layout.intra
+        self.per_node = dispatcher.num_experts // dispatcher.node_layout.num_nodes
+        self.first_expert = dispatcher.node * self.per_node
+        self.inside: RoutingPlan | None = None
+
+    def plan_inside(self, weights: Tensor, codes: Tensor) -> RoutingPlan:
+        """The arrived rows' pairs on this node keyed by the node's expert index (the rest left out)."""
+        local = codes.long() - self.first_expert
+        on_node = (local >= 0) & (local < self.per_node)
+        return _keyed_plan(torch.where(on_node, local, self.per_node), weights, self.per_node, self.backend)
+
+
+def _as_bytes(rows: Tensor) -> Tensor:
+    """``(R, C)`` rows of any dtype as their ``(R, C * itemsize)`` bytes."""
+    return rows.contiguous().view(torch.uint8)
+
+
+def _wire_dtype(wire: str | None, dtype: torch.dtype) -> torch.dtype:
+    """The element type :func:`~lightning_llmfast.expert_parallel.payload.exchange` puts a ``wire`` row in."""
+    return {"fp8": torch.uint8, "bf16": torch.bfloat16}.get(wire or "", dtype)
+
+
+def _split_bytes(packed: Tensor, width: int, wire_dtype: torch.dtype, *riders: torch.dtype) -> list[Tensor]:
+    """Cut packed byte rows into the wire rows (``width`` bytes) and ``k``-wide rider columns of ``riders``' types."""
+    top_k = (packed.shape[1] - width) // (4 * len(riders))
+    parts = packed.split([width, *(4 * top_k for _ in riders)], dim=1)
+    return [part.contiguous().view(kind) for part, kind in zip(parts, (wire_dtype, *riders), strict=True)]
+
+
+def _swap(rows: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> Tensor:
+    """One all-to-all of rows already on the wire (called inside :class:`_TwoHops`, where autograd is off)."""
+    return exchange(rows, out_splits, in_splits, group, wire=None, grad_wire=None)
+
+
+class _TwoHops(torch.autograd.Function):
+    """The tokens' way out: across the nodes with their weights and expert ids, then inside the node, never decoded
+    in between.
+
+    Forward: the rows are encoded once (``payload.dispatch``) and travel across as bytes with the ``k`` fp32 weights
+    and ``k`` int32 expert ids of their token appended (one exchange); the intermediate rank gathers the encoded rows
+    into its node's pairs (a row once per expert of its token on the node) and sends them on; the expert's rank
+    decodes. Backward: the rows' gradients come back inside the node (``payload.combine``), are summed per arrived
+    row, and cross back with the weights' gradients appended (fp32), in one exchange per hop again.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor, weights: Tensor, codes: Tensor, route: _Route) -> tuple[Tensor, Tensor]:
+        splits, wire = route.splits, route.payload.dispatch
+        ctx.route, ctx.dtype = route, rows.dtype
+        packed = torch.cat([_as_bytes(_encode(rows, wire)), _as_bytes(weights), _as_bytes(codes)], dim=1)
+        arrived = _swap(packed, splits.across_recv, splits.across_send, route.inter)
+        width = wire_row_bytes(wire, rows.shape[1], rows.dtype)
+        tokens, weights, codes = _split_bytes(arrived, width, _wire_dtype(wire, rows.dtype), torch.float32, torch.int32)
+        route.inside = route.plan_inside(weights, codes)
+        pairs = tokens.index_select(0, plan_indices(route.inside).tokens[: sum(splits.within_send)])
+        return _decode(_swap(pairs, splits.within_recv, splits.within_send, route.intra), wire, rows.dtype), weights
+
+    @staticmethod
+    def backward(ctx: Any, grad_rows: Tensor, grad_weights: Tensor) -> tuple[Tensor, Tensor, None, None]:
+        route, dtype = ctx.route, ctx.dtype
+        splits, wire, inside = route.splits, route.payload.combine, route.inside
+        assert inside is not None
+        back = _swap(_encode(grad_rows, wire), splits.within_send, splits.within_recv, route.intra)
+        back = F.pad(_decode(back, wire, dtype), (0, 0, 0, inside.num_rows - back.shape[0]))
+        summed = unpermute(back, inside._replace(weights=torch.ones_like(inside.weights)), backend=route.backend)
+        packed = torch.cat([_as_bytes(_encode(summed, wire)), _as_bytes(grad_weights.float())], dim=1)
+        home = _swap(packed, splits.across_send, splits.across_recv, route.inter)
+        width = wire_row_bytes(wire, grad_rows.shape[1], dtype)
+        grad_home, grad_weights = _split_bytes(home, width, _wire_dtype(wire, dtype), torch.float32)
+        return _decode(grad_home, wire, dtype), grad_weights, None, None
+
+
+class _Combine(NamedTuple):
+    """What the combine needs: the plans of both hops, the expert-major row maps and the split sizes."""
+
+    across: RoutingPlan
+    inside: RoutingPlan
+    maps: tuple[Tensor, Tensor]
+    splits: _Splits
 
 
 class HierarchicalDispatcher(AllToAllDispatcher):
@@ -182,10 +285,10 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         payload: what the exchanges put on the wire, at both levels.
 
     Attributes:
-        across: the flat dispatch between the nodes (over ``groups.inter``, the nodes as its experts).
-        within: the flat dispatch inside the node (over ``groups.intra``, the node's experts).
-        traffic: the bytes both levels have sent so far (the weights and expert ids that cross with the tokens
-            included): across the boundary only in :attr:`across`, inside the node only in :attr:`within`.
+        node_layout: ``groups``.
+        node: this rank's node; ``local_index``: its rank inside the node.
+        traffic: the bytes both hops have sent so far (the weights and expert ids that cross with the tokens
+            included): across the boundary by the hop between the nodes, inside the node by the other.
 
     Raises:
         ConfigError: ``groups`` is not a layout of ``group`` with this rank at its place.
@@ -212,54 +315,106 @@ class HierarchicalDispatcher(AllToAllDispatcher):
                 f"rank {self.rank} of an expert-parallel group of {self.world} ranks on {num_nodes} nodes has rank "
                 f"{place} in the (inter, intra)-node groups it was given: they are not this group's"
             )
-        self.across = AllToAllDroplessDispatcher(
-            groups.inter, num_nodes, loss_group, backend, payload, nodes=range(num_nodes)
-        )
-        self.within = AllToAllDroplessDispatcher(groups.intra, num_experts // num_nodes, loss_group, backend, payload)
-        self.across.traffic = self.within.traffic = self.traffic
+        self.node_layout = groups
+        self.node, self.local_index = place
 
     def dispatch(self, x: Tensor, plan: RoutingPlan, *, x_compute: Tensor | None = None) -> tuple[ExpertRows, Any]:
         source = self._start(x, plan, x_compute)
         backend = resolve_backend(self.backend, source.device)
-        num_nodes, top_k = self.across.num_experts, plan.top_k
-        per_node = self.within.num_experts
-        # Across: each token's kept pairs keyed by their expert's node, the first one of every node kept.
-        node = plan.expert_ids.long() // per_node
+        across, codes = self._across_plan(plan, backend)
+        splits, by_source = self._handshake(plan, across, self._signature(source))
+        self._count_hops(splits, source, plan.top_k)
+        sent = sum(splits.across_send)
+        rows = permute(source, across, backend=backend)[:sent]
+        weights = permute(plan.weights.float(), across, backend=backend)[:sent]
+        codes = codes.index_select(0, plan_indices(across).tokens[:sent])
+        route = _Route(self, splits, backend)
+        received, weights = _TwoHops.apply(rows, weights, codes, route)
+        assert route.inside is not None
+        # Received rows are grouped by (rank of the node, local expert); the grouped GEMM wants (local expert, rank).
+        order, inverse = AllToAllDroplessDispatcher._expert_major(by_source, received.shape[0])
+        grouped = masked_gather(received, order, None, inverse, None)
+        offsets = F.pad(by_source.sum(dim=0).cumsum(0), (1, 0)).to(torch.int32)
+        ctx = _Combine(across, route.inside._replace(weights=weights), (inverse, order), splits)
+        return ExpertRows(grouped, offsets, False, self._backend(grouped)), ctx
+
+    def combine(self, rows: Tensor, ctx: _Combine) -> Tensor:
+        """Weight and sum each token's outputs inside each node, send the sums home and add them up: ``(T, H)``."""
+        inverse, order = ctx.maps
+        splits, wire, backend = ctx.splits, self.payload.combine, self._backend(rows)
+        layout = self.node_layout
+        back = masked_gather(rows, inverse, None, order, None)
+        back = exchange(back, splits.within_send, splits.within_recv, layout.intra, wire=wire, grad_wire=wire)
+        summed = unpermute(F.pad(back, (0, 0, 0, ctx.inside.num_rows - back.shape[0])), ctx.inside, backend=backend)
+        home = exchange(summed, splits.across_send, splits.across_recv, layout.inter, wire=wire, grad_wire=wire)
+        return unpermute(F.pad(home, (0, 0, 0, ctx.across.num_rows - home.shape[0])), ctx.across, backend=backend)
+
+    def _across_plan(self, plan: RoutingPlan, backend: str) -> tuple[RoutingPlan, Tensor]:
+        """The plan of the hop across: each token's kept pairs keyed by their expert's node, the first of every node
+        kept (unweighted: the home sum over the nodes); and the ``(T, k)`` int32 expert ids (-1: dropped, masked)."""
+        num_nodes, top_k = self.node_layout.num_nodes, plan.top_k
+        node = plan.expert_ids.long() // (self.num_experts // num_nodes)
         valid = plan.kept if plan.padded else torch.ones_like(node, dtype=torch.bool)
         earlier = torch.ones(top_k, top_k, dtype=torch.bool, device=node.device).tril(-1)  # [s, s'] for s' < s
         repeated = (node.unsqueeze(2) == node.unsqueeze(1)) & earlier & valid.unsqueeze(1)
         first = valid & ~repeated.any(dim=2)
-        ones = torch.ones_like(plan.weights, dtype=torch.float32)  # the home sum over the nodes, unweighted
-        node_plan = _keyed_plan(torch.where(first, node, num_nodes), ones, num_nodes, backend)
-        sent, across = self.across.dispatch(source, node_plan)
-        # The token's weights and expert ids ride on the same splits: ids as float32 (exact below 2**24), -1 where a
-        # pair was dropped or masked.
-        ids = torch.where(valid, plan.expert_ids.long(), -1).to(torch.float32)
-        riders = permute(torch.cat([plan.weights.float(), ids], dim=1), node_plan, backend=backend)
-        inverse, order = across.maps
-        arrived = exchange(
-            riders[: self.across.send_rows], across.out_splits, across.in_splits, self.across.group, wire=None,
-            grad_wire=None,
-        )  # fmt: skip
-        arrived = masked_gather(arrived, order, None, inverse, None)
-        self.traffic.add(self.across.nodes, self.across.rank, across.in_splits, riders.shape[1] * riders.itemsize)
-        weights, ids = arrived.split(top_k, dim=1)
-        # Within: the pairs of the arrived rows whose expert is on this node, keyed by the node's expert index.
-        local = ids.detach().long() - self.across.rank * per_node
-        on_node = (local >= 0) & (local < per_node)
-        expert_plan = _keyed_plan(torch.where(on_node, local, per_node), weights, per_node, backend)
-        rows, within = self.within.dispatch(sent.rows, expert_plan)
-        self.host_syncs = self.across.host_syncs + self.within.host_syncs
-        self.send_rows, self.recv_rows = self.across.send_rows, self.within.recv_rows
-        return rows, _Levels(across, within)
+        ones = torch.ones_like(plan.weights, dtype=torch.float32)
+        across = _keyed_plan(torch.where(first, node, num_nodes), ones, num_nodes, backend)
+        return across, torch.where(valid, plan.expert_ids, -1).to(torch.int32)
 
-    def combine(self, rows: Tensor, ctx: _Levels) -> Tensor:
-        """Weight and sum each token's outputs inside each node, send the sums home and add them up: ``(T, H)``."""
-        return self.across.combine(self.within.combine(rows, ctx.within), ctx.across)
+    def _handshake(self, plan: RoutingPlan, across: RoutingPlan, signature: list[int]) -> tuple[_Splits, Tensor]:
+        """Every rank's pairs per expert (with a capacity limit, also before it: the balance loss counts those),
+        tokens per node, valid tokens and signature to every rank of the group: one all-to-all and the one host read
+        of the dispatch. Sets :attr:`global_stats` (the balance loss's counts).
 
-    def batch_aux_loss(self, plan: RoutingPlan) -> Tensor:
-        """This rank's share of the balance loss of the whole batch over ``loss_group`` (one all-reduce)."""
-        return global_aux_loss(plan, self.loss_group)
+        Returns:
+            The split sizes of both hops, and ``(L, E_l)`` the rows this rank receives from each rank of its node per
+            local expert (on the device).
+        """
+        num_nodes, per_node = self.node_layout.num_nodes, self.node_layout.ranks_per_node
+        num_experts, world = self.num_experts, self.world
+        counts = [plan.tokens_per_expert.to(torch.int64)]
+        if plan.capacity is not None and plan.routed_per_expert is not None:  # the loss counts the dropped pairs too
+            counts.append(plan.routed_per_expert.to(torch.int64))
+        to_nodes = across.tokens_per_expert.to(torch.int64)
+        header = stage_to_device([plan.num_tokens, *signature], to_nodes.device)  # pinned, non-blocking
+        if plan.token_mask is not None:  # padding counts in no loss: the valid tokens, counted on the device
+            header = torch.cat([plan.token_mask.sum(dtype=torch.int64).view(1), header[1:]])
+        send = torch.cat([*counts, to_nodes, header]).expand(world, -1).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        # pairs[n, l, m, l', e]: rank (n, l)'s pairs for the e-th expert of rank (m, l').
+        pairs = recv[:, :num_experts].view(num_nodes, per_node, num_nodes, per_node, self.num_local)
+        node, mine, start = self.node, self.local_index, len(counts) * num_experts
+        from_nodes = recv[:, start : start + num_nodes].view(num_nodes, per_node, num_nodes)
+        by_source = pairs[:, :, node, mine].sum(dim=0)
+        onward = pairs[:, mine, node].sum(dim=(0, 2))
+        tail = start + num_nodes + 1
+        # NOTE: host sync, the one of the hierarchical dispatch (once per layer and forward; the combine and the
+        # backward reuse these splits).
+        host = torch.cat([to_nodes, from_nodes[:, mine, node], onward, by_source.sum(dim=1), recv[:, tail:].flatten()])
+        host = host.tolist()
+        self.host_syncs += 1
+        cut = [num_nodes, 2 * num_nodes, 2 * num_nodes + per_node, 2 * num_nodes + 2 * per_node]
+        width = len(signature)
+        received = [host[cut[3] + width * i : cut[3] + width * (i + 1)] for i in range(world)]
+        if any(r != signature for r in received):
+            self._raise_disagreement("dtype, hidden size or dispatch payload", received)
+        self.global_stats = torch.cat([recv[:, start - num_experts : start], recv[:, tail - 1 : tail]], 1).sum(0)
+        splits = _Splits(host[: cut[0]], host[cut[0] : cut[1]], host[cut[1] : cut[2]], host[cut[2] : cut[3]])
+        self.send_rows, self.recv_rows = sum(splits.across_send), sum(splits.within_recv)
+        return splits, by_source
+
+    def _count_hops(self, splits: _Splits, rows: Tensor, top_k: int) -> None:
+        """Add a forward's bytes to :attr:`traffic`: across the boundary the hop between the nodes (the token rows
+        with ``8 k`` bytes of weights and expert ids, the sums back), inside the node the other hop."""
+        hidden, dtype, payload = rows.shape[1], rows.dtype, self.payload
+        out, back = wire_row_bytes(payload.dispatch, hidden, dtype), wire_row_bytes(payload.combine, hidden, dtype)
+        across, inside = range(self.node_layout.num_nodes), (0,) * self.node_layout.ranks_per_node
+        self.traffic.add(across, self.node, splits.across_send, out + 8 * top_k)
+        self.traffic.add(across, self.node, splits.across_recv, back)
+        self.traffic.add(inside, self.local_index, splits.within_send, out)
+        self.traffic.add(inside, self.local_index, splits.within_recv, back)
 
 
 def _keyed_plan(keys: Tensor, weights: Tensor, num_experts: int, backend: str) -> RoutingPlan:
