@@ -18,12 +18,14 @@ Two dispatchers, chosen by the block's routing config:
   payload) is checked on every rank with that read, so ranks that disagree raise
   :class:`~lightning_llmfast.errors.RoutingError` instead of hanging.
 - :class:`AllToAllCapacityDispatcher` (``capacity_factor`` set): every rank sends exactly ``capacity`` rows per
-  expert (zeros pad the free slots), so both exchanges have fixed, equal splits and nothing is read on the host.
+  expert (zeros pad the free slots), so both exchanges have fixed, equal splits.
   The capacity rule is the plan's, per source rank: ``C = ceil(cf * T_r * k / E)`` from that rank's own ``T_r``
   tokens, and that rank's plan drops exactly the pairs the one-process block drops on those tokens (the plan is
   computed before any exchange). The holder runs its experts over all ``W * C`` slots; zero rows give zero outputs
-  and gradients. The sizes are checked collectively (one host read) on the first forward and whenever a rank's own
-  sizes change.
+  and gradients. Every forward all-gathers every rank's sizes with the balance loss's counts (replacing the loss's
+  all-reduce) and reads them on the host once, on every rank: a rank whose sizes differ makes every rank raise
+  :class:`~lightning_llmfast.errors.RoutingError` before the exchange (checking only where a rank's own sizes
+  changed would send the ranks into different collectives, and hang them).
 
 Every exchange is differentiable: the backward of an all-to-all is the reverse all-to-all.
 
