@@ -1,20 +1,26 @@
 """Every expert-parallel rank enters the same collectives whatever its local sizes: a size disagreement planted on one
 rank after a steady step makes every rank raise ``RoutingError`` (2 gloo processes, a timeout on every collective and
-on the join), and the capacity dispatcher's collectives per step are counted."""
+on the join), and the capacity dispatcher's collectives per step are counted; the strategy creates its process
+groups once, however many fits and validates it runs, and refuses hierarchical dispatch on one node."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 from _distributed import run_distributed
+from torch.utils.data import DataLoader
 
-from lightning_llmfast.errors import RoutingError
+from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule
+from lightning_llmfast.data import pack_documents
+from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.expert_parallel import shard_experts
 from lightning_llmfast.moe import MoEBlock, MoEConfig
 
@@ -79,3 +85,54 @@ def _planted(rank: int, world: int) -> None:
 
 def test_planted_size_disagreement_raises_on_every_rank() -> None:
     run_distributed(_planted, 2, timeout=90)
+
+
+def _trainer(strategy: LLMFastStrategy, nodes: int, steps: int) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu", devices=2 // nodes, num_nodes=nodes, strategy=strategy, max_steps=steps,
+        use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+
+
+def _groups() -> int:
+    """Process groups this rank belongs to (the default one included)."""
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def _setups(rank: int, world: int) -> None:
+    # Lightning joins the process group run_distributed created (LightningEnvironment reads these).
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    torch.manual_seed(0)
+    config = MoEGPTConfig(
+        vocab_size=64, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_size=16, num_experts=4,
+        router_backend="torch",
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(rank)
+    data = DataLoader([next(pack_documents([torch.randint(0, 64, (8,), generator=g)], 8, 1))], batch_size=None)
+    # Two nodes of one process: hierarchical dispatch; then FSDP2 x EP on one node. A fit, two validates and a second
+    # fit of the same module on the same strategy: every process group exists after the first fit already.
+    for sharding, dispatch, nodes in (("ddp", "hierarchical", 2), ("fsdp", "flat", 1)):
+        os.environ.update(LOCAL_RANK=str(rank % (2 // nodes)), NODE_RANK=str(rank // (2 // nodes)))
+        module = MoEGPTLightningModule(config, lr=1e-2, warmup_steps=1)
+        strategy = LLMFastStrategy(sharding=sharding, expert_parallel_size=2, ep_dispatch=dispatch,
+                                   process_group_backend="gloo")  # fmt: skip
+        _trainer(strategy, nodes, 1).fit(module, data, data)
+        groups, mesh = _groups(), strategy.device_mesh
+        trainer = module.trainer
+        trainer.validate(module, data)
+        trainer.validate(module, data)
+        trainer.fit_loop.epoch_loop.max_steps = 2  # one more step
+        trainer.fit(module, data, data)
+        assert _groups() == groups and strategy.device_mesh is mesh, (sharding, _groups(), groups)
+    # Hierarchical dispatch on one node (nothing crosses a node boundary) is refused on every rank, before any group.
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    strategy = LLMFastStrategy(expert_parallel_size=2, ep_dispatch="hierarchical", process_group_backend="gloo")
+    groups = _groups()
+    with pytest.raises(ConfigError, match="spans several nodes"):
+        _trainer(strategy, 1, 1).fit(MoEGPTLightningModule(config), data)
+    assert _groups() == groups + 1  # the new strategy's mesh only
+
+
+def test_repeated_fit_and_validate_create_no_process_groups() -> None:
+    run_distributed(_setups, 2, timeout=300)
