@@ -29,6 +29,7 @@ from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.expert_parallel import (
     DispatchPayload,
     HierarchicalDispatcher,
+    NodeGroups,
     node_groups,
     set_ep_dispatch,
     shard_experts,
@@ -237,13 +238,14 @@ def _cases(rank: int, world: int) -> None:
     if rank == 0:
         print(f"node-limited, all ranks: inter-node bytes {flat_bytes} flat, {hier_bytes} hierarchical")
     assert 0 < hier_bytes <= flat_bytes // 2, (flat_bytes, hier_bytes)
-    # One node of 4 ranks (nothing crosses), and 4 nodes of one rank (nothing stays inside a node).
-    for per_node in (4, 1):
-        other = node_groups(dist.group.WORLD, per_node, timeout=COLLECTIVE_TIMEOUT)
-        assert other.num_nodes == WORLD // per_node
-        flat_bytes, hier_bytes = _compare(rank, other, 5, None)
-        if per_node == 4:  # (with one rank a node, 16 values a row do not pay for the 32 bytes of weights and ids)
-            assert flat_bytes == hier_bytes == 0
+    # 4 nodes of one rank (nothing stays inside a node; 16 values a row do not pay for the 32 bytes of weights and
+    # ids). One node of 4 ranks (nothing crosses) is refused, before any collective.
+    other = node_groups(dist.group.WORLD, 1, timeout=COLLECTIVE_TIMEOUT)
+    assert other.num_nodes == WORLD
+    _compare(rank, other, 5, None)
+    one_node = NodeGroups((0,) * WORLD, dist.group.WORLD, dist.group.WORLD)
+    with pytest.raises(ConfigError, match="spans several nodes"):
+        _pair(one_node)
     # Groups that straddle the nodes bound nothing: refused.
     torch.manual_seed(0)
     block = MoEBlock(MoEConfig.build(HIDDEN, 12, 8, 4, backend="torch", num_groups=1, topk_groups=1))
@@ -252,6 +254,8 @@ def _cases(rank: int, world: int) -> None:
     shard_experts(block, dist.group.WORLD)
     with pytest.raises(ConfigError, match="does not align"):  # the strategy's path, at setup
         set_ep_dispatch(block, "hierarchical", PER_NODE, timeout=COLLECTIVE_TIMEOUT)
+    with pytest.raises(ConfigError, match="spans several nodes"):
+        set_ep_dispatch(block, "hierarchical", WORLD)
     # An already sharded block switched to hierarchical (the strategy's path) keeps its experts and equals flat.
     flat, switched = _pair(layout)
     assert set_ep_dispatch(switched, "flat", PER_NODE) is None

@@ -53,14 +53,12 @@ LAYERS: dict[str, int] = {
     "datamodules": 4,
     "package": 5,
     "cli": 5,
-    "compat": 5,
     "bench": 5,
 }
 LAYER_NAMES = ("core", "plain PyTorch", "expert parallel", "parallel", "Lightning layer", "entry points and bench")
 LIGHTNING_LAYER = 4
 
-# Modules at the package root, by room: the core helpers, the CLI entry points (``python -m lightning_llmfast.X``)
-# and the import paths kept for users after their modules moved into rooms (a few re-export lines each).
+# Modules at the package root, by room: the core helpers and the CLI entry points (``python -m lightning_llmfast.X``).
 ROOT_MODULES: dict[str, str] = {
     "errors": "core",
     "_checks": "core",
@@ -74,10 +72,6 @@ ROOT_MODULES: dict[str, str] = {
     "prepare": "cli",
     "export": "cli",
     "tune": "cli",
-    "datamodule": "compat",
-    "mixin": "compat",
-    "losses": "compat",
-    "integrity": "compat",
 }
 
 # The runtime never imports these (the baselines benchmarks compare against).
@@ -377,12 +371,10 @@ def test_no_room_below_the_lightning_layer_imports_lightning() -> None:
     assert offending == []
 
 
-def test_compat_names_stay_lazy_and_nothing_imports_a_compat_module() -> None:
+def test_compat_names_stay_lazy() -> None:
     lazy = {(e.source, e.target) for e in HOUSE.package_edges() if e.lazy}
     statements = {(e.source, e.target) for e in HOUSE.package_edges() if not e.lazy}
     assert lazy >= COMPAT_LAZY_NAMES and not statements & COMPAT_LAZY_NAMES
-    compat = {m for m in HOUSE.modules if m.count(".") == 1 and ROOT_MODULES.get(m.split(".")[1]) == "compat"}
-    assert not [e for e in HOUSE.package_edges() if e.target in compat], "import the new home, not the kept path"
 
 
 _IMPORT_SCRIPT = """

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -24,12 +25,13 @@ from lightning_llmfast.errors import DataError
 __all__ = ["PositionedDataModule", "PositionedLoader"]
 
 _STATE_VERSION = 1
+_DISTRIBUTED_WORKERS = "forkserver"  # the DataLoader workers' start method once a process group is initialised
 
 
 class PositionedLoader(DataLoader[PackedBatch]):
     """A ``DataLoader`` that sets its dataset's ``(epoch, start)`` from ``position()`` at every ``iter()``.
 
-    Workers are not persistent: each iteration pickles the dataset with its position into fresh workers.
+    Workers are not persistent: each iteration hands the dataset with its position to fresh workers.
 
     Example::
 
@@ -62,7 +64,8 @@ class PositionedDataModule(LightningDataModule):
     this trainer's rank and world size) and ``_has_split(split)``.
 
     Args:
-        num_workers: ``DataLoader`` worker processes (0 builds batches in the main process).
+        num_workers: ``DataLoader`` worker processes (0 builds batches in the main process); once a process group
+            is initialised they start from a forkserver, never forked from a rank with live communication threads.
         pin_memory: pin batches when training on an accelerator.
 
     Example::
@@ -188,9 +191,15 @@ class PositionedDataModule(LightningDataModule):
         trainer = self.trainer
         # Pinning only pays (and only works) when batches go to an accelerator.
         on_accelerator = trainer.strategy.root_device.type != "cpu" if trainer is not None else True
-        return {
+        kwargs: dict[str, Any] = {
             "batch_size": None,  # the dataset yields whole PackedBatch objects
             "num_workers": self.num_workers,
             "pin_memory": self.pin_memory and on_accelerator and torch.accelerator.is_available(),
             "persistent_workers": persistent and self.num_workers > 0,
         }
+        if self.num_workers > 0 and dist.is_available() and dist.is_initialized():
+            # A worker forked from a rank inherits its process-group threads' locks in whatever state they were
+            # (gloo's, NCCL's) without the threads: it can hang, or abort (exit -6). Workers forked from a forkserver
+            # process, started before any of them, inherit none.
+            kwargs["multiprocessing_context"] = _DISTRIBUTED_WORKERS
+        return kwargs

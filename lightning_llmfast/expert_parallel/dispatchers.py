@@ -100,12 +100,13 @@ class AllToAllDispatcher(TokenDispatcher):
             ``None``: the whole group on one node.
 
     Attributes:
-        host_syncs: host reads of device values so far (dropless: one per forward; capacity: one per size change).
+        host_syncs: host reads of device values so far (one per forward: the exchanged split sizes, or with a
+            capacity limit the gathered sizes every rank checks).
         send_rows: rows this rank sent in the last forward's dispatch exchange (its combine sends back what it
             received; each backward exchange mirrors a forward one).
         recv_rows: rows this rank received in the last forward's dispatch exchange.
-        global_stats: dropless: ``(E + 1,)`` int64 pairs per expert and tokens of the last forward, summed over the
-            group (device tensor); ``None`` with a capacity limit.
+        global_stats: ``(E + 1,)`` int64 valid pairs per expert (before any capacity limit) and valid tokens of the
+            last forward, summed over the group (device tensor).
         traffic: the bytes this rank's forward exchanges (dispatch and combine) have sent so far, inside its node
             and across (:class:`NodeTraffic`; the backward's exchanges mirror them, in the gradients' payload).
     """
@@ -137,7 +138,7 @@ class AllToAllDispatcher(TokenDispatcher):
         self.send_rows = 0
         self.recv_rows = 0
         self.global_stats: Tensor | None = None
-        self._checked_sizes: tuple[int, ...] | None = None
+        self._sizes: tuple[int, ...] | None = None
         self._static: dict[tuple[Any, ...], Tensor] = {}
 
     @property
@@ -274,7 +275,11 @@ class AllToAllDroplessDispatcher(AllToAllDispatcher):
 
 
 class AllToAllCapacityDispatcher(AllToAllDispatcher):
-    """Capacity-limited expert parallelism: fixed, equal splits of ``capacity`` rows per expert; no host read.
+    """Capacity-limited expert parallelism: fixed, equal splits of ``capacity`` rows per expert.
+
+    One all-gather per forward of every rank's sizes (tokens, capacity, dtype, hidden size, payload) with the balance
+    loss's counts, read on the host once: ranks that disagree all raise :class:`~lightning_llmfast.errors.RoutingError`
+    before the token exchange, and the loss needs no all-reduce of its own.
 
     Example::
 
@@ -287,9 +292,13 @@ class AllToAllCapacityDispatcher(AllToAllDispatcher):
         if capacity is None:
             raise RoutingError("AllToAllCapacityDispatcher needs a plan with a capacity; use the dropless one")
         world, local = self.world, self.num_local
+        sizes = [plan.num_tokens, capacity, *self._signature(source)]
+        gathered, work = self._gather_sizes(plan, sizes, source.device)
+        # Queued before the host waits: the permutation and the slot maps need no received value.
         rows = permute(source, plan, backend=self.backend)
-        self._check_sizes([plan.num_tokens, capacity, *self._signature(rows)], rows.device)
         slot_src, slot_valid, row_slot, row_valid = self._slot_maps(plan, rows.device)
+        work.wait()
+        self._check_sizes(gathered, sizes, plan.routed_per_expert is not None)
         send = masked_gather(rows, slot_src, slot_valid, row_slot, row_valid)  # (E * C, H)
         self.send_rows = self.recv_rows = send.shape[0]
         self._count_traffic([local * capacity] * world, [local * capacity] * world, send)
@@ -329,20 +338,42 @@ class AllToAllCapacityDispatcher(AllToAllDispatcher):
         row_slot = (expert * capacity + row - offsets[expert]).clamp(0, max(num_experts * capacity - 1, 0))
         return slot_src, slot_valid, row_slot, row_valid
 
-    def _check_sizes(self, sizes: list[int], device: torch.device) -> None:
-        """All ranks agree on ``sizes``: checked collectively when this rank's own sizes change (one host read)."""
-        if tuple(sizes) == self._checked_sizes:
-            return
-        mine = torch.tensor(sizes, dtype=torch.int64, device=comm_device(self.group, device))
-        everyone = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(everyone, mine, group=self.group)
-        # NOTE: host sync, only when this rank's sizes change (the steady state reads nothing).
-        theirs = torch.stack(everyone).tolist()
+    def _gather_sizes(self, plan: RoutingPlan, sizes: list[int], device: torch.device) -> tuple[Tensor, Any]:
+        """Start the all-gather of every rank's ``sizes`` and of its valid pairs per expert and valid tokens (the
+        balance loss's batch-wide counts): ``((W, E + 1 + len(sizes)) int64, work)``.
+
+        Every rank enters it on every forward, whatever its own sizes: a rank that skipped it while another entered
+        it would pair that rank's gather with its own token exchange and hang both.
+        """
+        if tuple(sizes) != self._sizes:
+            self._sizes = tuple(sizes)
+            self._static.clear()  # the size-derived buffers of the old sizes are not needed again
+        comm = comm_device(self.group, device)
+        routed = plan.routed_per_expert
+        if routed is None:  # a plan built without route(): the loss all-reduces its own counts (and refuses)
+            counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=device)
+        else:
+            if plan.token_mask is None:
+                valid = torch.full((1,), plan.num_tokens, dtype=torch.int64, device=device)
+            else:  # padding counts in no loss
+                valid = plan.token_mask.sum(dtype=torch.int64).view(1)
+            counts = torch.cat([routed.to(torch.int64), valid])
+        mine = torch.cat([counts.to(comm), stage_to_device(sizes, comm)])
+        gathered = torch.empty(self.world * mine.numel(), dtype=torch.int64, device=comm)
+        work = dist.all_gather_single(gathered, mine, group=self.group, async_op=True)
+        return gathered.view(self.world, -1), work
+
+    def _check_sizes(self, gathered: Tensor, sizes: list[int], routed: bool) -> None:
+        """Every rank reads every rank's sizes from :meth:`_gather_sizes` (one host read) and raises if any differ;
+        the summed counts become :attr:`global_stats` (the balance loss then needs no all-reduce of its own)."""
+        stats = self.num_experts + 1
+        # NOTE: host sync, the one of capacity-limited expert parallelism (once per layer and forward): every rank
+        # must learn of another rank's change before the token exchange, whose buffers the sizes shape.
+        theirs = gathered[:, stats:].tolist()
         self.host_syncs += 1
         if any(t != sizes for t in theirs):
             self._raise_disagreement("tokens, capacity, dtype, hidden size or dispatch payload", theirs)
-        self._checked_sizes = tuple(sizes)
-        self._static.clear()  # the size-derived buffers of the old sizes are not needed again
+        self.global_stats = gathered[:, :stats].sum(dim=0) if routed else None
 
 
 def global_aux_loss(plan: RoutingPlan, group: dist.ProcessGroup | None = None, stats: Tensor | None = None) -> Tensor:

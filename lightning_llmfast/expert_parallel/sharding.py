@@ -18,12 +18,14 @@ Two dispatchers, chosen by the block's routing config:
   payload) is checked on every rank with that read, so ranks that disagree raise
   :class:`~lightning_llmfast.errors.RoutingError` instead of hanging.
 - :class:`AllToAllCapacityDispatcher` (``capacity_factor`` set): every rank sends exactly ``capacity`` rows per
-  expert (zeros pad the free slots), so both exchanges have fixed, equal splits and nothing is read on the host.
+  expert (zeros pad the free slots), so both exchanges have fixed, equal splits.
   The capacity rule is the plan's, per source rank: ``C = ceil(cf * T_r * k / E)`` from that rank's own ``T_r``
   tokens, and that rank's plan drops exactly the pairs the one-process block drops on those tokens (the plan is
   computed before any exchange). The holder runs its experts over all ``W * C`` slots; zero rows give zero outputs
-  and gradients. The sizes are checked collectively (one host read) on the first forward and whenever a rank's own
-  sizes change.
+  and gradients. Every forward all-gathers every rank's sizes with the balance loss's counts (replacing the loss's
+  all-reduce) and reads them on the host once, on every rank: a rank whose sizes differ makes every rank raise
+  :class:`~lightning_llmfast.errors.RoutingError` before the exchange (checking only where a rank's own sizes
+  changed would send the ranks into different collectives, and hang them).
 
 Every exchange is differentiable: the backward of an all-to-all is the reverse all-to-all.
 
@@ -83,6 +85,7 @@ from lightning_llmfast.expert_parallel.hierarchical import (
     HierarchicalDispatcher,
     NodeGroups,
     check_node_limited,
+    group_nodes,
     node_groups,
 )
 from lightning_llmfast.expert_parallel.payload import DispatchPayload
@@ -192,6 +195,15 @@ def shard_experts(
     return block
 
 
+def _check_spans_nodes(nodes: Sequence[int]) -> None:
+    """Hierarchical dispatch needs a group on several nodes (on one, its node hop would run over one-rank groups)."""
+    if len(set(nodes)) < 2:
+        raise ConfigError(
+            f"ep_dispatch='hierarchical' needs an expert-parallel group that spans several nodes, got one of "
+            f"{len(nodes)} ranks on one node: no token crosses a node boundary, use ep_dispatch='flat'"
+        )
+
+
 def _check_ep_dispatch(ep_dispatch: str) -> None:
     if ep_dispatch not in EP_DISPATCHES:
         raise ConfigError(f"ep_dispatch must be one of {EP_DISPATCHES}, got {ep_dispatch!r}")
@@ -210,6 +222,7 @@ def _dispatcher(
     flat (counting its bytes by ``nodes``), dropless or with the block's capacity limit."""
     routing = block.config.routing
     if hierarchical is not None:
+        _check_spans_nodes(hierarchical.nodes)
         check_node_limited(routing, num_experts, hierarchical.num_nodes, type(block).__qualname__)
         return HierarchicalDispatcher(group, num_experts, hierarchical, loss_group, routing.backend, payload)
     kind = AllToAllDroplessDispatcher if routing.capacity_factor is None else AllToAllCapacityDispatcher
@@ -217,7 +230,12 @@ def _dispatcher(
 
 
 def set_ep_dispatch(
-    module: nn.Module, ep_dispatch: str, ranks_per_node: int, *, timeout: timedelta | None = None
+    module: nn.Module,
+    ep_dispatch: str,
+    ranks_per_node: int,
+    *,
+    timeout: timedelta | None = None,
+    node_layout: NodeGroups | None = None,
 ) -> NodeGroups | None:
     """Give every sharded MoE block of ``module`` the ``ep_dispatch`` dispatcher over its nodes, in place (every rank
     of the world calls it).
@@ -230,18 +248,22 @@ def set_ep_dispatch(
         ep_dispatch: ``"flat"`` or ``"hierarchical"``.
         ranks_per_node: processes per node (global rank ``g`` runs on node ``g // ranks_per_node``).
         timeout: the hierarchical sub-groups' collective timeout (``None``: torch's default).
+        node_layout: hierarchical: the sub-groups an earlier call returned for the same group and nodes, reused (no
+            new process group); ``None``: built here (a collective over the world).
 
     Returns:
         The group's :class:`~lightning_llmfast.expert_parallel.hierarchical.NodeGroups` (hierarchical), else ``None``.
 
     Raises:
         ConfigError: an unknown ``ep_dispatch``, blocks sharded over different groups; hierarchical: the group does
-            not fill whole nodes equally, or group-limited routing whose groups straddle nodes
+            not fill whole nodes equally, lies on one node (nothing crosses a node boundary: use ``"flat"``), a
+            ``node_layout`` of other nodes, or group-limited routing whose groups straddle nodes
             (:func:`~lightning_llmfast.expert_parallel.hierarchical.check_node_limited`).
 
     Example::
 
-        set_ep_dispatch(model, "hierarchical", ranks_per_node=8, timeout=timedelta(minutes=5))
+        layout = set_ep_dispatch(model, "hierarchical", ranks_per_node=8, timeout=timedelta(minutes=5))
+        set_ep_dispatch(model, "hierarchical", ranks_per_node=8, node_layout=layout)  # the next fit: same groups
     """
     _check_ep_dispatch(ep_dispatch)
     blocks = list(sharded_moe_blocks(module))
@@ -251,8 +273,18 @@ def set_ep_dispatch(
     if not groups:
         return None
     group = next(iter(groups.values()))
-    layout = node_groups(group, ranks_per_node, timeout=timeout) if ep_dispatch == "hierarchical" else None
-    nodes = tuple(rank // ranks_per_node for rank in dist.get_process_group_ranks(group))
+    ranks = dist.get_process_group_ranks(group)
+    nodes = tuple(rank // ranks_per_node for rank in ranks)
+    layout = None
+    if ep_dispatch == "hierarchical":  # checked on every rank before the sub-groups' collective
+        placed = group_nodes(ranks, ranks_per_node)
+        _check_spans_nodes(placed)
+        if node_layout is not None and node_layout.nodes != placed:
+            raise ConfigError(
+                f"node_layout places the group on nodes {node_layout.nodes}, {ranks_per_node} "
+                f"processes per node on {placed}"
+            )
+        layout = node_groups(group, ranks_per_node, timeout=timeout) if node_layout is None else node_layout
     for _, block, old in blocks:
         new = _dispatcher(block, group, old.num_experts, old.loss_group, old.payload, layout, nodes)
         block.set_dispatcher(new)

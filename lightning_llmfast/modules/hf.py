@@ -222,7 +222,9 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
             return
         sums = self.trainer.strategy.reduce(torch.stack(self._val_sums).sum(0), reduce_op="sum")
         self._val_sums.clear()
-        self.log("val/ppl", torch.exp(sums[0] / sums[1]), prog_bar=True)
+        # Equal on every rank already; sync_dist averages equal values (one all-reduce of a scalar per epoch), which
+        # Lightning asks of every epoch-level metric in a distributed run.
+        self.log("val/ppl", torch.exp(sums[0] / sums[1]), prog_bar=True, sync_dist=True)
 
     def save_pretrained(
         self, directory: str | os.PathLike[str], *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB"

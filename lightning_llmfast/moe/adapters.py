@@ -274,7 +274,10 @@ class HFGroupedMoeBlock(GroupedMoE):
             # Mixtral's multiplicative router jitter, drawn exactly as the original block draws it.
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
-        return self._moe(hidden_states.reshape(-1, shape[-1]), None, None, shape).reshape(shape)
+        out = self._moe(hidden_states.reshape(-1, shape[-1]), None, None, shape)
+        # A fresh tensor, not a view of the (T, H) rows: FSDP2 (which wraps this block under expert parallelism) hooks
+        # its pre-backward all-gather on the output, and an in-place op on a view would silently drop that hook.
+        return out.reshape(shape).clone()
 
     def _router_logits(self, x_compute: Tensor) -> Tensor:
         return self.gate(x_compute)[0]

@@ -29,7 +29,7 @@ from typing_extensions import override
 from lightning_llmfast.callbacks.offload import ActivationOffload
 from lightning_llmfast.comm.grad import GradReduction, PowerSGDConfig, check_ddp_arguments
 from lightning_llmfast.errors import ConfigError, OffloadError
-from lightning_llmfast.expert_parallel import DispatchPayload, set_ep_dispatch, sharded_moe_blocks
+from lightning_llmfast.expert_parallel import DispatchPayload, NodeGroups, set_ep_dispatch, sharded_moe_blocks
 from lightning_llmfast.expert_parallel.sharding import EP_DISPATCHES
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 from lightning_llmfast.parallel.pretrained import loads_every_weight
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from lightning_llmfast.comm.timing import SpanTimer
+    from lightning_llmfast.parallel.dims import ParallelDims
 
 __all__ = ["LLMFastStrategy"]
 
@@ -207,6 +208,9 @@ class LLMFastStrategy(ShardedDataParallelBase):
         kwargs.setdefault("checkpoint_io", VerifiedCheckpointIO())  # digests of every tensor, verified on load
         super().__init__(*args, sharding=sharding, expert_parallel_size=expert_parallel_size, **kwargs)
         self._layers_spec = layers
+        # The hierarchical dispatch's node sub-groups and the mesh they were built on: built once, reused by every
+        # later setup (fit, validate, test) of this strategy.
+        self._node_layout: tuple[ParallelDims, NodeGroups] | None = None
         config = self.offload_config
         self._offload = ActivationOffload(config, layers=layers) if config is not None else None
         if config is None and layers is not None and sharding == "ddp":
@@ -309,8 +313,11 @@ class LLMFastStrategy(ShardedDataParallelBase):
         if self.expert_parallel_size == 1:
             return
         assert self.lightning_module is not None and self.parallel_devices is not None
-        ranks_per_node = len(self.parallel_devices)
-        set_ep_dispatch(self.lightning_module, self.ep_dispatch, ranks_per_node, timeout=self._timeout)
+        ranks_per_node, dims, cached = len(self.parallel_devices), self.parallel_dims, self._node_layout
+        layout = cached[1] if cached is not None and cached[0] is dims else None
+        module, dispatch, timeout = self.lightning_module, self.ep_dispatch, self._timeout
+        layout = set_ep_dispatch(module, dispatch, ranks_per_node, timeout=timeout, node_layout=layout)
+        self._node_layout = (dims, layout) if layout is not None and dims is not None else None
 
     def _node_traffic(self) -> tuple[int, int]:
         """This rank's expert-parallel all-to-all bytes so far: ``(to other nodes, to other ranks of its node)``."""

@@ -19,10 +19,11 @@ Example::
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -85,6 +86,8 @@ class ShardedDataParallelBase(DDPStrategy):
         self.sharding = sharding
         self.expert_parallel_size = expert_parallel_size
         self._parallel_dims: ParallelDims | None = None
+        self._mesh_world: dist.ProcessGroup | None = None  # the default group the mesh was built over
+        self._parallelized: nn.Module | None = None  # the module parallelize() sharded over that mesh
 
     def _materialize(self) -> None:
         """Where nothing is sharded (one process, or DDP without expert parallelism), a model built on the meta
@@ -124,14 +127,28 @@ class ShardedDataParallelBase(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         dims = ParallelDims(self.world_size, self.sharding, self.expert_parallel_size, num_nodes=self.num_nodes)
-        if dims.world_size > 1:
+        world = dist.group.WORLD if dims.world_size > 1 else None
+        if dims == self._parallel_dims and world is self._mesh_world:
+            return  # a later fit, validate or test: the mesh's process groups are this strategy's, built once
+        if world is not None:
             dims.build_mesh(self.mesh_device_type)
-        self._parallel_dims = dims
+        self._parallel_dims, self._mesh_world = dims, world
+        self._parallelized = None
+
+    def _parallelize(self, layers: Sequence[nn.Module] = (), mp_policy: MixedPrecisionPolicy | None = None) -> None:
+        """:func:`~lightning_llmfast.parallel.parallelize` the LightningModule, once: a later setup of the same module
+        on the same mesh (validate or test after fit) finds it sharded already."""
+        module = self.lightning_module
+        assert module is not None and self._parallel_dims is not None
+        if module is self._parallelized:
+            return
+        dims, device = self._parallel_dims, self.root_device
+        parallelize(module, dims, layers, device=device, mp_policy=mp_policy, dispatch=self._dispatch())
+        self._parallelized = module
 
     def _setup_expert_parallel(self) -> None:
         """DDP with expert parallelism: each rank keeps its experts, which DDP's wrapper then leaves alone."""
-        assert self.lightning_module is not None and self._parallel_dims is not None
-        parallelize(self.lightning_module, self._parallel_dims, device=self.root_device, dispatch=self._dispatch())
+        self._parallelize()
 
     @property
     def _ddp_experts(self) -> bool:
@@ -213,9 +230,7 @@ class ShardedDataParallelBase(DDPStrategy):
         assert module is not None
         policy = self._fsdp_mp_policy()
         layers = self._check_fsdp_config(layers)
-        parallelize(
-            module, self._parallel_dims, layers, device=self.root_device, mp_policy=policy, dispatch=self._dispatch()
-        )
+        self._parallelize(layers, policy)
         timer = self._grad_sync_timer()
         if timer is not None and self._parallel_dims.world_size > 1:
             time_reduce_scatters(module, timer)
