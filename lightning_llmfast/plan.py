@@ -44,6 +44,7 @@ from lightning_llmfast.expert_parallel.hierarchical import check_node_limited
 from lightning_llmfast.expert_parallel.payload import WIRES, DispatchPayload, wire_row_bytes
 from lightning_llmfast.moe.config import RoutingConfig
 from lightning_llmfast.parallel.dims import ParallelDims
+from lightning_llmfast.parallel.fsdp import expert_shard_dim
 from lightning_llmfast.parallel.layout import parallelize
 
 __all__ = [
@@ -76,13 +77,26 @@ def _presets() -> dict[str, Any]:
     return {
         "deepseek-v3": lambda: DeepseekV3Config(),  # 671B: 61 layers, 256 routed experts, 8 active, 1 shared
         "qwen3-235b-a22b": lambda: Qwen3MoeConfig(
-            hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
-            intermediate_size=12288, moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
+            hidden_size=4096,
+            num_hidden_layers=94,
+            num_attention_heads=64,
+            num_key_value_heads=4,
+            head_dim=128,
+            intermediate_size=12288,
+            moe_intermediate_size=1536,
+            num_experts=128,
+            num_experts_per_tok=8,
             vocab_size=151936,
         ),
         "mixtral-8x22b": lambda: MixtralConfig(
-            hidden_size=6144, num_hidden_layers=56, num_attention_heads=48, num_key_value_heads=8,
-            intermediate_size=16384, num_local_experts=8, num_experts_per_tok=2, vocab_size=32768,
+            hidden_size=6144,
+            num_hidden_layers=56,
+            num_attention_heads=48,
+            num_key_value_heads=8,
+            intermediate_size=16384,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            vocab_size=32768,
         ),
         "reference": MoEGPTConfig,
     }
@@ -380,16 +394,26 @@ def _chunk(rows: int, parts: int, index: int) -> int:
     return max(0, min(size, rows - index * size))
 
 
+def _expert_rows(shape: tuple[int, ...], ep: int, edp: int) -> tuple[int, int]:
+    """``(n, row)`` of a routed-expert parameter: its ``E / ep`` local experts cut along the dimension FSDP2 shards
+    them on over ``edp`` (:func:`~lightning_llmfast.parallel.fsdp.expert_shard_dim`): ``n`` slices of ``row``."""
+    local = (shape[0] // ep, *shape[1:])
+    n = local[expert_shard_dim(local, edp)]
+    return n, math.prod(local) // n
+
+
 def formula_plan(
     name: str, shapes: Sequence[ParamShape], world: int, ep: int, *, compute_bytes: int, a2a_bytes: int
 ) -> ShardingPlan:
     """The plan in closed form (``docs/distributed.md``), from the unsharded shapes alone.
 
     Rank ``r`` holds, of a dense parameter with ``d0`` rows, ``chunk(d0, world, r)`` rows; of a routed-expert
-    parameter with ``E`` experts, ``chunk(E / ep, edp, r // ep)`` experts, where ``chunk(n, p, i) = clamp(n - i *
-    ceil(n / p), 0, ceil(n / p))``. All-gathers receive ``gathers * (g - 1) * ceil(n / g) * row`` elements per
-    parameter (``g`` the FSDP group: ``world`` dense, ``edp`` experts; ``n`` the rows before FSDP), reduce-scatters
-    send ``(g - 1) * ceil(n / g) * row`` in fp32.
+    parameter with ``E`` experts, ``chunk(n, edp, r // ep)`` slices of its ``E / ep`` local experts cut along the
+    dimension FSDP2 shards them on (``n = E / ep`` experts when ``edp`` divides it, else the ``n`` entries of the
+    first other dimension it divides: :func:`~lightning_llmfast.parallel.fsdp.expert_shard_dim`), where
+    ``chunk(n, p, i) = clamp(n - i * ceil(n / p), 0, ceil(n / p))``. All-gathers receive ``gathers * (g - 1) *
+    ceil(n / g) * row`` elements per parameter (``g`` the FSDP group: ``world`` dense, ``edp`` experts; ``n`` the rows
+    or slices before FSDP), reduce-scatters send ``(g - 1) * ceil(n / g) * row`` in fp32.
 
     Example::
 
@@ -400,8 +424,10 @@ def formula_plan(
     for rank in range(world):
         dense = expert = gathered = scattered = 0
         for p in shapes:
-            rows, row = p.shape[0], math.prod(p.shape[1:])
-            n, g, index = (rows // ep, edp, rank // ep) if p.expert else (rows, world, rank)
+            if p.expert:
+                (n, row), g, index = _expert_rows(p.shape, ep, edp), edp, rank // ep
+            else:
+                n, row, g, index = p.shape[0], math.prod(p.shape[1:]), world, rank
             local = _chunk(n, g, index) * row * p.element_size
             expert, dense = (expert + local, dense) if p.expert else (expert, dense + local)
             padded = math.ceil(n / g) * row * (g - 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,8 +17,6 @@ from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.expert_parallel import (
     AllToAllDispatcher,
-    gather_expert_optimizer_state,
-    gather_expert_state_dict,
     reduce_expert_gradients,
     shard_experts,
     shard_model_experts,
@@ -25,6 +24,12 @@ from lightning_llmfast.expert_parallel import (
     slice_expert_state_dict,
 )
 from lightning_llmfast.moe import MoEBlock, MoEConfig
+from lightning_llmfast.parallel.checkpoint import (
+    load_distributed_checkpoint,
+    model_state,
+    optimizer_state,
+    save_distributed_checkpoint,
+)
 from lightning_llmfast.parallel.dims import ParallelDims
 
 AUX = 0.1  # weight of the load-balancing loss in the test loss, so that its gradient is checked too
@@ -190,9 +195,11 @@ def _error_cases(rank: int, world: int) -> None:
     dist.barrier()
 
 
-def _mesh_case(rank: int, world: int) -> None:
+def _mesh_case(rank: int, world: int, root: str) -> None:
     """Experts over "ep" groups of 2, replicated over "edp": DDP for the dense gradients, ours for the experts, and
-    checkpoints with the full experts, all equal to the one-process model on the global batch."""
+    a DCP checkpoint each rank writes its experts and Adam moments into (views over "ep", nothing gathered; the
+    replicas written once) that reads back whole on every rank and into another sharded model, all equal to the
+    one-process model on the global batch; a full state sliced to the local experts loads too."""
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), MoEBlock(MoEConfig.build(8, 16, 4, 2, backend="torch")))
     reference = copy.deepcopy(model)
@@ -213,31 +220,48 @@ def _mesh_case(rank: int, world: int) -> None:
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
     for optimizer in optimizers:
         optimizer.step()
-    full = gather_expert_state_dict(model, model.state_dict())
-    for name, value in reference.state_dict().items():
-        _close(full[name], value, f"gathered {name}", 1e-6)
-    state = gather_expert_optimizer_state(model, optimizers[0], optimizers[0].state_dict())
-    ref_state = optimizers[1].state_dict()["state"]
-    for index, param_state in ref_state.items():
-        _close(state["state"][index]["exp_avg"], param_state["exp_avg"], f"exp_avg {index}", 1e-6)
-    sliced = slice_expert_optimizer_state(model, optimizers[0], state)
+    state = {"state_dict": model_state(model, dims.ep_mesh)}
+    state["optimizer_states"] = [optimizer_state(model, optimizers[0], dims.ep_mesh)]
+    save_distributed_checkpoint(state, root, rank=rank)
+    torch.manual_seed(4)  # other weights, loaded over
+    whole = torch.nn.Sequential(torch.nn.Linear(8, 8), MoEBlock(MoEConfig.build(8, 16, 4, 2, backend="torch")))
+    resharded = copy.deepcopy(whole)
+    shard_model_experts(resharded, dims.ep_mesh, loss_group=dims.dp_group)
+    whole_optimizer = torch.optim.AdamW(whole.parameters(), lr=1e-2)
+    load_distributed_checkpoint(root, whole, [whole_optimizer])  # every expert, whole
+    resharded_optimizer = torch.optim.AdamW(resharded.parameters(), lr=1e-2)
+    load_distributed_checkpoint(root, resharded, [resharded_optimizer], ep_mesh=dims.ep_mesh)
+    for name, param in reference.named_parameters():
+        expected = param.detach()[local.start : local.stop] if ".experts." in name else param.detach()
+        moment = optimizers[1].state[param]["exp_avg"]
+        _close(whole.get_parameter(name), param.detach(), f"saved {name}", 1e-6)
+        _close(whole_optimizer.state[whole.get_parameter(name)]["exp_avg"], moment, f"saved exp_avg {name}", 1e-6)
+        _close(resharded.get_parameter(name), expected, f"loaded {name}", 1e-6)
+        moment = moment[local.start : local.stop] if ".experts." in name else moment
+        _close(resharded_optimizer.state[resharded.get_parameter(name)]["exp_avg"], moment, f"exp_avg {name}", 1e-6)
+    full = copy.deepcopy(optimizers[1].state_dict())  # sliced in place
+    sliced = slice_expert_optimizer_state(model, optimizers[0], full)
     optimizers[0].load_state_dict(sliced)
-    model.load_state_dict(slice_expert_state_dict(model, full))
+    model.load_state_dict(slice_expert_state_dict(model, reference.state_dict()))
+    for name, param in reference.named_parameters():
+        moment = optimizers[1].state[param]["exp_avg"]
+        moment = moment[local.start : local.stop] if ".experts." in name else moment
+        _close(optimizers[0].state[model.get_parameter(name)]["exp_avg"], moment, f"sliced exp_avg {name}", 1e-6)
 
 
-def _all_cases(rank: int, world: int) -> None:
+def _all_cases(rank: int, world: int, root: str) -> None:
     _dropless_cases(rank, world)
     _capacity_cases(rank, world)
     _error_cases(rank, world)
     if world == 2 and importlib.util.find_spec("transformers") is not None:
         _hf_case(rank, world)
     if world == 4:
-        _mesh_case(rank, world)
+        _mesh_case(rank, world, root)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_block_equals_one_process_block(world: int) -> None:
-    run_distributed(_all_cases, world, timeout=180)
+def test_expert_parallel_block_equals_one_process_block(world: int, tmp_path: Path) -> None:
+    run_distributed(_all_cases, world, str(tmp_path), timeout=180)
 
 
 def test_shard_experts_needs_a_process_group_and_a_grouped_block() -> None:

@@ -1,5 +1,6 @@
 """Export back to a transformers directory: bitwise round trip, after training the exported logits equal the module's,
-from a one-process ``.ckpt`` and from a DCP checkpoint written by FSDP2 x EP on 2 gloo processes; atomic; CLI errors.
+from a one-process ``.ckpt`` and from a DCP checkpoint written by FSDP2 x EP or DDP x EP on 2 gloo processes (where
+``save_pretrained`` is refused: each process holds part of the model); atomic; CLI errors.
 """
 
 from __future__ import annotations
@@ -128,15 +129,18 @@ def test_trained_one_process_ckpt_exports_what_the_module_computes(tmp_path: Pat
     assert after.keys() == before.keys() and not torch.equal(after["model.norm.weight"], before["model.norm.weight"])
 
 
-def _fsdp_ep_worker(rank: int, world: int, source: str, out: str) -> None:
+def _ep_worker(rank: int, world: int, source: str, out: str, sharding: str) -> None:
     from fsdp_worker import Batches
 
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
     module = HFCausalLMModule(source, lr=3e-2, warmup_steps=1, aux_loss_coef=0.0, moe_backend="torch")
-    strategy = LLMFastStrategy(sharding="fsdp", expert_parallel_size=2, process_group_backend="gloo")
+    strategy = LLMFastStrategy(sharding=sharding, expert_parallel_size=2, process_group_backend="gloo")
     trainer = _trainer(strategy, world, Path(out, "ckpt"))
     trainer.fit(module, Batches(_batches(STEPS, rank)))
+    with pytest.raises(ConfigError, match=r"python -m lightning_llmfast\.export"):
+        module.save_pretrained(Path(out, f"part{rank}"))  # this rank's experts are not the model's
+    assert not list(Path(out).glob(f"*part{rank}*"))
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
     logits = _module_logits(module, ids)
     if rank == 0:
@@ -144,11 +148,12 @@ def _fsdp_ep_worker(rank: int, world: int, source: str, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_fsdp_x_ep_dcp_checkpoint_exports_what_the_module_computes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sharding", ["fsdp", "ddp"])
+def test_ep_dcp_checkpoint_exports_what_the_module_computes(sharding: str, tmp_path: Path) -> None:
     from _distributed import run_distributed
 
     source = save_tiny("deepseek_v3", tmp_path / "source")
-    run_distributed(_fsdp_ep_worker, 2, str(source), str(tmp_path), timeout=300)
+    run_distributed(_ep_worker, 2, str(source), str(tmp_path), sharding, timeout=300)
     checkpoint = tmp_path / "ckpt" / "last.ckpt"
     assert (checkpoint / ".metadata").is_file()  # a DCP directory
     assert main([str(checkpoint), str(tmp_path / "out"), "--dtype", "fp32"]) == 0

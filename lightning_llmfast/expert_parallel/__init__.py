@@ -13,8 +13,8 @@ Plain PyTorch on top of :mod:`lightning_llmfast.moe` (no Lightning, no :mod:`lig
   and the differentiable exchange;
 - :mod:`~lightning_llmfast.expert_parallel.exchange`: the masked gathers around the exchange and the staging of its
   host-side handshakes;
-- :mod:`~lightning_llmfast.expert_parallel.state`: the sharded expert tensors of a model: gradient reduction, full
-  and sliced state dicts and optimizer states.
+- :mod:`~lightning_llmfast.expert_parallel.state`: the sharded expert tensors of a model: gradient reduction, their
+  states as DTensor views for distributed checkpoints, full states sliced to a rank's experts.
 
 The whole-run mesh (``ParallelDims``) and FSDP2 live in :mod:`lightning_llmfast.parallel`, which builds on this.
 
@@ -46,8 +46,9 @@ _LAZY: dict[str, str] = {
     "shard_experts": "lightning_llmfast.expert_parallel.sharding",
     "shard_model_experts": "lightning_llmfast.expert_parallel.sharding",
     "expert_parameters": "lightning_llmfast.expert_parallel.state",
-    "gather_expert_optimizer_state": "lightning_llmfast.expert_parallel.state",
-    "gather_expert_state_dict": "lightning_llmfast.expert_parallel.state",
+    "expert_dtensor": "lightning_llmfast.expert_parallel.state",
+    "expert_dtensor_optimizer_state": "lightning_llmfast.expert_parallel.state",
+    "expert_dtensor_state_dict": "lightning_llmfast.expert_parallel.state",
     "grouped_moe_blocks": "lightning_llmfast.expert_parallel.state",
     "reduce_expert_gradients": "lightning_llmfast.expert_parallel.state",
     "sharded_moe_blocks": "lightning_llmfast.expert_parallel.state",
@@ -63,9 +64,10 @@ __all__ = [
     "HierarchicalDispatcher",
     "NodeGroups",
     "NodeTraffic",
+    "expert_dtensor",
+    "expert_dtensor_optimizer_state",
+    "expert_dtensor_state_dict",
     "expert_parameters",
-    "gather_expert_optimizer_state",
-    "gather_expert_state_dict",
     "global_aux_loss",
     "grouped_moe_blocks",
     "node_groups",
@@ -93,9 +95,10 @@ if TYPE_CHECKING:
     from lightning_llmfast.expert_parallel.payload import DispatchPayload
     from lightning_llmfast.expert_parallel.sharding import set_ep_dispatch, shard_experts, shard_model_experts
     from lightning_llmfast.expert_parallel.state import (
+        expert_dtensor,
+        expert_dtensor_optimizer_state,
+        expert_dtensor_state_dict,
         expert_parameters,
-        gather_expert_optimizer_state,
-        gather_expert_state_dict,
         grouped_moe_blocks,
         reduce_expert_gradients,
         sharded_moe_blocks,

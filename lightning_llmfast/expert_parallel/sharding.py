@@ -71,7 +71,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_llmfast.errors import ConfigError
@@ -89,7 +88,12 @@ from lightning_llmfast.expert_parallel.hierarchical import (
     node_groups,
 )
 from lightning_llmfast.expert_parallel.payload import DispatchPayload
-from lightning_llmfast.expert_parallel.state import expert_parameters, grouped_moe_blocks, sharded_moe_blocks
+from lightning_llmfast.expert_parallel.state import (
+    expert_dtensor,
+    expert_parameters,
+    grouped_moe_blocks,
+    sharded_moe_blocks,
+)
 from lightning_llmfast.moe.block import GroupedMoE
 
 __all__ = ["EP_DISPATCHES", "set_ep_dispatch", "shard_experts", "shard_model_experts"]
@@ -348,7 +352,7 @@ def shard_model_experts(
     if fsdp:
         for _, block in blocks:
             for name, param in list(block.experts.named_parameters(recurse=False)):
-                local = DTensor.from_local(param.detach(), ep_mesh, [Shard(0)], run_check=False)
+                local = expert_dtensor(param.detach(), ep_mesh)
                 setattr(block.experts, name, nn.Parameter(local, requires_grad=param.requires_grad))
     else:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(

@@ -1,17 +1,21 @@
 """The expert tensors of a model whose MoE blocks are sharded over expert-parallel groups: which they are, their
-gradient reduction, and full (gathered) or per-rank (sliced) state dicts and optimizer states.
+gradient reduction, their state as DTensors for distributed checkpoints, and full states cut to a rank's experts.
 
 The ``N`` ranks of an expert-parallel group split every MoE block's experts between them
 (:func:`~lightning_llmfast.expert_parallel.shard_experts`); ranks of different groups that hold the same experts
-average those experts' gradients with :func:`reduce_expert_gradients`. Checkpoints hold the full expert tensors
-(gathered over each block's group), so they have the keys and shapes of a one-process checkpoint and load with any
-expert-parallel size.
+average those experts' gradients with :func:`reduce_expert_gradients`. For checkpoints each rank's local experts
+(and their optimizer state) are viewed as DTensors ``Shard(0)`` over the expert-parallel mesh
+(:func:`expert_dtensor_state_dict`, :func:`expert_dtensor_optimizer_state`): their global shape is the full expert
+tensor, so a distributed checkpoint (DCP) has the keys and shapes of a one-process checkpoint, every rank writes
+only its own experts (nothing is gathered, the replicas over other groups are written once) and it loads with any
+world size and expert-parallel size. A full state (a one-process ``.ckpt`` file) is cut to a rank's experts by
+:func:`slice_expert_state_dict` and :func:`slice_expert_optimizer_state`.
 
 Example::
 
     names = [name for name, _, _ in expert_parameters(model)]
     reduce_expert_gradients(model, holders_group)  # before the optimizer step
-    full = gather_expert_state_dict(model, model.state_dict())
+    state = expert_dtensor_state_dict(model, get_model_state_dict(model), dims.ep_mesh)  # views, no copy
 """
 
 from __future__ import annotations
@@ -22,15 +26,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 from lightning_llmfast.expert_parallel.dispatchers import AllToAllDispatcher
 from lightning_llmfast.moe.block import GroupedMoE
 
 __all__ = [
+    "expert_dtensor",
+    "expert_dtensor_optimizer_state",
+    "expert_dtensor_state_dict",
     "expert_parameters",
-    "gather_expert_optimizer_state",
-    "gather_expert_state_dict",
     "grouped_moe_blocks",
     "reduce_expert_gradients",
     "sharded_moe_blocks",
@@ -105,27 +112,35 @@ def reduce_expert_gradients(
         param.grad = chunk.view_as(param).to(param.dtype)
 
 
-def _gather(local: Tensor, dispatch: AllToAllDispatcher) -> Tensor:
-    parts = [torch.empty_like(local) for _ in range(dispatch.world)]
-    dist.all_gather(parts, local.contiguous(), group=dispatch.group)
-    return torch.cat(parts)
-
-
 def _local(full: Tensor, dispatch: AllToAllDispatcher) -> Tensor:
     experts = dispatch.local_experts
     return full[experts.start : experts.stop].clone()
 
 
-def gather_expert_state_dict(module: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """``state_dict`` with every sharded expert tensor replaced by the full one (all ranks must call it).
+def expert_dtensor(local: Tensor, ep_mesh: DeviceMesh) -> DTensor:
+    """``local`` (this rank's experts, first dimension) as a DTensor ``Shard(0)`` over ``ep_mesh``: a view, no copy
+    and no communication; its global shape has all the experts.
 
     Example::
 
-        checkpoint["state_dict"] = gather_expert_state_dict(module, module.state_dict())
+        full_shape = expert_dtensor(block.experts.gate_up_proj.detach(), dims.ep_mesh).shape
     """
-    for name, _, dispatch in expert_parameters(module):
-        state_dict[name] = _gather(state_dict[name], dispatch)
-    return state_dict
+    return DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+
+
+def expert_dtensor_state_dict(module: nn.Module, state_dict: Mapping[str, Any], ep_mesh: DeviceMesh) -> dict[str, Any]:
+    """A copy of ``state_dict`` (keyed by parameter names) whose local expert tensors are :func:`expert_dtensor` views
+    over ``ep_mesh`` (nothing is copied or gathered): what DCP saves each rank's experts from and loads them into.
+
+    Example::
+
+        dcp.save({"state_dict": expert_dtensor_state_dict(model, model.state_dict(), dims.ep_mesh)}, checkpoint_id=d)
+    """
+    out = dict(state_dict)
+    for name, _, _ in expert_parameters(module):
+        if name in out:
+            out[name] = expert_dtensor(out[name], ep_mesh)
+    return out
 
 
 def slice_expert_state_dict(module: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -156,20 +171,24 @@ def _expert_state_tensors(
                     yield param_state, key, *experts[id(param)]
 
 
-def gather_expert_optimizer_state(module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with its per-expert tensors (Adam moments...) gathered to full size (collective).
+def expert_dtensor_optimizer_state(module: nn.Module, state: dict[str, Any], ep_mesh: DeviceMesh) -> dict[str, Any]:
+    """An optimizer state keyed by parameter names (``get_optimizer_state_dict``'s) whose per-expert tensors (Adam
+    moments...) are :func:`expert_dtensor` views over ``ep_mesh``, in place (nothing is copied or gathered).
 
     Example::
 
-        state = gather_expert_optimizer_state(module, optimizer, optimizer.state_dict())
+        state = expert_dtensor_optimizer_state(model, get_optimizer_state_dict(model, optimizer), dims.ep_mesh)
     """
-    for param_state, key, _, dispatch in list(_expert_state_tensors(module, optimizer, state)):
-        param_state[key] = _gather(param_state[key], dispatch)
+    for name, param, _ in expert_parameters(module):
+        param_state = state["state"].get(name, {})
+        for key, value in param_state.items():
+            if isinstance(value, Tensor) and value.shape == param.shape:
+                param_state[key] = expert_dtensor(value, ep_mesh)
     return state
 
 
 def slice_expert_optimizer_state(module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-    """A full optimizer state (from :func:`gather_expert_optimizer_state`) cut to this rank's experts, in place.
+    """A full optimizer state (``optimizer.state_dict()`` of one process) cut to this rank's experts, in place.
 
     Example::
 

@@ -240,6 +240,11 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
                 as the export CLI; :func:`~lightning_llmfast.parallel.export.export_dtype`).
             max_shard_size: largest safetensors shard (``"5GB"``, ``"500MB"`` or bytes).
 
+        Raises:
+            ConfigError: this process holds only part of the model (FSDP2, or expert parallelism under any sharding):
+                save a checkpoint and export it with ``python -m lightning_llmfast.export CHECKPOINT OUT_DIR``;
+                or ``directory`` exists.
+
         Example::
 
             module.save_pretrained("exported/")

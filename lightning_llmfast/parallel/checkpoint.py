@@ -5,7 +5,10 @@ A checkpoint is a directory, laid out as Lightning's ``ModelParallelStrategy`` w
 (each optimizer, keyed by parameter names) written by every rank, plus ``meta.pt``, which rank 0 writes with every
 other entry of Lightning's checkpoint dict (loops, schedulers, callbacks, the datamodule's state, hyper-parameters).
 Loading reshards: a checkpoint written by 2 ranks loads into 1, 2 or 4 (DCP maps saved chunks onto the target's
-placements). Nothing here needs a process group: with one process DCP reads and writes locally.
+placements). Nothing here needs a process group: with one process DCP reads and writes locally. Under expert
+parallelism with DDP (plain tensors of each rank's experts) ``ep_mesh`` views the experts and their optimizer state
+as DTensors over it: each rank writes and reads only its own experts, into the keys and shapes of a one-process
+checkpoint (:func:`~lightning_llmfast.expert_parallel.expert_dtensor_state_dict`).
 
 Example::
 
@@ -33,9 +36,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_map_only
 
 from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.expert_parallel.state import expert_dtensor_optimizer_state, expert_dtensor_state_dict
 from lightning_llmfast.parallel.integrity import load_intact, verify_shard_digests, write_shard_digests
 
 __all__ = [
@@ -70,14 +77,18 @@ def is_distributed_checkpoint(path: str | Path) -> bool:
     return path.is_dir() and (path / ".metadata").is_file()
 
 
-def model_state(module: nn.Module) -> dict[str, Any]:
-    """The module's state dict as DCP saves it: sharded DTensors under FSDP2, plain tensors otherwise."""
-    return get_model_state_dict(module)
+def model_state(module: nn.Module, ep_mesh: DeviceMesh | None = None) -> dict[str, Any]:
+    """The module's state dict as DCP saves it: sharded DTensors under FSDP2, plain tensors otherwise; with
+    ``ep_mesh`` (expert parallelism under DDP) the local experts as DTensor views over it."""
+    state = get_model_state_dict(module)
+    return state if ep_mesh is None else expert_dtensor_state_dict(module, state, ep_mesh)
 
 
-def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """The optimizer's state keyed by parameter names (sharded like the parameters), so it reshards on load."""
-    return get_optimizer_state_dict(module, optimizer)
+def optimizer_state(module: nn.Module, optimizer: Optimizer, ep_mesh: DeviceMesh | None = None) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter names (sharded like the parameters), so it reshards on load; with
+    ``ep_mesh`` the local experts' state as DTensor views over it."""
+    state = get_optimizer_state_dict(module, optimizer)
+    return state if ep_mesh is None else expert_dtensor_optimizer_state(module, state, ep_mesh)
 
 
 def save_distributed_checkpoint(checkpoint: dict[str, Any], path: str | Path, *, rank: int) -> None:
@@ -114,6 +125,7 @@ def load_distributed_checkpoint(
     *,
     strict: bool = True,
     weights_only: bool | None = None,
+    ep_mesh: DeviceMesh | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint of :func:`save_distributed_checkpoint` into ``module`` and ``optimizers``, resharding.
 
@@ -126,6 +138,8 @@ def load_distributed_checkpoint(
         optimizers: loaded in order from ``optimizer_0``, ``optimizer_1``...; ``()`` loads weights only.
         strict: fail on a module key missing from the checkpoint (``False`` loads what is there).
         weights_only: passed to ``torch.load`` for :data:`META_FILENAME` (``None``: torch's default).
+        ep_mesh: under expert parallelism with DDP, the mesh the local experts are read over (each rank reads only
+            its own experts, in place; :func:`model_state`).
 
     Returns:
         The non-tensor entries (loops, schedulers, callbacks, datamodule state...), to be restored by Lightning.
@@ -147,10 +161,12 @@ def load_distributed_checkpoint(
     missing = [i for i in range(len(optimizers)) if not any(k.startswith(_optimizer_key(i) + ".") for k in saved)]
     if missing:
         raise ConfigError(f"{path} holds no state for optimizer(s) {missing}; was it saved with weights only?")
-    state: dict[str, Any] = {_MODEL_KEY: model_state(module)}
+    state: dict[str, Any] = {_MODEL_KEY: model_state(module, ep_mesh)}
     for index, optimizer in enumerate(optimizers):
-        state[_optimizer_key(index)] = optimizer_state(module, optimizer)
+        state[_optimizer_key(index)] = optimizer_state(module, optimizer, ep_mesh)
     dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    if ep_mesh is not None:  # the module's experts are plain tensors: the views' local parts
+        state = tree_map_only(DTensor, lambda t: t.to_local(), state)
     set_model_state_dict(module, state[_MODEL_KEY], options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(module, optimizer, state[_optimizer_key(index)])

@@ -43,6 +43,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 from transformers.utils.hub import convert_file_size_to_int
 
 from lightning_llmfast.errors import CheckpointError, ConfigError
+from lightning_llmfast.expert_parallel.state import sharded_moe_blocks
 from lightning_llmfast.hf.state_dict import state_dict_adapter
 from lightning_llmfast.parallel.checkpoint import META_FILENAME, is_distributed_checkpoint
 from lightning_llmfast.parallel.integrity import verify_shard_digests
@@ -84,18 +85,19 @@ def export_module(
         max_shard_size: largest shard (``"5GB"``, ``"500MB"`` or bytes); a larger single tensor is a shard alone.
 
     Raises:
-        ConfigError: the model is sharded (DTensors: save a checkpoint and use :func:`export_checkpoint`), or
-            ``directory`` exists.
+        ConfigError: this process holds only part of the model (FSDP2's DTensors, or an expert-parallel block's
+            local experts: save a checkpoint and use :func:`export_checkpoint`), or ``directory`` exists.
 
     Example::
 
         export_module(module.model, "exported/", source=Path("Qwen3-0.6B"))
     """
     state = model.state_dict()
-    if any(isinstance(t, DTensor) for t in state.values()):
+    # A DTensor (FSDP2) or an expert-parallel block (its local experts only, plain tensors under DDP) is a part.
+    if any(isinstance(t, DTensor) for t in state.values()) or next(sharded_moe_blocks(model), None) is not None:
         raise ConfigError(
-            "save_pretrained needs the whole model in one process; under FSDP2 or expert parallelism save a "
-            "checkpoint and run python -m lightning_llmfast.export CHECKPOINT OUT_DIR"
+            "save_pretrained needs the whole model in one process; under FSDP2 or expert parallelism this process "
+            "holds only part of it: save a checkpoint and run python -m lightning_llmfast.export CHECKPOINT OUT_DIR"
         )
     return _write(model.config, state, lambda keys: {k: state[k] for k in keys}, directory, source, dtype,
                   max_shard_size)  # fmt: skip

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_llmfast.comm.timing import SpanTimer
 from lightning_llmfast.errors import ConfigError
@@ -36,6 +36,7 @@ from lightning_llmfast.parallel.pretrained import PRETRAINED_ATTRIBUTE, pretrain
 __all__ = [
     "BROADCAST_BUCKET_BYTES",
     "broadcast_module_states",
+    "expert_shard_dim",
     "fully_shard_experts",
     "materialize_module",
     "mixed_precision_policy",
@@ -278,6 +279,20 @@ def _initializer(root: nn.Module, name: str, m: nn.Module) -> Callable[[], None]
     return m.reset_parameters if resettable else None
 
 
+def expert_shard_dim(shape: Sequence[int], shards: int) -> int:
+    """The dimension FSDP2 shards a rank's expert tensor of ``shape`` (local experts first) on over ``shards`` ranks.
+
+    The experts (dim 0) when they split evenly; else the first other dimension that does (with fewer local experts
+    than ranks dim 0 would leave some ranks nothing: torchtitan shards on dim 1 then); else dim 0 (FSDP2 pads uneven
+    shards on dim 0 only).
+
+    Example::
+
+        expert_shard_dim((1, 64, 32), 2)  # 1: each of 2 ranks holds half of every row of the one local expert
+    """
+    return next((dim for dim, size in enumerate(shape) if size % shards == 0), 0)
+
+
 def fully_shard_experts(
     module: nn.Module,
     dims: ParallelDims,
@@ -294,10 +309,11 @@ def fully_shard_experts(
     parameter. Each rank then holds ``1 / world`` of every expert tensor. Under ``"hsdp"`` the experts' mesh is
     ``("dp_replicate", "edp")`` and the other children's ``("dp_replicate", "dp_shard")``: sharded inside a node,
     replicated across nodes (:attr:`ParallelDims.expert_mesh`, :attr:`ParallelDims.dp_mesh`), each rank holding
-    ``1 / ranks_per_node``. Expert gradients are summed over every rank holding the same experts and divided by the
-    world size: each local expert's gradient already sums the losses of its ``"ep"`` group's
-    ranks (the all-to-all's backward brings them home), so this makes it the gradient of the mean of all ranks'
-    losses, as for the dense parameters.
+    ``1 / ranks_per_node``. Expert tensors are sharded on :func:`expert_shard_dim` (the experts, or another dimension
+    that splits evenly when there are fewer local experts than ``"edp"`` ranks). Expert gradients are summed over
+    every rank holding the same experts and divided by the world size: each local expert's gradient already sums the
+    losses of its ``"ep"`` group's ranks (the all-to-all's backward brings them home), so this makes it the gradient
+    of the mean of all ranks' losses, as for the dense parameters.
 
     Raises:
         ConfigError: a block holds parameters of its own outside its children.
@@ -314,13 +330,23 @@ def fully_shard_experts(
         for child_name, child in block.named_children():
             if child_name != "experts" and any(True for _ in child.parameters()):
                 fully_shard(child, mesh=dims.dp_mesh, **kwargs)
-        fully_shard(block, mesh=dims.expert_mesh, **kwargs)
+        fully_shard(block, mesh=dims.expert_mesh, shard_placement_fn=_expert_placement(dims.edp_mesh.size()), **kwargs)
         block.set_gradient_divide_factor(float(dims.world_size))
         # gloo has no pre-multiplied sum: a plain sum, then the division (NCCL fuses it). Not with one "edp" rank
         # (per node under "hsdp"): there FSDP2 reduce-scatters nothing and divides once itself, before the replicas'
         # all-reduce (a forced sum would divide a second time after it).
         gloo = dist.get_backend(dims.edp_mesh.get_group()) == "gloo"
         block.set_force_sum_reduction_for_comms(gloo and dims.edp_mesh.size() > 1)
+
+
+def _expert_placement(shards: int) -> Callable[[nn.Parameter], Shard]:
+    """FSDP2's ``shard_placement_fn`` of an expert group: :func:`expert_shard_dim` of each rank's experts."""
+
+    def placement(param: nn.Parameter) -> Shard:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        return Shard(expert_shard_dim(local.shape, shards))
+
+    return placement
 
 
 class _TimedReduceScatter:

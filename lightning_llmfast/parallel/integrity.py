@@ -165,9 +165,11 @@ def write_shard_digests(path: str | Path, rank: int, extra: tuple[str, ...] = ()
     files = [*sorted(p.name for p in path.glob(f"__{rank}_*.distcp")), *extra]
     entries = {}
     for name in files:
-        data = _mapped(path / name)  # mapped, not copied: the chunks below are views of it
+        file = path / name
         items = sorted(chunks.get(name, []), key=lambda item: item[1])
-        sums = [[fqn, offset, length, _checksum(data[offset : offset + length])] for fqn, offset, length in items]
+        # Each chunk read alone (a mapped file's touched pages would stay resident: the rank's whole shard at once).
+        sums = [[fqn, offset, length, _checksum(_read(file, offset, length))] for fqn, offset, length in items]
+        data = _mapped(file)  # only the bytes around the chunks are touched through the map
         entries[name] = {"size": int(data.size), "rest": _checksum(_rest(data, sums)), "chunks": sums}
     out = path / _SHARD_DIGESTS.format(rank=rank)
     out.write_text(json.dumps(entries))
@@ -203,12 +205,20 @@ def _mapped(file: Path) -> np.ndarray:
     return np.memmap(file, dtype=np.uint8, mode="r")
 
 
+def _read(file: Path, offset: int, length: int) -> np.ndarray:
+    """``length`` bytes of ``file`` from ``offset`` (fewer where the file ends first)."""
+    return np.fromfile(file, dtype=np.uint8, count=length, offset=offset)
+
+
 def _rest(data: np.ndarray, chunks: list[list[Any]]) -> np.ndarray:
-    """The bytes of ``data`` outside the ``[fqn, offset, length, ...]`` chunks (headers, pickled metadata: small)."""
-    covered = np.zeros(data.size, dtype=bool)
-    for _, offset, length, *_ in chunks:
-        covered[offset : offset + length] = True
-    return data[~covered]
+    """The bytes of ``data`` outside the ``[fqn, offset, length, ...]`` chunks (headers, pickled metadata: small),
+    in order; only those bytes are read."""
+    gaps, start = [], 0
+    for _, offset, length, *_ in sorted(chunks, key=lambda chunk: chunk[1]):
+        gaps.append(data[start : max(start, offset)])
+        start = max(start, offset + length)
+    gaps.append(data[start:])
+    return np.concatenate(gaps)
 
 
 def _verify_file(file: Path, entry: dict[str, Any]) -> None:

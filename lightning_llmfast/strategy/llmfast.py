@@ -106,10 +106,13 @@ class LLMFastStrategy(ShardedDataParallelBase):
             ``("edp", "ep")`` mesh of :class:`~lightning_llmfast.parallel.ParallelDims`;
             :mod:`~lightning_llmfast.expert_parallel`): tokens travel by all-to-all. Under ``"ddp"`` expert
             gradients are averaged over the ranks holding the same experts, dense ones by DDP over all, and
-            checkpoints hold the full expert tensors; under ``"fsdp"`` the experts are also ``fully_shard`` ed over
-            ``"edp"`` (each rank holds ``1 / world`` of every parameter). ``N`` must divide the world size and every
-            block's experts. Gradient clipping by norm (``Trainer(gradient_clip_val=...)``) takes the global norm
-            over both meshes under every layout, on the device, and logs it as ``train/grad_norm``.
+            checkpoints are DCP directories into which every rank writes its own experts and their optimizer state
+            (nothing gathered), with the keys and shapes of a one-process checkpoint: they resume on any world size
+            and export with ``python -m lightning_llmfast.export``; under ``"fsdp"`` the experts are also
+            ``fully_shard`` ed over ``"edp"`` (each rank holds ``1 / world`` of every parameter). ``N`` must divide
+            the world size and every block's experts. Gradient clipping by norm (``Trainer(gradient_clip_val=...)``)
+            takes the global norm over both meshes under every layout, on the device, and logs it as
+            ``train/grad_norm``.
         dispatch_dtype: with ``expert_parallel_size > 1``, the tokens' payload on the all-to-all: ``None`` (the
             activations' dtype), ``"bf16"``, or ``"fp8"`` (e4m3 with one fp32 scale per row, ``H + 4`` bytes: half of
             bf16 plus the scales); the expert outputs and gradients then come back in bf16. A

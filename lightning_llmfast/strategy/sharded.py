@@ -5,10 +5,11 @@ it builds the run's one layout, :class:`~lightning_llmfast.parallel.ParallelDims
 :meth:`~ShardedDataParallelBase.setup_environment` (from the world size and the Trainer's ``num_nodes``); under
 ``"fsdp"`` and ``"hsdp"`` its ``_setup_sharded`` replaces DDP's wrapper with
 :func:`~lightning_llmfast.parallel.parallelize` (FSDP2 over the world, or within each node and replicated across
-nodes, and expert parallelism when asked); with either on any world size, checkpoints are DCP directories
-(:mod:`lightning_llmfast.parallel.checkpoint`) restored after setup, optimizer state included, so they reshard (an
-``"hsdp"`` checkpoint resumes under ``"fsdp"`` or another number of nodes, and back). With ``"ddp"`` every hook is
-DDPStrategy's.
+nodes, and expert parallelism when asked); with either on any world size, and with ``"ddp"`` under expert
+parallelism, checkpoints are DCP directories (:mod:`lightning_llmfast.parallel.checkpoint`) that every rank writes its
+own shards and experts into, restored after setup, optimizer state included, so they reshard (an ``"hsdp"``
+checkpoint resumes under ``"fsdp"`` or another number of nodes, and back; a DDP x EP one on one process). Otherwise,
+with ``"ddp"``, checkpoints are DDPStrategy's files, and a DCP directory given to resume is read as above.
 
 Example::
 
@@ -88,6 +89,7 @@ class ShardedDataParallelBase(DDPStrategy):
         self._parallel_dims: ParallelDims | None = None
         self._mesh_world: dist.ProcessGroup | None = None  # the default group the mesh was built over
         self._parallelized: nn.Module | None = None  # the module parallelize() sharded over that mesh
+        self._restored_distributed = False  # the last load_checkpoint read a DCP directory (weights, optimizers)
 
     def _materialize(self) -> None:
         """Where nothing is sharded (one process, or DDP without expert parallelism), a model built on the meta
@@ -116,12 +118,28 @@ class ShardedDataParallelBase(DDPStrategy):
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         # Sharded states load into the sharded model and the optimizers built on it.
-        return self.sharding != "ddp" or super().restore_checkpoint_after_setup
+        return self._distributed_checkpoints or self._resumes_from_dcp() or super().restore_checkpoint_after_setup
 
     @property
     @override
     def lightning_restore_optimizer(self) -> bool:
-        return self.sharding == "ddp"  # load_checkpoint restores them, resharded
+        return self.sharding == "ddp" and not self._restored_distributed  # else load_checkpoint restored them
+
+    @property
+    def _distributed_checkpoints(self) -> bool:
+        """Whether checkpoints are written as DCP directories: sharded states (FSDP2, or DDP's local experts)."""
+        return self.sharding != "ddp" or self._ddp_experts
+
+    def _resumes_from_dcp(self) -> bool:
+        """Whether the Trainer resumes from a DCP directory (read into the model and optimizers after setup)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        path = getattr(trainer, "ckpt_path", None)
+        return path is not None and dcp_io.is_distributed_checkpoint(path)
+
+    @property
+    def _expert_state_mesh(self) -> DeviceMesh | None:
+        """The mesh DDP's local experts are saved and loaded over as DTensors (``None``: no such experts)."""
+        return self._parallel_dims.ep_mesh if self._ddp_experts and self._parallel_dims is not None else None
 
     @override
     def setup_environment(self) -> None:
@@ -251,28 +269,23 @@ class ShardedDataParallelBase(DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        if self.sharding != "ddp":
-            return dcp_io.model_state(self.lightning_module)
-        state = super().lightning_module_state_dict()
-        if self._ddp_experts:  # full expert tensors: the keys and shapes of a one-process checkpoint
-            state = expert_parallel.gather_expert_state_dict(self.lightning_module, state)
-        return state
+        if not self._distributed_checkpoints:
+            return super().lightning_module_state_dict()
+        # DDP's local experts as DTensor views: the keys and shapes of a one-process checkpoint, nothing gathered.
+        return dcp_io.model_state(self.lightning_module, self._expert_state_mesh)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.lightning_module is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
-        if self.sharding != "ddp":
-            return dcp_io.optimizer_state(self.lightning_module, optimizer)
-        state = super().optimizer_state(optimizer)
-        if self._ddp_experts:
-            state = expert_parallel.gather_expert_optimizer_state(self.lightning_module, optimizer, state)
-        return state
+        if not self._distributed_checkpoints:
+            return super().optimizer_state(optimizer)
+        return dcp_io.optimizer_state(self.lightning_module, optimizer, self._expert_state_mesh)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if self.sharding == "ddp":
+        if not self._distributed_checkpoints:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
         if storage_options is not None:
@@ -284,8 +297,9 @@ class ShardedDataParallelBase(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        if self.sharding == "ddp":
-            return super().load_checkpoint(checkpoint_path, weights_only)
+        self._restored_distributed = False
+        if self.sharding == "ddp" and not dcp_io.is_distributed_checkpoint(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only)  # a file (under EP: sliced on load)
         path = Path(self.broadcast(str(checkpoint_path)))
         if not dcp_io.is_distributed_checkpoint(path):
             raise ConfigError(
@@ -293,17 +307,20 @@ class ShardedDataParallelBase(DDPStrategy):
                 f"{path} is not one (load a single-file checkpoint's weights with LightningModule.load_from_checkpoint)"
             )
         assert self.lightning_module is not None
-        return dcp_io.load_distributed_checkpoint(
+        meta = dcp_io.load_distributed_checkpoint(
             path,
             self.lightning_module,
             self.optimizers,
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
+            ep_mesh=self._expert_state_mesh,
         )
+        self._restored_distributed = True
+        return meta
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self.sharding != "ddp":
+        if self.sharding != "ddp" or self._restored_distributed:
             return  # load_checkpoint already loaded the shards
         if self._ddp_experts:
             state = expert_parallel.slice_expert_state_dict(self.lightning_module, checkpoint["state_dict"])
