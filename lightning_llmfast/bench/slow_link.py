@@ -1,0 +1,125 @@
+"""A slow network on one machine: every ``all_to_all_single`` completes as if its bytes crossed a link of ``B`` bytes/s.
+
+CPU processes on one host exchange through memory, so no exchange costs what it costs between GPUs on a network and
+nothing is left to hide. :class:`SlowLink` replaces ``torch.distributed.all_to_all_single`` in this process: the
+real exchange runs, and its work object completes (``wait()`` returns, the future is set) no earlier than
+``start + bytes / B``, where ``bytes`` is what this rank sends to other ranks and ``start`` is when the link is free
+(an exchange issued while another is in flight queues behind it, as on one link). So one exchange of ``2 N`` bytes
+and two of ``N`` take the same link time: chunking does not shrink the total, it can only hide it. A synchronous call
+returns at the same time as its asynchronous twin's ``wait()``.
+
+Example::
+
+    with SlowLink(bytes_per_s=50e6):
+        loss = model(batch).sum()  # every expert-parallel exchange now takes bytes / 50 MB/s
+        loss.backward()
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_llmfast.errors import ConfigError
+
+__all__ = ["SlowLink"]
+
+
+class _SlowWork:
+    """A work object that completes at ``done_at`` (``time.perf_counter``), and not before the real one."""
+
+    def __init__(self, work: Any, done_at: float) -> None:
+        self._work, self._done_at = work, done_at
+        self._future: torch.futures.Future[None] = torch.futures.Future()
+        work.get_future().add_done_callback(self._arrived)
+
+    def _arrived(self, _: Any) -> None:
+        delay = self._done_at - time.perf_counter()
+        if delay <= 0:
+            self._future.set_result(None)
+            return
+        timer = threading.Timer(delay, self._future.set_result, args=(None,))
+        timer.daemon = True
+        timer.start()
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._work.wait()
+        delay = self._done_at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        return True
+
+    def get_future(self) -> torch.futures.Future[None]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class SlowLink:
+    """Slows this process's ``all_to_all_single`` to ``bytes_per_s`` while active (module docstring).
+
+    Args:
+        bytes_per_s: the link's bandwidth, > 0.
+
+    Attributes:
+        sent_bytes: bytes sent to other ranks while active.
+
+    Raises:
+        ConfigError: a bandwidth that is not a number > 0.
+    """
+
+    def __init__(self, bytes_per_s: float) -> None:
+        if not isinstance(bytes_per_s, (int, float)) or not bytes_per_s > 0:
+            raise ConfigError(f"SlowLink needs a bandwidth > 0 bytes/s, got {bytes_per_s!r}")
+        self.bytes_per_s = float(bytes_per_s)
+        self.sent_bytes = 0
+        self._free_at = 0.0
+        self._lock = threading.Lock()
+        self._original: Any = None
+
+    def _reserve(self, num_bytes: int) -> float:
+        """When an exchange of ``num_bytes`` issued now leaves the link."""
+        with self._lock:
+            start = max(time.perf_counter(), self._free_at)
+            self._free_at = start + num_bytes / self.bytes_per_s
+            self.sent_bytes += num_bytes
+            return self._free_at
+
+    def _all_to_all_single(
+        self,
+        output: Tensor,
+        input: Tensor,
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
+        group: dist.ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        rows = input.shape[0] if input.dim() else 1
+        to_self = input_split_sizes[rank] if input_split_sizes is not None else rows // world
+        row_bytes = input.numel() * input.element_size() // max(rows, 1)
+        done_at = self._reserve((rows - to_self) * row_bytes)
+        work = self._original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=True)
+        slow = _SlowWork(work, done_at)
+        if async_op:
+            return slow
+        slow.wait()
+        return None
+
+    def __enter__(self) -> SlowLink:
+        self._original = dist.all_to_all_single
+        dist.all_to_all_single = self._all_to_all_single  # type: ignore[assignment]
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        dist.all_to_all_single = self._original  # type: ignore[assignment]
+        self._original = None
