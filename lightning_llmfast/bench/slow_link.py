@@ -2,11 +2,12 @@
 
 CPU processes on one host exchange through memory, so no exchange costs what it costs between GPUs on a network and
 nothing is left to hide. :class:`SlowLink` replaces ``torch.distributed.all_to_all_single`` in this process: the
-real exchange runs, and its work object completes (``wait()`` returns, the future is set) no earlier than
-``start + bytes / B``, where ``bytes`` is what this rank sends to other ranks and ``start`` is when the link is free
-(an exchange issued while another is in flight queues behind it, as on one link). So one exchange of ``2 N`` bytes
-and two of ``N`` take the same link time: chunking does not shrink the total, it can only hide it. A synchronous call
-returns at the same time as its asynchronous twin's ``wait()``.
+real exchange runs, and its work object completes (``wait()`` returns, the future is set) ``bytes / B`` after the
+link took it, where ``bytes`` is what this rank sends to other ranks: the link takes an exchange once its real
+transfer completed (every rank has joined it) and the exchange before it has left the link (exchanges in flight
+queue, as on one link). So one exchange of ``2 N`` bytes and two of ``N`` take the same link time: chunking does not
+shrink the total, it can only hide it; and the time added does not depend on which rank joined last. A synchronous
+call returns at the same time as its asynchronous twin's ``wait()``.
 
 Example::
 
@@ -32,27 +33,27 @@ __all__ = ["SlowLink"]
 
 
 class _SlowWork:
-    """A work object that completes at ``done_at`` (``time.perf_counter``), and not before the real one."""
+    """A work object that completes ``num_bytes / B`` after ``link`` takes it (once the real one completed)."""
 
-    def __init__(self, work: Any, done_at: float) -> None:
-        self._work, self._done_at = work, done_at
+    def __init__(self, work: Any, link: SlowLink, num_bytes: int) -> None:
+        self._work, self._link, self._bytes = work, link, num_bytes
         self._future: torch.futures.Future[None] = torch.futures.Future()
+        self._done = threading.Event()
         work.get_future().add_done_callback(self._arrived)
 
     def _arrived(self, _: Any) -> None:
-        delay = self._done_at - time.perf_counter()
-        if delay <= 0:
-            self._future.set_result(None)
-            return
-        timer = threading.Timer(delay, self._future.set_result, args=(None,))
+        delay = self._link._take(self._bytes) - time.perf_counter()
+        timer = threading.Timer(max(delay, 0.0), self._complete)
         timer.daemon = True
         timer.start()
 
+    def _complete(self) -> None:
+        self._done.set()
+        self._future.set_result(None)
+
     def wait(self, timeout: Any = None) -> bool:
         self._work.wait()
-        delay = self._done_at - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
+        self._done.wait()
         return True
 
     def get_future(self) -> torch.futures.Future[None]:
@@ -84,8 +85,8 @@ class SlowLink:
         self._lock = threading.Lock()
         self._original: Any = None
 
-    def _reserve(self, num_bytes: int) -> float:
-        """When an exchange of ``num_bytes`` issued now leaves the link."""
+    def _take(self, num_bytes: int) -> float:
+        """When an exchange of ``num_bytes`` whose real transfer completed now leaves the link."""
         with self._lock:
             start = max(time.perf_counter(), self._free_at)
             self._free_at = start + num_bytes / self.bytes_per_s
@@ -105,9 +106,8 @@ class SlowLink:
         rows = input.shape[0] if input.dim() else 1
         to_self = input_split_sizes[rank] if input_split_sizes is not None else rows // world
         row_bytes = input.numel() * input.element_size() // max(rows, 1)
-        done_at = self._reserve((rows - to_self) * row_bytes)
         work = self._original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=True)
-        slow = _SlowWork(work, done_at)
+        slow = _SlowWork(work, self, (rows - to_self) * row_bytes)
         if async_op:
             return slow
         slow.wait()
