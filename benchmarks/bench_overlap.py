@@ -9,11 +9,16 @@ B = infinity, from the fastest steps: a shared machine's noise only ever slows a
 exposed time of :class:`~lightning_llmfast.comm.timing.ExchangeTimer` (``comm/a2a_ms``, ``comm/a2a_exposed_ms``;
 rank 0, median), and the ratio overlapped / sequential of the added time with its spread (extremes of the repeats).
 
+``--device cuda`` (the ``overlap`` stage of ``benchmarks/gpu_check.sh``): one process on one GPU over NCCL, a larger
+model, the link time a ``torch.cuda._sleep`` on the communication stream (every byte of the world-of-one exchange
+counts as crossing the link), the exchange times from CUDA events.
+
 Usage::
 
     python benchmarks/bench_overlap.py                  # -> benchmarks/results/overlap.json and overlap.png
     python benchmarks/bench_overlap.py --quick          # fewer bandwidths and repeats
     python benchmarks/bench_overlap.py --json out.json --plot out.png
+    python benchmarks/bench_overlap.py --device cuda --json gpu_out/overlap.json --plot gpu_out/overlap.png
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +42,7 @@ from bench_moe_ep import init_worker, spawn
 from lightning_llmfast.bench.harness import interleave
 from lightning_llmfast.bench.processes import leave_world
 from lightning_llmfast.bench.slow_link import SlowLink
-from lightning_llmfast.comm.timing import ExchangeTimer, HostClock
+from lightning_llmfast.comm.timing import ExchangeTimer, clock_for
 from lightning_llmfast.expert_parallel import grouped_moe_blocks, set_ep_overlap, shard_experts
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
 
@@ -49,17 +55,32 @@ MODEL = {
     "num_experts": 4, "top_k": 2, "router_backend": "torch",
 }  # fmt: skip
 TOKENS = (2, 128)  # per rank
+CUDA_MODEL = {
+    **MODEL, "hidden_size": 1024, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4, "ffn_size": 4096, "num_experts": 8,
+}  # fmt: skip
+CUDA_TOKENS = (4, 2048)
 CHUNKS = 4
 MODES = {"sequential": None, "overlapped": CHUNKS}
 
 
-def _model(chunks: int | None, timer: ExchangeTimer) -> MoEGPT:
+def _model(config: dict[str, Any], chunks: int | None, timer: ExchangeTimer, device: torch.device) -> MoEGPT:
     torch.manual_seed(0)
-    model = MoEGPT(MoEGPTConfig(**MODEL))
+    model = MoEGPT(MoEGPTConfig(**config)).to(device)
     for _, block in grouped_moe_blocks(model):
         shard_experts(block)
     set_ep_overlap(model, chunks, timer)
     return model
+
+
+def _init(rank: int, world: int, port: int, device: torch.device) -> None:
+    if device.type != "cuda":
+        init_worker(rank, world, port)
+        return
+    torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120),
+        device_id=device,
+    )  # fmt: skip
 
 
 def _timed_step(model: MoEGPT, ids: torch.Tensor, bandwidth: float, timer: ExchangeTimer, exchange: list) -> Any:
@@ -77,7 +98,9 @@ def _timed_step(model: MoEGPT, ids: torch.Tensor, bandwidth: float, timer: Excha
         finally:
             if link is not None:
                 link.__exit__(None, None, None)
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        if ids.is_cuda:
+            torch.cuda.synchronize()  # step boundaries only: the step's own time, its events readable
+        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64, device=ids.device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
         timer.close()
         times = timer.read_ms()
@@ -88,11 +111,15 @@ def _timed_step(model: MoEGPT, ids: torch.Tensor, bandwidth: float, timer: Excha
     return step
 
 
-def _worker(rank: int, world: int, port: int, bandwidths: list[float], repeats: int, out: str) -> None:
-    init_worker(rank, world, port)
-    timers = {mode: ExchangeTimer(HostClock()) for mode in MODES}
-    models = {mode: _model(chunks, timers[mode]) for mode, chunks in MODES.items()}
-    ids = torch.randint(0, MODEL["vocab_size"], TOKENS, generator=torch.Generator().manual_seed(rank))
+def _worker(
+    rank: int, world: int, port: int, device_type: str, bandwidths: list[float], repeats: int, out: str
+) -> None:
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    _init(rank, world, port, device)
+    config, tokens = (CUDA_MODEL, CUDA_TOKENS) if device.type == "cuda" else (MODEL, TOKENS)
+    timers = {mode: ExchangeTimer(clock_for(device)) for mode in MODES}
+    models = {mode: _model(config, chunks, timers[mode], device) for mode, chunks in MODES.items()}
+    ids = torch.randint(0, config["vocab_size"], tokens, generator=torch.Generator().manual_seed(rank)).to(device)
     exchange: dict[str, list[tuple[float, float]]] = {}
     impls: dict[str, Callable[[int], float | None]] = {}
     for bandwidth in bandwidths:
@@ -104,8 +131,9 @@ def _worker(rank: int, world: int, port: int, bandwidths: list[float], repeats: 
     if rank == 0:
         rows = [_row(bandwidth, measured, exchange) for bandwidth in bandwidths]
         report = {
-            "model": MODEL,
-            "tokens_per_rank": TOKENS[0] * TOKENS[1],
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (gloo)",
+            "model": config,
+            "tokens_per_rank": tokens[0] * tokens[1],
             "chunks": CHUNKS,
             "ep": world,
             "repeats": repeats,
@@ -137,22 +165,28 @@ def _row(bandwidth: float, measured: dict[str, Any], exchange: dict[str, list[tu
     return row
 
 
-def run(quick: bool = False, repeats: int | None = None, timeout: float = 1800) -> dict[str, Any]:
-    """Spawn 2 gloo processes, measure both modes at every bandwidth interleaved, return rank 0's report.
+def run(quick: bool = False, repeats: int | None = None, device: str = "cpu", timeout: float = 1800) -> dict[str, Any]:
+    """Spawn 2 gloo processes (``"cuda"``: one NCCL process), measure both modes at every bandwidth interleaved,
+    return rank 0's report.
 
     Example::
 
         report = run(quick=True)
         report["results"][1]["added_ratio"]
     """
-    bandwidths = [math.inf, 2.6e6, 1.3e6] if quick else [math.inf, 5.2e6, 2.6e6, 1.3e6, 0.65e6]
-    return spawn(_worker, 2, (bandwidths, repeats or (3 if quick else 7)), timeout)
+    if device == "cuda":
+        bandwidths = [math.inf, 50e9, 12.5e9] if quick else [math.inf, 100e9, 50e9, 25e9, 12.5e9]
+    else:
+        bandwidths = [math.inf, 2.6e6, 1.3e6] if quick else [math.inf, 5.2e6, 2.6e6, 1.3e6, 0.65e6]
+    world = 1 if device == "cuda" else 2
+    return spawn(_worker, world, (device, bandwidths, repeats or (3 if quick else 7)), timeout)
 
 
 def print_report(report: dict[str, Any]) -> None:
     """Print :func:`run`'s report as a markdown table."""
-    print(f"\nReference model step on ep={report['ep']} CPU processes, {report['tokens_per_rank']} tokens per rank, ")
-    print(f"{report['chunks']} chunks, min/median of {report['repeats']}, load {report['load_average'][0]:.1f}")
+    print(f"\nReference model step, ep={report['ep']} on {report['device']}, ", end="")
+    print(f"{report['tokens_per_rank']} tokens per rank, {report['chunks']} chunks, ", end="")
+    print(f"min/median of {report['repeats']}, load {report['load_average'][0]:.1f}")
     print("| link MB/s | seq step ms | seq added ms | seq exposed ms | overlap step ms | overlap added ms "
           "| overlap exposed ms | added ratio (min / median) |")  # fmt: skip
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -184,9 +218,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
         base = next(r for r in report["results"] if r["link_MBps"] is None)[mode]["step_ms_min"]
         ax.axhline(base, color=color, lw=0.8, ls=":")
     ax.set_xscale("log")
-    ax.set_xlabel("link bandwidth (MB/s per rank)")
+    ax.set_xlabel(f"link bandwidth (MB/s per rank), {report['device']}")
     ax.set_ylabel("ms per training step")
-    ax.set_title(f"ep={report['ep']} gloo, {report['chunks']} chunks (dotted: no slow link)")
+    ax.set_title(f"ep={report['ep']}, {report['chunks']} chunks (dotted: no slow link)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -195,11 +229,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--json", type=Path, default=RESULTS / "overlap.json")
     parser.add_argument("--plot", type=Path, default=RESULTS / "overlap.png")
     args = parser.parse_args()
-    report = run(args.quick, args.repeats)
+    report = run(args.quick, args.repeats, args.device)
     print_report(report)
     args.json.write_text(json.dumps(report, indent=1))
     plot(report, args.plot)

@@ -9,6 +9,11 @@ queue, as on one link). So one exchange of ``2 N`` bytes and two of ``N`` take t
 shrink the total, it can only hide it; and the time added does not depend on which rank joined last. A synchronous
 call returns at the same time as its asynchronous twin's ``wait()``.
 
+On CUDA the host never waits: after the real exchange, the link time is a ``torch.cuda._sleep`` of ``bytes / B``
+(calibrated once) on the stream that issued it, so whatever waits for that stream waits for the link, and exchanges
+issued on one stream queue on it. With one process (a world of 1), every byte counts as crossing the link: the rows
+a rank sends itself stand for those a larger group would send away.
+
 Example::
 
     with SlowLink(bytes_per_s=50e6):
@@ -30,6 +35,8 @@ from torch import Tensor
 from lightning_llmfast.errors import ConfigError
 
 __all__ = ["SlowLink"]
+
+_CYCLES_PER_S: dict[int, float] = {}  # torch.cuda._sleep's clock, per device
 
 
 class _SlowWork:
@@ -104,14 +111,35 @@ class SlowLink:
     ) -> Any:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         rows = input.shape[0] if input.dim() else 1
-        to_self = input_split_sizes[rank] if input_split_sizes is not None else rows // world
-        row_bytes = input.numel() * input.element_size() // max(rows, 1)
+        to_self = 0 if world == 1 else input_split_sizes[rank] if input_split_sizes is not None else rows // world
+        num_bytes = (rows - to_self) * (input.numel() * input.element_size() // max(rows, 1))
         work = self._original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=True)
-        slow = _SlowWork(work, self, (rows - to_self) * row_bytes)
+        if input.is_cuda:
+            work.wait()  # the issuing stream waits for the exchange, then for the link
+            self.sent_bytes += num_bytes
+            torch.cuda._sleep(int(num_bytes / self.bytes_per_s * self._cuda_cycles_per_s()))
+            return work if async_op else None
+        slow = _SlowWork(work, self, num_bytes)
         if async_op:
             return slow
         slow.wait()
         return None
+
+    @staticmethod
+    def _cuda_cycles_per_s() -> float:
+        """``torch.cuda._sleep`` cycles per second on the current device, measured on first use in this process
+        (one host wait: warm a benchmark up before timing it)."""
+        device = torch.cuda.current_device()
+        if device not in _CYCLES_PER_S:
+            cycles = 10**7
+            with torch.cuda.stream(torch.cuda.Stream()):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                torch.cuda._sleep(cycles)
+                end.record()
+                end.synchronize()
+            _CYCLES_PER_S[device] = cycles / (start.elapsed_time(end) / 1e3)
+        return _CYCLES_PER_S[device]
 
     def __enter__(self) -> SlowLink:
         self._original = dist.all_to_all_single
