@@ -22,6 +22,8 @@
 #   offload       benchmarks/bench_offload.py at hidden 4096 (OFFLOAD_SHAPES, OFFLOAD_MODES)  -> offload_<shape>.json
 #   memplan       benchmarks/gpu_memplan.py: memory plans at 60% and 50% of what the layers save (12 layers, hidden
 #                 1024) against offloading and recomputing alone: peak and tokens/s     -> memplan.json
+#   overlap       benchmarks/bench_overlap.py --device cuda: the reference model's step with ep_overlap on and off, its
+#                 exchanges (NCCL) slowed to link bandwidths B, step and exposed all-to-all time  -> overlap.json, .png
 #   bench         python -m lightning_llmfast.bench --profile full --device cuda (bf16; micro: metadata, moe)
 #                                                                                   -> bench.json, bench.png
 # The last thing printed is a short table: one line per stage.
@@ -224,6 +226,11 @@ stage_memplan() {
     "$PY" benchmarks/gpu_memplan.py --device cuda --repeats "${MEMPLAN_REPEATS:-6}" --json "$OUT/memplan.json" --summary
 }
 
+stage_overlap() {
+    "$PY" benchmarks/bench_overlap.py --device cuda --quick --repeats "${OVERLAP_REPEATS:-3}" \
+        --json "$OUT/overlap.json" --plot "$OUT/overlap.png"
+}
+
 stage_bench() {
     # A soft budget under the stage's hard limit: fewer repeats and skipped micro-benchmarks, not a lost run.
     local soft=$((STAGE_LIMIT_S > 80 ? STAGE_LIMIT_S - 40 : STAGE_LIMIT_S / 2))
@@ -232,10 +239,11 @@ stage_bench() {
 }
 
 # ------------------------------------------------------------------------------------------------------- the runner
-export -f stage_env stage_cuda_tests stage_nccl stage_kernel_check stage_cuda_graphs stage_offload stage_memplan stage_bench
+export -f stage_env stage_cuda_tests stage_nccl stage_kernel_check stage_cuda_graphs stage_offload stage_memplan \
+    stage_overlap stage_bench
 # name:max seconds:min seconds (the min of every later selected stage is reserved when a stage's limit is set)
 STAGES=(env:30:10 cuda_tests:150:60 nccl:50:20 kernel_check:40:15 cuda_graphs:40:15 offload:80:30 memplan:60:25
-    bench:110:60)
+    overlap:60:25 bench:110:60)
 declare -a RESULTS
 FAILED=0
 PLANNED=0  # dry run: every stage is assumed to use its whole limit

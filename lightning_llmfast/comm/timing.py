@@ -7,6 +7,8 @@ its own clock (any object with ``stamp()``, ``ready(stamp)`` and ``elapsed_ms(a,
 
 :class:`SpanTimer` times the gradient reduction of each step: from the first bucket's launch to the completion of
 the last one. :class:`BusyTimer` times the fraction of the wall time the device spends inside the steps.
+:class:`ExchangeTimer` times the expert-parallel all-to-all exchanges of each step: how long the link was busy and
+how long the step waited for it.
 
 Example::
 
@@ -24,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["BusyTimer", "Clock", "EventClock", "HostClock", "SpanTimer", "clock_for"]
+__all__ = ["BusyTimer", "Clock", "EventClock", "ExchangeTimer", "HostClock", "SpanTimer", "clock_for"]
 
 # Steps kept while waiting to be read; older ones are dropped (a run that never reads must not grow without bound).
 _MAX_PENDING = 1024
@@ -186,3 +188,90 @@ class BusyTimer:
             count += 1
         del self._steps[:count]
         return busy / total if count and total > 0 else None
+
+
+class ExchangeTimer:
+    """Per step, the time the exchanges took and the time the step waited for them (``comm/a2a_ms`` and
+    ``comm/a2a_exposed_ms``).
+
+    An exchange is a *span* from :meth:`begin` (stamped where it is issued: on the host, or on the communication
+    stream) to :meth:`end` (its completion: a future's callback on the host, an event recorded after it on the
+    communication stream). The step's exchange time is the length of the union of its spans (the time at least one
+    exchange was in flight); its exposed time is the sum of the :meth:`waited` intervals (stamped around each wait, on
+    the host or on the compute stream, so that a stream stalled on the exchange shows as the gap). :meth:`close`
+    ends a step; :meth:`read_ms` reads the closed steps whose stamps completed, without waiting.
+
+    Args:
+        clock: takes the stamps (:func:`clock_for` the training device).
+
+    Example::
+
+        timer = ExchangeTimer(HostClock())
+        span = timer.begin()
+        work.get_future().add_done_callback(lambda _: timer.end(span))
+        start = timer.clock.stamp(); work.wait(); timer.waited(start, timer.clock.stamp())
+        timer.close()
+        timer.read_ms()  # (a2a_ms, a2a_exposed_ms), means over the steps read, or None
+    """
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._spans: list[list[Any]] = []
+        self._waits: list[tuple[Any, Any]] = []
+        self._closed: list[tuple[list[list[Any]], list[tuple[Any, Any]]]] = []
+
+    def begin(self) -> list[Any]:
+        """Stamp an exchange's issue; returns the span to pass to :meth:`end`."""
+        span = [self.clock.stamp(), None]
+        with self._lock:
+            self._spans.append(span)
+        return span
+
+    def end(self, span: list[Any], stamp: Any | None = None) -> None:
+        """Stamp an exchange's completion (``stamp``, or now)."""
+        span[1] = self.clock.stamp() if stamp is None else stamp
+
+    def waited(self, start: Any, end: Any) -> None:
+        """Count ``start`` to ``end`` (stamps around one wait) as time the step waited for an exchange."""
+        with self._lock:
+            self._waits.append((start, end))
+
+    def close(self) -> None:
+        """End the step: its exchanges so far are read by the next :meth:`read_ms` once their stamps completed."""
+        with self._lock:
+            if self._spans or self._waits:
+                self._closed.append((self._spans, self._waits))
+                del self._closed[:-_MAX_PENDING]
+            self._spans, self._waits = [], []
+
+    def read_ms(self) -> tuple[float, float] | None:
+        """``(exchange ms, exposed ms)`` per step, averaged over the closed steps whose stamps completed, or ``None``.
+
+        Steps read are forgotten; steps still pending stay for the next read.
+        """
+        with self._lock:
+            done = [step for step in self._closed if self._ready(step)]
+            self._closed = [step for step in self._closed if not any(step is d for d in done)]
+        if not done:
+            return None
+        busy = [self._union_ms(spans) for spans, _ in done]
+        exposed = [sum(self.clock.elapsed_ms(a, b) for a, b in waits) for _, waits in done]
+        return sum(busy) / len(busy), sum(exposed) / len(exposed)
+
+    def _ready(self, step: tuple[list[list[Any]], list[tuple[Any, Any]]]) -> bool:
+        spans, waits = step
+        stamps = [s for span in spans for s in span] + [s for wait in waits for s in wait]
+        return all(s is not None and self.clock.ready(s) for s in stamps)
+
+    def _union_ms(self, spans: list[list[Any]]) -> float:
+        if not spans:
+            return 0.0
+        base = spans[0][0]
+        intervals = sorted((self.clock.elapsed_ms(base, a), self.clock.elapsed_ms(base, b)) for a, b in spans)
+        total, reach = 0.0, float("-inf")
+        for start, end in intervals:
+            if end > reach:
+                total += end - max(start, reach)
+                reach = end
+        return total

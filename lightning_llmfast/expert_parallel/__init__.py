@@ -10,9 +10,11 @@ Plain PyTorch on top of :mod:`lightning_llmfast.moe` (no Lightning, no :mod:`lig
 - :mod:`~lightning_llmfast.expert_parallel.hierarchical`: the hierarchical dispatch across nodes (a token crosses the
   node boundary once per destination node) and the node sub-groups it runs on;
 - :mod:`~lightning_llmfast.expert_parallel.payload`: what travels on the wire (:class:`DispatchPayload`: bf16, fp8)
-  and the differentiable exchange;
+  and the differentiable exchange, whole or in two halves;
+- :mod:`~lightning_llmfast.expert_parallel.overlap`: the chunked exchange whose chunks travel while the experts run
+  (:func:`set_ep_overlap`);
 - :mod:`~lightning_llmfast.expert_parallel.exchange`: the masked gathers around the exchange and the staging of its
-  host-side handshakes;
+  host-side handshakes, and the asynchronous all-to-all (a communication stream on CUDA);
 - :mod:`~lightning_llmfast.expert_parallel.state`: the sharded expert tensors of a model: gradient reduction, their
   states as DTensor views for distributed checkpoints, full states sliced to a rank's experts.
 
@@ -43,6 +45,7 @@ _LAZY: dict[str, str] = {
     "node_groups": "lightning_llmfast.expert_parallel.hierarchical",
     "DispatchPayload": "lightning_llmfast.expert_parallel.payload",
     "set_ep_dispatch": "lightning_llmfast.expert_parallel.sharding",
+    "set_ep_overlap": "lightning_llmfast.expert_parallel.sharding",
     "shard_experts": "lightning_llmfast.expert_parallel.sharding",
     "shard_model_experts": "lightning_llmfast.expert_parallel.sharding",
     "expert_parameters": "lightning_llmfast.expert_parallel.state",
@@ -73,6 +76,7 @@ __all__ = [
     "node_groups",
     "reduce_expert_gradients",
     "set_ep_dispatch",
+    "set_ep_overlap",
     "shard_experts",
     "shard_model_experts",
     "sharded_moe_blocks",
@@ -93,7 +97,12 @@ if TYPE_CHECKING:
     )
     from lightning_llmfast.expert_parallel.hierarchical import HierarchicalDispatcher, NodeGroups, node_groups
     from lightning_llmfast.expert_parallel.payload import DispatchPayload
-    from lightning_llmfast.expert_parallel.sharding import set_ep_dispatch, shard_experts, shard_model_experts
+    from lightning_llmfast.expert_parallel.sharding import (
+        set_ep_dispatch,
+        set_ep_overlap,
+        shard_experts,
+        shard_model_experts,
+    )
     from lightning_llmfast.expert_parallel.state import (
         expert_dtensor,
         expert_dtensor_optimizer_state,

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_llmfast.comm.timing import ExchangeTimer
 from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.expert_parallel.exchange import comm_device, masked_gather, stage_to_device
+from lightning_llmfast.expert_parallel.overlap import Chunk, chunk_count, exchange_chunks, split_evenly
 from lightning_llmfast.expert_parallel.payload import DispatchPayload, exchange, wire_row_bytes
 from lightning_llmfast.moe.dispatcher import ExpertRows, TokenDispatcher
 from lightning_llmfast.moe.kernels import BACKENDS, resolve_backend
@@ -36,8 +38,20 @@ __all__ = [
     "global_aux_loss",
 ]
 
+_Side = TypeVar("_Side")
+
 # Wire codes of the activation dtypes in the size signature (ranks must agree on the bytes per row).
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class _Handshake(NamedTuple):
+    """What the dropless counts exchange tells a rank: ``(W, E_l)`` rows it receives per source and local expert
+    (device), the rows it sends to and receives from each rank, and the valid pairs of the whole group (host)."""
+
+    mine: Tensor
+    in_splits: list[int]
+    out_splits: list[int]
+    pairs: int
 
 
 class _Return(NamedTuple):
@@ -109,6 +123,10 @@ class AllToAllDispatcher(TokenDispatcher):
             last forward, summed over the group (device tensor).
         traffic: the bytes this rank's forward exchanges (dispatch and combine) have sent so far, inside its node
             and across (:class:`NodeTraffic`; the backward's exchanges mirror them, in the gradients' payload).
+        overlap_chunks: ``None``: :meth:`run` exchanges, then computes; an int or ``"auto"``: the rows travel in
+            that many chunks under the experts' compute (:mod:`~lightning_llmfast.expert_parallel.overlap`; set by
+            :func:`~lightning_llmfast.expert_parallel.set_ep_overlap`).
+        timer: stamps every exchange and wait (:class:`~lightning_llmfast.comm.timing.ExchangeTimer`), or ``None``.
     """
 
     def __init__(
@@ -140,6 +158,8 @@ class AllToAllDispatcher(TokenDispatcher):
         self.global_stats: Tensor | None = None
         self._sizes: tuple[int, ...] | None = None
         self._static: dict[tuple[Any, ...], Tensor] = {}
+        self.overlap_chunks: int | str | None = None
+        self.timer: ExchangeTimer | None = None
 
     @property
     def local_experts(self) -> range:
@@ -179,12 +199,20 @@ class AllToAllDispatcher(TokenDispatcher):
     def _send(self, rows: Tensor, out_splits: list[int] | None, in_splits: list[int] | None) -> Tensor:
         """Tokens to their experts in the dispatch payload (their gradients come back in the combine one)."""
         payload = self.payload
-        return exchange(rows, out_splits, in_splits, self.group, wire=payload.dispatch, grad_wire=payload.combine)
+        wires = {"wire": payload.dispatch, "grad_wire": payload.combine}
+        return exchange(rows, out_splits, in_splits, self.group, **wires, timer=self.timer)
 
     def _return(self, rows: Tensor, out_splits: list[int] | None, in_splits: list[int] | None) -> Tensor:
         """Expert outputs back to their tokens' ranks, and their gradients to the experts, in the combine payload."""
         payload = self.payload
-        return exchange(rows, out_splits, in_splits, self.group, wire=payload.combine, grad_wire=payload.combine)
+        wires = {"wire": payload.combine, "grad_wire": payload.combine}
+        return exchange(rows, out_splits, in_splits, self.group, **wires, timer=self.timer)
+
+    def _chunked(
+        self, chunks: Sequence[Chunk], experts: Callable[[int, Tensor], Tensor], independent: Callable[[], _Side]
+    ) -> tuple[list[Tensor], _Side]:
+        """:func:`~lightning_llmfast.expert_parallel.overlap.exchange_chunks` over this dispatcher's group."""
+        return exchange_chunks(chunks, experts, independent, self.group, self.payload, self.timer)
 
     def _raise_disagreement(self, kind: str, theirs: list[list[int]]) -> None:
         raise RoutingError(
@@ -213,6 +241,65 @@ class AllToAllDroplessDispatcher(AllToAllDispatcher):
     """
 
     def dispatch(self, x: Tensor, plan: RoutingPlan, *, x_compute: Tensor | None = None) -> tuple[ExpertRows, Any]:
+        rows, shake = self._handshake(x, plan, x_compute)
+        recv_rows = self._send(rows, shake.out_splits, shake.in_splits)
+        # Received rows are grouped by (source rank, local expert); the grouped GEMM wants (local expert, source).
+        order, inverse = self._expert_major(shake.mine, self.recv_rows)
+        grouped = masked_gather(recv_rows, order, None, inverse, None)
+        offsets = F.pad(shake.mine.sum(dim=0).cumsum(0), (1, 0)).to(torch.int32)
+        rows = ExpertRows(grouped, offsets, False, self._backend(grouped))
+        return rows, _Return(plan, (inverse, order), shake.in_splits, shake.out_splits)
+
+    def run(
+        self,
+        x: Tensor,
+        plan: RoutingPlan,
+        experts: Callable[[ExpertRows], Tensor],
+        independent: Callable[[], _Side],
+        *,
+        x_compute: Tensor | None = None,
+    ) -> tuple[Tensor, _Side]:
+        """With :attr:`overlap_chunks`: the rows each rank sends to each other rank in consecutive chunks, each
+        chunk's experts under the next chunks' exchanges (:mod:`~lightning_llmfast.expert_parallel.overlap`)."""
+        if self.overlap_chunks is None:
+            return super().run(x, plan, experts, independent, x_compute=x_compute)
+        rows, shake = self._handshake(x, plan, x_compute)
+        count = chunk_count(self.overlap_chunks, shake.pairs // self.world)
+        sent = [split_evenly(n, count) for n in shake.in_splits]  # [rank][chunk]
+        received = [split_evenly(n, count) for n in shake.out_splits]
+        pieces = torch.split(rows, [n for per_rank in sent for n in per_rank])
+        chunks = [
+            (
+                torch.cat(pieces[c::count]),
+                [per_rank[c] for per_rank in received],
+                [per_rank[c] for per_rank in sent],
+            )
+            for c in range(count)
+        ]
+        # Row ranges of each chunk within each source's rows (sorted by local expert), for the chunk's groups.
+        bounds = [sum(per_rank[:c]) for per_rank in received for c in range(count + 1)]
+        bounds = stage_to_device(bounds, shake.mine.device).view(self.world, count + 1)
+        ends = F.pad(shake.mine.cumsum(dim=1), (1, 0))  # (W, E_l + 1) ends of each expert's rows per source
+
+        def run_experts(c: int, recv: Tensor) -> Tensor:
+            low, high = bounds[:, c : c + 1], bounds[:, c + 1 : c + 2]
+            per_expert = ends.clamp(low, high).diff(dim=1)  # (W, E_l) rows of the chunk per source and expert
+            order, inverse = self._expert_major(per_expert, recv.shape[0])
+            grouped = masked_gather(recv, order, None, inverse, None)
+            offsets = F.pad(per_expert.sum(dim=0).cumsum(0), (1, 0)).to(torch.int32)
+            outputs = experts(ExpertRows(grouped, offsets, False, self._backend(grouped)))
+            return masked_gather(outputs, inverse, None, order, None)
+
+        backs, side = self._chunked(chunks, run_experts, independent)
+        # Chunk c holds piece c of every destination: back to one block per destination, pieces in order.
+        back_pieces = [torch.split(back, [per_rank[c] for per_rank in sent]) for c, back in enumerate(backs)]
+        back = torch.cat([back_pieces[c][r] for r in range(self.world) for c in range(count)])
+        padding = plan.num_rows - back.shape[0]  # the masked pairs' rows (zero weight): zeros
+        return unpermute(F.pad(back, (0, 0, 0, padding)), plan, backend=self.backend), side
+
+    def _handshake(self, x: Tensor, plan: RoutingPlan, x_compute: Tensor | None) -> tuple[Tensor, _Handshake]:
+        """The counts exchange and its one host read: the rows to send (permuted, padding left out) and the
+        :class:`_Handshake`; checks that every rank agrees on the signature."""
         source = self._start(x, plan, x_compute)
         if plan.capacity is not None:
             raise RoutingError("AllToAllDroplessDispatcher needs a dropless plan; use AllToAllCapacityDispatcher")
@@ -234,24 +321,20 @@ class AllToAllDroplessDispatcher(AllToAllDispatcher):
         mine = recv[:, self.rank * local : (self.rank + 1) * local]
         # NOTE: host sync, the one of dropless expert parallelism (once per layer and forward; every later
         # exchange of this layer, in forward and backward, reuses these splits).
-        host = torch.cat([send_rows, mine.sum(dim=1), recv[:, num_experts + 1 :].flatten()]).tolist()
+        host = torch.cat([send_rows, mine.sum(dim=1), recv[:, num_experts:].flatten()]).tolist()
         self.host_syncs += 1
         in_splits, out_splits, theirs = host[:world], host[world : 2 * world], host[2 * world :]
-        width = len(signature)
-        received = [theirs[width * i : width * (i + 1)] for i in range(world)]
+        width = 1 + len(signature)  # each source's valid tokens, then its signature
+        tokens = sum(theirs[::width])
+        received = [theirs[width * i + 1 : width * (i + 1)] for i in range(world)]
         if any(r != signature for r in received):
             self._raise_disagreement("dtype, hidden size or dispatch payload", received)
         self.global_stats = recv[:, : num_experts + 1].sum(dim=0)
         self.send_rows, self.recv_rows = sum(in_splits), sum(out_splits)
         self._count_traffic(in_splits, out_splits, source)
         # A token mask's pairs sort after every expert's: the rows past the kept ones are padding and stay home.
-        recv_rows = self._send(rows[: self.send_rows], out_splits, in_splits)
-        # Received rows are grouped by (source rank, local expert); the grouped GEMM wants (local expert, source).
-        order, inverse = self._expert_major(mine, self.recv_rows)
-        grouped = masked_gather(recv_rows, order, None, inverse, None)
-        offsets = F.pad(mine.sum(dim=0).cumsum(0), (1, 0)).to(torch.int32)
-        rows = ExpertRows(grouped, offsets, False, self._backend(grouped))
-        return rows, _Return(plan, (inverse, order), in_splits, out_splits)
+        shake = _Handshake(mine, in_splits, out_splits, tokens * plan.top_k)
+        return rows[: self.send_rows], shake
 
     def combine(self, rows: Tensor, ctx: _Return) -> Tensor:
         """Send the experts' outputs back to their tokens' ranks and weight them at home: ``(T, H)``."""
@@ -287,6 +370,22 @@ class AllToAllCapacityDispatcher(AllToAllDispatcher):
     """
 
     def dispatch(self, x: Tensor, plan: RoutingPlan, *, x_compute: Tensor | None = None) -> tuple[ExpertRows, Any]:
+        send, ctx = self._slots(x, plan, x_compute)
+        world, local, capacity = self.world, self.num_local, plan.capacity
+        assert capacity is not None
+        recv = self._send(send, None, None)  # (W * E_l * C, H): source, local expert, slot
+        hidden_size = recv.shape[1]
+        grouped = recv.view(world, local, capacity, hidden_size).transpose(0, 1).reshape(-1, hidden_size)
+        # Every local expert owns W * C rows; the free slots are zero rows, whose outputs and gradients are zero.
+        group_rows = world * capacity
+        offsets = self._cached(
+            ("offsets", group_rows, recv.device),
+            lambda: torch.arange(local + 1, device=recv.device, dtype=torch.int32) * group_rows,
+        )
+        return ExpertRows(grouped, offsets, False, self._backend(grouped)), ctx
+
+    def _slots(self, x: Tensor, plan: RoutingPlan, x_compute: Tensor | None) -> tuple[Tensor, _Return]:
+        """The ``(E * C, H)`` slots to send (expert-major; zeros where free) and the combine's context."""
         source = self._start(x, plan, x_compute)
         capacity = plan.capacity
         if capacity is None:
@@ -302,23 +401,52 @@ class AllToAllCapacityDispatcher(AllToAllDispatcher):
         send = masked_gather(rows, slot_src, slot_valid, row_slot, row_valid)  # (E * C, H)
         self.send_rows = self.recv_rows = send.shape[0]
         self._count_traffic([local * capacity] * world, [local * capacity] * world, send)
-        recv = self._send(send, None, None)  # (W * E_l * C, H): source, local expert, slot
-        hidden_size = recv.shape[1]
-        grouped = recv.view(world, local, capacity, hidden_size).transpose(0, 1).reshape(-1, hidden_size)
-        # Every local expert owns W * C rows; the free slots are zero rows, whose outputs and gradients are zero.
-        group_rows = world * capacity
-        offsets = self._cached(
-            ("offsets", group_rows, rows.device),
-            lambda: torch.arange(local + 1, device=rows.device, dtype=torch.int32) * group_rows,
-        )
-        ctx = _Return(plan, (row_slot, row_valid, slot_src, slot_valid), None, None)
-        return ExpertRows(grouped, offsets, False, self._backend(grouped)), ctx
+        return send, _Return(plan, (row_slot, row_valid, slot_src, slot_valid), None, None)
+
+    def run(
+        self,
+        x: Tensor,
+        plan: RoutingPlan,
+        experts: Callable[[ExpertRows], Tensor],
+        independent: Callable[[], _Side],
+        *,
+        x_compute: Tensor | None = None,
+    ) -> tuple[Tensor, _Side]:
+        """With :attr:`overlap_chunks`: every expert's ``C`` slots in consecutive chunks of slots (fixed shapes), each
+        chunk's experts under the next chunks' exchanges (:mod:`~lightning_llmfast.expert_parallel.overlap`)."""
+        if self.overlap_chunks is None:
+            return super().run(x, plan, experts, independent, x_compute=x_compute)
+        send, ctx = self._slots(x, plan, x_compute)
+        capacity, hidden_size = plan.capacity, send.shape[1]
+        world, local = self.world, self.num_local
+        assert capacity is not None
+        count = chunk_count(self.overlap_chunks, world * local * capacity, limit=max(capacity, 1))
+        widths = split_evenly(capacity, count)
+        slots = torch.split(send.view(world, local, capacity, hidden_size), widths, dim=2)
+        chunks = [(chunk.reshape(-1, hidden_size), None, None) for chunk in slots]
+
+        def run_experts(c: int, recv: Tensor) -> Tensor:
+            rows = widths[c] * world  # every local expert's slots of this chunk, from every source
+            grouped = recv.view(world, local, widths[c], hidden_size).transpose(0, 1).reshape(-1, hidden_size)
+            offsets = self._cached(
+                ("offsets", rows, recv.device),
+                lambda: torch.arange(local + 1, device=recv.device, dtype=torch.int32) * rows,
+            )
+            out = experts(ExpertRows(grouped, offsets, False, self._backend(grouped)))
+            return out.view(local, world, widths[c], hidden_size).transpose(0, 1).reshape(-1, hidden_size)
+
+        backs, side = self._chunked(chunks, run_experts, independent)
+        back = torch.cat([b.view(world, local, w, hidden_size) for b, w in zip(backs, widths, strict=True)], dim=2)
+        return self._unslot(back.view(-1, hidden_size), ctx), side
 
     def combine(self, rows: Tensor, ctx: _Return) -> Tensor:
         """Send the experts' outputs back to their slots' ranks and weight them at home: ``(T, H)``."""
         capacity, hidden_size = ctx.plan.capacity, rows.shape[1]
         back = rows.view(self.num_local, self.world, capacity, hidden_size).transpose(0, 1).reshape(-1, hidden_size)
-        slots = self._return(back, None, None)
+        return self._unslot(self._return(back, None, None), ctx)
+
+    def _unslot(self, slots: Tensor, ctx: _Return) -> Tensor:
+        """The returned ``(E * C, H)`` slots back to their tokens, weighted: ``(T, H)``."""
         row_slot, row_valid, slot_src, slot_valid = ctx.maps
         return unpermute(
             masked_gather(slots, row_slot, row_valid, slot_src, slot_valid), ctx.plan, backend=self.backend

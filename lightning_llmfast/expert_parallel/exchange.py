@@ -1,6 +1,14 @@
 """Building blocks of the expert-parallel exchange (the exchange itself is
 :func:`~lightning_llmfast.expert_parallel.payload.exchange`): a masked gather whose backward is the inverse gather
-(no scatter, no atomics), and the staging of host-side handshakes.
+(no scatter, no atomics), the staging of host-side handshakes, and the asynchronous ``all_to_all_single``
+(:func:`all_to_all_async`) that every exchange issues.
+
+An exchange is issued with ``async_op=True`` and waited for later (:meth:`InFlight.wait`). On CUDA it is issued on a
+communication stream (one per device) that first waits for the compute stream (the rows are ready), and the wait makes
+the compute stream wait for an event recorded after the exchange on that stream: the host never blocks, and the
+compute stream runs whatever was queued before the wait while the exchange is in flight. On the CPU (gloo) the wait
+blocks the host until the exchange completed. An :class:`~lightning_llmfast.comm.timing.ExchangeTimer` given to the
+exchange stamps its span and the wait.
 
 Example::
 
@@ -16,7 +24,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["comm_device", "masked_gather", "stage_to_device"]
+from lightning_llmfast.comm.timing import ExchangeTimer
+
+__all__ = ["InFlight", "all_to_all_async", "comm_device", "masked_gather", "stage_to_device"]
+
+# The communication stream of each CUDA device (created on first use).
+_COMM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 class _MaskedGather(torch.autograd.Function):
@@ -85,3 +98,73 @@ def masked_gather(
         grouped = masked_gather(rows, order, None, inverse, None)  # a permutation and its inverse
     """
     return _MaskedGather.apply(x, index, mask, inverse, inverse_mask)
+
+
+class InFlight:
+    """An ``all_to_all_single`` in flight; :meth:`wait` returns its output once the caller may read it.
+
+    Attributes:
+        out: the output buffer (filled once the exchange completed).
+    """
+
+    __slots__ = ("_done", "_timer", "_work", "out")
+
+    def __init__(self, out: Tensor, work: Any, done: torch.cuda.Event | None, timer: ExchangeTimer | None) -> None:
+        self.out, self._work, self._done, self._timer = out, work, done, timer
+
+    def wait(self) -> Tensor:
+        """The output, ordered after the exchange: the compute stream waits for it on CUDA, the host on the CPU."""
+        timer = self._timer
+        start = timer.clock.stamp() if timer is not None else None
+        if self._done is not None:
+            torch.cuda.current_stream(self.out.device).wait_event(self._done)
+        else:
+            self._work.wait()
+        if timer is not None:
+            timer.waited(start, timer.clock.stamp())
+        return self.out
+
+
+def all_to_all_async(
+    rows: Tensor,
+    out_splits: list[int] | None,
+    in_splits: list[int] | None,
+    group: dist.ProcessGroup,
+    timer: ExchangeTimer | None = None,
+) -> InFlight:
+    """Issue ``all_to_all_single`` of ``rows`` (``in_splits`` rows to each rank, ``out_splits`` from each; ``None``:
+    equal) without waiting for it (module docstring); ``timer`` stamps it.
+
+    Example::
+
+        received = all_to_all_async(rows, out_splits, in_splits, group).wait()
+    """
+    count = rows.shape[0] if out_splits is None else sum(out_splits)
+    out = rows.new_empty((count, *rows.shape[1:]))
+    rows = rows.contiguous()
+    if rows.device.type != "cuda":
+        span = timer.begin() if timer is not None else None
+        work = dist.all_to_all_single(out, rows, out_splits, in_splits, group=group, async_op=True)
+        if timer is not None:
+            work.get_future().add_done_callback(lambda _: timer.end(span))
+        return InFlight(out, work, None, timer)
+    stream = _comm_stream(rows.device)
+    stream.wait_stream(torch.cuda.current_stream(rows.device))
+    with torch.cuda.stream(stream):
+        span = timer.begin() if timer is not None else None
+        work = dist.all_to_all_single(out, rows, out_splits, in_splits, group=group, async_op=True)
+        work.wait()  # the communication stream waits for the collective's own stream; the host does not
+        done = torch.cuda.Event(enable_timing=timer is not None)
+        done.record(stream)
+    # Allocated on the compute stream, used on the communication one: not reused before the exchange is done.
+    rows.record_stream(stream)
+    out.record_stream(stream)
+    if timer is not None:
+        timer.end(span, done)
+    return InFlight(out, work, done, timer)
+
+
+def _comm_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _COMM_STREAMS:
+        _COMM_STREAMS[device] = torch.cuda.Stream(device)
+    return _COMM_STREAMS[device]

@@ -11,9 +11,18 @@ subnormals); bf16 within ``2**-8 * |x|``.
 the reverse exchange in ``grad_wire`` (quantization is treated as the identity in the gradient, the usual
 straight-through choice). Nothing reads a device value on the host.
 
+:func:`start_exchange` and :meth:`PendingExchange.finish` are the same exchange in two halves, so that work runs
+while it is in flight: the forward issues it in ``start_exchange`` and waits in ``finish``; the backward issues the
+gradient's reverse exchange in ``finish``'s backward and waits for it in ``start_exchange``'s, so that the backward
+of whatever ran between the two halves in the forward runs while the gradient is in flight. Every rank must start
+and finish its exchanges in the same order (the autograd engine replays a graph of the same shape in the same order).
+
 Example::
 
     received = exchange(rows, out_splits, in_splits, group, wire="fp8", grad_wire="bf16")
+    pending = start_exchange(rows, out_splits, in_splits, group, wire="fp8", grad_wire="bf16")
+    ...  # work that does not need the received rows
+    received = pending.finish()
 """
 
 from __future__ import annotations
@@ -25,9 +34,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_llmfast.comm.timing import ExchangeTimer
 from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.expert_parallel.exchange import InFlight, all_to_all_async
 
-__all__ = ["E4M3_MAX", "WIRES", "DispatchPayload", "dequantize_rows", "exchange", "quantize_rows", "wire_row_bytes"]
+__all__ = [
+    "E4M3_MAX",
+    "WIRES",
+    "DispatchPayload",
+    "PendingExchange",
+    "dequantize_rows",
+    "exchange",
+    "quantize_rows",
+    "start_exchange",
+    "wire_row_bytes",
+]
 
 E4M3_MAX = 448.0
 """The largest finite value of ``torch.float8_e4m3fn``."""
@@ -137,25 +158,19 @@ def _decode(wire_rows: Tensor, wire: str | None, dtype: torch.dtype) -> Tensor:
     return wire_rows.to(dtype)
 
 
-def _all_to_all(rows: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: Any) -> Tensor:
-    count = rows.shape[0] if out_splits is None else sum(out_splits)
-    out = rows.new_empty((count, *rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
-    return out
-
-
 class _Exchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, splits: tuple[Any, Any], group: Any, wires: tuple[Any, Any]) -> Tensor:
+    def forward(ctx: Any, x: Tensor, splits: tuple[Any, Any], group: Any, wires: tuple[Any, Any], timer: Any) -> Tensor:
         out_splits, in_splits = splits
-        ctx.splits, ctx.group, ctx.wire, ctx.dtype = (in_splits, out_splits), group, wires[1], x.dtype
-        return _decode(_all_to_all(_encode(x, wires[0]), out_splits, in_splits, group), wires[0], x.dtype)
+        ctx.splits, ctx.group, ctx.wire, ctx.dtype, ctx.timer = (in_splits, out_splits), group, wires[1], x.dtype, timer
+        sent = all_to_all_async(_encode(x, wires[0]), out_splits, in_splits, group, timer)
+        return _decode(sent.wait(), wires[0], x.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
         out_splits, in_splits = ctx.splits
-        back = _all_to_all(_encode(grad, ctx.wire), out_splits, in_splits, ctx.group)
-        return _decode(back, ctx.wire, ctx.dtype), None, None, None
+        back = all_to_all_async(_encode(grad, ctx.wire), out_splits, in_splits, ctx.group, ctx.timer)
+        return _decode(back.wait(), ctx.wire, ctx.dtype), None, None, None, None
 
 
 def exchange(
@@ -166,6 +181,7 @@ def exchange(
     *,
     wire: str | None,
     grad_wire: str | None,
+    timer: ExchangeTimer | None = None,
 ) -> Tensor:
     """``all_to_all_single`` of the rows of ``x`` sent as ``wire``, returned in ``x``'s dtype; differentiable.
 
@@ -176,9 +192,92 @@ def exchange(
         group: the process group.
         wire: the payload of the forward exchange (``None``, ``"bf16"``, ``"fp8"``).
         grad_wire: the payload of the gradients' reverse exchange (``None`` or ``"bf16"``).
+        timer: stamps the exchange and its wait, forward and backward (``comm/a2a_ms``), or ``None``.
 
     Example::
 
         recv = exchange(rows, None, None, group, wire="fp8", grad_wire="bf16")  # capacity mode: equal splits
     """
-    return _Exchange.apply(x, (out_splits, in_splits), group, (wire, grad_wire))
+    return _Exchange.apply(x, (out_splits, in_splits), group, (wire, grad_wire), timer)
+
+
+class _Route:
+    """What both halves of a split exchange share: where rows go, in which payloads, and what is in flight."""
+
+    __slots__ = ("dtype", "group", "in_splits", "inflight", "out_splits", "timer", "wires")
+
+    def __init__(self, x: Tensor, splits: tuple[Any, Any], group: Any, wires: tuple[Any, Any], timer: Any) -> None:
+        self.out_splits, self.in_splits = splits
+        self.group, self.wires, self.timer, self.dtype = group, wires, timer, x.dtype
+        self.inflight: InFlight | None = None
+
+    def issue(self, rows: Tensor, wire: str | None, backward: bool) -> None:
+        out_splits, in_splits = (self.in_splits, self.out_splits) if backward else (self.out_splits, self.in_splits)
+        self.inflight = all_to_all_async(_encode(rows, wire), out_splits, in_splits, self.group, self.timer)
+
+    def take(self, wire: str | None) -> Tensor:
+        inflight, self.inflight = self.inflight, None  # the wire buffer is not kept past its decode
+        assert inflight is not None, "a split exchange was finished before it was started"
+        return _decode(inflight.wait(), wire, self.dtype)
+
+
+class _StartExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, route: _Route) -> Tensor:
+        route.issue(x, route.wires[0], backward=False)
+        ctx.route = route
+        return x.new_empty(0)  # a token: orders finish after start, and the backward's wait after its issue
+
+    @staticmethod
+    def backward(ctx: Any, _token: Tensor) -> tuple[Tensor, None]:
+        route: _Route = ctx.route
+        return route.take(route.wires[1]), None
+
+
+class _FinishExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, token: Tensor, route: _Route) -> Tensor:
+        ctx.route = route
+        return route.take(route.wires[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        route: _Route = ctx.route
+        route.issue(grad, route.wires[1], backward=True)
+        return grad.new_empty(0), None
+
+
+class PendingExchange:
+    """An exchange started by :func:`start_exchange`; :meth:`finish` (once) returns the received rows."""
+
+    __slots__ = ("_route", "_token")
+
+    def __init__(self, token: Tensor, route: _Route) -> None:
+        self._token, self._route = token, route
+
+    def finish(self) -> Tensor:
+        """The received rows, in the sent rows' dtype (waits for the exchange: module docstring)."""
+        return _FinishExchange.apply(self._token, self._route)
+
+
+def start_exchange(
+    x: Tensor,
+    out_splits: list[int] | None,
+    in_splits: list[int] | None,
+    group: dist.ProcessGroup,
+    *,
+    wire: str | None,
+    grad_wire: str | None,
+    timer: ExchangeTimer | None = None,
+) -> PendingExchange:
+    """:func:`exchange`, issued now and finished by :meth:`PendingExchange.finish` (module docstring); same
+    arguments, same values and gradients.
+
+    Example::
+
+        pending = start_exchange(rows, None, None, group, wire=None, grad_wire=None)
+        shared = shared_experts(x)  # runs while the rows travel
+        received = pending.finish()
+    """
+    route = _Route(x, (out_splits, in_splits), group, (wire, grad_wire), timer)
+    return PendingExchange(_StartExchange.apply(x, route), route)

@@ -73,6 +73,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_llmfast.comm.timing import ExchangeTimer
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.expert_parallel.dispatchers import (
     AllToAllCapacityDispatcher,
@@ -87,6 +88,7 @@ from lightning_llmfast.expert_parallel.hierarchical import (
     group_nodes,
     node_groups,
 )
+from lightning_llmfast.expert_parallel.overlap import check_chunks
 from lightning_llmfast.expert_parallel.payload import DispatchPayload
 from lightning_llmfast.expert_parallel.state import (
     expert_dtensor,
@@ -96,7 +98,7 @@ from lightning_llmfast.expert_parallel.state import (
 )
 from lightning_llmfast.moe.block import GroupedMoE
 
-__all__ = ["EP_DISPATCHES", "set_ep_dispatch", "shard_experts", "shard_model_experts"]
+__all__ = ["EP_DISPATCHES", "set_ep_dispatch", "set_ep_overlap", "shard_experts", "shard_model_experts"]
 
 EP_DISPATCHES = ("flat", "hierarchical")
 """How tokens cross nodes: every pair to its expert's rank, or once per destination node (module docstring)."""
@@ -358,3 +360,29 @@ def shard_model_experts(
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             module, [name for name, _, _ in expert_parameters(module)]
         )
+
+
+def set_ep_overlap(module: nn.Module, chunks: int | str | None, timer: ExchangeTimer | None = None) -> None:
+    """Overlap the exchanges of every sharded MoE block of ``module`` with their experts' compute, in place (every
+    rank calls it alike; :mod:`~lightning_llmfast.expert_parallel.overlap`).
+
+    The flat dispatchers (dropless, capacity) send their rows in ``chunks`` chunks and run the shared experts and the
+    balance loss while the exchanges are in flight; the hierarchical one keeps its order. ``timer`` stamps every
+    exchange of the flat dispatchers (``comm/a2a_ms``, ``comm/a2a_exposed_ms``), with or without overlap.
+
+    Args:
+        module: a model whose blocks :func:`shard_experts` sharded.
+        chunks: ``None`` (exchange, then compute: no overlap), an int ``>= 1`` or ``"auto"``.
+        timer: the :class:`~lightning_llmfast.comm.timing.ExchangeTimer` of the exchanges, or ``None``.
+
+    Raises:
+        ConfigError: ``chunks`` is not ``None``, ``"auto"`` or an int ``>= 1``.
+
+    Example::
+
+        set_ep_overlap(model, 4, ExchangeTimer(HostClock()))
+    """
+    check_chunks(chunks)
+    for _, _, dispatcher in sharded_moe_blocks(module):
+        dispatcher.overlap_chunks = chunks
+        dispatcher.timer = timer

@@ -26,7 +26,7 @@ from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.moe.balance import all_reduce_counts
 from lightning_llmfast.moe.checks import check_block_input
 from lightning_llmfast.moe.config import MoEConfig
-from lightning_llmfast.moe.dispatcher import LocalDispatcher, TokenDispatcher, compute_copy
+from lightning_llmfast.moe.dispatcher import ExpertRows, LocalDispatcher, TokenDispatcher, compute_copy
 from lightning_llmfast.moe.experts import GroupedExperts, autocast_inputs, expert_swiglu, per_expert_loop
 from lightning_llmfast.moe.losses import SequenceBoundaries
 from lightning_llmfast.moe.routing import RoutingPlan, route, update_expert_bias
@@ -197,14 +197,19 @@ class GroupedMoE(nn.Module):
         bias = self._selection_bias()
         # validate=None: no finiteness work in the hot path; stats.nonfinite_flag() checks when a monitor asks.
         plan = route(logits, self.config.routing, expert_bias=bias, token_mask=token_mask, validate=None)
-        rows, ctx = self.dispatcher.dispatch(x, plan, x_compute=x_compute)
         gate_up, down, act = self._expert_weights()
-        out = self.dispatcher.combine(expert_swiglu(rows, _local(gate_up), _local(down), act), ctx)
-        shared = self._shared_output(x_compute)
+        counting = self.training and not in_backward()  # not again when recomputation replays this forward
+
+        def independent() -> tuple[Tensor | None, Tensor]:
+            # Needs no routed result: an overlapping dispatcher runs it while its exchanges are in flight.
+            return self._shared_output(x_compute), self._aux_loss(plan, counting, boundaries, shape)
+
+        def experts(rows: ExpertRows) -> Tensor:
+            return expert_swiglu(rows, _local(gate_up), _local(down), act)
+
+        out, (shared, aux_loss) = self.dispatcher.run(x, plan, experts, independent, x_compute=x_compute)
         if shared is not None:
             out = out + shared
-        counting = self.training and not in_backward()  # not again when recomputation replays this forward
-        aux_loss = self._aux_loss(plan, counting, boundaries, shape)
         num_pairs = plan.num_tokens * plan.top_k if token_mask is None else None
         stats = MoEStats(plan.tokens_per_expert, aux_loss, plan.z_loss, plan.num_dropped, num_pairs, None, logits, plan)
         if counting:

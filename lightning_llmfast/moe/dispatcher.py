@@ -22,7 +22,8 @@ Example::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -33,6 +34,8 @@ from lightning_llmfast.moe.routing import RoutingPlan
 from lightning_llmfast.moe.token_rows import pair_values_to_rows, plan_indices, sum_rows
 
 __all__ = ["ExpertRows", "LocalDispatcher", "RowGather", "TokenDispatcher", "compute_copy", "compute_dtype"]
+
+_Side = TypeVar("_Side")
 
 
 class RowGather(NamedTuple):
@@ -112,6 +115,39 @@ class TokenDispatcher(ABC):
             rows: the experts' ``(M, H)`` outputs for :meth:`dispatch`'s rows.
             ctx: :meth:`dispatch`'s context.
         """
+
+    def run(
+        self,
+        x: Tensor,
+        plan: RoutingPlan,
+        experts: Callable[[ExpertRows], Tensor],
+        independent: Callable[[], _Side],
+        *,
+        x_compute: Tensor | None = None,
+    ) -> tuple[Tensor, _Side]:
+        """:meth:`dispatch`, ``experts``, :meth:`combine`, and ``independent`` (work that needs no routed result).
+
+        Here in that order; a dispatcher that exchanges tokens may run ``independent`` while its exchanges are in
+        flight, and the experts on a chunk of the rows while the next chunk travels (the all-to-all dispatchers
+        with an ``overlap_chunks``).
+
+        Args:
+            x: ``(T, H)`` this rank's token activations.
+            plan: their routing plan.
+            experts: the experts on :class:`ExpertRows`: ``(M, H)`` outputs.
+            independent: called once, its result returned.
+            x_compute: as in :meth:`dispatch`.
+
+        Returns:
+            ``(combined (T, H), independent())``.
+
+        Example::
+
+            y, shared = dispatcher.run(x, plan, lambda rows: expert_swiglu(rows, gate_up, down), lambda: None)
+        """
+        rows, ctx = self.dispatch(x, plan, x_compute=x_compute)
+        out = self.combine(experts(rows), ctx)
+        return out, independent()
 
     def batch_aux_loss(self, plan: RoutingPlan) -> Tensor | None:
         """The load-balancing loss over the whole dispatch group's batch, or ``None`` (the block's own loss).

@@ -28,8 +28,16 @@ from typing_extensions import override
 
 from lightning_llmfast.callbacks.offload import ActivationOffload
 from lightning_llmfast.comm.grad import GradReduction, PowerSGDConfig, check_ddp_arguments
+from lightning_llmfast.comm.timing import ExchangeTimer, clock_for
 from lightning_llmfast.errors import ConfigError, OffloadError
-from lightning_llmfast.expert_parallel import DispatchPayload, NodeGroups, set_ep_dispatch, sharded_moe_blocks
+from lightning_llmfast.expert_parallel import (
+    DispatchPayload,
+    NodeGroups,
+    set_ep_dispatch,
+    set_ep_overlap,
+    sharded_moe_blocks,
+)
+from lightning_llmfast.expert_parallel.overlap import check_chunks
 from lightning_llmfast.expert_parallel.sharding import EP_DISPATCHES
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 from lightning_llmfast.parallel.pretrained import loads_every_weight
@@ -127,6 +135,16 @@ class LLMFastStrategy(ShardedDataParallelBase):
             so that each token reaches at most ``topk_groups`` nodes. Either way every training step logs this
             rank's forward all-to-all bytes as ``comm/inter_node_bytes`` (to other nodes) and
             ``comm/intra_node_bytes`` (to other ranks of its node), counted on the host from the split sizes.
+        ep_overlap: with ``expert_parallel_size > 1``, hide the flat dispatchers' exchanges under compute: the
+            routed rows travel in ``ep_overlap_chunks`` chunks, the experts of one chunk run while the next travels
+            (forward and backward), and the shared experts and the balance loss run while the exchanges are in
+            flight (:mod:`~lightning_llmfast.expert_parallel.overlap`; same bytes, same host reads, the same losses
+            and gradients up to the order of floating-point sums). ``False``: exchange, then compute. Either way
+            every training step logs ``comm/a2a_ms`` (the time the exchanges of the previous step were in flight)
+            and ``comm/a2a_exposed_ms`` (the time that step waited for them): CUDA events, or the wall clock on the
+            CPU (docs/distributed.md).
+        ep_overlap_chunks: chunks per exchange: an int ``>= 1`` or ``"auto"`` (up to 4, each of at least 256 rows
+            received per rank on average).
         grad_reduce_dtype: ``"bf16"`` reduces gradients in bf16 (half the bytes): DDP through torch's
             ``bf16_compress_hook``, FSDP2 through ``MixedPrecisionPolicy.reduce_dtype`` (experts included), the DDP
             experts of ``expert_parallel_size > 1`` in their all-reduce; ``None`` keeps their dtype
@@ -144,7 +162,8 @@ class LLMFastStrategy(ShardedDataParallelBase):
             other than ``"flat"`` or ``"hierarchical"``, or ``"hierarchical"`` without expert parallelism; before any
             step, when ``expert_parallel_size`` does not divide the world size or a block's experts, the model has
             no grouped MoE block, or (hierarchical) the expert-parallel group does not fill whole nodes equally or
-            group-limited routing has groups that straddle nodes.
+            group-limited routing has groups that straddle nodes; an ``ep_overlap`` that is not a bool or an
+            ``ep_overlap_chunks`` that is not an int ``>= 1`` or ``"auto"``.
         ConfigError: at construction for a ``grad_reduce_dtype`` other than ``None``/``"bf16"``, a
             ``grad_compression`` other than ``None``/``"powersgd"``/a ``PowerSGDConfig``, both together, PowerSGD
             with ``sharding="fsdp"``, or either with a ``ddp_comm_hook``.
@@ -179,6 +198,8 @@ class LLMFastStrategy(ShardedDataParallelBase):
         expert_parallel_size: int = 1,
         dispatch_dtype: str | DispatchPayload | None = None,
         ep_dispatch: str = "flat",
+        ep_overlap: bool = True,
+        ep_overlap_chunks: int | str = "auto",
         grad_reduce_dtype: str | None = None,
         grad_compression: str | PowerSGDConfig | None = None,
         **kwargs: Any,
@@ -201,6 +222,12 @@ class LLMFastStrategy(ShardedDataParallelBase):
             raise ConfigError(f"{type(self).__name__}: ep_dispatch={ep_dispatch!r} needs expert_parallel_size > 1")
         self.ep_dispatch = ep_dispatch
         """How expert-parallel tokens cross nodes: ``"flat"`` or ``"hierarchical"``."""
+        if not isinstance(ep_overlap, bool):
+            raise ConfigError(f"{type(self).__name__}: ep_overlap must be a bool, got {ep_overlap!r}")
+        check_chunks(ep_overlap_chunks, owner=f"{type(self).__name__}: ep_overlap_chunks")
+        self.ep_overlap_chunks: int | str | None = ep_overlap_chunks if ep_overlap else None
+        """Chunks of the overlapped expert-parallel exchanges (``None``: ``ep_overlap=False``)."""
+        self._a2a_timer: ExchangeTimer | None = None
         removed = sorted(set(kwargs) & _REMOVED_OFFLOAD_KEYWORDS)
         if removed:
             raise OffloadError(
@@ -312,7 +339,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
 
     def _setup_node_dispatch(self) -> None:
         """Expert parallelism across Lightning's nodes (``len(devices)`` processes each): ``ep_dispatch``'s
-        dispatchers, counting their bytes inside and across nodes."""
+        dispatchers, counting their bytes inside and across nodes, overlapped as ``ep_overlap`` says and timed."""
         if self.expert_parallel_size == 1:
             return
         assert self.lightning_module is not None and self.parallel_devices is not None
@@ -321,6 +348,8 @@ class LLMFastStrategy(ShardedDataParallelBase):
         module, dispatch, timeout = self.lightning_module, self.ep_dispatch, self._timeout
         layout = set_ep_dispatch(module, dispatch, ranks_per_node, timeout=timeout, node_layout=layout)
         self._node_layout = (dims, layout) if layout is not None and dims is not None else None
+        self._a2a_timer = ExchangeTimer(clock_for(self.root_device))
+        set_ep_overlap(module, self.ep_overlap_chunks, self._a2a_timer)
 
     def _node_traffic(self) -> tuple[int, int]:
         """This rank's expert-parallel all-to-all bytes so far: ``(to other nodes, to other ranks of its node)``."""
@@ -338,6 +367,17 @@ class LLMFastStrategy(ShardedDataParallelBase):
         inter, intra = (now - then for now, then in zip(self._node_traffic(), before, strict=True))
         module.log("comm/inter_node_bytes", float(inter), on_step=True, on_epoch=False, batch_size=1)
         module.log("comm/intra_node_bytes", float(intra), on_step=True, on_epoch=False, batch_size=1)
+
+    def _log_exchange_times(self) -> None:
+        """Log ``comm/a2a_ms`` and ``comm/a2a_exposed_ms`` of the steps closed so far whose stamps completed (the
+        previous step's forward and backward: reading them never waits for the device)."""
+        module, timer = self.lightning_module, self._a2a_timer
+        if timer is None or module is None:
+            return
+        times = timer.read_ms()
+        if times is not None:
+            module.log("comm/a2a_ms", times[0], on_step=True, on_epoch=False, batch_size=1)
+            module.log("comm/a2a_exposed_ms", times[1], on_step=True, on_epoch=False, batch_size=1)
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
@@ -378,9 +418,12 @@ class LLMFastStrategy(ShardedDataParallelBase):
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         offload, trainer = self._offload, self.lightning_module.trainer if self.lightning_module else None
         before = self._node_traffic()
+        if self._a2a_timer is not None:
+            self._a2a_timer.close()  # the previous step: its forward and its backward
         if offload is None or offload.offloader is None or trainer is None:
             output = super().training_step(*args, **kwargs)
             self._log_node_traffic(before)
+            self._log_exchange_times()
             return output
         assert self.lightning_module is not None
         offload.on_train_batch_start(trainer, self.lightning_module, None, 0)
@@ -389,6 +432,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
         finally:
             offload.on_before_backward(trainer, self.lightning_module, None)
         self._log_node_traffic(before)
+        self._log_exchange_times()
         # Automatic optimization runs backward next (see `backward`); manual optimization already did it inside
         # training_step, and a `None` output means Lightning skips backward.
         if output is None or not self.lightning_module.automatic_optimization:
