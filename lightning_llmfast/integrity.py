@@ -4,7 +4,6 @@ live in :mod:`lightning_llmfast.parallel.integrity`, :class:`VerifiedCheckpointI
 
 from lightning_llmfast.parallel.integrity import (
     DIGEST_KEY,
-    load_intact,
     tensor_digests,
     verify_shard_digests,
     verify_tensor_digests,
@@ -15,7 +14,6 @@ from lightning_llmfast.strategy.checkpoint_io import VerifiedCheckpointIO
 __all__ = [
     "DIGEST_KEY",
     "VerifiedCheckpointIO",
-    "load_intact",
     "tensor_digests",
     "verify_shard_digests",
     "verify_tensor_digests",
