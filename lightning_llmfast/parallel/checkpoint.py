@@ -87,12 +87,14 @@ def save_distributed_checkpoint(checkpoint: dict[str, Any], path: str | Path, *,
     """Write ``checkpoint`` (Lightning's dict, from :func:`model_state`/:func:`optimizer_state`) to ``path``, whole or
     not at all.
 
-    Every rank calls this with the same ``path``. All write into one temporary directory beside it
+    Every rank calls this with the same ``path`` (on a file system they share). Rank 0 clears what an interrupted
+    save left beside ``path``; then all write into one temporary directory beside it
     (:mod:`~lightning_llmfast.parallel.atomic`): each its own shards and their digests, rank 0 also
-    :data:`META_FILENAME`; each flushes what it wrote; once every rank has (one collective), rank 0 renames the
-    directory over ``path``, and every rank learns that it did (a second one). Until then ``path`` holds the previous
-    checkpoint, whole: a kill at any moment costs at most the checkpoint being written, and the next save clears
-    what it left. ``checkpoint`` is not modified. A failure on any rank raises on every rank.
+    :data:`META_FILENAME`, each flushing what it wrote; once every rank has, rank 0 renames the directory over
+    ``path``, and every rank learns that it did. Each of these three meeting points is one collective
+    (:func:`~lightning_llmfast.parallel.verdict.agree`, bounded by the process group's timeout): a failure on any
+    rank raises on every rank. Until the rename ``path`` holds the previous checkpoint, whole: a kill at any moment
+    costs at most the checkpoint being written. ``checkpoint`` is not modified.
 
     Example::
 

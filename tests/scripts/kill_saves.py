@@ -3,7 +3,9 @@
 ``python kill_saves.py loop --root DIR --runs N [--devices D] [--sharding S]`` starts the ``fit`` below N times in a
 row, each resuming from ``last`` (``ModelCheckpoint(save_last=True, save_top_k=0, every_n_train_steps=1)``) with a
 slowed writer (every ``os.fsync`` and ``torch.save`` sleeps, so nearly all the time of a step is inside a save), and
-SIGKILLs its whole process group at a random moment once a checkpoint exists; a last run without the slowed writer
+SIGKILLs its whole process group once a checkpoint exists, at a random moment (within ``--window`` seconds, then
+within the slowed stages of the next save to begin: its temporary appeared less than two slowed calls ago, or no
+temporary appeared within four, as with a writer that makes none); a last run without the slowed writer
 resumes and trains two more steps. It prints one JSON line: the runs that could not resume (an error before the
 first step, or a fresh start although a checkpoint was there), the kills that left a save's temporary directory or
 file behind (so they landed inside a save), and the first error line of each failed run.
@@ -114,6 +116,13 @@ def _wait_started(args: argparse.Namespace, proc: subprocess.Popen[str], saved: 
     return None
 
 
+def _wait_for_a_save(directory: Path, timeout: float) -> None:
+    """Until a save's temporary appears beside the checkpoint (or ``timeout``: a writer that makes none)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not any(directory.glob(".*.tmp")):
+        time.sleep(0.005)
+
+
 def _error_line(root: Path) -> str:
     lines = [ln for ln in (root / "run.log").read_text(errors="replace").splitlines() if "Error" in ln]
     return lines[-1][-300:] if lines else "(no error line)"
@@ -148,6 +157,8 @@ def loop(args: argparse.Namespace) -> None:
             result["last_run_rc"] = proc.wait(timeout=180)
             break
         time.sleep(rng.uniform(0.0, args.window))
+        _wait_for_a_save(root / "ckpt", timeout=4 * SLOW_S)
+        time.sleep(rng.uniform(0.0, 2 * SLOW_S))  # within the slowed stages of the save that just began
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         result["kills_inside_save"] += any((root / "ckpt").glob(".*.tmp"))
