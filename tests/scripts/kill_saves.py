@@ -4,8 +4,8 @@
 row, each resuming from ``last`` (``ModelCheckpoint(save_last=True, save_top_k=0, every_n_train_steps=1)``) with a
 slowed writer (every ``os.fsync`` and ``torch.save`` sleeps, so nearly all the time of a step is inside a save), and
 SIGKILLs its whole process group once a checkpoint exists, at a random moment (within ``--window`` seconds, then
-within the slowed stages of the next save to begin: its temporary appeared less than two slowed calls ago, or no
-temporary appeared within four, as with a writer that makes none); a last run without the slowed writer
+within the first slowed stage of the next save to begin: its temporary appeared less than one slowed call ago, or
+no temporary appeared within four, as with a writer that makes none); a last run without the slowed writer
 resumes and trains two more steps. It prints one JSON line: the runs that could not resume (an error before the
 first step, or a fresh start although a checkpoint was there), the kills that left a save's temporary directory or
 file behind (so they landed inside a save), and the first error line of each failed run.
@@ -158,7 +158,7 @@ def loop(args: argparse.Namespace) -> None:
             break
         time.sleep(rng.uniform(0.0, args.window))
         _wait_for_a_save(root / "ckpt", timeout=4 * SLOW_S)
-        time.sleep(rng.uniform(0.0, 2 * SLOW_S))  # within the slowed stages of the save that just began
+        time.sleep(rng.uniform(0.0, SLOW_S))  # within the first slowed stage of the save that just began
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         result["kills_inside_save"] += any((root / "ckpt").glob(".*.tmp"))
