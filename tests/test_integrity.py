@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -73,7 +72,7 @@ def _assert_bitwise(got: dict[str, torch.Tensor], expected: dict[str, torch.Tens
         assert torch.equal(got[key], tensor) and got[key].dtype == tensor.dtype, key
 
 
-def test_single_file_checkpoints_refuse_corruption_and_last_falls_back(tmp_path: Path) -> None:
+def test_single_file_checkpoints_refuse_corruption_even_when_last(tmp_path: Path) -> None:
     module = _module()
     _fit(module, tmp_path, STEPS)
     ckpt = tmp_path / "ckpt"
@@ -95,13 +94,11 @@ def test_single_file_checkpoints_refuse_corruption_and_last_falls_back(tmp_path:
     _corrupt_middle(tensor_damage, size=8)
     with pytest.raises(CheckpointError, match=r"tensor\.ckpt: tensor '(state_dict|optimizer_states)/.+' differs"):
         io.load_checkpoint(tensor_damage)
-    # a corrupt last.ckpt: ckpt_path="last" resumes from the newest intact checkpoint, with a warning
+    # a corrupt last.ckpt is refused, not swapped for an older sibling (every rank must resume from the same one)
     _corrupt_middle(last)
-    os.utime(newest, (last.stat().st_mtime + 1,) * 2)  # newer than the other step checkpoints
-    resumed = _module()
-    with pytest.warns(UserWarning, match=rf"last\.ckpt.*loading the newest intact checkpoint .*{newest.name}"):
-        trainer = _fit(resumed, tmp_path / "again", STEPS + 1, ckpt_path=str(last))
-    assert trainer.global_step == STEPS + 1
+    with pytest.raises(CheckpointError, match=r"last\.ckpt: (tensor '.+' differs|unreadable checkpoint)"):
+        _fit(_module(), tmp_path / "again", STEPS + 1, ckpt_path=str(last))
+    assert _fit(_module(), tmp_path / "again", STEPS + 1, ckpt_path=str(newest)).global_step == STEPS + 1
 
 
 class _Tiny(nn.Module):
@@ -122,7 +119,7 @@ def _dcp_save(path: Path) -> tuple[_Tiny, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def test_distributed_checkpoints_refuse_corruption_and_last_falls_back(tmp_path: Path) -> None:
+def test_distributed_checkpoints_refuse_corruption_even_when_last(tmp_path: Path) -> None:
     saved, _ = _dcp_save(tmp_path / "step=1.ckpt")
     target = _Tiny()
     meta = load_distributed_checkpoint(tmp_path / "step=1.ckpt", target)
@@ -137,10 +134,8 @@ def test_distributed_checkpoints_refuse_corruption_and_last_falls_back(tmp_path:
     last = tmp_path / "last.ckpt"
     shutil.copytree(tmp_path / "step=1.ckpt", last)
     _corrupt_middle(last / "__0_0.distcp")
-    fallback = _Tiny()
-    with pytest.warns(UserWarning, match=r"loading the newest intact checkpoint .*step=1\.ckpt"):
-        load_distributed_checkpoint(last, fallback)
-    _assert_bitwise(fallback.state_dict(), saved.state_dict())
+    with pytest.raises(CheckpointError, match=r"last\.ckpt/__0_0\.distcp: tensor"):  # no fallback to a sibling
+        load_distributed_checkpoint(last, _Tiny())
 
 
 def test_shard_digests_hash_every_byte_once_and_see_damage_outside_the_tensors(

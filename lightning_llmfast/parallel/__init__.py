@@ -11,6 +11,8 @@ expert sharding); :class:`~lightning_llmfast.LLMFastStrategy` calls them. They o
 Expert sharding over ``"ep"`` itself is :mod:`lightning_llmfast.expert_parallel`, which this package applies.
 - :mod:`~lightning_llmfast.parallel.clip`: gradient clipping by the global norm across both meshes.
 - :mod:`~lightning_llmfast.parallel.checkpoint`: DCP save/load with resharding and the single-file export.
+- :mod:`~lightning_llmfast.parallel.atomic`: checkpoints written beside their target, flushed, renamed over it.
+- :mod:`~lightning_llmfast.parallel.verdict`: every rank's verdict turned into one decision by one collective.
 
 Example::
 

@@ -5,10 +5,12 @@ A checkpoint is a directory, laid out as Lightning's ``ModelParallelStrategy`` w
 (each optimizer, keyed by parameter names) written by every rank, plus ``meta.pt``, which rank 0 writes with every
 other entry of Lightning's checkpoint dict (loops, schedulers, callbacks, the datamodule's state, hyper-parameters).
 Loading reshards: a checkpoint written by 2 ranks loads into 1, 2 or 4 (DCP maps saved chunks onto the target's
-placements). Nothing here needs a process group: with one process DCP reads and writes locally. Under expert
-parallelism with DDP (plain tensors of each rank's experts) ``ep_mesh`` views the experts and their optimizer state
-as DTensors over it: each rank writes and reads only its own experts, into the keys and shapes of a one-process
-checkpoint (:func:`~lightning_llmfast.expert_parallel.expert_dtensor_state_dict`).
+placements). Nothing here needs a process group: with one process DCP reads and writes locally. A save is atomic
+(written beside ``path``, flushed, renamed over it: :mod:`~lightning_llmfast.parallel.atomic`); a load verifies the
+digests, each rank its share, and the ranks decide together (:mod:`~lightning_llmfast.parallel.verdict`). Under
+expert parallelism with DDP (plain tensors of each rank's experts) ``ep_mesh`` views the experts and their optimizer
+state as DTensors over it: each rank writes and reads only its own experts, into the keys and shapes of a
+one-process checkpoint (:func:`~lightning_llmfast.expert_parallel.expert_dtensor_state_dict`).
 
 Example::
 
@@ -19,8 +21,7 @@ Example::
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +42,11 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map_only
 
-from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.errors import CheckpointError, ConfigError
 from lightning_llmfast.expert_parallel.state import expert_dtensor_optimizer_state, expert_dtensor_state_dict
-from lightning_llmfast.parallel.integrity import load_intact, verify_shard_digests, write_shard_digests
+from lightning_llmfast.parallel import atomic
+from lightning_llmfast.parallel.integrity import verify_shard_digests, write_shard_digests
+from lightning_llmfast.parallel.verdict import agree
 
 __all__ = [
     "META_FILENAME",
@@ -92,30 +95,56 @@ def optimizer_state(module: nn.Module, optimizer: Optimizer, ep_mesh: DeviceMesh
 
 
 def save_distributed_checkpoint(checkpoint: dict[str, Any], path: str | Path, *, rank: int) -> None:
-    """Write ``checkpoint`` (Lightning's dict, from :func:`model_state`/:func:`optimizer_state`) to ``path``.
+    """Write ``checkpoint`` (Lightning's dict, from :func:`model_state`/:func:`optimizer_state`) to ``path``, whole or
+    not at all.
 
-    Every rank calls this with the same ``path``: each writes its own shards; rank 0 also writes
-    :data:`META_FILENAME`. ``checkpoint`` is not modified. An existing file at ``path`` is replaced by the directory
-    (rank 0 removes it, then all ranks meet at a barrier before creating the directory).
+    Every rank calls this with the same ``path`` (on a file system they share). Rank 0 clears what an interrupted
+    save left beside ``path``; then all write into one temporary directory beside it
+    (:mod:`~lightning_llmfast.parallel.atomic`): each its own shards and their digests, rank 0 also
+    :data:`META_FILENAME`, each flushing what it wrote; once every rank has, rank 0 renames the directory over
+    ``path``, and every rank learns that it did. Each of these three meeting points is one collective
+    (:func:`~lightning_llmfast.parallel.verdict.agree`, bounded by the process group's timeout): a failure on any
+    rank raises on every rank. Until the rename ``path`` holds the previous checkpoint, whole: a kill at any moment
+    costs at most the checkpoint being written. ``checkpoint`` is not modified.
 
     Example::
 
         save_distributed_checkpoint(trainer._checkpoint_connector.dump_checkpoint(), "last.ckpt", rank=0)
     """
     path = Path(path)
-    if rank == 0 and path.is_file():
-        path.unlink()
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-    path.mkdir(parents=True, exist_ok=True)
+    tmp = atomic.temporary_beside(path)
+    agree(_attempt(atomic.clear_stale, path) if rank == 0 else None, f"saving {path}")
+    tmp.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, Any] = {_MODEL_KEY: checkpoint.get(_MODEL_KEY, {})}
     for index, state in enumerate(checkpoint.get("optimizer_states", [])):
         tensors[_optimizer_key(index)] = state
-    dcp.save(tensors, checkpoint_id=path)
+    dcp.save(tensors, checkpoint_id=tmp)  # its shard files and .metadata are fsynced by DCP's writer
+    agree(_attempt(_write_rank_files, checkpoint, tmp, rank), f"saving {path}")  # every rank flushed its files
+    agree(_attempt(_publish, tmp, path) if rank == 0 else None, f"saving {path}")
+
+
+def _attempt(fn: Callable[..., None], *args: Any) -> OSError | None:
+    """``fn(*args)``; the :class:`OSError` it raised (a full disk, a permission), for :func:`agree`."""
+    try:
+        fn(*args)
+    except OSError as err:
+        return err
+    return None
+
+
+def _write_rank_files(checkpoint: dict[str, Any], tmp: Path, rank: int) -> None:
+    """After ``dcp.save``: rank 0 writes :data:`META_FILENAME`; every rank the digests of its files; both flushed."""
     if rank == 0:
         meta = {key: value for key, value in checkpoint.items() if key not in _TENSOR_ENTRIES}
-        torch.save(meta, path / META_FILENAME)
-    write_shard_digests(path, rank, (".metadata", META_FILENAME) if rank == 0 else ())
+        torch.save(meta, tmp / META_FILENAME)
+        atomic.fsync_file(tmp / META_FILENAME)
+    atomic.fsync_file(write_shard_digests(tmp, rank, (".metadata", META_FILENAME) if rank == 0 else ()))
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Rank 0, once every rank has flushed: the directory's entries to the disk, then ``tmp`` renamed over ``path``."""
+    atomic.fsync_directory(tmp)
+    atomic.move_into_place(tmp, path)
 
 
 def load_distributed_checkpoint(
@@ -146,7 +175,8 @@ def load_distributed_checkpoint(
 
     Raises:
         ConfigError: ``path`` is not a distributed checkpoint, or it holds fewer optimizers than given.
-        CheckpointError: a shard differs from its digest (:mod:`lightning_llmfast.parallel.integrity`).
+        CheckpointError: a file differs from its digest (:mod:`lightning_llmfast.parallel.integrity`): each rank
+            verifies its share, and every rank raises if any rank found damage (the others name that rank).
 
     Example::
 
@@ -154,9 +184,7 @@ def load_distributed_checkpoint(
         meta["global_step"]
     """
     path = Path(path)
-    if not is_distributed_checkpoint(path):
-        raise ConfigError(f"{path} is not a distributed (DCP) checkpoint directory")
-    path = load_intact(path, _verified)  # a corrupt last* checkpoint: the newest intact one beside it
+    _verify_together(path)
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     missing = [i for i in range(len(optimizers)) if not any(k.startswith(_optimizer_key(i) + ".") for k in saved)]
     if missing:
@@ -174,9 +202,19 @@ def load_distributed_checkpoint(
     return torch.load(path / META_FILENAME, map_location="cpu", **kwargs)
 
 
-def _verified(path: Path) -> Path:
-    verify_shard_digests(path)
-    return path
+def _verify_together(path: Path) -> None:
+    """Each rank checks that ``path`` is a distributed checkpoint and verifies its share of the digests
+    (:func:`verify_shard_digests`); one collective makes every rank go on, or every rank raise."""
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    error: Exception | None = None
+    try:
+        if not is_distributed_checkpoint(path):
+            raise ConfigError(f"{path} is not a distributed (DCP) checkpoint directory")
+        verify_shard_digests(path, rank, world_size)
+    except (ConfigError, CheckpointError, OSError) as err:
+        error = err
+    agree(error, f"resuming from {path}")
 
 
 def consolidate_checkpoint(path: str | Path, output: str | Path, *, weights_only: bool | None = None) -> Path:
@@ -217,7 +255,5 @@ def consolidate_checkpoint(path: str | Path, output: str | Path, *, weights_only
     checkpoint = torch.load(path / META_FILENAME, map_location="cpu", **kwargs)
     checkpoint[_MODEL_KEY] = weights
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(output.name + ".tmp")
-    torch.save(checkpoint, tmp)
-    shutil.move(tmp, output)  # never a half-written export at `output`
+    atomic.write_file_atomically(output, lambda file: torch.save(checkpoint, file))  # never half-written
     return output

@@ -6,8 +6,10 @@ checkpoint IO of ``strategy="llmfast"``) carries a checksum of every tensor's by
 gets one digest file per rank, with the checksum of each of the rank's shard files and of every tensor chunk inside
 them (:func:`write_shard_digests`). Loading recomputes them: a mismatch, a truncated or unreadable file raises
 :class:`~lightning_llmfast.errors.CheckpointError` naming the file and the first tensor that differs. A checkpoint
-named ``last*`` (what ``ckpt_path="last"`` resolves to) that fails falls back to the newest intact checkpoint beside
-it, with a warning (:func:`load_intact`). Plain torch and numpy: the Lightning layer builds on these.
+verified across several ranks is split between them: each verifies the digest files of the ranks it stands for
+(:func:`verify_shard_digests`), so the checkpoint is read once in all, not once per rank; the ranks then decide
+together (:func:`~lightning_llmfast.parallel.verdict.agree`). Plain torch and numpy: the Lightning layer builds on
+these.
 
 Both detect accidental corruption (bit flips, torn or truncated writes, a block of garbage), not tampering; the block
 sums of a single file do not see two 8-byte words swapped inside one 4 KiB block.
@@ -15,17 +17,17 @@ sums of a single file do not see two 8-byte words swapped inside one 4 KiB block
 Example::
 
     trainer = L.Trainer(strategy="llmfast", callbacks=[ModelCheckpoint(save_last=True)])
-    trainer.fit(module, ckpt_path="last")  # CheckpointError, or the newest intact checkpoint with a warning
+    trainer.fit(module, ckpt_path="last")  # CheckpointError on every rank if any rank finds its part damaged
 """
 
 from __future__ import annotations
 
 import json
-import warnings
+import re
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,7 +37,6 @@ from lightning_llmfast.errors import CheckpointError
 
 __all__ = [
     "DIGEST_KEY",
-    "load_intact",
     "tensor_digests",
     "verify_shard_digests",
     "verify_tensor_digests",
@@ -46,9 +47,8 @@ DIGEST_KEY = "llmfast_tensor_digests"
 """The checkpoint entry holding ``{tensor path: digest}``."""
 
 _BLOCK_WORDS = 512  # 4 KiB of 8-byte words per block sum
-_LAST = "last"  # ModelCheckpoint.CHECKPOINT_NAME_LAST: ckpt_path="last" resolves to files named so
 _SHARD_DIGESTS = "integrity_rank{rank}.json"
-_T = TypeVar("_T")
+_SHARD_DIGESTS_RANK = re.compile(r"integrity_rank(\d+)\.json")
 
 
 def _checksum(data: np.ndarray) -> int:
@@ -107,44 +107,6 @@ def verify_tensor_digests(checkpoint: dict[str, Any], digests: dict[str, str], f
             )
 
 
-def _is_last(path: Path) -> bool:
-    return path.name.startswith(_LAST)
-
-
-def _siblings(path: Path) -> list[Path]:
-    """Other checkpoints beside ``path`` of its kind (files with its suffix, or directories), newest first."""
-    if not path.parent.is_dir():
-        return []
-    same_kind = [p for p in path.parent.iterdir() if p != path and p.is_dir() == path.is_dir()]
-    if not path.is_dir():
-        same_kind = [p for p in same_kind if p.suffix == path.suffix]
-    return sorted(same_kind, key=lambda p: p.stat().st_mtime, reverse=True)
-
-
-def load_intact(path: str | Path, load: Callable[[Path], _T]) -> _T:
-    """``load(path)``; when it raises :class:`CheckpointError` for a ``last*`` checkpoint, the newest intact one beside
-    it is loaded instead, with a warning naming both (another error is raised as is).
-
-    Example::
-
-        checkpoint = load_intact("ckpts/last.ckpt", verified_torch_load)
-    """
-    path = Path(path)
-    try:
-        return load(path)
-    except CheckpointError as error:
-        if not _is_last(path):
-            raise
-        for candidate in _siblings(path):
-            try:
-                result = load(candidate)
-            except CheckpointError:
-                continue
-            warnings.warn(f"{error}; loading the newest intact checkpoint {candidate} instead", stacklevel=2)
-            return result
-        raise
-
-
 def write_shard_digests(path: str | Path, rank: int, extra: tuple[str, ...] = ()) -> Path:
     """After ``dcp.save``: writes the digests of ``rank``'s shard files of the DCP checkpoint ``path`` (and of the
     ``extra`` files, e.g. the metadata): each file's size, every tensor chunk's checksum inside it and the checksum of
@@ -176,8 +138,19 @@ def write_shard_digests(path: str | Path, rank: int, extra: tuple[str, ...] = ()
     return out
 
 
-def verify_shard_digests(path: str | Path) -> None:
-    """Verifies every file the digest files of the DCP checkpoint ``path`` list; no digest file: nothing to verify.
+def verify_shard_digests(path: str | Path, rank: int = 0, world_size: int = 1) -> int:
+    """Verifies the files that ``rank``'s share of the digest files of the DCP checkpoint ``path`` lists: the digests
+    of the saving ranks ``s`` with ``s % world_size == rank`` (a rank resuming at the world size of the save verifies
+    the shards it wrote, and rank 0 also the metadata, which saving rank 0 listed). Together the ranks verify every
+    file once. No digest file: nothing to verify.
+
+    Args:
+        path: the checkpoint directory.
+        rank: this rank among the ``world_size`` ranks that verify together (``0`` of ``1``: every file).
+        world_size: how many ranks share the verification.
+
+    Returns:
+        The bytes read (and hashed) to verify this rank's share.
 
     Raises:
         CheckpointError: a listed file is missing, truncated or altered (naming the file and the first tensor chunk
@@ -185,16 +158,22 @@ def verify_shard_digests(path: str | Path) -> None:
 
     Example::
 
-        verify_shard_digests("ckpts/last.ckpt")
+        verify_shard_digests("ckpts/last.ckpt")  # every file
+        verify_shard_digests("ckpts/last.ckpt", dist.get_rank(), dist.get_world_size())  # this rank's share
     """
     path = Path(path)
+    read = 0
     for digest_file in sorted(path.glob(_SHARD_DIGESTS.format(rank="*"))):
+        match = _SHARD_DIGESTS_RANK.fullmatch(digest_file.name)
+        if match is None or int(match.group(1)) % world_size != rank:
+            continue
         try:
             entries = json.loads(digest_file.read_text())
         except ValueError as err:
             raise CheckpointError(f"{digest_file}: unreadable digest file ({err})") from err
         for name, entry in entries.items():
-            _verify_file(path / name, entry)
+            read += _verify_file(path / name, entry)
+    return read
 
 
 def _mapped(file: Path) -> np.ndarray:
@@ -221,14 +200,15 @@ def _rest(data: np.ndarray, chunks: list[list[Any]]) -> np.ndarray:
     return np.concatenate(gaps)
 
 
-def _verify_file(file: Path, entry: dict[str, Any]) -> None:
+def _verify_file(file: Path, entry: dict[str, Any]) -> int:
     """Every chunk's checksum, then the size and the bytes around the chunks (``"rest"``): each byte is hashed once.
-    A digest without ``"rest"`` (written by lightning_llmfast 0.2) holds one checksum of the whole file instead."""
+    A digest without ``"rest"`` (written by lightning_llmfast 0.2) holds one checksum of the whole file instead.
+    Returns the file's size (the bytes read)."""
     if not file.is_file():
         raise CheckpointError(f"{file}: missing from the checkpoint")
     data = _mapped(file)
     if "rest" not in entry and data.size == entry["size"] and _checksum(data) == entry["checksum"]:
-        return
+        return int(data.size)
     for fqn, offset, length, crc in entry["chunks"]:
         if offset + length > data.size or _checksum(data[offset : offset + length]) != crc:
             raise CheckpointError(f"{file}: tensor {fqn!r} differs from what was saved (file of {data.size} bytes)")
@@ -236,3 +216,4 @@ def _verify_file(file: Path, entry: dict[str, Any]) -> None:
         raise CheckpointError(
             f"{file}: differs from what was saved ({data.size} bytes, saved {entry['size']}) outside the tensor data"
         )
+    return int(data.size)

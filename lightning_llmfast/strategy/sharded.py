@@ -36,13 +36,14 @@ from lightning_llmfast import expert_parallel
 from lightning_llmfast._checks import check_int
 from lightning_llmfast._layers import LayersSpec, resolve_layers
 from lightning_llmfast.comm.grad import with_reduce_dtype
-from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.errors import CheckpointError, ConfigError
 from lightning_llmfast.expert_parallel import expert_parameters
 from lightning_llmfast.parallel import checkpoint as dcp_io
 from lightning_llmfast.parallel.clip import clip_grad_norm, sharded_grads
 from lightning_llmfast.parallel.dims import SHARDINGS, ParallelDims
 from lightning_llmfast.parallel.fsdp import materialize_module, mixed_precision_policy, time_reduce_scatters
 from lightning_llmfast.parallel.layout import parallelize
+from lightning_llmfast.parallel.verdict import agree
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -299,13 +300,15 @@ class ShardedDataParallelBase(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         self._restored_distributed = False
         if self.sharding == "ddp" and not dcp_io.is_distributed_checkpoint(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only)  # a file (under EP: sliced on load)
+            return self._load_file_together(checkpoint_path, weights_only)  # a file (under EP: sliced on load)
         path = Path(self.broadcast(str(checkpoint_path)))
+        error = None
         if not dcp_io.is_distributed_checkpoint(path):
-            raise ConfigError(
+            error = ConfigError(
                 f"{type(self).__name__}(sharding={self.sharding!r}) resumes from distributed checkpoint directories; "
                 f"{path} is not one (load a single-file checkpoint's weights with LightningModule.load_from_checkpoint)"
             )
+        agree(error, f"resuming from {path}")  # every rank refuses, or none
         assert self.lightning_module is not None
         meta = dcp_io.load_distributed_checkpoint(
             path,
@@ -317,6 +320,18 @@ class ShardedDataParallelBase(DDPStrategy):
         )
         self._restored_distributed = True
         return meta
+
+    def _load_file_together(self, checkpoint_path: _PATH, weights_only: bool | None) -> dict[str, Any]:
+        """Every rank reads and verifies the file (DDPStrategy's load); one collective makes every rank go on with
+        it, or every rank raise (the ranks without an error raise :class:`CheckpointError` naming the others)."""
+        checkpoint: dict[str, Any] = {}
+        error: Exception | None = None
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        except (CheckpointError, OSError) as err:
+            error = err
+        agree(error, f"resuming from {checkpoint_path}")
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
