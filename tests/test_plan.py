@@ -81,7 +81,7 @@ def _measure_step(rank: int, world: int, ep: int, out: str, dispatch_dtype: str 
     dims.build_mesh("cpu")
     payload = DispatchPayload.of(dispatch_dtype)
     parallelize(module, dims, list(module["model"].layers), device=torch.device("cpu"), dispatch=payload)
-    counts = {"all_gather": 0, "reduce_scatter": 0, "all_to_all": 0}
+    counts = {"all_gather": 0, "reduce_scatter": 0, "all_to_all": 0, "size_check": 0}
 
     def spy(name: str, real: Any, moved: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -96,7 +96,11 @@ def _measure_step(rank: int, world: int, ep: int, out: str, dispatch_dtype: str 
         return (sum(rows) - rows[me]) * inp[:1].numel() * inp.element_size()
 
     def gathered(out: Any, inp: Any, **_: Any) -> int:
-        return (out.numel() - inp.numel()) * out.element_size()
+        moved = (out.numel() - inp.numel()) * out.element_size()
+        if inp.dtype == torch.int64:  # the capacity dispatch's size check, not FSDP2's parameters
+            counts["size_check"] += moved
+            return 0
+        return moved
 
     def scattered(output: Any, input: Any, **_: Any) -> int:
         return (input.numel() - output.numel()) * input.element_size()
@@ -128,13 +132,19 @@ def test_plan_communication_equals_what_a_real_gloo_run_moves(
     import torch
     from _distributed import run_distributed
 
+    from lightning_llmfast.models import MoEGPTConfig
+
     run_distributed(_measure_step, world, 2, str(tmp_path), dispatch_dtype, timeout=300)
     plan = sharding_plan("reference", world, 2, tokens_per_rank=TOKENS, compute_bytes=4, dispatch_dtype=dispatch_dtype)
+    config = MoEGPTConfig()
+    # Every MoE layer's capacity dispatch gathers, from the other rank of its EP group, its E + 1 balance-loss counts
+    # and 5 sizes (tokens, capacity, dtype, hidden, payload) as int64.
+    size_check = config.n_layers * (2 - 1) * (config.num_experts + 1 + 5) * 8
     for rank in range(world):
         measured = torch.load(tmp_path / f"rank{rank}.pt")
         assert measured == {
             "all_gather": plan.all_gather[rank], "reduce_scatter": plan.reduce_scatter[rank],
-            "all_to_all": plan.all_to_all,
+            "all_to_all": plan.all_to_all, "size_check": size_check,
         }, rank  # fmt: skip
     assert plan.all_to_all > 0 and plan.reduce_scatter[0] > 0
 
