@@ -1,5 +1,6 @@
-"""A two-rank fit whose data module packs in one DataLoader worker per rank completes (workers start from a forkserver,
-not forked from ranks with live gloo threads: such forks hung or aborted with exit -6)."""
+"""A two-rank fit whose data module packs in one DataLoader worker per rank completes (workers are spawned, not
+forked from ranks with live gloo threads: such forks hung or aborted with exit -6). A kill -9 of the ranks with spawned
+workers leaves no process behind: tests/test_resume.py's two-rank case."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _worker(rank: int, world: int) -> None:
     )  # fmt: skip
     trainer.fit(MoEGPTLightningModule(config, warmup_steps=1), datamodule=data)
     assert trainer.global_step == 2 and dist.is_initialized()
-    assert trainer.train_dataloader.multiprocessing_context.get_start_method() == "forkserver"
+    assert trainer.train_dataloader.multiprocessing_context.get_start_method() == "spawn"
 
 
 def test_two_rank_fit_with_a_dataloader_worker_completes() -> None:

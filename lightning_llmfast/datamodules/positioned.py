@@ -25,7 +25,10 @@ from lightning_llmfast.errors import DataError
 __all__ = ["PositionedDataModule", "PositionedLoader"]
 
 _STATE_VERSION = 1
-_DISTRIBUTED_WORKERS = "forkserver"  # the DataLoader workers' start method once a process group is initialised
+# The DataLoader workers' start method once a process group is initialised. Not "forkserver": its server and the
+# workers it forks outlive a rank killed with SIGKILL (their parent is the server, so the workers' parent watchdog
+# never fires) and keep the rank's pipes open; spawned workers are the rank's own children and exit when it dies.
+_DISTRIBUTED_WORKERS = "spawn"
 
 
 class PositionedLoader(DataLoader[PackedBatch]):
@@ -65,7 +68,7 @@ class PositionedDataModule(LightningDataModule):
 
     Args:
         num_workers: ``DataLoader`` worker processes (0 builds batches in the main process); once a process group
-            is initialised they start from a forkserver, never forked from a rank with live communication threads.
+            is initialised they are spawned, never forked from a rank with live communication threads.
         pin_memory: pin batches when training on an accelerator.
 
     Example::
@@ -199,7 +202,6 @@ class PositionedDataModule(LightningDataModule):
         }
         if self.num_workers > 0 and dist.is_available() and dist.is_initialized():
             # A worker forked from a rank inherits its process-group threads' locks in whatever state they were
-            # (gloo's, NCCL's) without the threads: it can hang, or abort (exit -6). Workers forked from a forkserver
-            # process, started before any of them, inherit none.
+            # (gloo's, NCCL's) without the threads: it can hang, or abort (exit -6). A spawned worker inherits none.
             kwargs["multiprocessing_context"] = _DISTRIBUTED_WORKERS
         return kwargs
