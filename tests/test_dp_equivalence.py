@@ -81,7 +81,7 @@ def test_accumulating_two_micro_batches_equals_one_step_on_both_together() -> No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, 1])
 def test_uneven_corpus_on_two_ranks_fits_and_validates_with_equal_batches(tmp_path: Path, workers: int) -> None:
     # 40 documents, one validation document for two ranks: uneven training shards, and a rank with no validation
     # document of its own (a DDP crash and a validation hang without equal batch counts).
