@@ -19,15 +19,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_llmfast.errors import CheckpointError
+from lightning_llmfast.expert_parallel.exchange import comm_device
 
 __all__ = ["agree"]
-
-
-def _flags_device(group: dist.ProcessGroup | None) -> torch.device:
-    """The device whose tensors ``group``'s backend reduces (NCCL only reduces CUDA tensors)."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def agree(error: BaseException | None, what: str, *, group: dist.ProcessGroup | None = None) -> None:
@@ -53,7 +47,8 @@ def agree(error: BaseException | None, what: str, *, group: dist.ProcessGroup | 
         if error is not None:
             raise error
         return
-    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=_flags_device(group))
+    device = comm_device(group or dist.group.WORLD, torch.device("cpu"))  # NCCL reduces only CUDA tensors
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=device)
     flags[dist.get_rank(group)] = int(error is not None)
     dist.all_reduce(flags, group=group)
     if error is not None:
