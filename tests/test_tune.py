@@ -276,7 +276,8 @@ def test_real_search_of_the_example_cli(tmp_path: Path, monkeypatch) -> None:
     assert (ok.status, failed.status) == ("ok", "failed") and "Invalid learning rate" in failed.reason
     assert ok.tokens_per_sec > 0 and ok.peak_memory > ok.predicted_memory > 0  # RSS holds the interpreter too
     assert ok.settings == {"model.lr": 0.003, "trainer.accumulate_grad_batches": 1}
-    assert (tmp_path / "out/report.png").stat().st_size > 0
+    plotted = (tmp_path / "out/report.png").exists() and (tmp_path / "out/report.png").stat().st_size > 0
+    assert plotted == (importlib.util.find_spec("matplotlib") is not None)  # the plot extra is optional
     spec = importlib.util.spec_from_file_location("train_moe", ROOT / "examples" / "train_moe.py")
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
