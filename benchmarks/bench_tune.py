@@ -2,8 +2,9 @@
 
 The space: micro-batch 1, 2, 4, 8 x router backend ``torch`` (grouped, sync-free) or ``naive`` (the per-expert
 baseline), at 8 sequences per optimizer step (``trainer.accumulate_grad_batches`` 8, 4, 2, 1). Three phases, each
-timed by the wall clock, every trial a subprocess of ``examples/train_moe.py fit`` run by the tuner's
-:class:`~lightning_llmfast.tune.SubprocessRunner`:
+timed by the wall clock, every trial a process of ``examples/train_moe.py fit`` run by the tuner's
+:class:`~lightning_llmfast.tune.SubprocessRunner` (forked from its trial server; the server's start counts in tune's
+time, and the grid runs on the same server):
 
 1. ``tune`` (successive halving: every candidate ``--steps`` measured steps, the best third ``eta`` times longer);
 2. the grid: every candidate measured ``--grid-steps`` steps (the fidelity a grid needs to rank within noise);
@@ -66,11 +67,11 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/tune.json"))
     args = parser.parse_args()
     base = yaml.safe_load(Path(args.config).read_text())
-    runner = SubprocessRunner(ROOT / "examples/train_moe.py")
     work = Path(tempfile.mkdtemp(prefix="bench_tune_"))
     load_before = os.getloadavg()
 
     start = time.monotonic()
+    runner = SubprocessRunner(ROOT / "examples/train_moe.py")
     config = TuneConfig(args.config, work / "tune", space=SPACE, global_batch=GLOBAL_BATCH, steps=args.steps,
                         warmup_steps=args.warmup_steps, eta=args.eta)  # fmt: skip
     result = tune(config, runner)

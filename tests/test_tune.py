@@ -27,6 +27,7 @@ from lightning_llmfast.models import MoEGPT, MoEGPTConfig
 from lightning_llmfast.tune import (
     RECORD_FIELDS,
     Measurement,
+    SubprocessRunner,
     Trial,
     TrialLog,
     TrialRecord,
@@ -175,13 +176,19 @@ def test_trial_log_drops_a_cut_line_and_refuses_a_damaged_one(tmp_path: Path) ->
         log.read()
 
 
+@pytest.fixture(scope="module")
+def trial_server() -> None:
+    """The trial server started (it imports torch and Lightning once per process) before the timed tests."""
+    SubprocessRunner(FAKE)
+
+
 def _fake(tmp_path: Path, space: dict[str, list[Any]], **kwargs: Any) -> TuneConfig:
     (tmp_path / "space.yaml").write_text(yaml.safe_dump(space))
     return TuneConfig(_config(tmp_path), tmp_path / "out", space=tmp_path / "space.yaml", script=FAKE,
                       warmup_steps=1, steps=2, **kwargs)  # fmt: skip
 
 
-def test_a_trial_past_its_timeout_is_stopped_and_the_search_goes_on(tmp_path: Path, monkeypatch) -> None:
+def test_a_trial_past_its_timeout_is_stopped_and_the_search_goes_on(tmp_path: Path, monkeypatch, trial_server) -> None:
     monkeypatch.setenv("FAKE_TRIAL_SLEEP", "30")
     start = time.monotonic()
     result = tune(_fake(tmp_path, {"data.batch_size": [2, 4]}, trial_timeout=1.0))
@@ -191,7 +198,7 @@ def test_a_trial_past_its_timeout_is_stopped_and_the_search_goes_on(tmp_path: Pa
     assert "No trial measured a rate" in (tmp_path / "out/report.md").read_text()
 
 
-def test_the_time_budget_stops_the_search_and_a_rerun_continues_it(tmp_path: Path, monkeypatch) -> None:
+def test_the_time_budget_stops_the_search_and_a_rerun_continues_it(tmp_path: Path, monkeypatch, trial_server) -> None:
     monkeypatch.setenv("FAKE_TRIAL_SLEEP", "1")
     monkeypatch.setenv("FAKE_TRIAL_CALLS", str(tmp_path / "calls.jsonl"))
     space = {"data.batch_size": [1, 2, 4, 8], "model.lr": [0.003, 0.002]}
@@ -205,6 +212,7 @@ def test_the_time_budget_stops_the_search_and_a_rerun_continues_it(tmp_path: Pat
     again = tune(_fake(tmp_path, space, global_batch=8))
     assert not again.stopped_by_budget and again.best is not None and again.best.settings["data.batch_size"] == 8
     calls = _lines(tmp_path / "calls.jsonl")
+    assert all(c["preloaded"] for c in calls)  # forked from the server, which saw the environment change
     for record in result.records:  # measured before the budget ran out: not run again
         batch, lr = record.settings["data.batch_size"], record.settings["model.lr"]
         assert sum((c["batch"], c["lr"], c["steps"]) == (batch, lr, 3) for c in calls) == 1

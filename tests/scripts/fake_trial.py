@@ -3,7 +3,8 @@
 It reads the trial's config and writes the CSV the package's monitors would: ``train/tokens_per_sec`` of steps 2 to
 ``max_steps`` (``1000 * data.batch_size``, or ``FAKE_TRIAL_RATES``: a JSON map of batch size to rate) and
 ``train/host_peak_rss``. ``model.lr < 0`` crashes it (exit status 1); ``FAKE_TRIAL_SLEEP`` seconds pass before it
-writes; every run appends its settings' batch size and lr to the file ``FAKE_TRIAL_CALLS``.
+writes; every run appends its settings' batch size and lr, its ``max_steps`` and whether Lightning was imported
+before it started (the tuner's trial server preloads it) to the file ``FAKE_TRIAL_CALLS``.
 """
 
 from __future__ import annotations
@@ -19,13 +20,17 @@ import yaml
 
 
 def main() -> int:
+    preloaded = "lightning.pytorch" in sys.modules
     config = yaml.safe_load(Path(sys.argv[sys.argv.index("--config") + 1]).read_text())
     batch = config["data"]["batch_size"]
     lr = config.get("model", {}).get("lr", 0.003)
     calls = os.environ.get("FAKE_TRIAL_CALLS")
     if calls:
         with open(calls, "a") as f:
-            f.write(json.dumps({"batch": batch, "lr": lr, "steps": config["trainer"]["max_steps"]}) + "\n")
+            f.write(
+                json.dumps({"batch": batch, "lr": lr, "steps": config["trainer"]["max_steps"], "preloaded": preloaded})
+                + "\n"
+            )
     time.sleep(float(os.environ.get("FAKE_TRIAL_SLEEP", "0")))
     if lr < 0:
         print(f"ValueError: Invalid learning rate: {lr}", file=sys.stderr)
