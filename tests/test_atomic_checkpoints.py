@@ -184,7 +184,7 @@ def _kill_loop(tmp_path: Path, *args: str) -> dict[str, Any]:
     ("devices", "sharding"), [(2, "fsdp"), (1, "ddp")], ids=["dcp-fsdp2-2-processes", "ckpt-file-1-process"]
 )
 def test_kill_9_during_saves_never_costs_the_last_checkpoint(tmp_path: Path, devices: int, sharding: str) -> None:
-    result = _kill_loop(tmp_path, "--runs", "2", "--devices", str(devices), "--sharding", sharding)
+    result = _kill_loop(tmp_path, "--runs", "1", "--devices", str(devices), "--sharding", sharding)
     assert result["failed_resumes"] == 0, result["errors"]
     assert result["last_run_rc"] == 0
-    assert result["kills_inside_save"] >= 1  # the slowed writer put at least one kill inside a save
+    assert result["kills_inside_save"] == 1  # the slowed writer put the kill inside a save
