@@ -1,4 +1,9 @@
-"""Spawned worker processes for multi-process benchmarks and tests: a free port, a join with a deadline, a clean exit.
+"""Worker processes for multi-process benchmarks and tests: a free port, a join with a deadline, a clean exit.
+
+Workers are forked from a server that imported :data:`PRELOAD` once (multiprocessing's ``forkserver``), not spawned
+as fresh interpreters: a spawned rank spends seconds importing torch and Lightning before its first collective, and a
+test suite starts hundreds of ranks. The server is a clean process (no process group, no threads of a run), started on
+the first :func:`spawn_world` of a process; each worker gets the caller's environment of the moment.
 
 A finished gloo rank must not run interpreter finalization: gloo's worker threads can still drop their last
 reference to a finished work's tensors then, and a thread taking the GIL during finalization is ended with a forced
@@ -8,6 +13,7 @@ did all its work then fails on SIGABRT. :func:`leave_world` is the one way a wor
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import sys
@@ -26,8 +32,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PRELOAD: tuple[str, ...] = ("torch", "torch.distributed", "lightning_llmfast")
+"""The modules the workers' server imports once."""
+
+
+def _in_environ(rank: int, environ: dict[str, str], worker: Callable[..., None], *args: Any) -> None:
+    """A worker under the caller's environment (the server's own is that of its start)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    worker(rank, *args)
+
+
 def spawn_world(worker: Callable[..., None], world: int, args: tuple[Any, ...], timeout: float, what: str) -> None:
-    """``worker(rank, *args)`` on ``world`` spawned processes; kills them all after ``timeout`` seconds.
+    """``worker(rank, *args)`` on ``world`` processes forked from the server; kills them all after ``timeout`` seconds
+    (counted from their start: the server's own start on the first call is not in it).
 
     Raises:
         TimeoutError: the processes ran past ``timeout`` (``what`` names the run in the message).
@@ -37,7 +55,10 @@ def spawn_world(worker: Callable[..., None], world: int, args: tuple[Any, ...], 
 
         spawn_world(worker, 2, (free_port(), out_dir), timeout=120, what="my benchmark")
     """
-    context = mp.start_processes(worker, args=args, nprocs=world, start_method="spawn", join=False)
+    multiprocessing.set_forkserver_preload(list(PRELOAD))  # only the first start of the server reads it
+    context = mp.start_processes(
+        _in_environ, args=(dict(os.environ), worker, *args), nprocs=world, start_method="forkserver", join=False
+    )
     deadline = time.monotonic() + timeout
     while not context.join(timeout=max(min(deadline - time.monotonic(), 5.0), 0.1)):
         if time.monotonic() > deadline:
