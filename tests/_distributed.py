@@ -1,4 +1,5 @@
-"""Run a function on ``world`` spawned CPU processes joined by gloo, with a timeout on every collective and the join."""
+"""Run a function on ``world`` CPU processes (forked from ``spawn_world``'s server) joined by gloo, with a timeout on
+every collective and the join."""
 
 from __future__ import annotations
 
