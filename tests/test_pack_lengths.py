@@ -87,6 +87,12 @@ def test_one_document_empty_documents_and_length_one() -> None:
     assert _check([0, 5, 0], 5) == [[(1, 0, 5)]]
     assert _check([1, 1, 1], 2) == [[(0, 0, 1), (1, 0, 1)], [(2, 0, 1)]]
     assert _check([0, 0], 3) == [] and _check([], 3) == []
+    # a row length past 16 bits (the sort keys take two radix passes); 3 goes to the row with 3 left, not 69,996
+    assert _check([2 * 70_001 + 5, 3, 70_000, 69_998], 70_001)[2:] == [
+        [(0, 140_002, 5)],
+        [(1, 0, 3), (3, 0, 69_998)],
+        [(2, 0, 70_000)],
+    ]
 
 
 def test_padding_is_not_above_the_streaming_packers_on_web_like_lengths() -> None:
