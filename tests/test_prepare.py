@@ -26,6 +26,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from lightning_llmfast import DataError
 from lightning_llmfast.data import PreparedBatches, PreparedDataset
 from lightning_llmfast.data import prepared as prepared_module
+from lightning_llmfast.data.packing import pack_lengths
 from lightning_llmfast.data.prepare import PrepareConfig, prepare
 from lightning_llmfast.data.prepared import in_validation, layout_files, permute
 from lightning_llmfast.prepare import main
@@ -505,6 +506,21 @@ def test_a_derived_layout_holds_every_document_of_its_split_once(prepared: Path,
             assert sorted(pieces) == [
                 (s, min(seq_len, len(documents[d]) - s)) for s in range(0, len(documents[d]), seq_len)
             ]
+
+
+def test_a_layout_is_packed_window_by_window(prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prepared_module, "PACK_WINDOW", 10)
+    copy = _copy(prepared, tmp_path / "copy")
+    dataset = PreparedDataset(copy)
+    ids = np.flatnonzero(~in_validation(0, len(dataset), dataset.manifest["settings"]["val_fraction"]))
+    layout = dataset.layout(11, "train")
+    lengths = np.diff(np.load(copy / "documents.npy"))
+    expected = []  # each window of 10 of the split's documents packed on its own, numbered back into the corpus
+    for first in range(0, len(ids), 10):
+        window = ids[first : first + 10]
+        rows, pieces = pack_lengths(lengths[window], 11)
+        expected += [[(int(window[d]), s, n) for d, s, n in pieces[a:b].tolist()] for a, b in itertools.pairwise(rows)]
+    assert len(ids) > 30 and [layout.row(r) for r in range(layout.num_rows)] == expected
 
 
 def test_a_version_1_directory_is_read_and_serves_any_length(tmp_path: Path) -> None:

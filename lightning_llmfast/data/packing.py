@@ -5,6 +5,9 @@ corpora of any size inside a ``DataLoader`` worker. Pieces of exactly ``seq_len`
 chunks of longer documents) fill a row on their own; shorter pieces wait in a look-ahead buffer, and each new row
 takes the oldest waiting piece (so no piece waits forever) and then, best fit, repeatedly the longest waiting
 piece that still fits the space left.
+
+Prepared datasets know every length in advance and pack them offline with :func:`pack_lengths`, best-fit decreasing
+over a whole block of documents, computed with NumPy per distinct length rather than per document.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -30,6 +34,7 @@ __all__ = [
     "check_packing_args",
     "make_batch",
     "pack_documents",
+    "pack_lengths",
     "plan_batches",
     "plan_rows",
     "segment_documents",
@@ -277,6 +282,145 @@ def plan_batches(
             rows = []
     if rows and not drop_last:
         yield rows
+
+
+def pack_lengths(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of ``seq_len`` tokens for documents of the given lengths, packed best-fit decreasing with NumPy.
+
+    A document longer than ``seq_len`` is cut into chunks of ``seq_len`` tokens from its start, each a row of its own.
+    The pieces shorter than ``seq_len`` (short documents and the remainders of long ones; empty documents have none)
+    are packed best-fit decreasing: longest first (ties in document order), each into the row with the least space
+    left that still holds it, into a new row when none does. Rows are ordered by their first piece and pieces within
+    a row by document, so the rows follow the documents. The result is a deterministic function of the lengths.
+
+    Pieces of one length are placed together, so the Python work grows with the number of distinct lengths (below
+    ``seq_len``) and of free-space classes met, not with the number of documents; the rest is NumPy.
+
+    Args:
+        lengths: 1-D integer lengths (``>= 0``) of documents ``0 ... N - 1``.
+        seq_len: tokens per row (at least 2).
+
+    Returns:
+        ``(rows, pieces)``: ``int64`` offsets ``(R + 1,)`` into ``pieces`` and ``int64`` ``(P, 3)`` triples
+        ``(document, start, length)``; row ``r`` is ``pieces[rows[r]:rows[r + 1]]``.
+
+    Raises:
+        DataError: ``seq_len`` below 2, or ``lengths`` not a 1-D array of non-negative integers.
+
+    Example::
+
+        >>> rows, pieces = pack_lengths(np.array([5, 2, 3]), seq_len=4)
+        >>> [pieces[a:b].tolist() for a, b in zip(rows[:-1], rows[1:])]
+        [[[0, 0, 4]], [[0, 4, 1], [2, 0, 3]], [[1, 0, 2]]]
+    """
+    seq_len = _check_int("seq_len", seq_len, 2, "one token and its next")
+    lengths = np.asarray(lengths)
+    if lengths.ndim != 1 or (lengths.size and (lengths.dtype.kind not in "iu" or lengths.min() < 0)):
+        raise DataError(f"lengths must be a 1-D array of integers >= 0, got {lengths.dtype} of shape {lengths.shape}")
+    lengths = lengths.astype(np.int64)
+    # The pieces in document order: each document's full chunks, then its remainder.
+    per_document = -(-lengths // seq_len)
+    document = np.repeat(np.arange(len(lengths), dtype=np.int64), per_document)
+    start = (np.arange(len(document)) - np.repeat(np.cumsum(per_document) - per_document, per_document)) * seq_len
+    length = np.minimum(seq_len, lengths[document] - start)
+    short = np.flatnonzero(length < seq_len)
+    bins = _best_fit_decreasing(length[short], seq_len)
+    members = short[_stable_order(bins)]  # the short pieces bin by bin, in document order within
+    bin_size = np.bincount(bins)
+    bin_first = np.cumsum(bin_size) - bin_size  # where each bin starts in ``members``
+    # A row is led by its first piece: a full chunk leads its own row, a bin's first member leads the bin.
+    row_size = (length == seq_len).astype(np.int64)
+    row_size[members[bin_first]] = bin_size
+    leaders = np.flatnonzero(row_size)
+    rows = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(row_size[leaders])])
+    # Where each piece goes: its row's first slot, plus (for a bin member) its place in the bin.
+    slot = np.zeros(len(document), dtype=np.int64)
+    slot[leaders] = rows[:-1]
+    place = np.arange(len(members)) - np.repeat(bin_first, bin_size)
+    slot[members] = slot[np.repeat(members[bin_first], bin_size)] + place
+    pieces = np.empty((len(document), 3), dtype=np.int64)
+    pieces[slot] = np.stack([document, start, length], axis=1)
+    return rows, pieces
+
+
+def _stable_order(keys: np.ndarray) -> np.ndarray:
+    """``np.argsort(keys, kind="stable")`` of non-negative integers, as radix passes over 16-bit digits.
+
+    NumPy's stable sort is a radix sort for 16-bit keys only (a merge sort otherwise, several times slower on
+    millions of keys); sorting digit by digit, least significant first, keeps every pass stable and linear.
+    """
+    order = np.arange(len(keys), dtype=np.int64)
+    for shift in range(0, max(1, int(keys.max(initial=0)).bit_length()), 16):
+        digit = (keys[order] >> shift) & 0xFFFF
+        order = order[np.argsort(digit.astype(np.uint16), kind="stable")]
+    return order
+
+
+class _OpenRows:
+    """Rows being filled by :func:`_best_fit_decreasing`, grouped by their free space (rows with none are dropped)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.opened = 0
+        self._rows: dict[int, list[int]] = {}  # free space -> rows with exactly that much left
+        self._free: list[int] = []  # the keys of ``_rows``, ascending
+
+    def best_fit(self, size: int) -> int:
+        """The least free space of an open row that holds ``size`` tokens; ``capacity`` (a new row) if none."""
+        at = bisect.bisect_left(self._free, size)
+        return self._free[at] if at < len(self._free) else self.capacity
+
+    def take(self, free: int, count: int) -> list[int]:
+        """Up to ``count`` rows with ``free`` tokens left (``count`` new rows when ``free`` is the capacity)."""
+        if free == self.capacity:
+            self.opened += count
+            return list(range(self.opened - count, self.opened))
+        rows = self._rows[free]
+        taken = rows[-count:]
+        del rows[-count:]
+        if not rows:
+            del self._rows[free]
+            del self._free[bisect.bisect_left(self._free, free)]
+        return taken
+
+    def put(self, rows: list[int], free: int) -> None:
+        """Rows now with ``free`` tokens left."""
+        if not rows or free == 0:
+            return
+        if free not in self._rows:
+            self._rows[free] = []
+            bisect.insort(self._free, free)
+        self._rows[free].extend(rows)
+
+
+def _best_fit_decreasing(sizes: np.ndarray, capacity: int) -> np.ndarray:
+    """The row of every piece (sizes in ``[1, capacity)``) under best-fit decreasing; rows numbered as opened."""
+    order = _stable_order(capacity - sizes)  # longest first, ties in input order
+    ordered = sizes[order]
+    open_rows = _OpenRows(capacity)
+    # The rows that take the ordered pieces, and how many consecutive pieces each takes: expanded once at the end.
+    takers: list[int] = []
+    takes: list[int] = []
+    begin = 0
+    for end in [*(np.flatnonzero(np.diff(ordered)) + 1).tolist(), len(ordered)] if len(ordered) else []:
+        size = int(ordered[begin])
+        while begin < end:
+            # The least fitting space is ``free``; once a row takes a piece it stays the least fitting one until it
+            # has less than ``size`` left, so each of those rows takes ``per_row`` pieces in turn.
+            free = open_rows.best_fit(size)
+            per_row = free // size
+            rows = open_rows.take(free, -(-(end - begin) // per_row))
+            count = min(end - begin, len(rows) * per_row)
+            last = count - (len(rows) - 1) * per_row  # pieces of the last row: fewer when the pieces ran out
+            takers += rows
+            takes += [per_row] * (len(rows) - 1)
+            takes.append(last)
+            begin += count
+            open_rows.put(rows[:-1], free - per_row * size)
+            open_rows.put(rows[-1:], free - last * size)
+    out = np.empty(len(sizes), dtype=np.int64)
+    out[order] = np.repeat(np.array(takers, dtype=np.int64), np.array(takes, dtype=np.int64))
+    return out
 
 
 def segment_documents(rows: list[list[Piece]], seq_len: int) -> list[int]:

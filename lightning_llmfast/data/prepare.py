@@ -10,8 +10,8 @@ files grows with the bytes, not with the documents), the document index, the val
 are derived from the chunk records alone, and ``manifest.json`` is written last (every file flushed to disk before
 its rename, every sha256 read back from the file on disk). So a killed run, started again with the same command,
 skips the done chunks and ends with the same bytes as an uninterrupted one, and a directory without a manifest is
-never mistaken for a complete one. Memory stays bounded by a few chunks in flight (plus the packer's look-ahead),
-whatever the size of the input.
+never mistaken for a complete one. Memory stays bounded by a few chunks in flight (plus the packer's window of
+documents), whatever the size of the input.
 
 ``prepare`` never deletes what it cannot read: an output whose manifest or settings cannot be parsed, or that was
 written in another format version, is refused unless ``overwrite`` is set.
@@ -41,11 +41,11 @@ from typing import Any
 import numpy as np
 
 from lightning_llmfast._checks import check_bool, check_int, check_number
-from lightning_llmfast.data.packing import DEFAULT_LOOKAHEAD
 from lightning_llmfast.data.prepared import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
+    PACK_WINDOW,
     SPLITS,
     atomic_file,
     in_validation,
@@ -499,7 +499,7 @@ def _settings(config: PrepareConfig, files: Sequence[InputFile], tokenizer: Toke
         "chunk_docs": config.chunk_docs,
         "chunk_size": CHUNK_SIZE,
         "shard_bytes": config.shard_bytes,
-        "lookahead": DEFAULT_LOOKAHEAD,
+        "packing": {"policy": "best-fit decreasing", "window": PACK_WINDOW},
     }
 
 
@@ -787,8 +787,7 @@ def _assemble(
         for split in SPLITS:
             ids = np.memmap(partial / f"{split}-documents.bin", dtype=np.int64, mode="r") if split_counts[split][
                 "documents"] else np.zeros(0, dtype=np.int64)  # fmt: skip
-            layouts[str(seq_len)][split] = write_layout(output, seq_len, split, ids, offsets_map, DEFAULT_LOOKAHEAD,
-                                                        partial)  # fmt: skip
+            layouts[str(seq_len)][split] = write_layout(output, seq_len, split, ids, offsets_map, partial)
     del offsets_map
     names = [s["file"] for s in shards] + ["documents.npy"]
     names += [n for s in config.seq_len for split in SPLITS for n in layout_files(s, split)]

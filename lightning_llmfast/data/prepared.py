@@ -41,13 +41,14 @@ from typing_extensions import override
 
 from lightning_llmfast._checks import check_int, check_number
 from lightning_llmfast.data.dataset import PlannedBatchDataset
-from lightning_llmfast.data.packing import Piece, plan_rows
+from lightning_llmfast.data.packing import Piece, pack_lengths
 from lightning_llmfast.errors import DataError
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",
+    "PACK_WINDOW",
     "READ_VERSIONS",
     "SPLITS",
     "PackedLayout",
@@ -82,10 +83,14 @@ MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
 """Splits of whole documents that ``prepare`` packs separately."""
 
+PACK_WINDOW = 1 << 18
+"""Documents of a split packed together (best-fit decreasing, :func:`~lightning_llmfast.data.packing.pack_lengths`):
+bounds the packer's memory (about 50 MiB) and keeps every row within a window of the document order."""
+
 _MASK64 = (1 << 64) - 1
 _FEISTEL_ROUNDS = 4
 _VAL_KEY = 0x5EED5A1D  # fixed key of the validation split's document hash
-_BLOCK = 1 << 16  # documents / rows handled at once while packing a layout
+_BLOCK = 1 << 16  # documents whose split membership is computed at once
 _OPEN_SHARDS = 4  # token shards a reader keeps mapped at once (least recently used closed first)
 
 
@@ -228,15 +233,16 @@ def npy_from_raw(raw: Path, target: Path, columns: int) -> None:
 
 
 def write_layout(
-    directory: Path, seq_len: int, split: str, ids: np.ndarray, offsets: np.ndarray, lookahead: int, scratch: Path
+    directory: Path, seq_len: int, split: str, ids: np.ndarray, offsets: np.ndarray, scratch: Path
 ) -> dict[str, int]:
     """Pack documents ``ids`` into rows of ``seq_len`` tokens and write the split's rows and pieces files.
 
-    The rows are :func:`~lightning_llmfast.data.packing.plan_rows`'s (whole documents, longer ones cut into
-    ``seq_len`` chunks, short pieces packed best-fit with ``lookahead``), so a layout derived at load time equals the
-    one ``prepare`` writes for the same length. Lengths and document numbers are computed by blocks with NumPy, and
-    the pieces go to disk by blocks: memory stays bounded whatever the number of documents. The pieces file is
-    renamed into place before the rows file, so a present rows file means a complete pair.
+    The documents are taken by windows of :data:`PACK_WINDOW`, each packed by
+    :func:`~lightning_llmfast.data.packing.pack_lengths` (whole documents, longer ones cut into ``seq_len`` chunks,
+    short pieces best-fit decreasing), so a layout derived at load time equals the one ``prepare`` writes for the
+    same length. Memory is bounded by the window, whatever the number of documents, and the pieces go to disk window
+    by window. The pieces file is renamed into place before the rows file, so a present rows file means a complete
+    pair.
 
     Args:
         directory: where the ``.npy`` files go.
@@ -244,7 +250,6 @@ def write_layout(
         split: the split's name (for the file names).
         ids: ``int64`` numbers of the split's documents, ascending.
         offsets: the document index (``N + 1`` token offsets).
-        lookahead: the packer's look-ahead.
         scratch: a directory for the raw files written before the ``.npy`` headers are known.
 
     Returns:
@@ -254,7 +259,7 @@ def write_layout(
     tag = f".{os.getpid()}.raw"
     rows_raw, pieces_raw = scratch / f"{rows_name}{tag}", scratch / f"{pieces_name}{tag}"
     try:
-        counts = _pack_raw(rows_raw, pieces_raw, seq_len, ids, offsets, lookahead)
+        counts = _pack_raw(rows_raw, pieces_raw, seq_len, ids, offsets)
         npy_from_raw(pieces_raw, directory / pieces_name, 3)
         npy_from_raw(rows_raw, directory / rows_name, 1)
     finally:
@@ -263,38 +268,18 @@ def write_layout(
     return counts
 
 
-def _pack_raw(
-    rows_raw: Path, pieces_raw: Path, seq_len: int, ids: np.ndarray, offsets: np.ndarray, lookahead: int
-) -> dict[str, int]:
-    """:func:`write_layout`'s packing into raw ``int64`` files (rows offsets, pieces triples)."""
-
-    def lengths() -> Iterator[int]:
-        for start in range(0, len(ids), _BLOCK):
-            block = np.asarray(ids[start : start + _BLOCK])
-            yield from (offsets[block + 1] - offsets[block]).tolist()
-
+def _pack_raw(rows_raw: Path, pieces_raw: Path, seq_len: int, ids: np.ndarray, offsets: np.ndarray) -> dict[str, int]:
+    """:func:`write_layout`'s packing into raw ``int64`` files (rows offsets, pieces triples), window by window."""
     num_rows = num_pieces = 0
     with open(rows_raw, "wb") as rows_file, open(pieces_raw, "wb") as pieces_file:
         rows_file.write(np.zeros(1, dtype=np.int64).tobytes())
-        ends: list[int] = []
-        pieces: list[Piece] = []
-
-        def flush() -> None:
-            block = np.array(pieces, dtype=np.int64).reshape(-1, 3)
-            block[:, 0] = np.asarray(ids)[block[:, 0]]  # plan_rows numbers the split's documents 0, 1, ...
-            pieces_file.write(block.tobytes())
-            rows_file.write(np.array(ends, dtype=np.int64).tobytes())
-            pieces.clear()
-            ends.clear()
-
-        for row in plan_rows(lengths(), seq_len, lookahead) if len(ids) else ():
-            pieces.extend(row)
-            num_pieces += len(row)
-            num_rows += 1
-            ends.append(num_pieces)
-            if len(pieces) >= _BLOCK:
-                flush()
-        flush()
+        for first in range(0, len(ids), PACK_WINDOW):
+            window = np.asarray(ids[first : first + PACK_WINDOW], dtype=np.int64)
+            rows, pieces = pack_lengths(offsets[window + 1] - offsets[window], seq_len)
+            pieces[:, 0] = window[pieces[:, 0]]  # pack_lengths numbers the window's documents 0, 1, ...
+            pieces_file.write(pieces.tobytes())
+            rows_file.write((num_pieces + rows[1:]).tobytes())
+            num_rows, num_pieces = num_rows + len(rows) - 1, num_pieces + len(pieces)
     return {"rows": num_rows, "pieces": num_pieces}
 
 
@@ -507,10 +492,10 @@ class PreparedDataset(Sequence[np.ndarray]):
             members[first : first + count] = in_validation(first, count, settings["val_fraction"])
         ids = np.flatnonzero(members if split == "val" else ~members).astype(np.int64)
         try:
-            write_layout(self.path, seq_len, split, ids, self.offsets, settings["lookahead"], self.path)
+            write_layout(self.path, seq_len, split, ids, self.offsets, self.path)
         except OSError:  # a read-only directory: pack into memory instead
             with tempfile.TemporaryDirectory() as scratch:
-                write_layout(Path(scratch), seq_len, split, ids, self.offsets, settings["lookahead"], Path(scratch))
+                write_layout(Path(scratch), seq_len, split, ids, self.offsets, Path(scratch))
                 rows_name, pieces_name = layout_files(seq_len, split)
                 return PackedLayout(np.load(Path(scratch) / rows_name), np.load(Path(scratch) / pieces_name))
         cached = self._cached_layout(*layout_files(seq_len, split))
