@@ -1,6 +1,6 @@
 """Deriving the rows of a prepared split: the streaming best-fit loop against best-fit decreasing with NumPy.
 
-    python benchmarks/bench_packing.py --documents 1000000 10000000 --json benchmarks/results/pack2_packing.json
+    python benchmarks/bench_packing.py --documents 1000000 10000000 --json benchmarks/results/packing.json
 
 Document lengths are drawn log-normal (median 500 tokens, sigma 1.2: web text's long tail; seed 0). For each
 number of documents and row length, in one process and interleaved over ``--repeats`` rounds:
