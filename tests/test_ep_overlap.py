@@ -95,10 +95,11 @@ def _equivalence_cases(rank: int, world: int) -> None:
         assert got_bytes == want_bytes, (what, got_bytes, want_bytes)
         assert overlapped.dispatcher.host_syncs == sequential.dispatcher.host_syncs, what
         assert overlapped.dispatcher.traffic == sequential.dispatcher.traffic, what
-        for block in (sequential, overlapped):
+        # Exposed: the waits while an exchange was in flight; the overlapped block may have hidden every exchange.
+        for block, waited in ((sequential, True), (overlapped, False)):
             block.dispatcher.timer.close()
             busy, exposed = block.dispatcher.timer.read_ms()
-            assert busy > 0 and exposed > 0, (what, busy, exposed)
+            assert busy > 0 and (exposed > 0 or not waited) and exposed <= busy, (what, busy, exposed)
 
 
 def test_overlapped_exchange_equals_the_sequential_one() -> None:
@@ -259,7 +260,8 @@ def test_exchange_timer_union_of_spans_and_sum_of_waits() -> None:
         span = timer.begin()
         span[0] = start
         timer.end(span, end)
-    timer.waited(8.0, 12.0)
+    timer.waited(8.0, 13.0)  # a host woken after the exchange completed: counted up to the completion, 12
+    timer.waited(14.0, 16.0)  # no exchange in flight: not exposed
     timer.waited(24.0, 25.0)
     timer.close()
     pending = timer.begin()  # the next step: its completion not stamped yet
