@@ -25,6 +25,7 @@ import lightning_llmfast.expert_parallel.payload as payload_module
 import lightning_llmfast.moe.block as block_module
 from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule
 from lightning_llmfast.bench.counters import SyncCounter
+from lightning_llmfast.bench.slow_link import SlowLink
 from lightning_llmfast.comm.timing import ExchangeTimer, HostClock
 from lightning_llmfast.data import pack_documents
 from lightning_llmfast.errors import ConfigError
@@ -441,11 +442,13 @@ def _fit(rank: int, ep_dispatch: str) -> tuple[dict[str, torch.Tensor], _Forward
     strategy = LLMFastStrategy(  # ep_overlap=True (the default), one chunk per node
         expert_parallel_size=WORLD, ep_dispatch=ep_dispatch, ep_overlap_chunks=2, process_group_backend="gloo"
     )
-    L.Trainer(
+    trainer = L.Trainer(
         accelerator="cpu", devices=PER_NODE, num_nodes=WORLD // PER_NODE, strategy=strategy, max_steps=2,
         use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[spy],
-    ).fit(module, DataLoader(batches, batch_size=None))  # fmt: skip
+    )  # fmt: skip
+    with SlowLink(1e6):  # about 1 ms an exchange: the step waits for the ones its compute cannot hide
+        trainer.fit(module, DataLoader(batches, batch_size=None))
     assert strategy.ep_dispatch == ep_dispatch
     return {k: v.detach().clone() for k, v in module.state_dict().items()}, spy
 

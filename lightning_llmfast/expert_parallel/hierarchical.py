@@ -415,7 +415,7 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         sent = self._leave(x, plan, x_compute)
         chunk = self._chunk(sent, range(self.node_layout.num_nodes))
         received, weights = start_route(chunk.route, *chunk.inputs).finish_all()
-        rows, maps = self._grouped(received, chunk.by_source, sent.backend)
+        rows, maps = self._grouped(received, chunk.by_source)
         assert chunk.route.inside is not None
         return rows, _Combine(sent.across, chunk.route.inside._replace(weights=weights), maps, chunk.splits)
 
@@ -452,7 +452,7 @@ class HierarchicalDispatcher(AllToAllDispatcher):
 
         def run_experts(c: int, arrived: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
             (received, weights), chunk = arrived, chunks[c]
-            rows, maps = self._grouped(received, chunk.by_source, sent.backend)
+            rows, maps = self._grouped(received, chunk.by_source)
             assert chunk.route.inside is not None
             return (self._sum_inside(experts(rows), maps, chunk.route.inside._replace(weights=weights), chunk.splits),)
 
@@ -500,7 +500,7 @@ class HierarchicalDispatcher(AllToAllDispatcher):
             )
         return _Chunk((rows, weights), _Outward(self, splits, codes, sent.backend), splits, by_source, nodes)
 
-    def _grouped(self, received: Tensor, by_source: Tensor, backend: str) -> tuple[ExpertRows, tuple[Tensor, Tensor]]:
+    def _grouped(self, received: Tensor, by_source: Tensor) -> tuple[ExpertRows, tuple[Tensor, Tensor]]:
         """Received rows, grouped by (rank of the node, local expert), as the grouped GEMM wants them: by (local
         expert, rank); and the row maps both ways."""
         order, inverse = AllToAllDroplessDispatcher._expert_major(by_source, received.shape[0])
