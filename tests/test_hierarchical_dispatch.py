@@ -28,7 +28,7 @@ from lightning_llmfast.bench.counters import SyncCounter
 from lightning_llmfast.bench.slow_link import SlowLink
 from lightning_llmfast.comm.timing import ExchangeTimer, HostClock
 from lightning_llmfast.data import pack_documents
-from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.expert_parallel import (
     DispatchPayload,
     HierarchicalDispatcher,
@@ -219,6 +219,45 @@ def _total(value: int) -> int:
     return int(total)
 
 
+@contextmanager
+def _shape_spy() -> Iterator[list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """The input and output shapes of every token exchange (the int64 handshake left out)."""
+    shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    real = dist.all_to_all_single
+
+    def spy(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if input.dtype != torch.int64:
+            shapes.append((tuple(input.shape), tuple(output.shape)))
+        return real(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = spy
+    try:
+        yield shapes
+    finally:
+        dist.all_to_all_single = real
+
+
+def _check_fixed_shapes(rank: int, layout: NodeGroups) -> None:
+    """With a capacity limit every exchange has the same shapes whatever the routing (forward and backward, with
+    and without overlap): blocks of ``min(T, E / N * C)`` token rows per node and ``N * E_l * C`` pair rows per rank
+    of the node; ranks whose tokens differ (so would their blocks) all raise."""
+    for overlap in (None, 2):
+        seen = []
+        for routing in (None, _everything_to_node_0):  # spread, then every pair on node 0 (dropped pairs)
+            _, hier = _pair(layout, capacity_factor=1.0)
+            set_ep_overlap(hier, overlap)
+            x = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(rank))
+            x = routing(hier, x) if routing is not None else x
+            with _shape_spy() as shapes:
+                hier(x.requires_grad_()).square().sum().backward()
+            seen.append(shapes)
+        # T = 6, C = ceil(6 * 4 / 8) = 3: 6 rows to each of 2 nodes, 2 * 2 * 3 = 12 to each of 2 ranks of the node.
+        assert seen[0] == seen[1] and seen[0][0][0][0] == 2 * 6 and seen[0][1][0][0] == 2 * 12, seen
+    _, hier = _pair(layout, capacity_factor=1.0)
+    with pytest.raises(RoutingError, match="tokens or capacity"):
+        hier(torch.randn(6 if rank else 5, HIDDEN))
+
+
 def _cases(rank: int, world: int) -> None:
     layout = node_groups(dist.group.WORLD, PER_NODE, timeout=COLLECTIVE_TIMEOUT)
     assert layout.nodes == (0, 0, 1, 1) and layout.num_nodes == 2
@@ -230,6 +269,8 @@ def _cases(rank: int, world: int) -> None:
     assert hier_bytes == (row * TOKENS[rank + 2] if rank < 2 else (row + 32) * TOKENS[rank])
     assert flat_bytes == (2 * row * (TOKENS[2] + TOKENS[3]) if rank < 2 else 4 * row * TOKENS[rank])
     _compare(rank, layout, 2, None, (6,) * WORLD, capacity_factor=0.5)  # flat capacity: equal tokens per rank
+    _compare(rank, layout, 8, _everything_to_node_0, (6,) * WORLD, capacity_factor=1.0)  # the same pairs dropped
+    _check_fixed_shapes(rank, layout)
     _compare(rank, layout, 3, None, score="sigmoid", num_groups=4, topk_groups=2)
     # Both payloads: the tokens are encoded once at home and stay encoded across the intermediate hop, so they reach
     # the experts as the flat dispatch's do (sums come back in fp32 here: the combine's rounding is not compared).
@@ -371,14 +412,18 @@ def _overlap_cases(rank: int, world: int) -> None:
         assert got_bytes == want_bytes and overlapped.dispatcher.traffic == sequential.dispatcher.traffic, what
         # Every chunk's hop across is issued before the first chunk's experts run (each chunk: across, inside,
         # experts, inside back, across back).
-        count = 1 if chunks == "auto" else min(chunks, layout.num_nodes)
+        count = 1 if chunks == "auto" or "capacity_factor" in options else min(chunks, layout.num_nodes)
         first = order.index("experts")
         assert order[:first] == ["across"] * count + ["inside"] and order.count("experts") == count, (what, order)
-        # Exposed: the waits while an exchange was in flight; the overlapped block may have hidden every exchange.
+        # Exposed: the waits while an exchange was in flight. A rank that joins an exchange last may find it done;
+        # without overlap the first to join waits. With overlap, every exchange may have been hidden.
         for block, waited in ((sequential, True), (overlapped, False)):
             block.dispatcher.timer.close()
             busy, exposed = block.dispatcher.timer.read_ms()
-            assert busy > 0 and (exposed > 0 or not waited) and exposed <= busy, (what, busy, exposed)
+            assert busy > 0 and exposed <= busy, (what, busy, exposed)
+            everyone = torch.tensor([exposed])
+            dist.all_reduce(everyone)
+            assert everyone.item() > 0 or not waited, (what, busy, exposed)
 
 
 @pytest.mark.slow

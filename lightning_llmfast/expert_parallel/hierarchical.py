@@ -24,15 +24,23 @@ valid tokens and signature: the split sizes of both hops (one host read per laye
 :attr:`AllToAllDispatcher.host_syncs` counts) and the batch-wide counts of the balance loss (no all-reduce). A
 forward runs five all-to-alls (the handshake, two hops out, two back), a backward four. Outputs and gradients equal
 the flat dispatch's up to the order of the float sums (a token's outputs are summed per node, then over the nodes);
-the tokens are encoded once, as the flat dispatch encodes them. With a capacity limit the plan's drops are honoured
-(dropped pairs never leave home) but the splits are not fixed.
+the tokens are encoded once, as the flat dispatch encodes them.
+
+With a capacity limit (``C`` pairs per expert and source rank, the plan's drops, as the flat capacity dispatch: dropped
+pairs never leave home) the shapes are fixed, whatever the routing: a token reaches a node only through a kept pair
+there, so each rank sends each node one block of ``min(T, E / N * C)`` token rows, and an intermediate rank forwards
+at most ``C`` pairs per expert from each node, so it sends each rank of its node one block of ``N * E_l * C`` pair
+rows (free rows are zeros, with no expert). Every rank must then have the same ``T`` and ``C`` (checked with the
+handshake's host read: ranks that differ all raise). The expert's rank runs its experts on the pairs, the free rows
+last (``ExpertRows.padded``).
 
 Overlap (``overlap_chunks``, :func:`~lightning_llmfast.expert_parallel.set_ep_overlap`): the tokens travel in chunks
 of destination nodes. Chunk ``c`` covers a range of offsets ``o``: every rank sends the tokens bound for node
 ``(node + o) % N`` and receives those of node ``(node - o) % N`` (the first chunk holds offset 0, the rank's own
 node: nothing crosses the boundary). The handshake already gives every rank its rows per source node at both hops,
 so every chunk's split sizes come from the one host read, and a chunk carries exactly the rows the whole exchange
-would (same bytes). :func:`~lightning_llmfast.expert_parallel.overlap.exchange_routes` issues every chunk's hop
+would (same bytes; with a capacity limit one chunk of every node, whose blocks are sized for every node's tokens).
+:func:`~lightning_llmfast.expert_parallel.overlap.exchange_routes` issues every chunk's hop
 across first; then, chunk by chunk, the hop inside the node, the experts, the return inside the node and the weighted
 sums run while the later chunks cross the boundary, and each chunk's sums are sent home at once; the shared experts
 and the balance loss run while the last sums travel. A token reaches each node in exactly one chunk, so its per-node
@@ -59,7 +67,14 @@ from torch import Tensor
 
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.expert_parallel.dispatchers import AllToAllDispatcher, AllToAllDroplessDispatcher
-from lightning_llmfast.expert_parallel.exchange import InFlight, all_to_all_async, masked_gather, stage_to_device
+from lightning_llmfast.expert_parallel.exchange import (
+    BlockMaps,
+    InFlight,
+    all_to_all_async,
+    block_maps,
+    masked_gather,
+    stage_to_device,
+)
 from lightning_llmfast.expert_parallel.overlap import ChunkRoutes, chunk_count, exchange_routes, split_evenly
 from lightning_llmfast.expert_parallel.payload import (
     DispatchPayload,
@@ -256,8 +271,12 @@ class _Outward(Route):
         inside: the plan of the pairs inside the node, set by :meth:`receive` (the combine needs it).
     """
 
-    def __init__(self, dispatcher: HierarchicalDispatcher, splits: _Splits, codes: Tensor, backend: str) -> None:
+    def __init__(
+        self, dispatcher: HierarchicalDispatcher, splits: _Splits, codes: Tensor, backend: str, block: int | None
+    ) -> None:
         self.splits, self.codes, self.payload, self.backend = splits, codes, dispatcher.payload, backend
+        self.block, self.local_experts = block, dispatcher.num_local
+        self.pairs: BlockMaps | None = None
         self.inter, self.intra = dispatcher.node_layout.inter, dispatcher.node_layout.intra
         self.timer = dispatcher.timer
         self.per_node = dispatcher.num_experts // dispatcher.node_layout.num_nodes
@@ -279,7 +298,11 @@ class _Outward(Route):
         width = wire_row_bytes(wire, self.hidden, self.dtype)
         tokens, weights, codes = _split_bytes(arrived, width, _wire_dtype(wire, self.dtype), torch.float32, torch.int32)
         self.inside = inside = self._plan_inside(weights, codes)
-        pairs = tokens.index_select(0, plan_indices(inside).tokens[: sum(splits.within_send)])
+        if self.block is None:
+            pairs = tokens.index_select(0, plan_indices(inside).tokens[: sum(splits.within_send)])
+        else:  # fixed blocks of pairs per expert rank of the node
+            self.pairs = block_maps(inside.offsets[:: self.local_experts], self.block, inside.num_rows)
+            pairs = self.pairs.pad(tokens.index_select(0, plan_indices(inside).tokens))
         received = all_to_all_async(pairs, splits.within_recv, splits.within_send, self.intra, self.timer).wait()
         return _decode(received, wire, self.dtype), weights
 
@@ -290,8 +313,7 @@ class _Outward(Route):
         back = all_to_all_async(
             _encode(grad_rows, wire), splits.within_send, splits.within_recv, self.intra, self.timer
         )
-        back = _decode(back.wait(), wire, self.dtype)
-        back = F.pad(back, (0, 0, 0, inside.num_rows - back.shape[0]))
+        back = _inside_rows(_decode(back.wait(), wire, self.dtype), inside, self.pairs)
         summed = unpermute(back, inside._replace(weights=torch.ones_like(inside.weights)), backend=self.backend)
         packed = torch.cat([_as_bytes(_encode(summed, wire)), _as_bytes(grad_weights.float())], dim=1)
         self._issue(packed, self.inter, splits.across_send, splits.across_recv)
@@ -334,6 +356,22 @@ def _split_bytes(packed: Tensor, width: int, wire_dtype: torch.dtype, *riders: t
     return [part.contiguous().view(kind) for part, kind in zip(parts, (wire_dtype, *riders), strict=True)]
 
 
+class _Fixed(NamedTuple):
+    """The fixed shapes of a capacity dispatch: the splits of both hops (one block of token rows per node, one block
+    of ``inside`` pair rows per rank of the node) and the maps of this rank's tokens into their blocks."""
+
+    splits: _Splits
+    inside: int
+    home: BlockMaps
+
+
+def _inside_rows(back: Tensor, inside: RoutingPlan, pairs: BlockMaps | None) -> Tensor:
+    """Rows returned to the intermediate rank, one per pair of :attr:`_Outward.inside` (its ``num_rows``)."""
+    if pairs is not None:
+        return pairs.unpad(back)
+    return F.pad(back, (0, 0, 0, inside.num_rows - back.shape[0]))
+
+
 class _Sent(NamedTuple):
     """A forward's tokens ready to leave: their rows, weights and expert ids in the hop across's order (by
     destination node), the plan of that hop, the handshake's counts and the kernels' backend."""
@@ -344,6 +382,7 @@ class _Sent(NamedTuple):
     across: RoutingPlan
     counts: _Counts
     backend: str
+    fixed: _Fixed | None
 
 
 class _Chunk(NamedTuple):
@@ -358,10 +397,12 @@ class _Chunk(NamedTuple):
 
 
 class _Combine(NamedTuple):
-    """What the combine needs: the plans of both hops, the expert-major row maps and the split sizes."""
+    """What the combine needs: the tokens sent (the plan of the hop across), the plan of the pairs inside the node
+    and their blocks (capacity), the expert-major row maps and the split sizes."""
 
-    across: RoutingPlan
+    sent: _Sent
     inside: RoutingPlan
+    pairs: BlockMaps | None
     maps: tuple[Tensor, Tensor]
     splits: _Splits
 
@@ -415,19 +456,20 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         sent = self._leave(x, plan, x_compute)
         chunk = self._chunk(sent, range(self.node_layout.num_nodes))
         received, weights = start_route(chunk.route, *chunk.inputs).finish_all()
-        rows, maps = self._grouped(received, chunk.by_source)
+        rows, maps = self._grouped(received, chunk.by_source, chunk.route.block)
         assert chunk.route.inside is not None
-        return rows, _Combine(sent.across, chunk.route.inside._replace(weights=weights), maps, chunk.splits)
+        inside = chunk.route.inside._replace(weights=weights)
+        return rows, _Combine(sent, inside, chunk.route.pairs, maps, chunk.splits)
 
     def combine(self, rows: Tensor, ctx: _Combine) -> Tensor:
         """Weight and sum each token's outputs inside each node, send the sums home and add them up: ``(T, H)``."""
         splits, wire = ctx.splits, self.payload.combine
-        summed = self._sum_inside(rows, ctx.maps, ctx.inside, splits)
+        summed = self._sum_inside(rows, ctx.maps, ctx.inside, ctx.pairs, splits)
         home = exchange(
             summed, splits.across_send, splits.across_recv, self.node_layout.inter, wire=wire, grad_wire=wire,
             timer=self.timer,
         )  # fmt: skip
-        return self._at_home(home, ctx.across)
+        return self._at_home(home, ctx.sent)
 
     def run(
         self,
@@ -446,15 +488,19 @@ class HierarchicalDispatcher(AllToAllDispatcher):
             return super().run(x, plan, experts, independent, x_compute=x_compute)
         sent = self._leave(x, plan, x_compute)
         num_nodes, wire, inter = self.node_layout.num_nodes, self.payload.combine, self.node_layout.inter
-        count = chunk_count(self.overlap_chunks, sent.counts.pairs // self.world, limit=num_nodes)
+        # Fixed shapes (capacity) keep one chunk: a chunk's blocks would be sized for every node's tokens.
+        limit = 1 if sent.fixed is not None else num_nodes
+        count = chunk_count(self.overlap_chunks, sent.counts.pairs // self.world, limit=limit)
         ends = list(itertools.accumulate(split_evenly(num_nodes, count), initial=0))
         chunks = [self._chunk(sent, range(lo, hi)) for lo, hi in itertools.pairwise(ends)]
 
         def run_experts(c: int, arrived: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
             (received, weights), chunk = arrived, chunks[c]
-            rows, maps = self._grouped(received, chunk.by_source)
-            assert chunk.route.inside is not None
-            return (self._sum_inside(experts(rows), maps, chunk.route.inside._replace(weights=weights), chunk.splits),)
+            route = chunk.route
+            rows, maps = self._grouped(received, chunk.by_source, route.block)
+            assert route.inside is not None
+            inside = route.inside._replace(weights=weights)
+            return (self._sum_inside(experts(rows), maps, inside, route.pairs, chunk.splits),)
 
         routes = [
             ChunkRoutes(
@@ -472,43 +518,71 @@ class HierarchicalDispatcher(AllToAllDispatcher):
             sizes = [chunk.splits.across_send[m] for m in chunk.nodes]
             pieces.update(zip(chunk.nodes, back.split(sizes), strict=True))
         home = torch.cat([pieces[m] for m in range(num_nodes)])
-        return self._at_home(home, sent.across), side
+        return self._at_home(home, sent), side
 
     def _leave(self, x: Tensor, plan: RoutingPlan, x_compute: Tensor | None) -> _Sent:
         """The handshake (the one host read), the byte counts, and the rows, weights and expert ids to send."""
         source = self._start(x, plan, x_compute)
         backend = resolve_backend(self.backend, source.device)
         across, codes = self._across_plan(plan, backend)
-        counts = self._handshake(plan, across, self._signature(source))
-        splits, _, _ = counts.select(range(self.node_layout.num_nodes), self.node)
+        capacity, num_nodes, per_node = plan.capacity, self.node_layout.num_nodes, self.node_layout.ranks_per_node
+        sizes = [plan.num_tokens, capacity] if capacity is not None else []  # fixed shapes: equal on every rank
+        counts = self._handshake(plan, across, self._signature(source) + sizes)
+        splits, _, _ = counts.select(range(num_nodes), self.node)
+        if capacity is None:
+            sent = sum(splits.across_send)
+            rows = permute(source, across, backend=backend)[:sent]
+            weights = permute(plan.weights.float(), across, backend=backend)[:sent]
+            codes = codes.index_select(0, plan_indices(across).tokens[:sent])
+            self._count_hops(splits, source, plan.top_k)
+            return _Sent(rows, weights, codes, across, counts, backend, None)
+        # A token reaches a node only through a kept pair there (at most C per expert), and a rank of the node gets
+        # at most C pairs per expert from each node: blocks of those sizes, whatever the routing.
+        tokens = min(plan.num_tokens, self.num_experts // num_nodes * capacity)
+        inside = num_nodes * self.num_local * capacity
+        splits = _Splits([tokens] * num_nodes, [tokens] * num_nodes, [inside] * per_node, [inside] * per_node)
+        fixed = _Fixed(splits, inside, block_maps(across.offsets, tokens, across.num_rows))
+        rows = fixed.home.pad(permute(source, across, backend=backend))
+        weights = fixed.home.pad(permute(plan.weights.float(), across, backend=backend))
+        codes = fixed.home.pad(codes.index_select(0, plan_indices(across).tokens))
+        codes = torch.where(fixed.home.slot_valid[:, None], codes, -1)  # free slots: no expert
         self._count_hops(splits, source, plan.top_k)
-        sent = sum(splits.across_send)
-        rows = permute(source, across, backend=backend)[:sent]
-        weights = permute(plan.weights.float(), across, backend=backend)[:sent]
-        codes = codes.index_select(0, plan_indices(across).tokens[:sent])
-        return _Sent(rows, weights, codes, across, counts, backend)
+        self.send_rows, self.recv_rows = num_nodes * tokens, per_node * inside
+        return _Sent(rows, weights, codes, across, counts, backend, fixed)
 
     def _chunk(self, sent: _Sent, offsets: Sequence[int]) -> _Chunk:
         """The chunk of the nodes ``offsets`` on from this rank's (:meth:`_Counts.select`): its rows, weights and
         expert ids (the rows are grouped by destination node) and its route."""
         splits, by_source, nodes = sent.counts.select(offsets, self.node)
+        block = None
+        if sent.fixed is not None:  # one chunk of every node (see run)
+            splits, block = sent.fixed.splits, sent.fixed.inside
         rows, weights, codes = sent.rows, sent.weights, sent.codes
         if len(nodes) < self.node_layout.num_nodes:
             starts = list(itertools.accumulate(sent.counts.across_send, initial=0))
             rows, weights, codes = (
                 torch.cat([t[starts[m] : starts[m + 1]] for m in nodes]) for t in (sent.rows, sent.weights, sent.codes)
             )
-        return _Chunk((rows, weights), _Outward(self, splits, codes, sent.backend), splits, by_source, nodes)
+        return _Chunk((rows, weights), _Outward(self, splits, codes, sent.backend, block), splits, by_source, nodes)
 
-    def _grouped(self, received: Tensor, by_source: Tensor) -> tuple[ExpertRows, tuple[Tensor, Tensor]]:
-        """Received rows, grouped by (rank of the node, local expert), as the grouped GEMM wants them: by (local
-        expert, rank); and the row maps both ways."""
-        order, inverse = AllToAllDroplessDispatcher._expert_major(by_source, received.shape[0])
+    def _grouped(
+        self, received: Tensor, by_source: Tensor, block: int | None
+    ) -> tuple[ExpertRows, tuple[Tensor, Tensor]]:
+        """Received rows, grouped by (rank of the node, local expert) (capacity: in one block of ``block`` rows per
+        rank, free rows after), as the grouped GEMM wants them: by (local expert, rank), free rows last; and the row
+        maps both ways."""
+        if block is None:
+            order, inverse = AllToAllDroplessDispatcher._expert_major(by_source, received.shape[0])
+        else:
+            order, inverse = _blocked_expert_major(by_source, block)
         grouped = masked_gather(received, order, None, inverse, None)
         offsets = F.pad(by_source.sum(dim=0).cumsum(0), (1, 0)).to(torch.int32)
-        return ExpertRows(grouped, offsets, False, self._backend(grouped)), (inverse, order)
+        return ExpertRows(grouped, offsets, block is not None, self._backend(grouped)), (inverse, order)
 
-    def _sum_inside(self, outputs: Tensor, maps: tuple[Tensor, Tensor], inside: RoutingPlan, splits: _Splits) -> Tensor:
+    def _sum_inside(
+        self, outputs: Tensor, maps: tuple[Tensor, Tensor], inside: RoutingPlan, pairs: BlockMaps | None,
+        splits: _Splits,
+    ) -> Tensor:  # fmt: skip
         """The experts' outputs back to the intermediate rank (inside the node), weighted and summed per arrived
         token: one row per token that arrived across."""
         inverse, order = maps
@@ -517,11 +591,16 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         back = exchange(
             back, splits.within_send, splits.within_recv, intra, wire=wire, grad_wire=wire, timer=self.timer
         )
-        return unpermute(F.pad(back, (0, 0, 0, inside.num_rows - back.shape[0])), inside, backend=self._backend(back))
+        return unpermute(_inside_rows(back, inside, pairs), inside, backend=self._backend(back))
 
-    def _at_home(self, home: Tensor, across: RoutingPlan) -> Tensor:
+    def _at_home(self, home: Tensor, sent: _Sent) -> Tensor:
         """The sums that came home, added up per token over its nodes: ``(T, H)``."""
-        return unpermute(F.pad(home, (0, 0, 0, across.num_rows - home.shape[0])), across, backend=self._backend(home))
+        across = sent.across
+        if sent.fixed is not None:
+            home = sent.fixed.home.unpad(home)
+        else:
+            home = F.pad(home, (0, 0, 0, across.num_rows - home.shape[0]))
+        return unpermute(home, across, backend=self._backend(home))
 
     def _across_plan(self, plan: RoutingPlan, backend: str) -> tuple[RoutingPlan, Tensor]:
         """The plan of the hop across: each token's kept pairs keyed by their expert's node, the first of every node
@@ -572,7 +651,8 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         width = 1 + len(signature)  # each rank's valid tokens, then its signature
         theirs = [host[cut[3] + width * i : cut[3] + width * (i + 1)] for i in range(world)]
         if any(t[1:] != signature for t in theirs):
-            self._raise_disagreement("dtype, hidden size or dispatch payload", [t[1:] for t in theirs])
+            kind = "dtype, hidden size, dispatch payload, tokens or capacity"
+            self._raise_disagreement(kind, [t[1:] for t in theirs])
         self.global_stats = torch.cat([recv[:, start - num_experts : start], recv[:, tail : tail + 1]], 1).sum(0)
         onward_rows, inward_rows = host[cut[1] : cut[2]], host[cut[2] : cut[3]]
         result = _Counts(
@@ -596,6 +676,26 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         self.traffic.add(across, self.node, splits.across_recv, back)
         self.traffic.add(inside, self.local_index, splits.within_send, out)
         self.traffic.add(inside, self.local_index, splits.within_recv, back)
+
+
+def _blocked_expert_major(by_source: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """``order`` (expert-major row -> received row) and its inverse for rows received in one block of ``block`` rows
+    per source (its rows by local expert first, ``by_source[l]`` of them, free rows after): the free rows go last, in
+    order. On the device, without a sync."""
+    sources, local = by_source.shape
+    per_source = by_source.sum(dim=1)
+    ends = by_source.cumsum(dim=1)  # (L, E_l) end of each expert's rows within its source's block
+    row = torch.arange(sources * block, device=by_source.device)
+    source, within = row // max(block, 1), row % max(block, 1)
+    expert = (within.unsqueeze(1) >= ends[source]).sum(dim=1).clamp(max=local - 1)
+    kept = within < per_source[source]
+    expert_major = by_source.t().flatten()
+    dst_start = (expert_major.cumsum(0) - expert_major).view(local, sources).t()  # (L, E_l)
+    moved = dst_start[source, expert] + within - (ends - by_source)[source, expert]
+    before = (per_source.cumsum(0) - per_source)[source] + torch.minimum(within, per_source[source])
+    inverse = torch.where(kept, moved, per_source.sum() + row - before)
+    order = torch.empty_like(inverse).scatter_(0, inverse, row)
+    return order, inverse
 
 
 def _keyed_plan(keys: Tensor, weights: Tensor, num_experts: int, backend: str) -> RoutingPlan:

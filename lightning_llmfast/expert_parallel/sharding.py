@@ -367,9 +367,9 @@ def set_ep_overlap(module: nn.Module, chunks: int | str | None, timer: ExchangeT
     rank calls it alike; :mod:`~lightning_llmfast.expert_parallel.overlap`).
 
     The flat dispatchers (dropless, capacity) send their rows in ``chunks`` chunks, the hierarchical one its tokens
-    in chunks of destination nodes (at most one chunk per node); all run the shared experts and the balance loss while
-    the exchanges are in flight. ``timer`` stamps every token exchange (``comm/a2a_ms``, ``comm/a2a_exposed_ms``),
-    with or without overlap.
+    in chunks of destination nodes (at most one chunk per node; one with a capacity limit); all run the shared
+    experts and the balance loss while the exchanges are in flight. ``timer`` stamps every token exchange
+    (``comm/a2a_ms``, ``comm/a2a_exposed_ms``), with or without overlap.
 
     Args:
         module: a model whose blocks :func:`shard_experts` sharded.
