@@ -1,7 +1,7 @@
 """Building blocks of the expert-parallel exchange (the exchange itself is
 :func:`~lightning_llmfast.expert_parallel.payload.exchange`): a masked gather whose backward is the inverse gather
-(no scatter, no atomics), the staging of host-side handshakes, and the asynchronous ``all_to_all_single``
-(:func:`all_to_all_async`) that every exchange issues.
+(no scatter, no atomics), the fixed blocks of capacity exchanges (:func:`block_maps`), the staging of host-side
+handshakes, and the asynchronous ``all_to_all_single`` (:func:`all_to_all_async`) that every exchange issues.
 
 An exchange is issued with ``async_op=True`` and waited for later (:meth:`InFlight.wait`). On CUDA it is issued on a
 communication stream (one per device) that first waits for the compute stream (the rows are ready), and the wait makes
