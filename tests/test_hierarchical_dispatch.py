@@ -22,16 +22,20 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 import lightning_llmfast.expert_parallel.payload as payload_module
+import lightning_llmfast.moe.block as block_module
 from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule
 from lightning_llmfast.bench.counters import SyncCounter
+from lightning_llmfast.bench.slow_link import SlowLink
+from lightning_llmfast.comm.timing import ExchangeTimer, HostClock
 from lightning_llmfast.data import pack_documents
-from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.expert_parallel import (
     DispatchPayload,
     HierarchicalDispatcher,
     NodeGroups,
     node_groups,
     set_ep_dispatch,
+    set_ep_overlap,
     shard_experts,
 )
 from lightning_llmfast.expert_parallel.hierarchical import group_nodes
@@ -215,6 +219,45 @@ def _total(value: int) -> int:
     return int(total)
 
 
+@contextmanager
+def _shape_spy() -> Iterator[list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """The input and output shapes of every token exchange (the int64 handshake left out)."""
+    shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    real = dist.all_to_all_single
+
+    def spy(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if input.dtype != torch.int64:
+            shapes.append((tuple(input.shape), tuple(output.shape)))
+        return real(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = spy
+    try:
+        yield shapes
+    finally:
+        dist.all_to_all_single = real
+
+
+def _check_fixed_shapes(rank: int, layout: NodeGroups) -> None:
+    """With a capacity limit every exchange has the same shapes whatever the routing (forward and backward, with
+    and without overlap): blocks of ``min(T, E / N * C)`` token rows per node and ``N * E_l * C`` pair rows per rank
+    of the node; ranks whose tokens differ (so would their blocks) all raise."""
+    for overlap in (None, 2):
+        seen = []
+        for routing in (None, _everything_to_node_0):  # spread, then every pair on node 0 (dropped pairs)
+            _, hier = _pair(layout, capacity_factor=1.0)
+            set_ep_overlap(hier, overlap)
+            x = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(rank))
+            x = routing(hier, x) if routing is not None else x
+            with _shape_spy() as shapes:
+                hier(x.requires_grad_()).square().sum().backward()
+            seen.append(shapes)
+        # T = 6, C = ceil(6 * 4 / 8) = 3: 6 rows to each of 2 nodes, 2 * 2 * 3 = 12 to each of 2 ranks of the node.
+        assert seen[0] == seen[1] and seen[0][0][0][0] == 2 * 6 and seen[0][1][0][0] == 2 * 12, seen
+    _, hier = _pair(layout, capacity_factor=1.0)
+    with pytest.raises(RoutingError, match="tokens or capacity"):
+        hier(torch.randn(6 if rank else 5, HIDDEN))
+
+
 def _cases(rank: int, world: int) -> None:
     layout = node_groups(dist.group.WORLD, PER_NODE, timeout=COLLECTIVE_TIMEOUT)
     assert layout.nodes == (0, 0, 1, 1) and layout.num_nodes == 2
@@ -226,6 +269,8 @@ def _cases(rank: int, world: int) -> None:
     assert hier_bytes == (row * TOKENS[rank + 2] if rank < 2 else (row + 32) * TOKENS[rank])
     assert flat_bytes == (2 * row * (TOKENS[2] + TOKENS[3]) if rank < 2 else 4 * row * TOKENS[rank])
     _compare(rank, layout, 2, None, (6,) * WORLD, capacity_factor=0.5)  # flat capacity: equal tokens per rank
+    _compare(rank, layout, 8, _everything_to_node_0, (6,) * WORLD, capacity_factor=1.0)  # the same pairs dropped
+    _check_fixed_shapes(rank, layout)
     _compare(rank, layout, 3, None, score="sigmoid", num_groups=4, topk_groups=2)
     # Both payloads: the tokens are encoded once at home and stay encoded across the intermediate hop, so they reach
     # the experts as the flat dispatch's do (sums come back in fp32 here: the combine's rounding is not compared).
@@ -271,6 +316,118 @@ def test_hierarchical_equals_flat_and_crosses_nodes_less() -> None:
     run_distributed(_cases, WORLD, timeout=240.0)
 
 
+# ---------------------------------------------------------------------------------------------- overlap
+def _overlap_pair(layout: Any, payload: DispatchPayload | None, chunks: int | str, **options: Any) -> list[MoEBlock]:
+    """The same hierarchical block exchanging, then computing (``ep_overlap=False``), and in ``chunks`` chunks."""
+    blocks = []
+    for overlap in (None, chunks):
+        torch.manual_seed(1234)
+        block = MoEBlock(MoEConfig.build(HIDDEN, 12, 8, 4, backend="torch", **options))
+        shard_experts(block, dist.group.WORLD, ep_dispatch="hierarchical", node_layout=layout, dispatch_dtype=payload)
+        set_ep_overlap(block, overlap, ExchangeTimer(HostClock()))
+        blocks.append(block)
+    return blocks
+
+
+@contextmanager
+def _order_spy(layout: NodeGroups) -> Iterator[list[str]]:
+    """What this rank runs, in order: ``"across"`` / ``"inside"`` for a token exchange over the inter- / intra-node
+    group (the int64 handshake left out), ``"experts"`` for a grouped GEMM of the local experts."""
+    events: list[str] = []
+    real_a2a, real_experts = dist.all_to_all_single, block_module.expert_swiglu
+
+    def a2a(output: torch.Tensor, input: torch.Tensor, *args: Any, group: Any = None, **kwargs: Any) -> Any:
+        if input.dtype != torch.int64:
+            events.append("across" if group is layout.inter else "inside")
+        return real_a2a(output, input, *args, group=group, **kwargs)
+
+    def experts(*args: Any, **kwargs: Any) -> torch.Tensor:
+        events.append("experts")
+        return real_experts(*args, **kwargs)
+
+    dist.all_to_all_single, block_module.expert_swiglu = a2a, experts
+    try:
+        yield events
+    finally:
+        dist.all_to_all_single, block_module.expert_swiglu = real_a2a, real_experts
+
+
+def _run_counted(block: MoEBlock, x: torch.Tensor) -> tuple[list[torch.Tensor], dict[str, int], int, list[str]]:
+    """Forward and backward: outputs and every gradient, the host syncs, the bytes of every all-to-all (handshake
+    included) and the forward's order of exchanges and GEMMs."""
+    xs = x.clone().requires_grad_()
+    sent: list[int] = []
+    with SyncCounter() as syncs, _order_spy(block.dispatcher.node_layout) as order:
+        original, spy = _sent_bytes(sent)
+        dist.all_to_all_single = spy
+        try:
+            out = block(xs)
+            forward = list(order)
+            (out.square().sum() + block.stats.aux_loss).backward()
+        finally:
+            dist.all_to_all_single = original
+    grads = [xs.grad, *(p.grad for p in block.parameters())]
+    return [out.detach(), *grads], dict(syncs.syncs), sum(sent), forward
+
+
+def _sent_bytes(sent: list[int]) -> tuple[Any, Any]:
+    original = dist.all_to_all_single
+
+    def spy(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sent.append(input.numel() * input.element_size())
+        return original(output, input, *args, **kwargs)
+
+    return original, spy
+
+
+def _one_expert(block: MoEBlock, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():  # expert 0 first for every (positive) token, the rest spread
+        block.router.weight[0] = 10.0
+    return x.abs()
+
+
+def _overlap_cases(rank: int, world: int) -> None:
+    two_nodes = node_groups(dist.group.WORLD, PER_NODE, timeout=COLLECTIVE_TIMEOUT)
+    four_nodes = node_groups(dist.group.WORLD, 1, timeout=COLLECTIVE_TIMEOUT)
+    cases = [  # layout, payload, chunks, routing, tokens, block options
+        (two_nodes, None, 2, None, TOKENS, {"num_shared_experts": 1}),  # a rank without tokens
+        (two_nodes, DispatchPayload("fp8"), 3, _everything_to_node_0, TOKENS, {}),  # node 1 receives nothing
+        (two_nodes, DispatchPayload("bf16"), "auto", _one_expert, (1, 2, 1, 3), {}),  # "auto": one chunk
+        (two_nodes, DispatchPayload("bf16"), 2, None, (6,) * WORLD, {"capacity_factor": 0.5}),  # dropped pairs
+        (four_nodes, None, 3, _one_expert, (4, 1, 0, 9), {"num_shared_experts": 1}),  # chunks of 1, 1, 2 nodes
+    ]
+    for layout, payload, chunks, routing, tokens, options in cases:
+        sequential, overlapped = _overlap_pair(layout, payload, chunks, **options)
+        x = torch.randn(tokens[rank], HIDDEN, generator=torch.Generator().manual_seed(11 + rank))
+        if routing is not None:
+            x = routing(sequential, x)
+            overlapped.load_state_dict(sequential.state_dict())
+        want, want_syncs, want_bytes, _ = _run_counted(sequential, x)
+        got, got_syncs, got_bytes, order = _run_counted(overlapped, x)
+        what = f"rank {rank}: {layout.num_nodes} nodes, payload {payload}, chunks {chunks}, {options}"
+        for g, w in zip(got, want, strict=True):
+            _close(g, w, what, rtol=1e-6)
+        assert got_syncs == want_syncs == {"tolist": 1}, (what, got_syncs, want_syncs)
+        assert overlapped.dispatcher.host_syncs == sequential.dispatcher.host_syncs == 1, what
+        assert got_bytes == want_bytes and overlapped.dispatcher.traffic == sequential.dispatcher.traffic, what
+        # Every chunk's hop across is issued before the first chunk's experts run (each chunk: across, inside,
+        # experts, inside back, across back).
+        count = 1 if chunks == "auto" or "capacity_factor" in options else min(chunks, layout.num_nodes)
+        first = order.index("experts")
+        assert order[:first] == ["across"] * count + ["inside"] and order.count("experts") == count, (what, order)
+        # Exposed: the waits while an exchange was in flight (tiny exchanges may complete before the host waits;
+        # the fits under a slowed link show it above zero).
+        for block in (sequential, overlapped):
+            block.dispatcher.timer.close()
+            busy, exposed = block.dispatcher.timer.read_ms()
+            assert busy > 0 and 0 <= exposed <= busy, (what, busy, exposed)
+
+
+@pytest.mark.slow
+def test_hierarchical_overlap_equals_the_sequential_dispatch() -> None:
+    run_distributed(_overlap_cases, WORLD, timeout=240.0)
+
+
 def test_group_nodes_and_bad_arguments() -> None:
     assert group_nodes([4, 5, 6, 7], 2) == (0, 0, 1, 1)
     assert group_nodes([0, 1], 4) == (0, 0)
@@ -286,10 +443,12 @@ def test_group_nodes_and_bad_arguments() -> None:
 
 
 class _ForwardBytes(Callback):
-    """Spies on each training step's forward (batch start to backward) and reads what the strategy logged for it."""
+    """Spies on each training step's forward (batch start to backward) and reads what the strategy logged for it:
+    the bytes, and after the step the exchange times (``comm/a2a_ms``, ``comm/a2a_exposed_ms``)."""
 
     def __init__(self) -> None:
         self.steps: list[tuple[int, float, float]] = []
+        self.times: list[dict[str, float]] = []
 
     @override
     def on_train_batch_start(
@@ -306,8 +465,13 @@ class _ForwardBytes(Callback):
             (self._sent[0], float(metrics["comm/inter_node_bytes"]), float(metrics["comm/intra_node_bytes"]))
         )
 
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        names = ("comm/a2a_ms", "comm/a2a_exposed_ms")
+        self.times.append({k: float(v) for k, v in trainer.callback_metrics.items() if k in names})
 
-def _fit(rank: int, ep_dispatch: str) -> tuple[dict[str, torch.Tensor], list[tuple[int, float, float]]]:
+
+def _fit(rank: int, ep_dispatch: str) -> tuple[dict[str, torch.Tensor], _ForwardBytes]:
     torch.manual_seed(0)
     config = MoEGPTConfig(
         vocab_size=64, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_size=16, num_experts=8, top_k=4,
@@ -317,22 +481,27 @@ def _fit(rank: int, ep_dispatch: str) -> tuple[dict[str, torch.Tensor], list[tup
     g = torch.Generator().manual_seed(7 + rank)
     batches = [next(pack_documents([torch.randint(0, 64, (8,), generator=g)], 8, 1)) for _ in range(2)]
     spy = _ForwardBytes()
-    strategy = LLMFastStrategy(expert_parallel_size=WORLD, ep_dispatch=ep_dispatch, process_group_backend="gloo")
-    L.Trainer(
+    strategy = LLMFastStrategy(  # ep_overlap=True (the default), one chunk per node
+        expert_parallel_size=WORLD, ep_dispatch=ep_dispatch, ep_overlap_chunks=2, process_group_backend="gloo"
+    )
+    trainer = L.Trainer(
         accelerator="cpu", devices=PER_NODE, num_nodes=WORLD // PER_NODE, strategy=strategy, max_steps=2,
         use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[spy],
-    ).fit(module, DataLoader(batches, batch_size=None))  # fmt: skip
+    )  # fmt: skip
+    with SlowLink(1e6):  # about 1 ms an exchange: the step waits for the ones its compute cannot hide
+        trainer.fit(module, DataLoader(batches, batch_size=None))
     assert strategy.ep_dispatch == ep_dispatch
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}, spy.steps
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}, spy
 
 
 def _fit_cases(rank: int, world: int) -> None:
     # Two simulated nodes of two processes: Lightning joins the process group run_distributed created.
     os.environ.update(LOCAL_RANK=str(rank % PER_NODE), NODE_RANK=str(rank // PER_NODE), WORLD_SIZE=str(world))
     os.environ.update(RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-    flat, flat_steps = _fit(rank, "flat")
-    hier, hier_steps = _fit(rank, "hierarchical")
+    flat, flat_spy = _fit(rank, "flat")
+    hier, hier_spy = _fit(rank, "hierarchical")
+    flat_steps, hier_steps = flat_spy.steps, hier_spy.steps
     # Two AdamW steps amplify the summation-order differences of the gradients (as test_expert_parallel_fit allows).
     for name, value in flat.items():
         torch.testing.assert_close(hier[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
@@ -343,6 +512,9 @@ def _fit_cases(rank: int, world: int) -> None:
     if rank == 0:
         print(f"fit, 2 steps: inter-node bytes {flat_inter} flat, {hier_inter} hierarchical")
     assert 0 < hier_inter < flat_inter
+    # Both dispatches' exchanges are timed: step 1 logs step 0's (step 0 has nothing to read yet).
+    for times in (flat_spy.times, hier_spy.times):
+        assert not times[0] and 0 < times[1]["comm/a2a_exposed_ms"] <= times[1]["comm/a2a_ms"], times
 
 
 @pytest.mark.slow

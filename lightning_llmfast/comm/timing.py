@@ -197,8 +197,9 @@ class ExchangeTimer:
     An exchange is a *span* from :meth:`begin` (stamped where it is issued: on the host, or on the communication
     stream) to :meth:`end` (its completion: a future's callback on the host, an event recorded after it on the
     communication stream). The step's exchange time is the length of the union of its spans (the time at least one
-    exchange was in flight); its exposed time is the sum of the :meth:`waited` intervals (stamped around each wait, on
-    the host or on the compute stream, so that a stream stalled on the exchange shows as the gap). :meth:`close`
+    exchange was in flight); its exposed time is the length of the part of that union the :meth:`waited` intervals
+    cover (stamped around each wait, on the host or on the compute stream, so that a stream stalled on the exchange
+    shows as the gap), so it never exceeds the exchange time. :meth:`close`
     ends a step; :meth:`read_ms` reads the closed steps whose stamps completed, without waiting.
 
     Args:
@@ -256,7 +257,7 @@ class ExchangeTimer:
         if not done:
             return None
         busy = [self._union_ms(spans) for spans, _ in done]
-        exposed = [sum(self.clock.elapsed_ms(a, b) for a, b in waits) for _, waits in done]
+        exposed = [self._union_ms(spans, waits) for spans, waits in done]
         return sum(busy) / len(busy), sum(exposed) / len(exposed)
 
     def _ready(self, step: tuple[list[list[Any]], list[tuple[Any, Any]]]) -> bool:
@@ -264,14 +265,26 @@ class ExchangeTimer:
         stamps = [s for span in spans for s in span] + [s for wait in waits for s in wait]
         return all(s is not None and self.clock.ready(s) for s in stamps)
 
-    def _union_ms(self, spans: list[list[Any]]) -> float:
+    def _union_ms(self, spans: list[list[Any]], within: list[tuple[Any, Any]] | None = None) -> float:
+        """The length of the union of ``spans``; with ``within``, of the part of it that the union of ``within``
+        covers (the waits, counted while an exchange was in flight: a host thread woken after the exchange
+        completed does not count its wake-up, so the exposed time never exceeds the exchange time)."""
         if not spans:
             return 0.0
         base = spans[0][0]
-        intervals = sorted((self.clock.elapsed_ms(base, a), self.clock.elapsed_ms(base, b)) for a, b in spans)
-        total, reach = 0.0, float("-inf")
-        for start, end in intervals:
-            if end > reach:
-                total += end - max(start, reach)
-                reach = end
-        return total
+        merged = self._merged([(self.clock.elapsed_ms(base, a), self.clock.elapsed_ms(base, b)) for a, b in spans])
+        if within is None:
+            return sum(end - start for start, end in merged)
+        waits = self._merged([(self.clock.elapsed_ms(base, a), self.clock.elapsed_ms(base, b)) for a, b in within])
+        return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in merged for s2, e2 in waits)
+
+    @staticmethod
+    def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        """Sorted, disjoint intervals covering the same points as ``intervals``."""
+        merged: list[tuple[float, float]] = []
+        for start, end in sorted(intervals):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        return merged

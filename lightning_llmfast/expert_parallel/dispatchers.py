@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lightning_llmfast.comm.timing import ExchangeTimer
 from lightning_llmfast.errors import ConfigError, RoutingError
-from lightning_llmfast.expert_parallel.exchange import comm_device, masked_gather, stage_to_device
+from lightning_llmfast.expert_parallel.exchange import block_maps, comm_device, masked_gather, stage_to_device
 from lightning_llmfast.expert_parallel.overlap import Chunk, chunk_count, exchange_chunks, split_evenly
 from lightning_llmfast.expert_parallel.payload import DispatchPayload, exchange, wire_row_bytes
 from lightning_llmfast.moe.dispatcher import ExpertRows, TokenDispatcher
@@ -395,7 +395,7 @@ class AllToAllCapacityDispatcher(AllToAllDispatcher):
         gathered, work = self._gather_sizes(plan, sizes, source.device)
         # Queued before the host waits: the permutation and the slot maps need no received value.
         rows = permute(source, plan, backend=self.backend)
-        slot_src, slot_valid, row_slot, row_valid = self._slot_maps(plan, rows.device)
+        slot_src, slot_valid, row_slot, row_valid = self._slot_maps(plan)
         work.wait()
         self._check_sizes(gathered, sizes, plan.routed_per_expert is not None)
         send = masked_gather(rows, slot_src, slot_valid, row_slot, row_valid)  # (E * C, H)
@@ -452,18 +452,10 @@ class AllToAllCapacityDispatcher(AllToAllDispatcher):
             masked_gather(slots, row_slot, row_valid, slot_src, slot_valid), ctx.plan, backend=self.backend
         )
 
-    def _slot_maps(self, plan: RoutingPlan, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _slot_maps(self, plan: RoutingPlan) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Kept permuted rows <-> fixed slots ``expert * C + rank_in_expert``, both ways, from the plan's offsets."""
-        capacity, num_rows, num_experts = plan.capacity, plan.num_rows, self.num_experts
-        assert capacity is not None
-        offsets = plan.offsets.to(torch.int64)
-        slot = self._cached(("arange", capacity, device), lambda: torch.arange(capacity, device=device))
-        slot_src = (offsets[:-1, None] + slot).flatten().clamp(max=max(num_rows - 1, 0))
-        slot_valid = (slot < plan.tokens_per_expert.to(torch.int64)[:, None]).flatten()
-        row = self._cached(("arange", num_rows, device), lambda: torch.arange(num_rows, device=device))
-        row_valid = row < offsets[-1]
-        expert = torch.searchsorted(offsets[1:], row, right=True).clamp(max=num_experts - 1)
-        row_slot = (expert * capacity + row - offsets[expert]).clamp(0, max(num_experts * capacity - 1, 0))
+        assert plan.capacity is not None
+        slot_src, slot_valid, row_slot, row_valid = block_maps(plan.offsets, plan.capacity, plan.num_rows)
         return slot_src, slot_valid, row_slot, row_valid
 
     def _gather_sizes(self, plan: RoutingPlan, sizes: list[int], device: torch.device) -> tuple[Tensor, Any]:

@@ -1,7 +1,7 @@
 """Building blocks of the expert-parallel exchange (the exchange itself is
 :func:`~lightning_llmfast.expert_parallel.payload.exchange`): a masked gather whose backward is the inverse gather
-(no scatter, no atomics), the staging of host-side handshakes, and the asynchronous ``all_to_all_single``
-(:func:`all_to_all_async`) that every exchange issues.
+(no scatter, no atomics), the fixed blocks of capacity exchanges (:func:`block_maps`), the staging of host-side
+handshakes, and the asynchronous ``all_to_all_single`` (:func:`all_to_all_async`) that every exchange issues.
 
 An exchange is issued with ``async_op=True`` and waited for later (:meth:`InFlight.wait`). On CUDA it is issued on a
 communication stream (one per device) that first waits for the compute stream (the rows are ready), and the wait makes
@@ -18,7 +18,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lightning_llmfast.comm.timing import ExchangeTimer
 
-__all__ = ["InFlight", "all_to_all_async", "comm_device", "masked_gather", "stage_to_device"]
+__all__ = ["BlockMaps", "InFlight", "all_to_all_async", "block_maps", "comm_device", "masked_gather", "stage_to_device"]
 
 # The communication stream of each CUDA device (created on first use).
 _COMM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -98,6 +98,50 @@ def masked_gather(
         grouped = masked_gather(rows, order, None, inverse, None)  # a permutation and its inverse
     """
     return _MaskedGather.apply(x, index, mask, inverse, inverse_mask)
+
+
+class BlockMaps(NamedTuple):
+    """Compact rows grouped into ``G`` groups <-> ``G`` fixed blocks of ``block`` rows (group ``g``'s rows first in
+    block ``g``, zeros after): the gather maps both ways (:func:`block_maps`).
+
+    Attributes:
+        slot_src: ``(G * block,)`` the compact row of each block slot; ``slot_valid``: whether it holds one.
+        row_slot: ``(R,)`` the block slot of each compact row; ``row_valid``: whether it has one.
+    """
+
+    slot_src: Tensor
+    slot_valid: Tensor
+    row_slot: Tensor
+    row_valid: Tensor
+
+    def pad(self, rows: Tensor) -> Tensor:
+        """``(R, ...)`` compact rows into their blocks: ``(G * block, ...)`` (differentiable)."""
+        return masked_gather(rows, self.slot_src, self.slot_valid, self.row_slot, self.row_valid)
+
+    def unpad(self, slots: Tensor) -> Tensor:
+        """``(G * block, ...)`` blocks back to the ``(R, ...)`` compact rows (differentiable)."""
+        return masked_gather(slots, self.row_slot, self.row_valid, self.slot_src, self.slot_valid)
+
+
+def block_maps(offsets: Tensor, block: int, num_rows: int) -> BlockMaps:
+    """The :class:`BlockMaps` of ``num_rows`` compact rows whose groups end at ``offsets`` (``(G + 1,)``, on the
+    device; rows from ``offsets[-1]`` on belong to no group), each group given ``block`` rows (it must fit). Built on
+    the device, without a host read.
+
+    Example::
+
+        slots = block_maps(plan.offsets, capacity, plan.num_rows).pad(permute(x, plan))  # (E * C, H)
+    """
+    offsets = offsets.to(torch.int64)
+    groups, device = offsets.shape[0] - 1, offsets.device
+    slot = torch.arange(groups * block, device=device)
+    group, within = slot // max(block, 1), slot % max(block, 1)
+    slot_valid = within < (offsets[1:] - offsets[:-1])[group]
+    slot_src = (offsets[:-1][group] + within).clamp(max=max(num_rows - 1, 0))
+    row = torch.arange(num_rows, device=device)
+    row_group = torch.searchsorted(offsets[1:], row, right=True).clamp(max=max(groups - 1, 0))
+    row_slot = (row_group * block + row - offsets[row_group]).clamp(0, max(groups * block - 1, 0))
+    return BlockMaps(slot_src, slot_valid, row_slot, row < offsets[-1])
 
 
 class InFlight:

@@ -19,6 +19,10 @@ their split sizes come from the host values the dispatch already has (no host re
 same rows with the same weights, so outputs and gradients equal the unchunked ones up to the order of floating-point
 sums. Every rank must use the same number of chunks: ``"auto"`` derives it from values every rank shares.
 
+:func:`exchange_routes` is the same schedule over any :class:`~lightning_llmfast.expert_parallel.payload.Route`:
+the hierarchical dispatch's chunks travel two hops each way
+(:class:`~lightning_llmfast.expert_parallel.HierarchicalDispatcher`).
+
 Example::
 
     chunk_count("auto", rows_per_rank=4096)  # 4 chunks of 1024 rows
@@ -27,22 +31,24 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_llmfast.comm.timing import ExchangeTimer
 from lightning_llmfast.errors import ConfigError
-from lightning_llmfast.expert_parallel.payload import DispatchPayload, start_exchange
+from lightning_llmfast.expert_parallel.payload import DispatchPayload, Route, exchange_route, start_route
 
 __all__ = [
     "AUTO_MAX_CHUNKS",
     "AUTO_MIN_CHUNK_ROWS",
     "Chunk",
+    "ChunkRoutes",
     "check_chunks",
     "chunk_count",
     "exchange_chunks",
+    "exchange_routes",
     "split_evenly",
 ]
 
@@ -54,6 +60,21 @@ AUTO_MIN_CHUNK_ROWS = 256
 and one more exchange costs more than the overlap wins)."""
 
 _Side = TypeVar("_Side")
+
+
+class ChunkRoutes(NamedTuple):
+    """One chunk of :func:`exchange_routes`: what its dispatch sends, and the routes of its dispatch and combine.
+
+    Attributes:
+        inputs: the tensors the dispatch route sends (their gradients come back through it).
+        dispatch: the way to the experts.
+        combine: the way back.
+    """
+
+    inputs: tuple[Tensor, ...]
+    dispatch: Route
+    combine: Route
+
 
 Chunk = tuple[Tensor, list[int] | None, list[int] | None]
 """One chunk's dispatch: ``(rows to send, rows received from each rank, rows sent to each rank)`` (``None``: equal)."""
@@ -100,7 +121,7 @@ def exchange_chunks(
     payload: DispatchPayload,
     timer: ExchangeTimer | None,
 ) -> tuple[list[Tensor], _Side]:
-    """The overlapped exchange of the module docstring.
+    """The overlapped exchange of the module docstring, each chunk one ``all_to_all_single`` each way.
 
     Args:
         chunks: each chunk's rows and split sizes (:data:`Chunk`), in the order they are sent.
@@ -113,15 +134,40 @@ def exchange_chunks(
     Returns:
         ``(returned rows per chunk, in each chunk's send order; independent())``.
     """
-    dispatched = [
-        start_exchange(rows, out, inp, group, wire=payload.dispatch, grad_wire=payload.combine, timer=timer)
+    wires = {"out": (payload.dispatch, payload.combine), "back": (payload.combine, payload.combine)}
+    routes = [
+        ChunkRoutes(
+            (rows,),
+            exchange_route(out, inp, group, wires["out"], timer),
+            exchange_route(inp, out, group, wires["back"], timer),
+        )
         for rows, out, inp in chunks
     ]
-    combined = []
-    for c, (pending, (_, out, inp)) in enumerate(zip(dispatched, chunks, strict=True)):
-        outputs = experts(c, pending.finish())
-        combined.append(
-            start_exchange(outputs, inp, out, group, wire=payload.combine, grad_wire=payload.combine, timer=timer)
-        )
+    backs, side = exchange_routes(routes, lambda c, received: (experts(c, received[0]),), independent)
+    return [back[0] for back in backs], side
+
+
+def exchange_routes(
+    chunks: Sequence[ChunkRoutes],
+    experts: Callable[[int, tuple[Tensor, ...]], tuple[Tensor, ...]],
+    independent: Callable[[], _Side],
+) -> tuple[list[tuple[Tensor, ...]], _Side]:
+    """The overlapped exchange of the module docstring over any :class:`~lightning_llmfast.expert_parallel.payload.
+    Route` (one exchange, or the hierarchical dispatch's two hops).
+
+    Args:
+        chunks: each chunk's inputs and its dispatch and combine routes, in the order they are sent.
+        experts: ``experts(c, arrived)``: what chunk ``c``'s combine route sends, from what its dispatch route
+            delivered.
+        independent: work that needs no routed result; called once, while the combines are in flight.
+
+    Returns:
+        ``(what each chunk's combine route delivered; independent())``.
+    """
+    dispatched = [start_route(chunk.dispatch, *chunk.inputs) for chunk in chunks]
+    combined = [
+        start_route(chunk.combine, *experts(c, pending.finish_all()))
+        for c, (pending, chunk) in enumerate(zip(dispatched, chunks, strict=True))
+    ]
     side = independent()
-    return [pending.finish() for pending in combined], side
+    return [pending.finish_all() for pending in combined], side

@@ -16,6 +16,8 @@ while it is in flight: the forward issues it in ``start_exchange`` and waits in 
 gradient's reverse exchange in ``finish``'s backward and waits for it in ``start_exchange``'s, so that the backward
 of whatever ran between the two halves in the forward runs while the gradient is in flight. Every rank must start
 and finish its exchanges in the same order (the autograd engine replays a graph of the same shape in the same order).
+:func:`start_route` does the same for any :class:`Route` (several tensors each way, several exchanges in a row:
+the hierarchical dispatch's two hops); :func:`start_exchange` is its one-exchange case.
 
 Example::
 
@@ -27,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,10 +46,13 @@ __all__ = [
     "WIRES",
     "DispatchPayload",
     "PendingExchange",
+    "Route",
     "dequantize_rows",
     "exchange",
+    "exchange_route",
     "quantize_rows",
     "start_exchange",
+    "start_route",
     "wire_row_bytes",
 ]
 
@@ -201,21 +207,63 @@ def exchange(
     return _Exchange.apply(x, (out_splits, in_splits), group, (wire, grad_wire), timer)
 
 
-class _Route:
-    """What both halves of a split exchange share: where rows go, in which payloads, and what is in flight."""
+class Route(ABC):
+    """An exchange split in two halves (:func:`start_route`): what travels, both ways, and what is in flight.
+
+    The forward sends the inputs (:meth:`send`, from :func:`start_route`) and returns what arrived
+    (:meth:`receive`, from :meth:`PendingExchange.finish_all`); the backward sends the gradients of what arrived
+    (:meth:`send_back`, from ``finish``'s backward) and returns the inputs' gradients (:meth:`receive_back`, from
+    ``start``'s backward). A route may run several exchanges (the hierarchical dispatch's two hops): the work between
+    them belongs to whichever half waits. Called inside autograd functions: nothing here records a graph.
+    """
+
+    @abstractmethod
+    def send(self, *inputs: Tensor) -> None:
+        """Issue the forward exchange of ``inputs``."""
+
+    @abstractmethod
+    def receive(self) -> tuple[Tensor, ...]:
+        """Wait for the forward exchange: what arrived."""
+
+    @abstractmethod
+    def send_back(self, *grads: Tensor) -> None:
+        """Issue the backward exchange of the gradients of :meth:`receive`'s outputs."""
+
+    @abstractmethod
+    def receive_back(self) -> tuple[Tensor, ...]:
+        """Wait for the backward exchange: the gradients of :meth:`send`'s inputs."""
+
+
+class _Route(Route):
+    """One ``all_to_all_single``: where rows go, in which payloads, and what is in flight."""
 
     __slots__ = ("dtype", "group", "in_splits", "inflight", "out_splits", "timer", "wires")
 
-    def __init__(self, x: Tensor, splits: tuple[Any, Any], group: Any, wires: tuple[Any, Any], timer: Any) -> None:
+    def __init__(self, splits: tuple[Any, Any], group: Any, wires: tuple[Any, Any], timer: Any) -> None:
         self.out_splits, self.in_splits = splits
-        self.group, self.wires, self.timer, self.dtype = group, wires, timer, x.dtype
+        self.group, self.wires, self.timer = group, wires, timer
+        self.dtype = torch.float32
         self.inflight: InFlight | None = None
 
-    def issue(self, rows: Tensor, wire: str | None, backward: bool) -> None:
+    def send(self, *inputs: Tensor) -> None:
+        (rows,) = inputs
+        self.dtype = rows.dtype
+        self._issue(rows, self.wires[0], backward=False)
+
+    def receive(self) -> tuple[Tensor, ...]:
+        return (self._take(self.wires[0]),)
+
+    def send_back(self, *grads: Tensor) -> None:
+        self._issue(grads[0], self.wires[1], backward=True)
+
+    def receive_back(self) -> tuple[Tensor, ...]:
+        return (self._take(self.wires[1]),)
+
+    def _issue(self, rows: Tensor, wire: str | None, backward: bool) -> None:
         out_splits, in_splits = (self.in_splits, self.out_splits) if backward else (self.out_splits, self.in_splits)
         self.inflight = all_to_all_async(_encode(rows, wire), out_splits, in_splits, self.group, self.timer)
 
-    def take(self, wire: str | None) -> Tensor:
+    def _take(self, wire: str | None) -> Tensor:
         inflight, self.inflight = self.inflight, None  # the wire buffer is not kept past its decode
         assert inflight is not None, "a split exchange was finished before it was started"
         return _decode(inflight.wait(), wire, self.dtype)
@@ -223,41 +271,57 @@ class _Route:
 
 class _StartExchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, route: _Route) -> Tensor:
-        route.issue(x, route.wires[0], backward=False)
+    def forward(ctx: Any, route: Route, *inputs: Tensor) -> Tensor:
+        route.send(*inputs)
         ctx.route = route
-        return x.new_empty(0)  # a token: orders finish after start, and the backward's wait after its issue
+        return inputs[0].new_empty(0)  # a token: orders finish after start, and the backward's wait after its issue
 
     @staticmethod
-    def backward(ctx: Any, _token: Tensor) -> tuple[Tensor, None]:
-        route: _Route = ctx.route
-        return route.take(route.wires[1]), None
+    def backward(ctx: Any, _token: Tensor) -> tuple[Tensor | None, ...]:
+        return (None, *ctx.route.receive_back())
 
 
 class _FinishExchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, token: Tensor, route: _Route) -> Tensor:
-        ctx.route = route
-        return route.take(route.wires[0])
+    def forward(ctx: Any, route: Route, token: Tensor) -> tuple[Tensor, ...]:
+        ctx.route, ctx.token = route, (token.dtype, token.device)
+        return route.receive()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        route: _Route = ctx.route
-        route.issue(grad, route.wires[1], backward=True)
-        return grad.new_empty(0), None
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        ctx.route.send_back(*grads)
+        dtype, device = ctx.token
+        return None, torch.empty(0, dtype=dtype, device=device)
 
 
 class PendingExchange:
-    """An exchange started by :func:`start_exchange`; :meth:`finish` (once) returns the received rows."""
+    """An exchange started by :func:`start_exchange` or :func:`start_route`; finish it once."""
 
     __slots__ = ("_route", "_token")
 
-    def __init__(self, token: Tensor, route: _Route) -> None:
+    def __init__(self, token: Tensor, route: Route) -> None:
         self._token, self._route = token, route
 
     def finish(self) -> Tensor:
         """The received rows, in the sent rows' dtype (waits for the exchange: module docstring)."""
-        return _FinishExchange.apply(self._token, self._route)
+        return self.finish_all()[0]
+
+    def finish_all(self) -> tuple[Tensor, ...]:
+        """Everything the route's :meth:`Route.receive` returns (a one-exchange route: the received rows)."""
+        return tuple(_FinishExchange.apply(self._route, self._token))
+
+
+def start_route(route: Route, *inputs: Tensor) -> PendingExchange:
+    """Send ``inputs`` along ``route`` now; :meth:`PendingExchange.finish_all` returns what arrived (module
+    docstring). The gradients of the inputs come back through the route's backward halves.
+
+    Example::
+
+        pending = start_route(route, rows, weights)
+        ...  # work that does not need what arrives
+        received, weights = pending.finish_all()
+    """
+    return PendingExchange(_StartExchange.apply(route, *inputs), route)
 
 
 def start_exchange(
@@ -279,5 +343,21 @@ def start_exchange(
         shared = shared_experts(x)  # runs while the rows travel
         received = pending.finish()
     """
-    route = _Route(x, (out_splits, in_splits), group, (wire, grad_wire), timer)
-    return PendingExchange(_StartExchange.apply(x, route), route)
+    return start_route(exchange_route(out_splits, in_splits, group, (wire, grad_wire), timer), x)
+
+
+def exchange_route(
+    out_splits: list[int] | None,
+    in_splits: list[int] | None,
+    group: dist.ProcessGroup,
+    wires: tuple[str | None, str | None],
+    timer: ExchangeTimer | None = None,
+) -> Route:
+    """The :class:`Route` of one :func:`exchange` (``wires``: its ``wire`` and ``grad_wire``), for
+    :func:`start_route`.
+
+    Example::
+
+        received = start_route(exchange_route(None, None, group, ("fp8", "bf16")), rows).finish()
+    """
+    return _Route((out_splits, in_splits), group, wires, timer)

@@ -366,9 +366,10 @@ def set_ep_overlap(module: nn.Module, chunks: int | str | None, timer: ExchangeT
     """Overlap the exchanges of every sharded MoE block of ``module`` with their experts' compute, in place (every
     rank calls it alike; :mod:`~lightning_llmfast.expert_parallel.overlap`).
 
-    The flat dispatchers (dropless, capacity) send their rows in ``chunks`` chunks and run the shared experts and the
-    balance loss while the exchanges are in flight; the hierarchical one keeps its order. ``timer`` stamps every
-    exchange of the flat dispatchers (``comm/a2a_ms``, ``comm/a2a_exposed_ms``), with or without overlap.
+    The flat dispatchers (dropless, capacity) send their rows in ``chunks`` chunks, the hierarchical one its tokens
+    in chunks of destination nodes (at most one chunk per node; one with a capacity limit); all run the shared
+    experts and the balance loss while the exchanges are in flight. ``timer`` stamps every token exchange
+    (``comm/a2a_ms``, ``comm/a2a_exposed_ms``), with or without overlap.
 
     Args:
         module: a model whose blocks :func:`shard_experts` sharded.

@@ -135,8 +135,9 @@ class LLMFastStrategy(ShardedDataParallelBase):
             so that each token reaches at most ``topk_groups`` nodes. Either way every training step logs this
             rank's forward all-to-all bytes as ``comm/inter_node_bytes`` (to other nodes) and
             ``comm/intra_node_bytes`` (to other ranks of its node), counted on the host from the split sizes.
-        ep_overlap: with ``expert_parallel_size > 1``, hide the flat dispatchers' exchanges under compute: the
-            routed rows travel in ``ep_overlap_chunks`` chunks, the experts of one chunk run while the next travels
+        ep_overlap: with ``expert_parallel_size > 1``, hide the dispatchers' exchanges under compute: the
+            routed rows travel in ``ep_overlap_chunks`` chunks (hierarchical: chunks of destination nodes, at most
+            one per node, one with ``capacity_factor``), the experts of one chunk run while the next travels
             (forward and backward), and the shared experts and the balance loss run while the exchanges are in
             flight (:mod:`~lightning_llmfast.expert_parallel.overlap`; same bytes, same host reads, the same losses
             and gradients up to the order of floating-point sums). ``False``: exchange, then compute. Either way
