@@ -187,4 +187,4 @@ def test_kill_9_during_saves_never_costs_the_last_checkpoint(tmp_path: Path, dev
     result = _kill_loop(tmp_path, "--runs", "1", "--devices", str(devices), "--sharding", sharding)
     assert result["failed_resumes"] == 0, result["errors"]
     assert result["last_run_rc"] == 0
-    assert result["kills_inside_save"] == 1  # the slowed writer put the kill inside a save
+    assert result["kills_inside_save"] == 1  # the slowed writer put a kill inside a save (a missed one is retried)
