@@ -5,7 +5,8 @@
 Everything is built in a temp dir (a synthetic jsonl corpus of ``--mib`` MiB, a byte-level BPE tokenizer trained on
 it: no download):
 
-- ``tokenizer``: the transformers tokenizer alone on the corpus's texts, in batches of 1000, one process, one thread
+- ``tokenizer``: the tokenizer alone on the corpus's texts: the call prepare makes (the fast tokenizer's backend,
+  ``encode_batch_fast``, no special tokens) in batches of 1000, one process, one thread
   (``TOKENIZERS_PARALLELISM=false``, as each prepare worker runs); JSON parsing excluded;
 - ``prepare_wN``: ``prepare`` end to end with ``N`` workers (reading, JSON parsing, tokenizing, writing, sharding,
   index, packing, checksums, manifest), interleaved with the tokenizer alone over ``--repeats`` rounds. Per worker:
@@ -83,14 +84,14 @@ def make_tokenizer(directory: Path, sample: Path) -> Path:
 
 
 def tokenizer_alone(tokenizer_dir: Path, corpus: Path) -> dict[str, float]:
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir).backend_tokenizer
     seconds = cpu = tokens = 0
     with open(corpus) as f:
         while texts := [json.loads(line)["text"] for _, line in zip(range(20_000), f, strict=False)]:
             before_cpu, start = _cpu_seconds()[0], time.perf_counter()  # JSON parsing excluded
             for i in range(0, len(texts), 1000):
-                ids = tokenizer(texts[i : i + 1000], add_special_tokens=False)["input_ids"]
-                tokens += sum(len(d) + 1 for d in ids)
+                encodings = tokenizer.encode_batch_fast(texts[i : i + 1000], add_special_tokens=False)
+                tokens += sum(len(e.ids) + 1 for e in encodings)
             seconds, cpu = seconds + time.perf_counter() - start, cpu + _cpu_seconds()[0] - before_cpu
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "cpu_s": cpu,
             "tokens_per_cpu_s": tokens / cpu}  # fmt: skip

@@ -61,6 +61,7 @@ from lightning_llmfast._checks import check_int, check_number
 from lightning_llmfast.errors import ConfigError, LLMFastError
 
 __all__ = [
+    "PRELOAD",
     "RECORD_FIELDS",
     "STATUSES",
     "SubprocessRunner",
