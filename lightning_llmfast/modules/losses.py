@@ -174,7 +174,7 @@ def _data_parallel(trainer: pl.Trainer) -> tuple[dist.ProcessGroup | None, int]:
     one, else ``(None, world_size)`` (the strategy's own reduce over its world)."""
     dims = getattr(trainer.strategy, "parallel_dims", None)
     if isinstance(dims, ParallelDims) and dims.dp_group is not None:
-        return dims.dp_group, dims.dp
+        return dims.dp_group, dims.stage_size
     return None, trainer.world_size
 
 
