@@ -118,8 +118,15 @@ def scale_by_token_share(
     if weighting is None:
         return loss
     count = (labels != ignore_index).sum()
+    group = _context_group(module)
+    if group is not None:
+        # The ranks of a context-parallel group share one micro-batch, and a batch-wide loss (the balance loss over
+        # the group) is the mean of their values: each weighs its share of the micro-batch's tokens equally.
+        count = count.to(torch.float64)
+        dist.all_reduce(count, group=group, async_op=True).wait()
+        count = count / dist.get_world_size(group)
     weighting.count_micro_batch(count)
-    return _value_with_grad_of(loss, loss * count)
+    return _value_with_grad_of(loss, loss * count.to(loss.dtype))
 
 
 def _describe(value: object) -> str:
@@ -167,6 +174,13 @@ def _weighting(module: pl.LightningModule | None) -> _StepTokenWeighting | None:
     callback = _StepTokenWeighting()
     trainer.callbacks.append(callback)
     return callback
+
+
+def _context_group(module: pl.LightningModule | None) -> dist.ProcessGroup | None:
+    """The context-parallel group of the module's strategy (the ranks sharing a batch), or ``None``."""
+    trainer = getattr(module, "_trainer", None)
+    dims = getattr(getattr(trainer, "strategy", None), "parallel_dims", None)
+    return dims.cp_group if isinstance(dims, ParallelDims) else None
 
 
 def _data_parallel(trainer: pl.Trainer) -> tuple[dist.ProcessGroup | None, int]:
