@@ -108,20 +108,22 @@ def write_plot(path: Path, records: Sequence[TrialRecord], memory_budget: int | 
 
 
 def trial_line(record: TrialRecord, elapsed: float, budget: float | None) -> str:
-    """One line on a trial that ended: its rung and steps, status, rate, predicted and peak memory (MiB), the time the
-    search has used (of its budget), its settings and, for one not measured, why.
+    """One line on a trial that ended: its status, rung and measured steps, rate, predicted and peak memory (MiB), the
+    time the search has used (of its budget), its settings and, for one not measured, why.
 
     Example::
 
-        trial_line(TrialRecord({"data.batch_size": 4}, "ok", 2500.0, 60 << 20, 512 << 20, "", 4, 0), 12.0, 600.0)
-        # 'tune: rung 0, 4 steps: ok 2,500 tokens/s, predicted 60.0 MiB, peak 512.0 MiB, 12s of 600s: data.batch_size=4'
+        trial_line(TrialRecord({"data.batch_size": 4}, "ok", 2500.0, 60 << 20, 512 << 20, "", 4, 0), 12, 600)
+        # tune: ok, rung 0, 4 steps: 2,500 tokens/s, predicted 60.0 MiB, peak 512.0 MiB; 12s of 600s; data.batch_size=4
     """
-    rate = f" {record.tokens_per_sec:,.0f} tokens/s," if record.tokens_per_sec is not None else ""
-    memory = f"predicted {_mib(record.predicted_memory) or '?'} MiB, peak {_mib(record.peak_memory) or '?'} MiB"
+    where = "" if record.status == "pruned" else f", rung {record.rung}, {record.steps} steps"
+    rate = "" if record.tokens_per_sec is None else f"{record.tokens_per_sec:,.0f} tokens/s, "
+    memory = f"predicted {_mib(record.predicted_memory) or '?'} MiB"
+    if record.peak_memory is not None:
+        memory += f", peak {_mib(record.peak_memory)} MiB"
     used = f"{elapsed:,.0f}s" + (f" of {budget:,.0f}s" if budget is not None else "")
     reason = f" ({record.reason})" if record.reason else ""
-    steps = f"rung {record.rung}, {record.steps} steps" if record.status != "pruned" else "pruned before running"
-    return f"tune: {steps}: {record.status}{rate} {memory}, {used}: {_settings(record)}{reason}"
+    return f"tune: {record.status}{where}: {rate}{memory}; {used}; {_settings(record)}{reason}"
 
 
 class Progress:
