@@ -12,7 +12,7 @@ an OOM or a hang ends one trial; each has a timeout), and log ``train/tokens_per
 the package's monitors and a CSV logger; warm-up steps are left out and the trial's rate is the median of the rest.
 Successive halving runs every candidate ``--steps`` steps, then the best ``1/eta`` of them ``eta`` times longer, while
 more than one goes on, within ``--time-budget`` seconds (a trial running at the deadline is stopped and not recorded).
-A trial's process group ends with it on every exit, and every process the search started ends within a second of the
+A trial's process group ends with it on every exit, and every process the search started ends within seconds of the
 tuner, a ``kill -9`` included (:mod:`lightning_llmfast.tune.runner`); Ctrl-C stops the running trial and exits with
 status 130. While it searches, ``tune`` says one line per trial on stderr (settings, status, tokens/s, predicted and
 peak memory, time used of the budget), under a progress bar of the rung's trials when stderr is a terminal.
