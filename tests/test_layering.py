@@ -58,7 +58,8 @@ LAYERS: dict[str, int] = {
 LAYER_NAMES = ("core", "plain PyTorch", "expert parallel", "parallel", "Lightning layer", "entry points and bench")
 LIGHTNING_LAYER = 4
 
-# Modules at the package root, by room: the core helpers and the CLI entry points (``python -m lightning_llmfast.X``).
+# Modules at the package root, by room: the core helpers and the CLI entry points (``python -m lightning_llmfast.X``,
+# a module or a package of its own).
 ROOT_MODULES: dict[str, str] = {
     "errors": "core",
     "_checks": "core",
@@ -176,11 +177,13 @@ def imports_of(module: str, file: Path, modules: Mapping[str, Path]) -> list[Edg
 
 
 def room_of(module: str, package: Path = PACKAGE) -> str:
-    """The room of a module name: its subpackage, the room :data:`ROOT_MODULES` gives a root module, or
-    ``"package"`` for the package itself. Raises ``KeyError`` for a root module no room has taken."""
+    """The room of a module name: the room :data:`ROOT_MODULES` gives a root module or entry-point package, its
+    subpackage, or ``"package"`` for the package itself. Raises ``KeyError`` for a root module no room has taken."""
     parts = module.split(".")
     if len(parts) == 1:
         return "package"
+    if parts[1] in ROOT_MODULES:
+        return ROOT_MODULES[parts[1]]
     if (package / parts[1]).is_dir():
         return parts[1]
     return ROOT_MODULES[parts[1]]
