@@ -44,6 +44,7 @@ from lightning_llmfast.tune import (
     tune,
     write_plot,
 )
+from lightning_llmfast.tune.space import CONTEXT_PARALLEL, accumulation
 
 ROOT = Path(__file__).parents[1]
 FAKE = ROOT / "tests" / "scripts" / "fake_trial.py"
@@ -127,6 +128,28 @@ def test_predicted_memory_adds_the_sharding_plan_and_activations_linear_in_the_m
     triton = {"model.config.router_backend": "triton", "data.batch_size": 5}  # probed with its PyTorch reference
     assert predict_memory(apply_settings(config, triton), world=1) == predicted[5]
     assert predict_memory({**config, "model": {"class_path": "lightning_llmfast.HFCausalLMModule"}}, 1) is None
+
+
+def test_context_parallel_sizes_share_batches_and_divide_activations(tmp_path: Path) -> None:
+    config = yaml.safe_load(_config(tmp_path).read_text())  # micro-batch 4 of 32 tokens
+    assert default_space(config, world=4, cuda=False)[CONTEXT_PARALLEL] == [1, 2, 4]
+    odd = {**config, "data": {**config["data"], "seq_len": 33}}  # micro-batch 1 of 33 tokens: no split of 2 or 4
+    assert CONTEXT_PARALLEL not in default_space(odd, world=4, cuda=False)
+    settings: dict[str, Any] = {"data.batch_size": 2, CONTEXT_PARALLEL: 2}
+    assert accumulation(settings, config, global_batch=8, world=4) == ""
+    assert settings["trainer.accumulate_grad_batches"] == 2  # 2 streams of micro-batch 2, twice
+    settings = {"data.batch_size": 4, CONTEXT_PARALLEL: 4}
+    assert "1 groups of 4 context-parallel ranks" in accumulation(settings, config, global_batch=6, world=4)
+    long = {"data.seq_len": 512, "data.batch_size": 2}
+    one = predict_memory(apply_settings(config, long), world=2)
+    two = predict_memory(apply_settings(config, {**long, CONTEXT_PARALLEL: 2}), world=2)
+    assert one is not None and two is not None
+    # cp=2 halves the sequence's activations and adds the gathered keys and values: fp32, 1 kv head of 16, 2 layers.
+    states = predict_memory(apply_settings(config, {**long, "data.batch_size": 1}), world=2)
+    assert states is not None
+    activations = 2 * (one - states)  # two sequences' worth, from the scaling by the micro-batch
+    gathered = 2 * 1024 * 2 * 16 * 4
+    assert two == pytest.approx(one - activations + -(-activations // 2) + gathered, abs=2 * 4096)
 
 
 def test_successive_halving_prunes_and_keeps_the_optimizer_batch(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_llmfast.errors import LLMFastError
 from lightning_llmfast.tune.records import settings_key
-from lightning_llmfast.tune.space import MICRO_BATCH, get_setting, on_cuda
+from lightning_llmfast.tune.space import CONTEXT_PARALLEL, MICRO_BATCH, get_setting, on_cuda
 
 __all__ = ["REFERENCE_MODULE", "Probe", "predict_memory"]
 
@@ -179,6 +179,18 @@ def _activations(config: Mapping[str, Any], probe: Probe, kinds: Sequence[int]) 
     return micro * probe.outside + predict_peak(profile, choices, freed, prefetch)
 
 
+def _context_share(config: Mapping[str, Any], activations: int) -> int:
+    """A rank's saved activations under context parallelism: its ``1 / cp`` of the micro-batch's positions, plus the
+    keys and values of the whole micro-batch that every layer's attention gathers and saves for backward."""
+    cp = int(get_setting(config, CONTEXT_PARALLEL, 1) or 1)
+    if cp == 1:
+        return activations
+    model = _model_config(config)
+    tokens = int(get_setting(config, MICRO_BATCH, 8)) * int(get_setting(config, "data.seq_len", 256))
+    kv_bytes = 2 * model.n_kv_heads * (model.hidden_size // model.n_heads) * 4  # fp32 K and V of one token
+    return -(-activations // cp) + model.n_layers * tokens * kv_bytes
+
+
 def predict_memory(
     config: Mapping[str, Any], world: int, probes: dict[str, tuple[Probe, list[int]]] | None = None
 ) -> int | None:
@@ -202,6 +214,6 @@ def predict_memory(
         )
         if model_key not in probes:
             probes[model_key] = _measure_probe(config)
-        return _model_states(config, world) + _activations(config, *probes[model_key])
+        return _model_states(config, world) + _context_share(config, _activations(config, *probes[model_key]))
     except (LLMFastError, TypeError, ValueError, RuntimeError):  # a config the model refuses: the trial will say why
         return None

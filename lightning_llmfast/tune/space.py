@@ -16,6 +16,7 @@ from lightning_llmfast.errors import ConfigError
 
 __all__ = [
     "ACCUMULATE",
+    "CONTEXT_PARALLEL",
     "MICRO_BATCH",
     "STRATEGY_CLASS",
     "accumulation",
@@ -31,6 +32,7 @@ __all__ = [
 
 ACCUMULATE = "trainer.accumulate_grad_batches"
 MICRO_BATCH = "data.batch_size"
+CONTEXT_PARALLEL = "trainer.strategy.init_args.context_parallel_size"
 STRATEGY_CLASS = "lightning_llmfast.LLMFastStrategy"
 
 
@@ -140,10 +142,11 @@ def default_space(config: Mapping[str, Any], world: int | None = None, cuda: boo
     """The space searched without ``--space``: from the config and the world.
 
     Micro-batches from a quarter to twice the config's (powers of two); with several ranks the sharding (DDP, FSDP2,
-    and HSDP across nodes) and the expert-parallel sizes that divide the world and the experts, with the dispatch
-    payload where experts are parallel; on CUDA the router kernels (Triton, PyTorch), the offload/recompute plans
-    (none, offload all but the last layer, selective recomputation) and compiling the layers. Knobs that do nothing
-    on CPU (offload needs a device, compile takes minutes on a CPU) or with one rank stay out.
+    and HSDP across nodes), the expert-parallel sizes that divide the world and the experts, with the dispatch
+    payload where experts are parallel, and the context-parallel sizes that divide the world and every micro-batch's
+    tokens (ranks sharing each batch's positions); on CUDA the router kernels (Triton, PyTorch), the offload/recompute
+    plans (none, offload all but the last layer, selective recomputation) and compiling the layers. Knobs that do
+    nothing on CPU (offload needs a device, compile takes minutes on a CPU) or with one rank stay out.
 
     Example::
 
@@ -161,6 +164,10 @@ def default_space(config: Mapping[str, Any], world: int | None = None, cuda: boo
         if len(sizes) > 1:
             space["trainer.strategy.init_args.expert_parallel_size"] = sizes
             space["trainer.strategy.init_args.dispatch_dtype"] = [None, "bf16"]
+        tokens = min(space[MICRO_BATCH]) * int(get_setting(config, "data.seq_len", 256))
+        splits = [n for n in range(1, world + 1) if world % n == 0 and tokens % n == 0]
+        if len(splits) > 1:
+            space[CONTEXT_PARALLEL] = splits
     if cuda:
         space["model.config.router_backend"] = ["triton", "torch"]
         space["trainer.strategy.init_args.offload"] = [False, True, {"offload_layers": 0, "recompute": "selective"}]
@@ -169,18 +176,22 @@ def default_space(config: Mapping[str, Any], world: int | None = None, cuda: boo
 
 
 def config_global_batch(config: Mapping[str, Any], world: int) -> int:
-    """The config's own sequences per optimizer step: micro-batch x accumulation x world."""
-    return int(get_setting(config, MICRO_BATCH, 8)) * int(get_setting(config, ACCUMULATE, 1)) * world
+    """The config's own sequences per optimizer step: micro-batch x accumulation x streams of batches (the world
+    over its context-parallel size)."""
+    streams = world // int(get_setting(config, CONTEXT_PARALLEL, 1) or 1)
+    return int(get_setting(config, MICRO_BATCH, 8)) * int(get_setting(config, ACCUMULATE, 1)) * streams
 
 
 def accumulation(settings: Mapping[str, Any], config: Mapping[str, Any], global_batch: int, world: int) -> str:
-    """Sets ``settings[ACCUMULATE]`` so the candidate takes ``global_batch`` sequences a step; returns why it cannot
-    (``""`` when it can)."""
+    """Sets ``settings[ACCUMULATE]`` so the candidate takes ``global_batch`` sequences a step (the ranks of a
+    context-parallel group share their micro-batches); returns why it cannot (``""`` when it can)."""
     micro = settings.get(MICRO_BATCH, get_setting(config, MICRO_BATCH, 8))
-    per_step = int(micro) * world
+    cp = int(settings.get(CONTEXT_PARALLEL, get_setting(config, CONTEXT_PARALLEL, 1)) or 1)
+    per_step = int(micro) * (world // cp)
     if global_batch % per_step:
         settings[ACCUMULATE] = None
-        return f"global batch {global_batch} is not a multiple of micro-batch {micro} x {world} ranks"
+        streams = f"{world} ranks" if cp == 1 else f"{world // cp} groups of {cp} context-parallel ranks"
+        return f"global batch {global_batch} is not a multiple of micro-batch {micro} x {streams}"
     settings[ACCUMULATE] = global_batch // per_step
     return ""
 
