@@ -26,6 +26,8 @@ import numpy as np
 
 __all__ = ["atomic_file", "fsync_directory", "npy_from_raw", "sha256_file", "sha256_text", "unique_suffix"]
 
+_COPY_BLOCK = 1 << 18  # bytes copied at once: the memory of a copy, whatever the file's size
+
 
 def unique_suffix() -> str:
     """``{host}-{pid}-{random}``: a part of a temporary name that no other process, here or elsewhere, produces.
@@ -88,7 +90,7 @@ def npy_from_raw(raw: Path, target: Path, columns: int) -> None:
     with atomic_file(target) as f, open(raw, "rb") as source:
         header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.int64)), "fortran_order": False, "shape": shape}
         np.lib.format.write_array_header_1_0(f, header)
-        shutil.copyfileobj(source, f, 1 << 22)
+        shutil.copyfileobj(source, f, _COPY_BLOCK)
 
 
 def fsync_directory(path: Path) -> None:

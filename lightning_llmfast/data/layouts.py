@@ -66,7 +66,7 @@ PACK_WINDOW = 1 << 18
 bounds the packer's memory (about 50 MiB) and keeps every row within a window of the document order."""
 
 _VAL_KEY = 0x5EED5A1D  # fixed key of the validation split's document hash
-_BLOCK = 1 << 16  # documents whose split membership is computed at once
+_BLOCK = 1 << 14  # documents whose split membership is computed at once (a few hundred KiB)
 
 Identity = tuple[int, int, int, int]
 """``(device, inode, size, mtime_ns)`` of a file: what a checked file was."""
@@ -277,7 +277,10 @@ def _check_window(
     at = np.minimum(np.searchsorted(window, document), len(window) - 1)
     foreign = window[at] != document
     if foreign.any():
-        return f"a piece of document {int(document[foreign][0])}, not one of the split's documents there"
+        return (
+            f"a piece of document {int(document[foreign][0])} among those of documents {int(window[0])} to "
+            f"{int(window[-1])} of the split: one of theirs is missing, or it is out of place"
+        )
     size = lengths[at]
     wrong = (start < 0) | (start >= size) | (start % seq_len != 0) | (length != np.minimum(seq_len, size - start))
     if wrong.any():
