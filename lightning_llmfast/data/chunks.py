@@ -151,21 +151,36 @@ _WORKER: ChunkWriter | None = None
 
 
 def start_worker(*args: Any) -> None:
+    """A tokenizing worker process's initializer: its :class:`ChunkWriter` (arguments as its), one thread.
+
+    Example::
+
+        args = (backend, eos_id, None, "uint16", output, "text")
+        pool = multiprocessing.Pool(4, initializer=start_worker, initargs=args)
+    """
     global _WORKER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
     _WORKER = ChunkWriter(*args)
 
 
 def work(index: int, documents: list[str | JsonLine]) -> int:
+    """Write chunk ``index`` in a worker started by :func:`start_worker`; return its token count.
+
+    Example::
+
+        pool.apply_async(work, (index, documents))
+    """
     assert _WORKER is not None
     return _WORKER(index, documents)
 
 
 def chunk_record(output: Path, index: int) -> Path:
+    """The record of chunk ``index`` (counts and document lengths), written last: ``.partial/chunk-00000.json``."""
     return output / PARTIAL / f"chunk-{index:05d}.json"
 
 
 def chunk_file(output: Path, index: int) -> Path:
+    """The token file of chunk ``index``: ``.partial/chunk-00000.bin``."""
     return output / PARTIAL / f"chunk-{index:05d}.bin"
 
 
