@@ -187,6 +187,14 @@ def test_temporary_names_carry_the_host_the_pid_and_a_random_part(
     monkeypatch.setattr(layouts_module, "write_layout", spy)
     PreparedDataset(_synthetic(tmp_path / "data", _lengths(100, seed=1))).layout(SEQ_LEN, "val")
     assert len(written) == 1 and written[0].startswith(f".layout-L{SEQ_LEN}-val.tmp-{host}-{pid}-")
+    # a second writer finding a whole layout published meanwhile (not the damaged one it saw) leaves it standing
+    published = tmp_path / "data" / f"layout-L{SEQ_LEN}-val"
+    before = published.stat().st_ino, _files(published, "val")
+    offsets = np.load(tmp_path / "data" / "documents.npy")
+    windows = split_windows(100, 0.2, "val")
+    assert layouts_module.publish_layout(tmp_path / "data", SEQ_LEN, "val", windows, offsets) == published
+    assert (published.stat().st_ino, _files(published, "val")) == before and len(written) == 2
+    assert not [p for p in (tmp_path / "data").iterdir() if ".tmp-" in p.name]
 
 
 def _read_only(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:

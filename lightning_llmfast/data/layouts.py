@@ -368,14 +368,15 @@ def derived_layout(
             _PLACES[key] = place
             return place
     published = root / layout_directory(seq_len, split)
-    if published.is_dir():
+    damaged = _directory_identity(published)
+    if damaged is not None:
         problem = _published_problem(published, seq_len, split, windows(), offsets)
         if problem is None:
             _PLACES[key] = LayoutPlace.of(published, seq_len, split)
             return _PLACES[key]
         warnings.warn(f"derived layout {published}: {problem}; deriving it again", stacklevel=3)
     try:
-        directory = publish_layout(root, seq_len, split, windows(), offsets)
+        directory = publish_layout(root, seq_len, split, windows(), offsets, damaged)
     except OSError:  # a read-only dataset (or no room beside it): this process's temporary directory
         directory = publish_layout(_scratch(dataset), seq_len, split, windows(), offsets)
     _PLACES[key] = LayoutPlace.of(directory, seq_len, split)
@@ -392,13 +393,21 @@ def _published_problem(
     return check_layout(rows, pieces, windows, offsets, seq_len)
 
 
-def publish_layout(parent: Path, seq_len: int, split: str, windows: Iterable[np.ndarray], offsets: np.ndarray) -> Path:
+def publish_layout(
+    parent: Path,
+    seq_len: int,
+    split: str,
+    windows: Iterable[np.ndarray],
+    offsets: np.ndarray,
+    damaged: tuple[int, int] | None = None,
+) -> Path:
     """Derive a layout into a new directory beside ``parent / layout-L{seq_len}-{split}`` and rename it there.
 
     The temporary directory is ``.layout-L{seq_len}-{split}.tmp-{host}-{pid}-{random}``: writers on other hosts or
-    in other PID namespaces never share it. The rename publishes both files at once. A directory already there (a
-    damaged one, or one another process just published) is first renamed aside and removed; when another process
-    publishes between the two renames, its layout (equal, byte for byte) stands and this one is dropped.
+    in other PID namespaces never share it. The rename publishes both files at once. The directory already there is
+    replaced only when it is ``damaged`` (its device and inode, as found by the caller): renamed aside, then removed.
+    Any other one was published by another process meanwhile, from the same index (equal, byte for byte): it stands,
+    and this derivation is dropped.
 
     Raises:
         OSError: ``parent`` cannot be written.
@@ -409,31 +418,39 @@ def publish_layout(parent: Path, seq_len: int, split: str, windows: Iterable[np.
     try:
         write_layout(tmp, seq_len, split, windows, offsets, tmp)
         fsync_directory(tmp)
-        _rename_over(tmp, final)
+        while not _renamed(tmp, final):
+            found = _directory_identity(final)
+            if found is not None and found != damaged:
+                break  # published by another process meanwhile: it stands
+            if found is not None:
+                aside = final.with_name(f".{final.name}.old-{unique_suffix()}")
+                with contextlib.suppress(FileNotFoundError):  # another process moved it aside first
+                    os.rename(final, aside)
+                shutil.rmtree(aside, ignore_errors=True)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed; what an error left otherwise
+        shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed; a dropped derivation or what an error left
     fsync_directory(parent)
     return final
 
 
-def _rename_over(source: Path, target: Path) -> None:
-    """Rename the directory ``source`` to ``target``, moving a directory already at ``target`` aside first."""
-    occupied = (errno.EEXIST, errno.ENOTEMPTY)
-    try:
-        os.rename(source, target)
-        return
-    except OSError as err:
-        if err.errno not in occupied:
-            raise
-    aside = target.with_name(f".{target.name}.old-{unique_suffix()}")
-    with contextlib.suppress(FileNotFoundError):  # another process moved it aside already
-        os.rename(target, aside)
+def _renamed(source: Path, target: Path) -> bool:
+    """Rename the directory ``source`` to ``target``; ``False`` when a non-empty directory is there."""
     try:
         os.rename(source, target)
     except OSError as err:
-        if err.errno not in occupied:
-            raise
-    shutil.rmtree(aside, ignore_errors=True)
+        if err.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            return False
+        raise
+    return True
+
+
+def _directory_identity(path: Path) -> tuple[int, int] | None:
+    """``(device, inode)`` of a directory, or ``None`` when there is none."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino
 
 
 def _scratch(dataset: str) -> Path:
