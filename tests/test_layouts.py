@@ -154,6 +154,9 @@ def test_the_check_names_what_is_wrong_and_passes_every_valid_layout() -> None:
         pieces.append(p)
     rows_all, pieces_all = np.concatenate(rows), np.concatenate(pieces)
     assert check_layout(rows_all, pieces_all, windows, offsets, SEQ_LEN) is None
+    empty = np.zeros(1, dtype=np.int64), np.zeros((0, 3), dtype=np.int64)  # a split without documents
+    assert check_layout(*empty, [], offsets, SEQ_LEN) is None
+    assert "fewer than" in check_layout(*empty, windows[:1], offsets, SEQ_LEN)
     longer = pieces_all.copy()
     longer[np.argmax(longer[:, 2] < SEQ_LEN), 2] += 1
     assert "is not a piece of its document" in check_layout(rows_all, longer, windows, offsets, SEQ_LEN)
