@@ -13,7 +13,8 @@ from typing_extensions import override
 from lightning_llmfast._compile import check_compile, compile_layers
 from lightning_llmfast.data.packing import IGNORE_INDEX
 from lightning_llmfast.errors import MetadataError
-from lightning_llmfast.models.model import MoEGPT, MoEGPTConfig
+from lightning_llmfast.models.config import MoEGPTConfig
+from lightning_llmfast.models.model import MoEGPT
 from lightning_llmfast.modules.losses import causal_lm_loss, scale_by_token_share, shared_batch_losses
 
 if TYPE_CHECKING:
