@@ -111,7 +111,7 @@ def test_module_default_equals_each_document_alone_and_the_dense_mask_path(name:
 
 def test_the_model_called_without_metadata_attends_as_sdpa() -> None:
     """Generation and plain calls of ``module.model`` (padding masks included) behave as transformers' sdpa."""
-    reference = _model("qwen3_moe")
+    reference = _model("llama")
     module = HFCausalLMModule(copy.deepcopy(reference))
     ids = torch.randint(1, VOCAB, (2, 9))
     padding = torch.ones(2, 9, dtype=torch.long)
@@ -126,7 +126,7 @@ def test_the_model_called_without_metadata_attends_as_sdpa() -> None:
 
 def test_saved_activations_grow_linearly_with_the_row_length() -> None:
     """Rows of 8192 vs 2048 tokens holding 2048-token documents: every storage a training step saves for backward
-    grows 4x plus little (today's dense-mask path: 10.3x, its (B, 1, T, T) mask dominating)."""
+    grow 4x (5.6 MB -> 22.5 MB; the dense-mask sdpa path: 38.9 MB -> 558 MB, 14.3x, the mask saved as float32)."""
     torch.manual_seed(0)
     config = transformers.Qwen3Config(
         vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -139,8 +139,7 @@ def test_saved_activations_grow_linearly_with_the_row_length() -> None:
         batch = next(pack_documents(docs, seq_len=seq_len, batch_size=1, vocab_size=VOCAB))
         assert batch.max_seqlen == 2048 and batch.cu_seqlens.numel() == seq_len // 2048 + 1
         with SavedBytes(exclude=module.parameters()) as counter:
-            loss, _ = module._loss(batch)
-        loss.backward()
+            module._loss(batch)  # what the forward saves is what the backward would read
         saved[seq_len] = counter.nbytes
     ratio = saved[8192] / saved[2048]
     assert 3.9 <= ratio <= 4.6, (saved, ratio)
