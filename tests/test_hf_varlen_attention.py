@@ -169,3 +169,22 @@ def test_a_sliding_window_is_exact_up_to_its_length_and_refused_beyond() -> None
     torch.testing.assert_close(module(short), reference(**packed_model_inputs(short, reference)).logits)
     with pytest.raises(ConfigError, match="sliding window of 7 tokens and a document of 13"):
         module(_batch(seed=0))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention varlen needs a CUDA device")
+def test_mla_values_padded_for_flash_attention_on_cuda() -> None:
+    """DeepSeek-V3's values (8 dims) narrower than its queries and keys (16): padded to one head size for FlashAttention
+    varlen, sliced back; equal to the dense-mask path in bf16."""
+    config = CONFIGS["deepseek_v3"]()
+    config.qk_nope_head_dim, config.v_head_dim = 12, 8
+    config._experts_implementation = "eager"  # the tiny experts' rows are not 16-byte aligned for grouped_mm
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(
+        "cuda", torch.bfloat16
+    )
+    module = HFCausalLMModule(copy.deepcopy(reference))
+    batch = _batch(seed=1).to("cuda")
+    got = module(batch).float()
+    want = reference(**packed_model_inputs(batch, reference)).logits.float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
