@@ -160,6 +160,28 @@ def test_attention_that_cannot_run_through_it_is_refused_at_setup() -> None:
         use_varlen_attention(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dropout": 0.1}, "attention dropout 0.1"),
+        ({"softcap": 30.0}, "passes `softcap`"),
+        ({"s_aux": torch.zeros(4)}, "passes `s_aux`"),
+        ({"is_causal": False}, "only causal attention"),
+        ({"attention_mask": torch.ones(1, 1, 5, 5, dtype=torch.bool)}, "an attention mask the package did not build"),
+        ({"llmfast_metadata": "cu_seqlens"}, "must be a SequenceMetadata, got str"),
+    ],
+    ids=["dropout", "softcap", "sinks", "non_causal", "foreign_mask", "not_metadata"],
+)
+def test_a_packed_call_the_varlen_attention_cannot_honour_is_refused(kwargs: dict, match: str) -> None:
+    from lightning_llmfast.hf.attention import varlen_attention_forward
+    from lightning_llmfast.seqmeta import SequenceMetadata
+
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    call = {"attention_mask": None, "llmfast_metadata": SequenceMetadata.from_lengths([2, 3]), **kwargs}
+    with pytest.raises(ConfigError, match=match):
+        varlen_attention_forward(torch.nn.Module(), q, k, k, **call)
+
+
 def test_a_sliding_window_is_exact_up_to_its_length_and_refused_beyond() -> None:
     torch.manual_seed(0)
     config = transformers.MistralConfig(**_COMMON, num_key_value_heads=2, intermediate_size=20, sliding_window=7)

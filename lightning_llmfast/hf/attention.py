@@ -112,7 +112,8 @@ def _check_packed_call(
     for arg in _UNSUPPORTED_KWARGS:
         if kwargs.get(arg) is not None:
             raise ConfigError(f"{name}: the model passes `{arg}`, which varlen attention does not apply")
-    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+    causal = kwargs.get("is_causal")
+    if not (getattr(module, "is_causal", True) if causal is None else causal):
         raise ConfigError(f"{name}: only causal attention is supported")
     if attention_mask is not None and any(attention_mask.stride()):
         raise ConfigError(
