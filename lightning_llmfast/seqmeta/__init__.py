@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+from lightning_llmfast.data.context import context_split
 from lightning_llmfast.seqmeta.attention import dense_block_causal_mask, varlen_attention
 from lightning_llmfast.seqmeta.cache import SequenceMetadataCache, activate_cache, active_cache
 from lightning_llmfast.seqmeta.hf import to_flash_attention_kwargs
@@ -22,6 +23,7 @@ __all__ = [
     "SequenceMetadataCache",
     "activate_cache",
     "active_cache",
+    "context_split",
     "dense_block_causal_mask",
     "to_flash_attention_kwargs",
     "varlen_attention",
