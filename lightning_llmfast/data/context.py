@@ -33,6 +33,7 @@ mid-size ones, and at most two partial items at its cuts. Host NumPy only; deter
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
@@ -43,7 +44,7 @@ from torch import Tensor
 from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import ConfigError, MetadataError
 
-__all__ = ["BALANCED_MIN_POSITIONS", "context_split", "split_positions"]
+__all__ = ["BALANCED_MIN_POSITIONS", "ContextShard", "context_shard_plan", "context_split", "split_positions"]
 
 # Below this many positions per rank the 5% work bound may be impossible with integer works (module docstring).
 BALANCED_MIN_POSITIONS = 64
@@ -234,3 +235,104 @@ def _deal(
     for rank in range(cp):
         if cuts[rank + 1] > cuts[rank]:
             parts[rank].append(stream[cuts[rank] : cuts[rank + 1]])
+
+
+@dataclass(frozen=True, eq=False)
+class ContextShard:
+    """What one context-parallel rank's share of a packed batch needs to attend, built once on the host.
+
+    The rank holds ``positions`` (ascending global flattened positions) as *pieces*: runs of consecutive positions of
+    one document, the segments of its shard batch's ``cu_seqlens``. Piece ``j`` starts ``offsets[j]`` positions into
+    its document and attends that document's keys from its start up to the piece's end: ``offsets[j] + len_j`` keys,
+    the ranges of ``cu_seqlens_k``. Every rank of the group holds the same number of positions, so all-gathering a
+    per-position tensor gives ``size * len(positions)`` rows, rank after rank (*gathered order*).
+
+    Attributes:
+        rank: this rank's index in the context-parallel group.
+        size: ranks in the group.
+        group: the group's ``ProcessGroup`` (``None`` for the default group, or when ``size == 1``).
+        positions: ``(N / size,)`` int64 host: the global positions held.
+        offsets: ``(pieces,)`` int64 host: each piece's first position inside its document (its RoPE position).
+        cu_seqlens_k: ``(pieces + 1,)`` int32 host: cumulative key counts, piece after piece.
+        max_seqlen_k: the most keys a piece attends.
+        key_index: ``(cu_seqlens_k[-1],)`` int64 host: for each piece's keys, in order, its row in gathered order.
+        gather_order: ``(N,)`` int64 host: the gathered row of every global position
+            (``gathered.index_select(0, gather_order)`` is the batch's global order).
+
+    Example::
+
+        shard, cu_q = context_shard_plan(torch.tensor([0, 8]), cp_rank=0, cp_size=2)
+        shard.positions, shard.offsets        # tensor([0, 1, 6, 7]), tensor([0, 6])
+        shard.cu_seqlens_k                     # tensor([0, 2, 10], dtype=torch.int32)
+    """
+
+    rank: int
+    size: int
+    group: Any
+    positions: Tensor
+    offsets: Tensor
+    cu_seqlens_k: Tensor
+    max_seqlen_k: int
+    key_index: Tensor
+    gather_order: Tensor
+
+    @property
+    def num_keys(self) -> int:
+        """Keys attended over all pieces (rows of the per-piece key buffer)."""
+        return int(self.cu_seqlens_k[-1])
+
+
+def context_shard_plan(cu_seqlens: Any, cp_rank: int, cp_size: int, group: Any = None) -> tuple[ContextShard, Tensor]:
+    """Rank ``cp_rank``'s :class:`ContextShard` of the packed batch with boundaries ``cu_seqlens`` (host), and its
+    pieces' boundaries over its positions (``(pieces + 1,)`` int32 host, the shard batch's ``cu_seqlens``).
+
+    Args:
+        cu_seqlens: host boundaries over the batch's flattened positions (as for :func:`context_split`).
+        cp_rank: this rank's index in the group, in ``[0, cp_size)``.
+        cp_size: ranks in the context-parallel group.
+        group: the group's ``ProcessGroup``, carried for the attention's all-gather.
+
+    Returns:
+        ``(shard, cu_seqlens_q)``.
+
+    Raises:
+        ConfigError: ``cp_rank`` is outside ``[0, cp_size)`` or ``cp_size`` does not divide the positions.
+
+    Example::
+
+        shard, cu_q = context_shard_plan(batch.cu_seqlens_cpu, cp_rank=1, cp_size=2, group=cp_group)
+    """
+    cu = _host_boundaries(cu_seqlens)
+    parts = split_positions(cu, cp_size)
+    rank = check_int("cp_rank", cp_rank, low=0, high=cp_size - 1)
+    per_rank = int(cu[-1]) // cp_size
+    gather_order = np.empty(int(cu[-1]), dtype=np.int64)
+    for r, part in enumerate(parts):
+        gather_order[part] = r * per_rank + np.arange(per_rank, dtype=np.int64)
+    held = parts[rank]
+    doc = np.searchsorted(cu, held, side="right") - 1  # the non-empty segment of each position
+    new_piece = np.ones(held.size, dtype=bool)
+    new_piece[1:] = (held[1:] != held[:-1] + 1) | (doc[1:] != doc[:-1])
+    first = np.flatnonzero(new_piece)
+    lengths = np.diff(np.append(first, held.size))
+    doc_start = cu[doc[first]]
+    offsets = held[first] - doc_start
+    keys = offsets + lengths
+    cu_q = np.zeros(first.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu_q[1:])
+    cu_k = np.zeros(first.size + 1, dtype=np.int64)
+    np.cumsum(keys, out=cu_k[1:])
+    # Each piece's keys: its document's positions from the start to the piece's end, as rows of the gathered buffer.
+    key_positions = np.repeat(doc_start - cu_k[:-1], keys) + np.arange(int(cu_k[-1]), dtype=np.int64)
+    shard = ContextShard(
+        rank=rank,
+        size=int(cp_size),
+        group=group,
+        positions=torch.from_numpy(held),
+        offsets=torch.from_numpy(offsets),
+        cu_seqlens_k=torch.from_numpy(cu_k.astype(np.int32)),
+        max_seqlen_k=int(keys.max()) if keys.size else 0,
+        key_index=torch.from_numpy(gather_order[key_positions]),
+        gather_order=torch.from_numpy(gather_order),
+    )
+    return shard, torch.from_numpy(cu_q.astype(np.int32))
