@@ -13,7 +13,13 @@ from _distributed import run_distributed
 
 from lightning_llmfast.data import PackedBatch
 from lightning_llmfast.data.context import context_shard_plan
-from lightning_llmfast.seqmeta import SequenceMetadata, SequenceMetadataCache, active_cache, varlen_attention
+from lightning_llmfast.seqmeta import (
+    SequenceMetadata,
+    SequenceMetadataCache,
+    active_cache,
+    context_split,
+    varlen_attention,
+)
 from lightning_llmfast.seqmeta.context import CONTEXT_STATS, offset_causal_attention
 
 # Awkward batches over 96 positions (divisible by 2 and 4): one document across every rank; length-1 documents
@@ -169,3 +175,27 @@ def test_offset_causal_attention_against_float64() -> None:
     torch.testing.assert_close(got[1].double(), expected[1][8:], atol=1e-6, rtol=1e-6)
     for mine, theirs in zip(got[2:], expected[2:]):
         torch.testing.assert_close(mine.double(), theirs, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention varlen needs CUDA")
+@pytest.mark.parametrize("cp", [2, 4])
+def test_flash_varlen_pieces_against_float64(cp: int) -> None:
+    # The gather simulated in one process: every rank's keys, rank after rank, then each piece's by key_index.
+    from lightning_llmfast.seqmeta.attention import _flash_unsupported, _flash_varlen
+
+    gen = torch.Generator().manual_seed(cp)
+    for lengths in BATCHES.values():
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        total = int(cu[-1])
+        q, k, v = (torch.randn(total, h, 64, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
+        expected = _reference(q, k, v, lengths, 0.125)
+        order = torch.cat(context_split(cu, cp))
+        for rank in range(cp):
+            shard, cu_q = context_shard_plan(cu, rank, cp)
+            held = shard.positions
+            keys, values = (t[order][shard.key_index].cuda().bfloat16() for t in (k, v))
+            local = q[held].cuda().bfloat16()
+            assert _flash_unsupported(local, values) is None
+            sizes = (cu_q.cuda(), shard.cu_seqlens_k.cuda(), int(cu_q.diff().max()), shard.max_seqlen_k)
+            out = _flash_varlen(local, keys, values, sizes, True, 0.125)
+            torch.testing.assert_close(out.double().cpu(), expected[held], atol=3e-2, rtol=3e-2)

@@ -1,5 +1,5 @@
 """``context_split``: every position once, equal counts, causal work within 5% across ranks, against a brute-force
-count on random and awkward batches."""
+count on random and awkward batches; ``PackedBatch.context_shard``: the rank's tokens, pieces and key ranges."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_llmfast.data import PackedBatch, pack_documents
 from lightning_llmfast.data.context import BALANCED_MIN_POSITIONS
-from lightning_llmfast.errors import ConfigError, MetadataError
-from lightning_llmfast.seqmeta import context_split
+from lightning_llmfast.errors import ConfigError, DataError, MetadataError
+from lightning_llmfast.seqmeta import SequenceMetadata, context_split
 
 
 def _brute_work(lengths: list[int], held: torch.Tensor) -> int:
@@ -115,3 +116,56 @@ def test_bad_inputs() -> None:
         context_split(torch.tensor([0, 5, 4]), 2)
     with pytest.raises(MetadataError, match="1-D integer"):
         context_split(torch.tensor([[0, 4]]), 2)
+
+
+def _packed(seed: int) -> PackedBatch:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [1, 37, 64, 5, 1, 90, 13, 2, 29]  # a document of exactly T=64, one longer than T, length-1 ones
+    docs = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in lengths]
+    return next(pack_documents(docs, seq_len=64, batch_size=4))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_shard_batches(cp: int) -> None:
+    batch = _packed(cp)
+    cu = batch.cu_seqlens_cpu.long()
+    starts = torch.repeat_interleave(cu[:-1], cu.diff())
+    held, real = [], 0
+    for rank in range(cp):
+        shard = batch.context_shard(rank, cp, None)
+        shard.validate()
+        pos = shard.context.positions
+        assert shard.input_ids.shape == (1, batch.input_ids.numel() // cp)
+        assert torch.equal(shard.input_ids[0], batch.input_ids.view(-1)[pos])
+        assert torch.equal(shard.labels[0], batch.labels.view(-1)[pos])
+        assert torch.equal(shard.position_ids[0], pos - starts[pos])  # places inside the documents
+        # Pieces: runs of consecutive positions of one segment, each starting at its offset.
+        pieces = shard.cu_seqlens_cpu.long()
+        assert shard.max_seqlen == int(pieces.diff().max())
+        for j, (lo, hi) in enumerate(zip(pieces[:-1].tolist(), pieces[1:].tolist())):
+            assert torch.equal(pos[lo:hi], torch.arange(int(pos[lo]), int(pos[lo]) + hi - lo))
+            assert int(shard.context.offsets[j]) == int(pos[lo] - starts[pos[lo]])
+            keys = int(shard.context.cu_seqlens_k[j + 1] - shard.context.cu_seqlens_k[j])
+            assert keys == int(shard.context.offsets[j]) + hi - lo
+        meta = SequenceMetadata.from_batch(shard.to("cpu"))
+        assert meta.context is shard.context and torch.equal(meta.position_ids, shard.position_ids[0])
+        held.append(pos)
+        real += shard.num_tokens
+    assert torch.equal(torch.cat(held).sort().values, torch.arange(batch.input_ids.numel()))
+    assert real == batch.num_tokens  # the padding tails are known from `documents`
+
+
+def test_context_shard_errors() -> None:
+    batch = _packed(0)
+    shard = batch.context_shard(0, 2)
+    with pytest.raises(DataError, match="already a context-parallel shard"):
+        shard.context_shard(0, 2)
+    with pytest.raises(ConfigError, match="cp_rank"):
+        batch.context_shard(2, 2)
+    with pytest.raises(ConfigError, match="not divisible by context_parallel_size=3"):
+        batch.context_shard(0, 3)
+    shard.position_ids[0, -1] += 1
+    with pytest.raises(MetadataError, match="position_ids disagree"):
+        shard.validate()
+    with pytest.raises(MetadataError, match="ContextShard of these"):
+        SequenceMetadata(torch.tensor([0, 4], dtype=torch.int32), context=batch.context_shard(1, 2).context)
