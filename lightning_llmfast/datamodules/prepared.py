@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from lightning_llmfast._checks import check_bool, check_int
 from lightning_llmfast.data.prepared import SPLITS, PreparedBatches, PreparedDataset
-from lightning_llmfast.datamodules.positioned import PositionedDataModule
+from lightning_llmfast.datamodules.positioned import PositionedDataModule, data_shard
 from lightning_llmfast.errors import ConfigError, DataError
 
 __all__ = ["PreparedDataModule", "model_vocab_size"]
@@ -55,7 +55,8 @@ class PreparedDataModule(PositionedDataModule):
         path: a prepared directory, or a list of them.
         seq_len: tokens per row, any length: one given to ``prepare --seq-len`` is read as packed then, another is
             packed from the document index in :meth:`prepare_data` (once per node, seconds per million documents, no
-            token read) and cached beside the data for every rank, worker and later run.
+            token read) and cached beside the data for every rank, worker and later run (checked in full before use);
+            on a read-only directory each rank packs it once, in :meth:`setup`, and its workers open that copy.
         batch_size: rows per batch.
         num_workers: ``DataLoader`` worker processes (0 reads in the main process).
         seed: seed of the epoch orders.
@@ -157,7 +158,7 @@ class PreparedDataModule(PositionedDataModule):
     @override
     def _dataset(self, split: str) -> PreparedBatches:
         trainer = self.trainer
-        rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        rank, world_size = data_shard(trainer)
         train = split == "train"
         dataset = PreparedBatches(
             self.sources, split, seq_len=self.seq_len, batch_size=self.batch_size,
