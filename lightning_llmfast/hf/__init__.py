@@ -19,14 +19,24 @@ _LAZY = {
     "block_causal_mask": "lightning_llmfast.hf.inputs",
     "HFCausalLMModule": "lightning_llmfast.modules.hf",
     "use_varlen_attention": "lightning_llmfast.hf.attention",
+    "use_context_parallel": "lightning_llmfast.hf.context",
+    "swap_latent_attention": "lightning_llmfast.hf.context",
 }
 
-__all__ = ["HFCausalLMModule", "block_causal_mask", "packed_model_inputs", "use_varlen_attention"]
+__all__ = [
+    "HFCausalLMModule",
+    "block_causal_mask",
+    "packed_model_inputs",
+    "swap_latent_attention",
+    "use_context_parallel",
+    "use_varlen_attention",
+]
 
 __getattr__ = lazy_getattr(__name__, _LAZY)
 __dir__ = lazy_dir(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from lightning_llmfast.hf.attention import use_varlen_attention
+    from lightning_llmfast.hf.context import swap_latent_attention, use_context_parallel
     from lightning_llmfast.hf.inputs import block_causal_mask, packed_model_inputs
     from lightning_llmfast.modules.hf import HFCausalLMModule

@@ -24,9 +24,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from lightning_llmfast.errors import ConfigError
-from lightning_llmfast.seqmeta import SequenceMetadata, varlen_attention
+from lightning_llmfast.seqmeta import SequenceMetadata, context_attention, varlen_attention
 
 __all__ = [
+    "GATHERED_KWARG",
     "METADATA_KWARG",
     "VARLEN_ATTENTION",
     "packed_attention_mask",
@@ -39,6 +40,11 @@ VARLEN_ATTENTION = "llmfast_varlen"
 
 METADATA_KWARG = "llmfast_metadata"
 """The forward keyword argument that carries the batch's :class:`SequenceMetadata` down to every attention layer."""
+
+GATHERED_KWARG = "llmfast_keys_gathered"
+"""The attention-function keyword argument saying that ``key``/``value`` are a context-parallel shard's gathered
+rows (``(1, heads, num_keys, dim)``, :func:`~lightning_llmfast.seqmeta.context_keys`' layout), as multi-head latent
+attention passes them (:mod:`~lightning_llmfast.hf.context`)."""
 
 # Layer kinds whose attention goes through the attention function: sliding layers get their window as an argument.
 _ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
@@ -68,7 +74,9 @@ def varlen_attention_forward(
         scaling: softmax scale (``None``: ``1 / sqrt(head_dim)``).
         dropout: attention dropout probability; only 0 with the metadata.
         **kwargs: the forward's keyword arguments; :data:`METADATA_KWARG` holds the batch's metadata over the
-            flattened ``B * T`` positions, ``sliding_window`` a layer's window.
+            flattened ``B * T`` positions, ``sliding_window`` a layer's window; :data:`GATHERED_KWARG` set says
+            that ``key`` and ``value`` hold a context-parallel shard's gathered keys (then attended with
+            :func:`~lightning_llmfast.seqmeta.context_attention`).
 
     Returns:
         ``(B, T, heads, v_head_dim)`` output and ``None`` (no attention weights).
@@ -86,6 +94,7 @@ def varlen_attention_forward(
         logits = model(**packed_model_inputs(batch, model)).logits
     """
     meta = kwargs.pop(METADATA_KWARG, None)
+    gathered = kwargs.pop(GATHERED_KWARG, False)
     if meta is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -96,8 +105,13 @@ def varlen_attention_forward(
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and v_dim < dim <= 256 and dim % 8 == 0:
         # FlashAttention varlen takes one head_dim for q, k and v: pad v as transformers' flash path does (MLA).
         value = F.pad(value, (0, dim - v_dim))
-    q, k, v = (t.transpose(1, 2).reshape(batch * seq_len, t.shape[1], t.shape[3]) for t in (query, key, value))
-    out = varlen_attention(q, k, v, meta, scale=scaling)
+    if gathered:  # a shard's queries against its pieces' gathered keys (MLA's up-projected latent)
+        q = query.transpose(1, 2).reshape(batch * seq_len, heads, dim)
+        k, v = (t[0].transpose(0, 1) for t in (key, value))
+        out = context_attention(q, k, v, meta, scale=scaling)
+    else:
+        q, k, v = (t.transpose(1, 2).reshape(batch * seq_len, t.shape[1], t.shape[3]) for t in (query, key, value))
+        out = varlen_attention(q, k, v, meta, scale=scaling)
     return out[..., :v_dim].view(batch, seq_len, heads, v_dim), None
 
 
@@ -121,9 +135,11 @@ def _check_packed_call(
             "the inputs of packed_model_inputs(batch, model)"
         )
     window = kwargs.get("sliding_window")
-    if window is not None and meta.max_seqlen > window:
+    # A context-parallel piece attends its document's keys up to its end: the window must cover those.
+    longest = meta.context.max_seqlen_k if meta.context is not None else meta.max_seqlen
+    if window is not None and longest > window:
         raise ConfigError(
-            f"{name}: a sliding window of {window} tokens and a document of {meta.max_seqlen}: varlen attention "
+            f"{name}: a sliding window of {window} tokens and a document of {longest}: varlen attention "
             f"is exact only for documents up to the window; pack documents of at most {window} tokens"
         )
 

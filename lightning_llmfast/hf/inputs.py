@@ -61,7 +61,8 @@ def packed_model_inputs(
 
     Raises:
         DataError: ``batch`` is not a :class:`~lightning_llmfast.data.PackedBatch`.
-        ConfigError: the model has no ``config``, or its attention implementation (or mask layout) is not supported.
+        ConfigError: the model has no ``config``, or its attention implementation (or mask layout) is not supported;
+            or ``batch`` is a context-parallel shard and the implementation is not ``"llmfast_varlen"``.
         MetadataError: ``metadata`` does not describe the batch.
 
     Example::
@@ -75,6 +76,12 @@ def packed_model_inputs(
     if config is None:
         raise ConfigError(f"model: a transformers model with a `config` is needed, got {type(model).__name__}")
     impl = _attention_implementation(config)
+    if batch.context is not None and impl != VARLEN_ATTENTION:
+        raise ConfigError(
+            f"{type(model).__name__}: a context-parallel shard attends its documents' keys gathered from every rank, "
+            f"which only {VARLEN_ATTENTION!r} does; its attention implementation is {impl!r} "
+            "(use_context_parallel(model) sets it)"
+        )
     meta = _metadata(batch, metadata)
     kwargs: dict[str, Any] = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False}
     if impl == VARLEN_ATTENTION:

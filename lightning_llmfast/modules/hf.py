@@ -18,6 +18,7 @@ from lightning_llmfast._checks import check_int, check_number
 from lightning_llmfast._compile import check_compile, compile_layers
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.hf.attention import use_varlen_attention
+from lightning_llmfast.hf.context import use_context_parallel
 from lightning_llmfast.hf.inputs import packed_model_inputs
 from lightning_llmfast.modules.grouped_router import GroupedRouterMixin
 from lightning_llmfast.modules.losses import causal_lm_loss, scale_by_token_share, shared_batch_losses
@@ -165,6 +166,16 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
         if any(t.is_meta for t in [*self.parameters(), *self.buffers()]):
             setattr(self.model, PRETRAINED_ATTRIBUTE, None)  # the checkpoint's weights replace the directory's
             materialize_module(self, torch.device("cpu"))
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Lightning hook: under a strategy with ``context_parallel_size > 1``, prepares the model for shards
+        (:func:`~lightning_llmfast.hf.context.use_context_parallel`: ``"llmfast_varlen"`` attention whatever was set
+        since construction, multi-head latent attention gathering its latent); a model whose attention cannot run
+        under context parallelism is refused here with a ``ConfigError`` naming it, before any step."""
+        super().setup(stage)
+        if getattr(self.trainer.strategy, "context_parallel_size", 1) > 1:
+            use_context_parallel(self.model)
 
     @override
     def configure_model(self) -> None:

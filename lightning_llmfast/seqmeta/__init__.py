@@ -21,7 +21,12 @@ Context parallelism: :func:`context_split` says which positions of a packed batc
 from __future__ import annotations
 
 from lightning_llmfast.data.context import ContextShard, context_split
-from lightning_llmfast.seqmeta.attention import dense_block_causal_mask, varlen_attention
+from lightning_llmfast.seqmeta.attention import (
+    context_attention,
+    context_keys,
+    dense_block_causal_mask,
+    varlen_attention,
+)
 from lightning_llmfast.seqmeta.cache import SequenceMetadataCache, activate_cache, active_cache
 from lightning_llmfast.seqmeta.context import CONTEXT_STATS, ContextStats, offset_causal_attention
 from lightning_llmfast.seqmeta.hf import to_flash_attention_kwargs
@@ -35,6 +40,8 @@ __all__ = [
     "SequenceMetadataCache",
     "activate_cache",
     "active_cache",
+    "context_attention",
+    "context_keys",
     "context_split",
     "dense_block_causal_mask",
     "offset_causal_attention",

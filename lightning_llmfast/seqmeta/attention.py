@@ -31,7 +31,7 @@ from lightning_llmfast.seqmeta.buckets import bucket_plan
 from lightning_llmfast.seqmeta.context import gather_keys, offset_causal_attention
 from lightning_llmfast.seqmeta.metadata import SequenceMetadata
 
-__all__ = ["dense_block_causal_mask", "varlen_attention"]
+__all__ = ["context_attention", "context_keys", "dense_block_causal_mask", "varlen_attention"]
 
 Impl = Literal["auto", "masked", "per_document", "bucketed", "flash"]
 
@@ -392,21 +392,132 @@ def _context_parallel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SequenceMetadata, causal: bool, scale: float, impl: Impl
 ) -> torch.Tensor:
     """A context-parallel shard's attention (:mod:`lightning_llmfast.seqmeta.context`): gather, then attend."""
-    shard = meta.context
-    assert shard is not None
     if not causal:
         raise ConfigError("causal: context-parallel attention is causal (a piece attends its document's earlier keys)")
-    device = q.device
-    key_index, cu_k = meta.memo(
-        "cp_keys",
+    keys, values = context_keys(k, v, meta)
+    return _attend_gathered(q, keys, values, meta, scale, impl)
+
+
+def _shard_of(metadata: Any) -> Any:
+    _check_metadata(metadata)
+    shard = metadata.context
+    if shard is None:
+        raise MetadataError(
+            "metadata: not a context-parallel shard's (metadata.context is None); build it from "
+            "PackedBatch.context_shard's batch with SequenceMetadata.from_batch"
+        )
+    return shard
+
+
+def _key_plan(meta: SequenceMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shard's gather order and key boundaries on ``device`` (memoised on the metadata: once per batch)."""
+    shard = meta.context
+    assert shard is not None
+    return meta.memo(
+        ("cp_keys", device),
         lambda: (shard.key_index.to(device, non_blocking=True), shard.cu_seqlens_k.to(device, non_blocking=True)),
     )
-    keys, values = gather_keys(k, v, shard, key_index)
-    if impl in ("auto", "flash") and _flash_unsupported(q, v) is None:
+
+
+def context_keys(k: torch.Tensor, v: torch.Tensor, metadata: SequenceMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gathers a context-parallel shard's per-token ``k`` and ``v`` over its group and lays out every piece's keys.
+
+    What :func:`varlen_attention` does inside on a shard, for a module that gathers something other than its
+    attention's K and V: multi-head latent attention (DeepSeek-V3) gathers the compressed latent and the rope key,
+    ``kv_lora_rank + qk_rope_head_dim`` values a token, and up-projects the gathered rows to per-head keys and values
+    itself before :func:`context_attention`.
+
+    Args:
+        k: ``(local tokens, heads, dim)``: any per-token tensor (after RoPE).
+        v: ``(local tokens, heads, v_dim)``: a second one, gathered in the same collective.
+        metadata: the shard's metadata (``metadata.context`` set, ``num_tokens`` local tokens).
+
+    Returns:
+        ``(num_keys, heads, dim)`` and ``(num_keys, heads, v_dim)``: the rows ``context.cu_seqlens_k`` ranges over,
+        piece after piece. Differentiable (the backward reduce-scatters the gradients); counted in
+        :data:`~lightning_llmfast.seqmeta.CONTEXT_STATS`.
+
+    Raises:
+        MetadataError: ``metadata`` is not a shard's, or describes another number of tokens.
+        ConfigError: the shard's group does not have the shard's size.
+
+    Example::
+
+        latent, rope = context_keys(kv_latent[:, None], k_rope[:, None], meta)  # (num_keys, 1, rank), (num_keys, 1, r)
+    """
+    shard = _shard_of(metadata)
+    if k.shape[0] != metadata.num_tokens or v.shape[0] != metadata.num_tokens:
+        raise MetadataError(
+            f"num_tokens: k/v hold {k.shape[0]}/{v.shape[0]} tokens but the metadata describes {metadata.num_tokens}"
+        )
+    key_index, _ = _key_plan(metadata, k.device)
+    return gather_keys(k, v, shard, key_index)
+
+
+def context_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    metadata: SequenceMetadata,
+    *,
+    scale: float | None = None,
+    impl: Impl = "auto",
+) -> torch.Tensor:
+    """Causal attention of a context-parallel shard's queries against keys and values already gathered.
+
+    Each piece ``j`` of the shard (``metadata.cu_seqlens``) attends the rows ``context.cu_seqlens_k[j]:[j + 1]`` of
+    ``keys``/``values``, its document's keys up to the piece's end, with the causal diagonal aligned bottom-right: the
+    layout :func:`context_keys` returns. The paths are :func:`varlen_attention`'s on a shard (FlashAttention varlen
+    on CUDA fp16/bf16; on the CPU the packed paths for pieces that start their document and
+    :func:`~lightning_llmfast.seqmeta.offset_causal_attention` for the others).
+
+    Args:
+        q: ``(local tokens, heads, head_dim)`` queries.
+        keys: ``(num_keys, kv_heads, head_dim)``; ``kv_heads`` divides ``heads``.
+        values: ``(num_keys, kv_heads, v_dim)``.
+        metadata: the shard's metadata.
+        scale: softmax scale (default ``1 / sqrt(head_dim)``).
+        impl: as :func:`varlen_attention`'s (for the pieces that start their document on the CPU).
+
+    Returns:
+        ``(local tokens, heads, v_dim)``.
+
+    Raises:
+        MetadataError: ``metadata`` is not a shard's, or ``q``/``keys`` do not have its token and key counts.
+        ConfigError: as :func:`varlen_attention`.
+
+    Example::
+
+        keys, values = context_keys(k, v, meta)
+        out = context_attention(q, keys, values, meta)  # == varlen_attention(q, k, v, meta)
+    """
+    shard = _shard_of(metadata)
+    num_keys = int(shard.cu_seqlens_k[-1])
+    if keys.shape[0] != num_keys or values.shape[0] != num_keys:
+        raise MetadataError(
+            f"num_keys: keys/values hold {keys.shape[0]}/{values.shape[0]} rows but the shard's pieces attend "
+            f"{num_keys}; gather them with context_keys(k, v, metadata)"
+        )
+    # The token-count, head and dtype checks of varlen_attention, on the queries against the first rows.
+    n = q.shape[0]
+    q, _, _ = _checked_inputs(q, keys[:n], values[:n], metadata, True, scale, impl)
+    if metadata.device != q.device:
+        metadata = metadata.to(q.device)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)
+    return _attend_gathered(q, keys, values, metadata, scale if scale is not None else q.shape[2] ** -0.5, impl)
+
+
+def _attend_gathered(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: SequenceMetadata, scale: float, impl: Impl
+) -> torch.Tensor:
+    shard = meta.context
+    assert shard is not None
+    if impl in ("auto", "flash") and _flash_unsupported(q, values) is None:
+        _, cu_k = _key_plan(meta, q.device)
         lengths = (meta.cu_seqlens, cu_k, meta.max_seqlen, shard.max_seqlen_k)
         return _flash_varlen(q, keys, values, lengths, True, scale)
     if impl == "flash":
-        raise ConfigError(f"impl: 'flash' {_flash_unsupported(q, v)}")
+        raise ConfigError(f"impl: 'flash' {_flash_unsupported(q, values)}")
     plan = meta.memo("cp_pieces", lambda: _piece_plan(meta))
     outs = []
     if plan.starting is not None:
