@@ -1,6 +1,7 @@
 """Context parallelism inside Lightning: ranks that split the positions of every packed batch train the reference
 MoE GPT exactly as one process holding the whole batch (losses logged on every rank, weights after four AdamW steps),
-with DDP, FSDP2 x dp and expert parallelism drawn from the cp ranks."""
+with DDP, FSDP2 x dp and expert parallelism drawn from the cp ranks; and so do tiny transformers Qwen3-MoE and
+DeepSeek-V3 (multi-head latent attention gathering its latent) read from ``save_pretrained`` directories."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).parents[1]
 sys.path.insert(0, str(SCRIPTS))
-from cp_steps import fit, module  # noqa: E402
+from _pretrained import save_tiny  # noqa: E402
+from cp_steps import VOCAB, fit, module  # noqa: E402
 
 
 def _max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -23,14 +25,20 @@ def _max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tens
     return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in b if b[k].is_floating_point() and b[k].norm() > 0)
 
 
-_REFERENCES: dict[int, tuple[list[float], dict[str, torch.Tensor]]] = {}
+_REFERENCES: dict[int, tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
 
 
-def _one_process(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process accumulating the micro-batches of ``dp`` streams per step (memoised: one fit per ``dp``)."""
-    if dp not in _REFERENCES:
-        model, log, _ = fit("llmfast", 1, dp)
-        _REFERENCES[dp] = (log.losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+def _one_process(
+    dp: int, pretrained: str | None = None
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Losses, final weights and first-step gradients of one process accumulating the micro-batches of ``dp`` streams
+    per step (memoised: one fit per ``dp`` of the reference model)."""
+    if pretrained is not None or dp not in _REFERENCES:
+        model, log, _ = fit("llmfast", 1, dp, pretrained)
+        found = (log.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, log.grads)
+        if pretrained is not None:
+            return found
+        _REFERENCES[dp] = found
     return _REFERENCES[dp]
 
 
@@ -48,10 +56,38 @@ def test_context_parallel_fit_equals_one_process(tmp_path: Path, devices: int, c
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     dp = devices // cp
-    losses, state = _one_process(dp)
+    losses, state, _ = _one_process(dp)
     for rank in range(devices):
         saved = torch.load(f"{out}.rank{rank}", weights_only=True)
         # Every rank logs its cp group's batch loss: the one-process loss of that stream's micro-batch.
         assert saved["losses"] == pytest.approx(losses[rank // cp :: dp], rel=1e-5, abs=1e-6)
         assert _max_relative_difference(saved["state"], state) < 1e-5
     assert _max_relative_difference(module().state_dict(), state) > 1e-2  # the steps moved the weights
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_transformers_context_parallel_fit_equals_one_process(tmp_path: Path, family: str) -> None:
+    """cp = 2 on 2 ranks: RoPE from the shard's positions inside each document, the balance losses over the cp
+    group, DeepSeek-V3's attention swapped to gather the compressed latent."""
+    pretrained = str(save_tiny(family, tmp_path / family, vocab_size=VOCAB))
+    out = tmp_path / "cp"
+    args = ["--out", str(out), "--devices", "2", "--cp", "2", "--pretrained", pretrained]
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "cp_steps.py"), *args], cwd=tmp_path, capture_output=True, text=True,
+        timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    losses, state, grads = _one_process(1, pretrained)
+    for rank in range(2):
+        saved = torch.load(f"{out}.rank{rank}", weights_only=True)
+        assert saved["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
+        # DeepSeek-V3's 3 MLA modules were swapped at setup to gather the latent.
+        assert saved["latent_attention"] == (3 if family == "deepseek_v3" else 0)
+        assert _max_relative_difference(saved["grads"], grads) < 1e-5  # measured 1.3e-6 (Qwen3-MoE)
+        # Four AdamW steps: the first step's update is lr * sign(grad) where a gradient is near zero, so float32
+        # rounding in a few experts' near-zero gradients moves their weights apart more than the gradients differ
+        # (measured 4.5e-5 in one expert tensor of Qwen3-MoE, 1e-6 elsewhere).
+        assert _max_relative_difference(saved["state"], state) < 1e-4
+    initial = module(pretrained)
+    initial.materialize()
+    assert _max_relative_difference(initial.state_dict(), state) > 1e-2  # the steps moved the weights

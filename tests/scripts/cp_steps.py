@@ -2,8 +2,10 @@
 holding a share of each batch's positions.
 
 Run by tests/test_context_parallel_fit.py with ``--devices N --cp C [--sharding S] [--ep E]`` (Lightning launches
-the other ranks); every rank writes ``<out>.rank<r>``: its logged ``train/loss`` per step and, on rank 0, the final
-weights (gathered under FSDP). The test compares them with one process training on the same batches.
+the other ranks), with ``--pretrained DIR`` a transformers model's ``HFCausalLMModule`` instead; every rank writes
+``<out>.rank<r>``: its logged ``train/loss`` per step, the final weights (gathered under FSDP) and, under DDP
+without expert parallelism, the first step's gradients. The test compares them with one process training on the
+same batches.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule
+from lightning_llmfast import HFCausalLMModule, LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule
 from lightning_llmfast.bench.processes import leave_world
 from lightning_llmfast.data import PackedBatch, pack_documents
 from lightning_llmfast.expert_parallel import expert_dtensor_state_dict
+from lightning_llmfast.hf.context import LatentGatherAttention
 
 STEPS = 4
 SEQ_LEN = 16
@@ -47,16 +50,27 @@ def batches() -> list[PackedBatch]:
     return out
 
 
-def module() -> MoEGPTLightningModule:
+def module(pretrained: str | None = None) -> L.LightningModule:
+    """The reference MoE GPT, or the ``HFCausalLMModule`` of a tiny transformers model's ``save_pretrained``."""
     torch.manual_seed(0)
+    if pretrained is not None:
+        return HFCausalLMModule.from_pretrained(pretrained, lr=1e-2, warmup_steps=2, aux_loss_coef=0.01)
     config = MoEGPTConfig(vocab_size=VOCAB, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_size=32,
                           num_experts=4, top_k=2)  # fmt: skip
     return MoEGPTLightningModule(config, lr=1e-2, warmup_steps=2, aux_loss_coef=0.01)
 
 
 class LossLog(L.Callback):
+    """The logged ``train/loss`` of every step and the gradients the first optimizer step took (DDP's all-reduced
+    sums, token-weighted: read before the second step zeroes them)."""
+
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_before_zero_grad(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        if not self.grads:
+            self.grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
@@ -77,11 +91,13 @@ def streams(dp: int) -> list[PackedBatch]:
     return out[: STEPS * dp]
 
 
-def fit(strategy: Any, devices: int, dp: int = 1) -> tuple[MoEGPTLightningModule, LossLog, L.Trainer]:
+def fit(
+    strategy: Any, devices: int, dp: int = 1, pretrained: str | None = None
+) -> tuple[L.LightningModule, LossLog, L.Trainer]:
     """Trains :data:`STEPS` steps: several ranks read :func:`batches` through the sampler Lightning injects, one
     process accumulates the ``dp`` streams' micro-batches of every step (:func:`streams`)."""
     torch.set_num_threads(1)
-    model, log = module(), LossLog()
+    model, log = module(pretrained), LossLog()
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, callbacks=[log],
         accumulate_grad_batches=1 if devices > 1 else dp, logger=False, enable_checkpointing=False,
@@ -99,14 +115,18 @@ def main() -> None:
     parser.add_argument("--cp", type=int, required=True)
     parser.add_argument("--sharding", default="ddp")
     parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--pretrained", default=None)
     args = parser.parse_args()
     strategy = LLMFastStrategy(
         sharding=args.sharding, context_parallel_size=args.cp, expert_parallel_size=args.ep,
         timeout=timedelta(seconds=60),
     )  # fmt: skip
-    _, log, trainer = fit(strategy, args.devices)
+    _, log, trainer = fit(strategy, args.devices, pretrained=args.pretrained)
     state = full_state(trainer)
-    torch.save({"losses": log.losses, "state": state}, f"{args.out}.rank{trainer.global_rank}")
+    grads = log.grads if args.sharding == "ddp" and args.ep == 1 else {}  # whole tensors only
+    latent = sum(isinstance(m, LatentGatherAttention) for m in trainer.lightning_module.modules())
+    saved = {"losses": log.losses, "state": state, "grads": grads, "latent_attention": latent}
+    torch.save(saved, f"{args.out}.rank{trainer.global_rank}")
 
 
 def full_state(trainer: L.Trainer) -> dict[str, torch.Tensor]:
