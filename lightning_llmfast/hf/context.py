@@ -109,7 +109,7 @@ def latent_gather_bytes(config: Any, element_size: int) -> tuple[int, int]:
 
     Example::
 
-        latent, full = latent_gather_bytes(DeepseekV3Config(), 2)  # (1152, 65536) in bf16: 57x less
+        latent, full = latent_gather_bytes(DeepseekV3Config(), 2)  # (1152, 81920) in bf16: 71x less
     """
     latent = config.kv_lora_rank + config.qk_rope_head_dim
     full = config.num_attention_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)

@@ -44,7 +44,10 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
     token-weighted over the optimizer step with :func:`~lightning_llmfast.causal_lm_loss`. The model's MoE blocks are
     swapped for grouped, sync-free ones at ``configure_model`` (:class:`~lightning_llmfast.GroupedRouterMixin`, same
     parameters) and their load-balancing losses are added with ``aux_loss_coef``, weighted by
-    :func:`~lightning_llmfast.scale_by_token_share`.
+    :func:`~lightning_llmfast.scale_by_token_share`. Under ``LLMFastStrategy(context_parallel_size=N)`` each rank
+    trains its shard of every batch exactly as one process would the whole batch
+    (:func:`~lightning_llmfast.hf.context.use_context_parallel` at setup; multi-head latent attention gathers its
+    compressed latent instead of per-head keys and values).
 
     A local pretrained directory (as ``save_pretrained`` writes it; nothing is downloaded) builds the model on the
     meta device from its ``config.json``, in fp32 and in train mode; the strategy parallelises it, then each rank reads
