@@ -13,10 +13,12 @@ from _distributed import run_distributed
 
 from lightning_llmfast.data import PackedBatch
 from lightning_llmfast.data.context import context_shard_plan
+from lightning_llmfast.errors import MetadataError
 from lightning_llmfast.seqmeta import (
     SequenceMetadata,
     SequenceMetadataCache,
     active_cache,
+    context_attention,
     context_split,
     varlen_attention,
 )
@@ -199,3 +201,43 @@ def test_flash_varlen_pieces_against_float64(cp: int) -> None:
             sizes = (cu_q.cuda(), shard.cu_seqlens_k.cuda(), int(cu_q.diff().max()), shard.max_seqlen_k)
             out = _flash_varlen(local, keys, values, sizes, True, 0.125)
             torch.testing.assert_close(out.double().cpu(), expected[held], atol=3e-2, rtol=3e-2)
+
+
+_DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_attention_on_gathered_keys_against_float64(cp: int, device: str) -> None:
+    """``context_attention`` of every rank's queries against its pieces' keys laid out as ``context_keys`` gathers
+    them (simulated in one process: every rank's rows, rank after rank, then ``key_index``), outputs and gradients
+    against the float64 per-document loop; bf16 FlashAttention varlen on CUDA."""
+    dtype, tol = (torch.bfloat16, 3e-2) if device == "cuda" else (torch.float32, 1e-5)
+    dim = 64 if device == "cuda" else DIM  # FlashAttention: one head dim for q, k and v, a multiple of 8
+    for lengths in BATCHES.values():
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        total = int(cu[-1])
+        gen = torch.Generator().manual_seed(total + cp)
+        q, k = torch.randn(total, HEADS, dim, generator=gen), torch.randn(total, KV_HEADS, dim, generator=gen)
+        v = torch.randn(total, KV_HEADS, dim if device == "cuda" else V_DIM, generator=gen)
+        weight = torch.randn(total, HEADS, v.shape[-1], generator=gen)
+        exact = _grads(*(t.double() for t in (q, k, v, weight)), lambda a, b, c, n=lengths: _reference(a, b, c, n, 0.3))
+        order = torch.cat(context_split(cu, cp))
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for rank in range(cp):
+            shard, cu_q = context_shard_plan(cu, rank, cp)
+            meta = SequenceMetadata(cu_q, context=shard, device=device)
+            held, rows = shard.positions, order[shard.key_index]
+            leaves = [t.to(device, dtype).requires_grad_() for t in (q[held], k[rows], v[rows])]
+            out = context_attention(*leaves, meta, scale=0.3)
+            (out * weight[held].to(device, dtype)).sum().backward()
+            torch.testing.assert_close(out.double().cpu(), exact[0][held], atol=tol, rtol=tol)
+            dq[held] += leaves[0].grad.float().cpu()
+            dk.index_add_(0, rows, leaves[1].grad.float().cpu())  # the gather's backward: sums onto the owners
+            dv.index_add_(0, rows, leaves[2].grad.float().cpu())
+        for mine, theirs in zip((dq, dk, dv), exact[1:]):
+            torch.testing.assert_close(mine.double(), theirs, atol=tol * 4, rtol=tol)
+    with pytest.raises(MetadataError, match="num_keys"):
+        context_attention(leaves[0], leaves[1][:-1], leaves[2][:-1], meta)
+    with pytest.raises(MetadataError, match="context-parallel shard"):
+        context_attention(q, k, v, SequenceMetadata.from_cu_seqlens(cu))
