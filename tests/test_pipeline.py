@@ -1,0 +1,183 @@
+"""Pipeline parallelism (issue 53): torch's schedules over gloo ranks equal one process, by parameter name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_llmfast.errors import ConfigError, MetadataError
+from lightning_llmfast.models.model import MoEGPT, MoEGPTConfig
+from lightning_llmfast.parallel.pipeline import SCHEDULES, PipelineConfig, PipelineRunner, bubble_share
+from lightning_llmfast.parallel.pipeline_split import balanced_cut, rank_stages, split_metadata
+from lightning_llmfast.seqmeta import SequenceMetadata
+from tests._distributed import run_distributed
+
+STEPS, ROWS, SEQ, COEF, LR = 2, 8, 12, 0.05, 0.5
+
+
+def _config(n_layers: int = 4) -> MoEGPTConfig:
+    return MoEGPTConfig(
+        vocab_size=61, hidden_size=32, n_layers=n_layers, n_heads=2, n_kv_heads=1, ffn_size=24, num_experts=4,
+        top_k=2, router_backend="torch",
+    )  # fmt: skip
+
+
+def _batches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Packed rows with documents of random lengths (never crossing a row) and some ignored labels."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 61, (ROWS, SEQ), generator=gen)
+        positions = torch.zeros(ROWS, SEQ, dtype=torch.long)
+        for row in range(ROWS):
+            start = 0
+            while start < SEQ:
+                length = int(torch.randint(1, SEQ + 1, (1,), generator=gen))
+                positions[row, start : start + length] = torch.arange(min(length, SEQ - start))
+                start += length
+        labels = torch.randint(0, 61, (ROWS, SEQ), generator=gen)
+        labels[torch.rand(ROWS, SEQ, generator=gen) < 0.3] = -100
+        out.append((ids, labels, positions))
+    return out
+
+
+def _reference(microbatches: int, n_layers: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process: each microbatch's summed token losses over the batch's label tokens plus its router loss weighted
+    by its share of them (gradient accumulation over the microbatches), SGD after every batch."""
+    torch.manual_seed(0)
+    model = MoEGPT(_config(n_layers))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for ids, labels, positions in _batches(1):
+        total = (labels != -100).sum().clamp_min(1)
+        value = 0.0
+        for mb in range(microbatches):
+            rows = slice(mb * ROWS // microbatches, (mb + 1) * ROWS // microbatches)
+            logits = model(ids[rows], positions[rows])
+            ce = F.cross_entropy(logits.flatten(0, 1), labels[rows].flatten(), ignore_index=-100, reduction="sum")
+            loss = ce / total + COEF * model.aux_loss() * (labels[rows] != -100).sum() / total
+            loss.backward()
+            value += float(loss.detach())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(value)
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _pipelined(rank: int, world: int, schedule: str, microbatches: int, n_layers: int) -> None:
+    torch.manual_seed(0)
+    model = MoEGPT(_config(n_layers))
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    runner = PipelineRunner(
+        model, PipelineConfig(world, microbatches, schedule), dist.group.WORLD, device=torch.device("cpu"),
+        aux_loss_coef=COEF,
+    )  # fmt: skip
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for ids, labels, positions in _batches(1):
+        loss = runner.step(ids, labels, positions, SequenceMetadata.from_position_ids(positions))
+        runner.reduce_tied_grads()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    ref_losses, ref_params = _reference(microbatches, n_layers)
+    assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5), (schedule, rank, losses, ref_losses)
+    params = dict(model.named_parameters())
+    assert params, "every rank holds a stage"
+    for name, param in params.items():
+        diff = float((param.detach() - ref_params[name]).abs().max())
+        assert diff < 1e-5, (schedule, rank, name, diff)
+    moved = max(float((initial[name] - p.detach()).abs().max()) for name, p in params.items())
+    assert moved > 1e-3  # the parameters did train (the comparison is not vacuous)
+    held = sum(p.numel() * p.element_size() for p in params.values())
+    if world == 2:
+        assert held <= 0.6 * full_bytes, (rank, held / full_bytes)
+    names = set(params)
+    others = [None] * world
+    dist.all_gather_object(others, sorted(names))
+    assert set().union(*map(set, others)) == set(ref_params)  # every parameter is held somewhere, by its name
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_two_stage_pipeline_equals_one_process(schedule: str) -> None:
+    run_distributed(_pipelined, 2, schedule, 4, 4, timeout=180)
+
+
+def test_four_stage_gpipe_equals_one_process() -> None:
+    run_distributed(_pipelined, 4, "gpipe", 2, 4, timeout=180)
+
+
+def test_config_refuses_bad_layouts() -> None:
+    with pytest.raises(ConfigError, match="schedule must be one of"):
+        PipelineConfig(2, 4, "looped_bfs")
+    with pytest.raises(ConfigError, match="takes 1 stage per rank"):
+        PipelineConfig(2, 4, "1f1b", stages_per_rank=2)
+    with pytest.raises(ConfigError, match="exactly 2 stages per rank"):
+        PipelineConfig(2, 4, "zbv", stages_per_rank=3)
+    with pytest.raises(ConfigError, match="microbatches >= pipeline size"):
+        PipelineConfig(4, 2, "1f1b")
+    with pytest.raises(ConfigError, match="gives 3 stages"):
+        PipelineConfig(2, 4, "1f1b", layers=[1, 1, 2])
+    assert PipelineConfig(2, 4, "interleaved_1f1b").stages_per_rank == 2
+    config = PipelineConfig(2, 4, "gpipe")
+    with pytest.raises(ConfigError, match="must divide the world size 3"):
+        config.check_world(3)
+    with pytest.raises(ConfigError, match="must divide the batch size 6"):
+        config.check_batch(6)
+    with pytest.raises(ConfigError, match="only 3 layers"):
+        PipelineConfig(2, 4, "interleaved_1f1b").check_layers(3)
+    with pytest.raises(ConfigError, match="cannot split a Linear"):
+        PipelineRunner(torch.nn.Linear(2, 2), PipelineConfig(1, 1, "gpipe"), None, device=torch.device("cpu"))  # type: ignore[arg-type]
+
+
+def _brute_force_cut(costs: list[float], stages: int, first: float, last: float) -> float:
+    import itertools
+
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(costs)), stages - 1):
+        bounds = [0, *cuts, len(costs)]
+        loads = [sum(costs[a:b]) for a, b in itertools.pairwise(bounds)]
+        loads[0] += first
+        loads[-1] += last
+        best = min(best, max(loads))
+    return best
+
+
+def test_balanced_cut_is_optimal_against_brute_force() -> None:
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(30):
+        n = int(torch.randint(2, 9, (1,), generator=gen))
+        stages = int(torch.randint(1, n + 1, (1,), generator=gen))
+        costs = (torch.rand(n, generator=gen) * 10).tolist()
+        first, last = float(torch.rand(1, generator=gen) * 15), float(torch.rand(1, generator=gen) * 15)
+        counts = balanced_cut(costs, stages, first=first, last=last)
+        assert len(counts) == stages and sum(counts) == n and min(counts) >= 1
+        bounds = [0, *torch.tensor(counts).cumsum(0).tolist()]
+        loads = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+        loads[0] += first
+        loads[-1] += last
+        assert max(loads) == pytest.approx(_brute_force_cut(costs, stages, first, last))
+    with pytest.raises(ConfigError, match="cannot cut 2 layers into 3 stages"):
+        balanced_cut([1.0, 1.0], 3)
+
+
+def test_stage_placement_and_metadata_split() -> None:
+    assert rank_stages(2, 2, 0, "loop") == [0, 2] and rank_stages(2, 2, 1, "v") == [1, 2]
+    meta = SequenceMetadata.from_lengths([3, 3, 2, 4])  # rows of 6: [3, 3], [2, 4]
+    first, second = split_metadata(meta, 2)
+    assert first.cu_seqlens.tolist() == [0, 3, 6] and second.cu_seqlens.tolist() == [0, 2, 6]
+    with pytest.raises(MetadataError, match="crosses the boundary"):
+        split_metadata(SequenceMetadata.from_lengths([4, 8]), 2)
+
+
+def test_bubble_share_of_single_stage_schedules_matches_the_closed_form() -> None:
+    # GPipe and 1F1B on p ranks with m microbatches idle (p - 1) / (m + p - 1) of the time.
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    f, b = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD
+    for p, m in ((2, 4), (4, 4), (3, 7)):
+        order = {r: [_Action(r, f, i) for i in range(m)] + [_Action(r, b, i) for i in range(m)] for r in range(p)}
+        assert bubble_share(order) == pytest.approx((p - 1) / (m + p - 1))
