@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -134,8 +136,6 @@ def test_config_refuses_bad_layouts() -> None:
 
 
 def _brute_force_cut(costs: list[float], stages: int, first: float, last: float) -> float:
-    import itertools
-
     best = float("inf")
     for cuts in itertools.combinations(range(1, len(costs)), stages - 1):
         bounds = [0, *cuts, len(costs)]
@@ -156,7 +156,7 @@ def test_balanced_cut_is_optimal_against_brute_force() -> None:
         counts = balanced_cut(costs, stages, first=first, last=last)
         assert len(counts) == stages and sum(counts) == n and min(counts) >= 1
         bounds = [0, *torch.tensor(counts).cumsum(0).tolist()]
-        loads = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+        loads = [sum(costs[a:b]) for a, b in itertools.pairwise(bounds)]
         loads[0] += first
         loads[-1] += last
         assert max(loads) == pytest.approx(_brute_force_cut(costs, stages, first, last))

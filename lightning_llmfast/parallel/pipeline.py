@@ -166,7 +166,9 @@ class PipelineConfig:
                 f"the model has only {num_layers} layers; each stage needs a layer"
             )
         if self.layers is not None and sum(self.layers) != num_layers:
-            raise ConfigError(f"pipeline layers {list(self.layers)} sum to {sum(self.layers)}, the model has {num_layers}")
+            raise ConfigError(
+                f"pipeline layers {list(self.layers)} sum to {sum(self.layers)}, the model has {num_layers}"
+            )
 
 
 _COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # relative compute of each action (a full backward: twice a forward)
@@ -235,7 +237,11 @@ class _MicrobatchStage(PipelineStage):
         self._runner = runner
 
     def forward_one_chunk(
-        self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, save_forward_output: bool = True
+        self,
+        fwd_chunk_id: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        save_forward_output: bool = True,
     ) -> Any:
         submod = self.submod
         assert isinstance(submod, MoEGPTStage)
@@ -295,7 +301,9 @@ class PipelineRunner:
         config.check_layers(len(model.layers))
         costs, first, last = moegpt_costs(model)
         self.layer_counts: list[int] = (
-            list(config.layers) if config.layers is not None else balanced_cut(costs, config.num_stages, first=first, last=last)
+            list(config.layers)
+            if config.layers is not None
+            else balanced_cut(costs, config.num_stages, first=first, last=last)
         )
         """Transformer layers of every stage, in stage order."""
         assert config.stages_per_rank is not None
@@ -368,7 +376,14 @@ class PipelineRunner:
             outputs = logits if s == self.num_stages - 1 else hidden
             stages.append(
                 _MicrobatchStage(
-                    self, module, s, self.num_stages, self.device, input_args=inputs, output_args=outputs, group=self.group
+                    self,
+                    module,
+                    s,
+                    self.num_stages,
+                    self.device,
+                    input_args=inputs,
+                    output_args=outputs,
+                    group=self.group,
                 )
             )
         cls = getattr(torch_schedules, SCHEDULES[cfg.schedule])
@@ -383,7 +398,10 @@ class PipelineRunner:
         token mean."""
         assert self._total is not None
         token_sum = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=self.ignore_index, reduction="sum"
+            logits.reshape(-1, logits.shape[-1]).float(),
+            labels.reshape(-1),
+            ignore_index=self.ignore_index,
+            reduction="sum",
         )
         return token_sum / self._total
 

@@ -301,7 +301,9 @@ class AttachAuxLoss(torch.autograd.Function):
     def forward(ctx: torch.autograd.function.FunctionCtx, hidden: Tensor, aux: Tensor, weight: Tensor) -> Tensor:
         ctx.save_for_backward(weight)
         ctx.aux_dtype = aux.dtype  # type: ignore[attr-defined]
-        return hidden.view_as(hidden)
+        # A copy, not a view: torch's zero-bubble backward detaches the stage's outputs in place, which a view of
+        # the input refuses. One activation per stage and microbatch.
+        return hidden.clone()
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
