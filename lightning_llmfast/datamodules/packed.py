@@ -20,7 +20,7 @@ from lightning_llmfast.data import (
     check_packing_args,
 )
 from lightning_llmfast.data.corpus import DISTRIBUTIONS, MAX_SEED
-from lightning_llmfast.datamodules.positioned import PositionedDataModule
+from lightning_llmfast.datamodules.positioned import PositionedDataModule, data_shard
 from lightning_llmfast.errors import ConfigError, DataError
 
 __all__ = ["PackedDataModule", "PackedDocumentDataset"]
@@ -198,7 +198,7 @@ class PackedDataModule(PositionedDataModule):
     @override
     def _dataset(self, split: str) -> PackedDocumentDataset:
         trainer = self.trainer
-        rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        rank, world_size = data_shard(trainer)
         dataset = PackedDocumentDataset(
             self.corpus_for(split),
             seq_len=self.seq_len,

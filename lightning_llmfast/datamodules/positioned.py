@@ -22,9 +22,21 @@ from lightning_llmfast.data import PackedBatch
 from lightning_llmfast.data.dataset import PlannedBatchDataset
 from lightning_llmfast.errors import DataError
 
-__all__ = ["PositionedDataModule", "PositionedLoader"]
+__all__ = ["PositionedDataModule", "PositionedLoader", "data_shard"]
 
 _STATE_VERSION = 1
+
+
+def data_shard(trainer: Any) -> tuple[int, int]:
+    """``(rank, replicas)`` of the stream of batches this process reads: the strategy's
+    ``distributed_sampler_kwargs`` (the ranks of a context-parallel group, or the stages of a pipeline, read one
+    stream), else the trainer's rank and world; ``(0, 1)`` without a trainer."""
+    if trainer is None:
+        return 0, 1
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
+    if isinstance(kwargs, dict) and "rank" in kwargs and "num_replicas" in kwargs:
+        return int(kwargs["rank"]), int(kwargs["num_replicas"])
+    return trainer.global_rank, trainer.world_size
 # The DataLoader workers' start method once a process group is initialised. Not "forkserver": its server and the
 # workers it forks outlive a rank killed with SIGKILL (their parent is the server, so the workers' parent watchdog
 # never fires) and keep the rank's pipes open; spawned workers are the rank's own children and exit when it dies.

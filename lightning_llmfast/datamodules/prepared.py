@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from lightning_llmfast._checks import check_bool, check_int
 from lightning_llmfast.data.prepared import SPLITS, PreparedBatches, PreparedDataset
-from lightning_llmfast.datamodules.positioned import PositionedDataModule
+from lightning_llmfast.datamodules.positioned import PositionedDataModule, data_shard
 from lightning_llmfast.errors import ConfigError, DataError
 
 __all__ = ["PreparedDataModule", "model_vocab_size"]
@@ -157,7 +157,7 @@ class PreparedDataModule(PositionedDataModule):
     @override
     def _dataset(self, split: str) -> PreparedBatches:
         trainer = self.trainer
-        rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        rank, world_size = data_shard(trainer)
         train = split == "train"
         dataset = PreparedBatches(
             self.sources, split, seq_len=self.seq_len, batch_size=self.batch_size,

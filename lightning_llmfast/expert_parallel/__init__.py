@@ -39,6 +39,8 @@ _LAZY: dict[str, str] = {
     "AllToAllDispatcher": "lightning_llmfast.expert_parallel.dispatchers",
     "AllToAllDroplessDispatcher": "lightning_llmfast.expert_parallel.dispatchers",
     "NodeTraffic": "lightning_llmfast.expert_parallel.dispatchers",
+    "SharedBatchDispatcher": "lightning_llmfast.expert_parallel.dispatchers",
+    "share_batch": "lightning_llmfast.expert_parallel.sharding",
     "global_aux_loss": "lightning_llmfast.expert_parallel.dispatchers",
     "HierarchicalDispatcher": "lightning_llmfast.expert_parallel.hierarchical",
     "NodeGroups": "lightning_llmfast.expert_parallel.hierarchical",
@@ -67,6 +69,7 @@ __all__ = [
     "HierarchicalDispatcher",
     "NodeGroups",
     "NodeTraffic",
+    "SharedBatchDispatcher",
     "expert_dtensor",
     "expert_dtensor_optimizer_state",
     "expert_dtensor_state_dict",
@@ -77,6 +80,7 @@ __all__ = [
     "reduce_expert_gradients",
     "set_ep_dispatch",
     "set_ep_overlap",
+    "share_batch",
     "shard_experts",
     "shard_model_experts",
     "sharded_moe_blocks",
@@ -93,6 +97,7 @@ if TYPE_CHECKING:
         AllToAllDispatcher,
         AllToAllDroplessDispatcher,
         NodeTraffic,
+        SharedBatchDispatcher,
         global_aux_loss,
     )
     from lightning_llmfast.expert_parallel.hierarchical import HierarchicalDispatcher, NodeGroups, node_groups
@@ -102,6 +107,7 @@ if TYPE_CHECKING:
         set_ep_overlap,
         shard_experts,
         shard_model_experts,
+        share_batch,
     )
     from lightning_llmfast.expert_parallel.state import (
         expert_dtensor,

@@ -24,7 +24,7 @@ from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.expert_parallel.exchange import block_maps, comm_device, masked_gather, stage_to_device
 from lightning_llmfast.expert_parallel.overlap import Chunk, chunk_count, exchange_chunks, split_evenly
 from lightning_llmfast.expert_parallel.payload import DispatchPayload, exchange, wire_row_bytes
-from lightning_llmfast.moe.dispatcher import ExpertRows, TokenDispatcher
+from lightning_llmfast.moe.dispatcher import ExpertRows, LocalDispatcher, TokenDispatcher
 from lightning_llmfast.moe.kernels import BACKENDS, resolve_backend
 from lightning_llmfast.moe.losses import masked_probs
 from lightning_llmfast.moe.routing import RoutingPlan
@@ -35,6 +35,7 @@ __all__ = [
     "AllToAllDispatcher",
     "AllToAllDroplessDispatcher",
     "NodeTraffic",
+    "SharedBatchDispatcher",
     "global_aux_loss",
 ]
 
@@ -494,6 +495,34 @@ class AllToAllCapacityDispatcher(AllToAllDispatcher):
         if any(t != sizes for t in theirs):
             self._raise_disagreement("tokens, capacity, dtype, hidden size or dispatch payload", theirs)
         self.global_stats = gathered[:, :stats].sum(dim=0) if routed else None
+
+
+class SharedBatchDispatcher(LocalDispatcher):
+    """Every expert local, the balance loss over a group of ranks that share one batch (context parallelism).
+
+    The ranks of a context-parallel group each hold a share of one batch's positions; the Switch loss of the batch
+    counts the pairs of every share. This dispatcher moves tokens as :class:`~lightning_llmfast.moe.LocalDispatcher`
+    does and returns :func:`global_aux_loss` over ``group`` as the block's loss: its mean over the group's ranks is the
+    loss of the whole batch (one all-reduce of ``E + 1`` integers per block, no host read).
+
+    Args:
+        group: the ranks sharing the batch (the context-parallel group).
+        backend: the permutation's and the experts' kernels.
+
+    Example::
+
+        block.set_dispatcher(SharedBatchDispatcher(dims.cp_group))
+    """
+
+    def __init__(self, group: dist.ProcessGroup, backend: str = "auto") -> None:
+        super().__init__(backend)
+        self.group = group
+
+    def batch_aux_loss(self, plan: RoutingPlan) -> Tensor:
+        return global_aux_loss(plan, self.group)
+
+    def __repr__(self) -> str:
+        return f"SharedBatchDispatcher(group_size={dist.get_world_size(self.group)}, backend={self.backend!r})"
 
 
 def global_aux_loss(plan: RoutingPlan, group: dist.ProcessGroup | None = None, stats: Tensor | None = None) -> Tensor:

@@ -79,6 +79,7 @@ from lightning_llmfast.expert_parallel.dispatchers import (
     AllToAllCapacityDispatcher,
     AllToAllDispatcher,
     AllToAllDroplessDispatcher,
+    SharedBatchDispatcher,
 )
 from lightning_llmfast.expert_parallel.exchange import comm_device
 from lightning_llmfast.expert_parallel.hierarchical import (
@@ -387,3 +388,29 @@ def set_ep_overlap(module: nn.Module, chunks: int | str | None, timer: ExchangeT
     for _, _, dispatcher in sharded_moe_blocks(module):
         dispatcher.overlap_chunks = chunks
         dispatcher.timer = timer
+
+
+def share_batch(module: nn.Module, group: dist.ProcessGroup, stats_group: dist.ProcessGroup | None = None) -> None:
+    """Make every grouped MoE block of ``module`` whose experts are local compute its balance loss over ``group``,
+    the ranks that share one batch (a context-parallel group), and its step sums over ``stats_group``.
+
+    Each rank of ``group`` routes only its share of the batch's positions; :class:`SharedBatchDispatcher` sums the
+    pairs per expert over the group, so the loss, like every other statistic, equals the one-process value. Blocks
+    whose experts are sharded (expert parallelism) already compute it over their dispatch's loss group.
+
+    Args:
+        module: the model.
+        group: the ranks sharing one batch.
+        stats_group: the group of the blocks' step sums (``aux_loss="global"``, the expert-bias update): every rank
+            of the stage; ``None`` leaves them.
+
+    Example::
+
+        share_batch(model, dims.cp_group, dims.dp_group)
+    """
+    for _, block in grouped_moe_blocks(module):
+        assert isinstance(block, GroupedMoE)
+        if stats_group is not None:
+            block.dp_group = stats_group
+        if not isinstance(block.dispatcher, AllToAllDispatcher):
+            block.set_dispatcher(SharedBatchDispatcher(group, block.config.routing.backend))

@@ -19,7 +19,7 @@ from lightning_llmfast._compile import check_compile, compile_layers
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.hf.inputs import packed_model_inputs
 from lightning_llmfast.modules.grouped_router import GroupedRouterMixin
-from lightning_llmfast.modules.losses import causal_lm_loss, scale_by_token_share
+from lightning_llmfast.modules.losses import causal_lm_loss, scale_by_token_share, shared_batch_losses
 from lightning_llmfast.moe.stats import MoELayer
 from lightning_llmfast.parallel.export import export_module
 from lightning_llmfast.parallel.fsdp import materialize_module
@@ -199,7 +199,8 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
             self.log("val/loss", ce, prog_bar=True, batch_size=size, sync_dist=True)
             self._val_sums.append(torch.stack([ce.detach() * size, ce.new_tensor(float(size))]))
             return ce
-        self.log_dict({"train/loss": loss, "train/ce": ce}, batch_size=size)
+        shown_ce, shown = shared_batch_losses(ce, loss, batch.labels, module=self)
+        self.log_dict({"train/loss": shown, "train/ce": shown_ce}, batch_size=size)
         return loss
 
     @override

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from torch import Tensor
     from torch.optim import Optimizer
 
-__all__ = ["causal_lm_loss", "scale_by_token_share"]
+__all__ = ["causal_lm_loss", "scale_by_token_share", "shared_batch_losses"]
 
 
 def causal_lm_loss(
@@ -118,8 +118,46 @@ def scale_by_token_share(
     if weighting is None:
         return loss
     count = (labels != ignore_index).sum()
+    group = _context_group(module)
+    if group is not None:
+        # The ranks of a context-parallel group share one micro-batch, and a batch-wide loss (the balance loss over
+        # the group) is the mean of their values: each weighs its share of the micro-batch's tokens equally.
+        count = count.to(torch.float64)
+        dist.all_reduce(count, group=group, async_op=True).wait()
+        count = count / dist.get_world_size(group)
     weighting.count_micro_batch(count)
-    return _value_with_grad_of(loss, loss * count)
+    return _value_with_grad_of(loss, loss * count.to(loss.dtype))
+
+
+def shared_batch_losses(
+    ce: Tensor, loss: Tensor, labels: Tensor, *, module: pl.LightningModule | None = None, ignore_index: int = -100
+) -> tuple[Tensor, Tensor]:
+    """The values to log for a micro-batch that a context-parallel group shares: its token-mean cross entropy over
+    every rank's share, and the total loss (that plus the mean over the ranks of the batch-wide terms ``loss - ce``),
+    the same on every rank of the group and equal to one rank holding the whole batch. Without context parallelism
+    ``(ce, loss)`` unchanged. Detached: for logging only (one all-reduce of three numbers over the group).
+
+    Args:
+        ce: this rank's :func:`causal_lm_loss`.
+        loss: ``ce`` plus this rank's weighted batch-wide losses (router aux, z).
+        labels: this rank's labels.
+        module: the LightningModule whose ``training_step`` calls this.
+        ignore_index: label value that is not a target.
+
+    Example::
+
+        ce_log, loss_log = shared_batch_losses(ce, loss, batch.labels, module=self)
+        self.log("train/loss", loss_log)
+    """
+    group = _context_group(module)
+    if group is None:
+        return ce, loss
+    count = (labels != ignore_index).sum().to(torch.float64)
+    ce64 = ce.detach().to(torch.float64)
+    sums = torch.stack([ce64 * count, count, loss.detach().to(torch.float64) - ce64])
+    dist.all_reduce(sums, group=group, async_op=True).wait()
+    batch_ce = sums[0] / sums[1].clamp_min(1)
+    return batch_ce.to(ce.dtype), (batch_ce + sums[2] / dist.get_world_size(group)).to(loss.dtype)
 
 
 def _describe(value: object) -> str:
@@ -169,12 +207,19 @@ def _weighting(module: pl.LightningModule | None) -> _StepTokenWeighting | None:
     return callback
 
 
+def _context_group(module: pl.LightningModule | None) -> dist.ProcessGroup | None:
+    """The context-parallel group of the module's strategy (the ranks sharing a batch), or ``None``."""
+    trainer = getattr(module, "_trainer", None)
+    dims = getattr(getattr(trainer, "strategy", None), "parallel_dims", None)
+    return dims.cp_group if isinstance(dims, ParallelDims) else None
+
+
 def _data_parallel(trainer: pl.Trainer) -> tuple[dist.ProcessGroup | None, int]:
     """The data-parallel group and size: the strategy's ``ParallelDims`` group of every data-parallel rank when it has
     one, else ``(None, world_size)`` (the strategy's own reduce over its world)."""
     dims = getattr(trainer.strategy, "parallel_dims", None)
     if isinstance(dims, ParallelDims) and dims.dp_group is not None:
-        return dims.dp_group, dims.dp
+        return dims.dp_group, dims.stage_size
     return None, trainer.world_size
 
 

@@ -14,7 +14,7 @@ from lightning_llmfast._compile import check_compile, compile_layers
 from lightning_llmfast.data.packing import IGNORE_INDEX
 from lightning_llmfast.errors import MetadataError
 from lightning_llmfast.models.model import MoEGPT, MoEGPTConfig
-from lightning_llmfast.modules.losses import causal_lm_loss, scale_by_token_share
+from lightning_llmfast.modules.losses import causal_lm_loss, scale_by_token_share, shared_batch_losses
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -96,8 +96,9 @@ class MoEGPTLightningModule(L.LightningModule):
     @override
     def training_step(self, batch: PackedBatch, batch_idx: int) -> Tensor:
         ce, loss = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch.batch_size)
-        self.log("train/ce", ce, batch_size=batch.batch_size)
+        shown_ce, shown = shared_batch_losses(ce, loss, batch.labels, module=self, ignore_index=IGNORE_INDEX)
+        self.log("train/loss", shown, prog_bar=True, batch_size=batch.batch_size)
+        self.log("train/ce", shown_ce, batch_size=batch.batch_size)
         return loss
 
     @override

@@ -121,6 +121,14 @@ class LLMFastStrategy(ShardedDataParallelBase):
             the world size and every block's experts. Gradient clipping by norm (``Trainer(gradient_clip_val=...)``)
             takes the global norm over both meshes under every layout, on the device, and logs it as
             ``train/grad_norm``.
+        context_parallel_size: ``N > 1`` splits the positions of every packed batch over groups of ``N`` ranks
+            (context parallelism, docs/long_context.md): the ranks of a group read the same batch, each keeps the
+            share :func:`~lightning_llmfast.seqmeta.context_split` gives it (balanced by causal attention work, no
+            per-document padding), and attention gathers the group's keys and values every layer. Dense parameters
+            are sharded (FSDP) or replicated over data-parallel x cp ranks, expert-parallel groups are drawn from
+            them (``expert_parallel_size`` divides ``dp_shard x cp``); losses, router statistics and token counts
+            cover the whole group's batch, equal to one rank holding it. ``N`` must divide the world (under
+            ``"hsdp"``: the processes of a node) and the tokens of every batch; batches must be ``PackedBatch`` es.
         dispatch_dtype: with ``expert_parallel_size > 1``, the tokens' payload on the all-to-all: ``None`` (the
             activations' dtype), ``"bf16"``, or ``"fp8"`` (e4m3 with one fp32 scale per row, ``H + 4`` bytes: half of
             bf16 plus the scales); the expert outputs and gradients then come back in bf16. A
@@ -185,6 +193,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
 
         strategy = LLMFastStrategy(sharding="fsdp", expert_parallel_size=4)  # FSDP2 x EP on one mesh
         strategy = LLMFastStrategy(expert_parallel_size=8, dispatch_dtype="fp8")  # e4m3 tokens, bf16 outputs
+        strategy = LLMFastStrategy(sharding="fsdp", context_parallel_size=4)  # long rows split over 4 ranks
         trainer = L.Trainer(strategy=strategy, devices=8, precision="bf16-mixed", gradient_clip_val=1.0)
     """
 
@@ -197,6 +206,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
         offload: OffloadConfig | bool | None = None,
         layers: Sequence[nn.Module] | nn.Module | str | None = None,
         expert_parallel_size: int = 1,
+        context_parallel_size: int = 1,
         dispatch_dtype: str | DispatchPayload | None = None,
         ep_dispatch: str = "flat",
         ep_overlap: bool = True,
@@ -237,7 +247,13 @@ class LLMFastStrategy(ShardedDataParallelBase):
             )
         self.offload_config = self._offload_config(offload)
         kwargs.setdefault("checkpoint_io", VerifiedCheckpointIO())  # digests of every tensor, verified on load
-        super().__init__(*args, sharding=sharding, expert_parallel_size=expert_parallel_size, **kwargs)
+        super().__init__(
+            *args,
+            sharding=sharding,
+            expert_parallel_size=expert_parallel_size,
+            context_parallel_size=context_parallel_size,
+            **kwargs,
+        )
         self._layers_spec = layers
         # The hierarchical dispatch's node sub-groups and the mesh they were built on: built once, reused by every
         # later setup (fit, validate, test) of this strategy.
@@ -321,6 +337,7 @@ class LLMFastStrategy(ShardedDataParallelBase):
                 connector.use_distributed_sampler = False
         else:
             super().setup(trainer)
+        self._setup_context_parallel()
         if self._offload is not None and trainer.state.fn == TrainerFn.FITTING:
             assert self.lightning_module is not None
             self._offload.on_fit_start(trainer, self.lightning_module)

@@ -36,11 +36,12 @@ from lightning_llmfast import expert_parallel
 from lightning_llmfast._checks import check_int
 from lightning_llmfast._layers import LayersSpec, resolve_layers
 from lightning_llmfast.comm.grad import with_reduce_dtype
+from lightning_llmfast.data import PackedBatch
 from lightning_llmfast.errors import CheckpointError, ConfigError
 from lightning_llmfast.expert_parallel import expert_parameters
 from lightning_llmfast.parallel import checkpoint as dcp_io
 from lightning_llmfast.parallel.clip import clip_grad_norm, sharded_grads
-from lightning_llmfast.parallel.dims import SHARDINGS, ParallelDims
+from lightning_llmfast.parallel.dims import CP, SHARDINGS, ParallelDims
 from lightning_llmfast.parallel.fsdp import materialize_module, mixed_precision_policy, time_reduce_scatters
 from lightning_llmfast.parallel.layout import parallelize
 from lightning_llmfast.parallel.verdict import agree
@@ -80,13 +81,22 @@ class ShardedDataParallelBase(DDPStrategy):
             ...
     """
 
-    def __init__(self, *args: Any, sharding: str = "ddp", expert_parallel_size: int = 1, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        sharding: str = "ddp",
+        expert_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        **kwargs: Any,
+    ) -> None:
         if not isinstance(sharding, str) or sharding not in SHARDINGS:
             raise ConfigError(f"{type(self).__name__}: sharding must be one of {SHARDINGS}, got {sharding!r}")
         check_int(f"{type(self).__name__}: expert_parallel_size", expert_parallel_size, low=1)
+        check_int(f"{type(self).__name__}: context_parallel_size", context_parallel_size, low=1)
         super().__init__(*args, **kwargs)
         self.sharding = sharding
         self.expert_parallel_size = expert_parallel_size
+        self.context_parallel_size = context_parallel_size
         self._parallel_dims: ParallelDims | None = None
         self._mesh_world: dist.ProcessGroup | None = None  # the default group the mesh was built over
         self._parallelized: nn.Module | None = None  # the module parallelize() sharded over that mesh
@@ -145,7 +155,13 @@ class ShardedDataParallelBase(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        dims = ParallelDims(self.world_size, self.sharding, self.expert_parallel_size, num_nodes=self.num_nodes)
+        dims = ParallelDims(
+            self.world_size,
+            self.sharding,
+            self.expert_parallel_size,
+            num_nodes=self.num_nodes,
+            context_parallel_size=self.context_parallel_size,
+        )
         world = dist.group.WORLD if dims.world_size > 1 else None
         if dims == self._parallel_dims and world is self._mesh_world:
             return  # a later fit, validate or test: the mesh's process groups are this strategy's, built once
@@ -153,6 +169,42 @@ class ShardedDataParallelBase(DDPStrategy):
             dims.build_mesh(self.mesh_device_type)
         self._parallel_dims, self._mesh_world = dims, world
         self._parallelized = None
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """One stream of batches per data-parallel index: the ranks of a context-parallel group (and the stages of a
+        pipeline) read the same batches (``num_replicas = world / (pp * cp)``)."""
+        dims = self._parallel_dims
+        if dims is None or dims.dp == dims.world_size:
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": dims.dp, "rank": dims.data_parallel_rank(self.global_rank)}
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        dims = self._parallel_dims
+        if dims is not None and dims.cp > 1:
+            batch = self._context_shard(batch, dims)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    def _context_shard(self, batch: Any, dims: ParallelDims) -> PackedBatch:
+        """This rank's share of ``batch``'s positions (:func:`~lightning_llmfast.seqmeta.context_split`), cut on the
+        host before the copy: the ranks of a context-parallel group read the same batch and keep their own shares."""
+        if not isinstance(batch, PackedBatch):
+            raise ConfigError(
+                f"context_parallel_size={dims.cp} splits the positions of packed batches and needs their document "
+                f"boundaries: the dataloader yields {type(batch).__name__}, not a PackedBatch (use PackedDataModule, "
+                "PreparedDataModule or pack_documents, or set context_parallel_size=1)"
+            )
+        return batch.context_shard(dims.coordinates(self.global_rank)[CP], dims.cp, dims.cp_group)
+
+    def _setup_context_parallel(self) -> None:
+        """Under context parallelism every MoE block's balance loss and step sums cover the whole shared batch."""
+        dims, module = self._parallel_dims, self.lightning_module
+        if dims is None or dims.cp == 1 or module is None:
+            return
+        assert dims.cp_group is not None
+        expert_parallel.share_batch(module, dims.cp_group, dims.dp_group)
 
     def _parallelize(self, layers: Sequence[nn.Module] = (), mp_policy: MixedPrecisionPolicy | None = None) -> None:
         """:func:`~lightning_llmfast.parallel.parallelize` the LightningModule, once: a later setup of the same module

@@ -1,0 +1,109 @@
+"""Four AdamW steps of the reference MoE GPT on awkward packed batches, every rank of a context-parallel group
+holding a share of each batch's positions.
+
+Run by tests/test_context_parallel_fit.py with ``--devices N --cp C [--sharding S] [--ep E]`` (Lightning launches
+the other ranks); every rank writes ``<out>.rank<r>``: its logged ``train/loss`` per step and, on rank 0, the final
+weights (gathered under FSDP). The test compares them with one process training on the same batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule
+from lightning_llmfast.bench.processes import leave_world
+from lightning_llmfast.data import PackedBatch, pack_documents
+from lightning_llmfast.expert_parallel import expert_dtensor_state_dict
+
+STEPS = 4
+SEQ_LEN = 16
+ROWS = 2
+VOCAB = 64
+
+
+def batches() -> list[PackedBatch]:
+    """A batch of two documents of exactly ``T``; one of length-1 and prime-length documents; one document longer
+    than a row (cut at the row end: it spans every rank); random lengths."""
+    gen = torch.Generator().manual_seed(7)
+
+    def doc(length: int) -> list[int]:
+        return torch.randint(1, VOCAB, (length,), generator=gen).tolist()
+
+    layouts = [[16, 16], [1, 1, 2, 3, 5, 7, 11, 1], [32], [int(n) for n in torch.randint(1, 12, (5,), generator=gen)]]
+    out = []
+    for lengths in layouts:
+        packed = list(pack_documents([doc(n) for n in lengths], SEQ_LEN, ROWS, vocab_size=VOCAB, lookahead=8))
+        out.append(packed[0])
+        assert packed[0].input_ids.shape == (ROWS, SEQ_LEN), lengths
+    return out
+
+
+def module() -> MoEGPTLightningModule:
+    torch.manual_seed(0)
+    config = MoEGPTConfig(vocab_size=VOCAB, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_size=32,
+                          num_experts=4, top_k=2)  # fmt: skip
+    return MoEGPTLightningModule(config, lr=1e-2, warmup_steps=2, aux_loss_coef=0.01)
+
+
+class LossLog(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+
+def fit(strategy: Any, devices: int) -> tuple[MoEGPTLightningModule, LossLog, L.Trainer]:
+    torch.set_num_threads(1)
+    model, log = module(), LossLog()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, callbacks=[log],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, train_dataloaders=DataLoader(batches(), batch_size=None))
+    return model, log, trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--cp", type=int, required=True)
+    parser.add_argument("--sharding", default="ddp")
+    parser.add_argument("--ep", type=int, default=1)
+    args = parser.parse_args()
+    strategy = LLMFastStrategy(
+        sharding=args.sharding, context_parallel_size=args.cp, expert_parallel_size=args.ep,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
+    _, log, trainer = fit(strategy, args.devices)
+    state = full_state(trainer)
+    torch.save({"losses": log.losses, "state": state}, f"{args.out}.rank{trainer.global_rank}")
+
+
+def full_state(trainer: L.Trainer) -> dict[str, torch.Tensor]:
+    """Every parameter whole, on every rank: FSDP's and expert parallelism's shards gathered."""
+    strategy, module = trainer.strategy, trainer.lightning_module
+    dims = getattr(strategy, "parallel_dims", None)
+    if getattr(strategy, "sharding", "ddp") != "ddp":
+        state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    else:
+        state = module.state_dict()
+        if dims is not None and dims.ep_enabled:
+            state = expert_dtensor_state_dict(module, state, dims.ep_mesh)
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
+
+
+if __name__ == "__main__":
+    main()
+    dist.barrier()
+    leave_world()
