@@ -11,7 +11,13 @@ import torch.nn.functional as F
 
 from lightning_llmfast.errors import ConfigError, MetadataError
 from lightning_llmfast.models.model import MoEGPT, MoEGPTConfig
-from lightning_llmfast.parallel.pipeline import SCHEDULES, PipelineConfig, PipelineRunner, bubble_share
+from lightning_llmfast.parallel.pipeline import (
+    SCHEDULES,
+    PipelineConfig,
+    PipelineRunner,
+    bubble_share,
+    single_stage_actions,
+)
 from lightning_llmfast.parallel.pipeline_split import balanced_cut, rank_stages, split_metadata
 from lightning_llmfast.seqmeta import SequenceMetadata
 from tests._distributed import run_distributed
@@ -85,6 +91,11 @@ def _pipelined(rank: int, world: int, schedule: str, microbatches: int, n_layers
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss))
+    bubble = runner.bubble
+    assert bubble is not None and 0 <= bubble < 1
+    one_f_one_b = (world - 1) / (microbatches + world - 1)
+    if schedule in ("interleaved_zero_bubble", "zbv"):
+        assert bubble < one_f_one_b, (schedule, bubble, one_f_one_b)
     ref_losses, ref_params = _reference(microbatches, n_layers)
     assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5), (schedule, rank, losses, ref_losses)
     params = dict(model.named_parameters())
@@ -175,9 +186,11 @@ def test_stage_placement_and_metadata_split() -> None:
 
 def test_bubble_share_of_single_stage_schedules_matches_the_closed_form() -> None:
     # GPipe and 1F1B on p ranks with m microbatches idle (p - 1) / (m + p - 1) of the time.
-    from torch.distributed.pipelining.schedules import _Action, _ComputationType
-
-    f, b = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD
-    for p, m in ((2, 4), (4, 4), (3, 7)):
-        order = {r: [_Action(r, f, i) for i in range(m)] + [_Action(r, b, i) for i in range(m)] for r in range(p)}
-        assert bubble_share(order) == pytest.approx((p - 1) / (m + p - 1))
+    for schedule in ("gpipe", "1f1b"):
+        for p, m in ((2, 4), (4, 4), (3, 7)):
+            table = single_stage_actions(schedule, p, m)
+            assert all(
+                sorted(a.microbatch_index for a in t if a.computation_type == "F") == list(range(m))
+                for t in table.values()
+            )
+            assert bubble_share(table) == pytest.approx((p - 1) / (m + p - 1))

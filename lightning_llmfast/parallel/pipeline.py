@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ from lightning_llmfast.parallel.pipeline_split import (
 from lightning_llmfast.seqmeta import SequenceMetadata, SequenceMetadataCache, activate_cache
 from lightning_llmfast.seqmeta.active import remove
 
-__all__ = ["SCHEDULES", "PipelineConfig", "PipelineRunner", "bubble_share"]
+__all__ = ["SCHEDULES", "Action", "PipelineConfig", "PipelineRunner", "bubble_share", "single_stage_actions"]
 
 SCHEDULES: dict[str, str] = {
     "gpipe": "ScheduleGPipe",
@@ -171,6 +171,40 @@ class PipelineConfig:
             )
 
 
+class Action(NamedTuple):
+    """One compute action of a schedule's table: ``"F"``, ``"B"`` (full backward), ``"I"`` or ``"W"``."""
+
+    stage_index: int
+    computation_type: str
+    microbatch_index: int
+
+
+def single_stage_actions(schedule: str, pp: int, microbatches: int) -> dict[int, list[Action]]:
+    """The action table of ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"`` (``pp - 1 - r`` warm-up
+    forwards on rank ``r``, then one forward and one backward in turn), as torch's single-stage schedules run them.
+
+    torch's own tables for these two are drawings only (the 1F1B one numbers the last rank's microbatches from 1);
+    the multi-stage schedules execute theirs, which :func:`bubble_share` reads as they are.
+
+    Example::
+
+        single_stage_actions("1f1b", 2, 4)[1][:2]  # [Action(1, "F", 0), Action(1, "B", 0)]
+    """
+    table: dict[int, list[Action]] = {}
+    for rank in range(pp):
+        forwards = [Action(rank, "F", m) for m in range(microbatches)]
+        backwards = [Action(rank, "B", m) for m in range(microbatches)]
+        if schedule == "gpipe":
+            table[rank] = forwards + backwards
+            continue
+        warmup = min(pp - 1 - rank, microbatches)
+        actions = forwards[:warmup]
+        for m in range(warmup, microbatches):
+            actions += [forwards[m], backwards[m - warmup]]
+        table[rank] = actions + backwards[microbatches - warmup :]
+    return table
+
+
 _COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # relative compute of each action (a full backward: twice a forward)
 
 
@@ -190,8 +224,7 @@ def bubble_share(pipeline_order: dict[int, list[Any]]) -> float:
         bubble_share(schedule.pipeline_order)  # 0.2 for 1F1B on 2 ranks with 4 microbatches
     """
     queues = {
-        rank: [a for a in actions if a is not None and str(a.computation_type.value) in _COST]
-        for rank, actions in pipeline_order.items()
+        rank: [a for a in actions if a is not None and _kind(a) in _COST] for rank, actions in pipeline_order.items()
     }
     last_stage = max((a.stage_index for q in queues.values() for a in q), default=0)
     done: dict[tuple[int, str, int], float] = {}
@@ -204,7 +237,7 @@ def bubble_share(pipeline_order: dict[int, list[Any]]) -> float:
         for rank, queue in queues.items():
             while position[rank] < len(queue):
                 action = queue[position[rank]]
-                kind, s, m = str(action.computation_type.value), action.stage_index, action.microbatch_index
+                kind, s, m = _kind(action), action.stage_index, action.microbatch_index
                 if kind == "F":
                     needs = [(s - 1, "F", m)] if s > 0 else []
                 elif kind == "W":
@@ -226,6 +259,11 @@ def bubble_share(pipeline_order: dict[int, list[Any]]) -> float:
         raise ConfigError("pipeline: the schedule's action table has an unsatisfiable dependency")
     makespan = max(free.values(), default=0.0)
     return 1.0 - busy / (len(queues) * makespan) if makespan else 0.0
+
+
+def _kind(action: Any) -> str:
+    kind = action.computation_type
+    return str(getattr(kind, "value", kind))
 
 
 class _MicrobatchStage(PipelineStage):
@@ -354,7 +392,12 @@ class PipelineRunner:
     @property
     def bubble(self) -> float | None:
         """:func:`bubble_share` of the latest batch's schedule (``None`` before the first batch)."""
-        return None if self.last_schedule is None else bubble_share(self.last_schedule.pipeline_order)
+        if self.last_schedule is None:
+            return None
+        cfg = self.config
+        if cfg.schedule in _SINGLE:
+            return bubble_share(single_stage_actions(cfg.schedule, cfg.size, cfg.microbatches))
+        return bubble_share(self.last_schedule.pipeline_order)
 
     def microbatch_state(self) -> tuple[Tensor | None, list[SequenceMetadataCache]]:
         """The current batch's router-loss weight per microbatch and metadata cache per microbatch."""
@@ -522,6 +565,19 @@ class PipelineRunner:
             value = value.to(self.device)
             dist.all_reduce(value, group=self.group)
         return value
+
+    @property
+    def tied_holders(self) -> int:
+        """Ranks of the pipeline that hold the tied embedding/head weight: 2 when the first and the last stage sit
+        on different ranks, else 1 (or 0 on a rank holding neither, or without tied weights)."""
+        if not self.tied or not (self.has_first or self.has_last):
+            return 0
+        return 2 if self._tied_group is not None else 1
+
+    def tied_weight(self) -> Tensor | None:
+        """The tied embedding/head weight when this rank holds it, else ``None``."""
+        embed = self.model.embed
+        return embed.weight if self.tied and embed is not None else None
 
     def reduce_tied_grads(self) -> None:
         """Sums the tied embedding/head gradient of the first and the last stage (call once before the optimizer

@@ -1,0 +1,96 @@
+"""Pipeline parallelism inside Lightning (issue 53): a two-stage fit equals one process accumulating the microbatches,
+and its DCP checkpoint resumes on one process by parameter name."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_llmfast import LLMFastStrategy
+from lightning_llmfast.errors import ConfigError
+
+SCRIPTS = Path(__file__).parent / "scripts"
+REPO = Path(__file__).parents[1]
+sys.path.insert(0, str(SCRIPTS))
+from pipeline_fit import MICRO, STEPS, Record, batches, micro_batches, module  # noqa: E402
+
+
+def _trainer(**kwargs: Any) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu", devices=1, strategy="llmfast", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.5, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    tmp = tmp_path_factory.mktemp("pipeline_fit")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "pipeline_fit.py"), "--out", "run", "--schedule", "1f1b"], cwd=tmp,
+        capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, [torch.load(tmp / f"run.rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+def test_two_stage_fit_equals_one_process_accumulating_the_microbatches(
+    pipelined: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    _, ranks = pipelined
+    torch.set_num_threads(1)
+    single, record = module(), Record()
+    start = {name: p.detach().clone() for name, p in single.named_parameters()}
+    micro = micro_batches()
+    trainer = _trainer(max_steps=STEPS, accumulate_grad_batches=MICRO, callbacks=[record])
+    trainer.fit(single, train_dataloaders=DataLoader(micro, batch_size=None))
+    # The pipeline's loss of a batch is its microbatches' losses weighted by their label tokens.
+    counts = [float((b.labels != -100).sum()) for b in micro]
+    expected = [
+        sum(record.losses[i] * counts[i] for i in range(s, s + MICRO)) / sum(counts[s : s + MICRO])
+        for s in range(0, len(micro), MICRO)
+    ]
+    for rank in ranks:  # train/loss logged on every rank, the same value
+        assert rank["losses"] == pytest.approx(expected, abs=1e-5)
+        assert rank["bubbles"] == pytest.approx([1 / 3] * STEPS)  # 1F1B, 2 stages, 2 microbatches
+    reference = dict(single.named_parameters())
+    held = {name: p for rank in ranks for name, p in rank["params"].items()}
+    assert set(held) == set(reference)  # every parameter on some stage, under the model's own name
+    assert not set(ranks[0]["params"]) & set(ranks[1]["params"]) - {"model.embed.weight"}  # tied: on both ends
+    for name, value in held.items():
+        assert float((value - reference[name].detach()).abs().max()) < 1e-5, name
+    assert max(float((start[n] - p.detach()).abs().max()) for n, p in reference.items()) > 1e-3
+    validation = _trainer().validate(single, DataLoader(batches()[:1], batch_size=None), verbose=False)
+    assert ranks[0]["val"] == ranks[1]["val"] == pytest.approx(validation[0]["val/loss"], abs=1e-5)
+
+
+def test_two_stage_checkpoint_resumes_on_one_process(pipelined: tuple[Path, list[dict[str, Any]]]) -> None:
+    tmp, ranks = pipelined
+    torch.set_num_threads(1)
+    resumed = module()
+    trainer = _trainer(max_steps=STEPS)
+    trainer.fit(resumed, train_dataloaders=DataLoader(batches(), batch_size=None), ckpt_path=str(tmp / "run.ckpt"))
+    assert trainer.global_step == STEPS
+    held = {name: p for rank in ranks for name, p in rank["params"].items()}
+    for name, param in resumed.named_parameters():
+        assert torch.equal(param.detach(), held[name]), name
+    state = trainer.optimizers[0].state
+    assert len(state) == sum(1 for _ in resumed.parameters())  # every parameter's AdamW state came back
+    assert all(int(s["step"]) == STEPS for s in state.values())
+
+
+def test_strategy_refuses_bad_pipeline_settings() -> None:
+    with pytest.raises(ConfigError, match="schedule must be one of"):
+        LLMFastStrategy(pipeline_parallel_size=2, pipeline_schedule="dualpipe")
+    with pytest.raises(ConfigError, match="exactly 2 stages per rank"):
+        LLMFastStrategy(pipeline_parallel_size=2, pipeline_schedule="zbv", pipeline_stages_per_rank=1)
+    strategy = LLMFastStrategy(pipeline_parallel_size=2, pipeline_microbatches=2, pipeline_schedule="gpipe")
+    assert strategy.pipeline_config is not None and strategy.pipeline_config.num_stages == 2
+    assert LLMFastStrategy().pipeline_config is None
