@@ -87,7 +87,7 @@ def _pipelined(rank: int, world: int, schedule: str, microbatches: int, n_layers
     losses = []
     for ids, labels, positions in _batches(1):
         loss = runner.step(ids, labels, positions, SequenceMetadata.from_position_ids(positions))
-        runner.reduce_tied_grads()
+        runner.finish_step()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss))

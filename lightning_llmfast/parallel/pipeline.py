@@ -12,21 +12,23 @@ What the runner adds to torch's schedules:
 - every microbatch's packed metadata is cut from the batch's host-side boundaries once per batch and handed to each
   stage with the batch (an open :class:`~lightning_llmfast.seqmeta.SequenceMetadataCache` around the stage's forward
   of that microbatch), never through the pipe;
-- the loss is token-weighted over the whole batch (each microbatch's summed token losses divided by the batch's label
-  tokens, with the schedules' own division by the number of microbatches off), so the gradients equal those of one
-  process on the batch; the router's load-balancing loss is per microbatch, weighted by its share of the label
-  tokens (as under gradient accumulation), and joins the backward at the stage that computed it;
+- the loss is token-weighted over the optimizer step: the schedules' own division by the number of microbatches is
+  off, each microbatch adds its summed token losses, and :meth:`PipelineRunner.finish_step` divides the gradients
+  by the label tokens of the step's batches over every data-parallel replica (one all-reduce of a count) and sums
+  them over the replicas, so they equal one process's on all of those batches; the router's load-balancing loss is
+  per microbatch, weighted by its label tokens (as under gradient accumulation), and joins the backward at the
+  stage that computed it;
 - the step's loss value (the last stage's, plus every stage's router term) is summed over the pipeline's ranks, so
   every rank returns the same value;
 - a tied embedding and head live on the first and the last stage under the embedding's name;
-  :meth:`PipelineRunner.reduce_tied_grads` sums their gradients before the optimizer step.
+  :meth:`PipelineRunner.finish_step` sums their gradients before the optimizer step.
 
 Example::
 
     config = PipelineConfig(size=2, microbatches=4, schedule="1f1b")
     runner = PipelineRunner(model, config, pp_group, device=torch.device("cpu"))  # prunes `model`
     loss = runner.step(batch.input_ids, batch.labels, batch.position_ids, metadata)
-    runner.reduce_tied_grads()
+    runner.finish_step()  # divide by the step's tokens, sum over replicas and tied copies
     optimizer.step()
 """
 
@@ -58,7 +60,15 @@ from lightning_llmfast.parallel.pipeline_split import (
 from lightning_llmfast.seqmeta import SequenceMetadata, SequenceMetadataCache, activate_cache
 from lightning_llmfast.seqmeta.active import remove
 
-__all__ = ["SCHEDULES", "Action", "PipelineConfig", "PipelineRunner", "bubble_share", "single_stage_actions"]
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "PipelineConfig",
+    "PipelineRunner",
+    "bubble_share",
+    "single_stage_actions",
+    "sum_gradients",
+]
 
 SCHEDULES: dict[str, str] = {
     "gpipe": "ScheduleGPipe",
@@ -266,6 +276,27 @@ def _kind(action: Any) -> str:
     return str(getattr(kind, "value", kind))
 
 
+def sum_gradients(params: Sequence[Tensor], group: dist.ProcessGroup) -> None:
+    """Sums the gradients of ``params`` over ``group`` in place: one all-reduce per device and dtype, of the
+    gradients flattened into one buffer (the replicas of a pipeline stage, as DDP's buckets would).
+
+    Example::
+
+        sum_gradients([p for p in model.parameters() if p.grad is not None], dims.dp_group)
+    """
+    buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for param in params:
+        if param.grad is not None:
+            buckets.setdefault((param.grad.device, param.grad.dtype), []).append(param.grad)
+    for _, grads in sorted(buckets.items(), key=lambda item: str(item[0])):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+
 class _MicrobatchStage(PipelineStage):
     """A :class:`PipelineStage` that opens the microbatch's metadata cache and sets its router-loss weight around
     every forward of the stage (torch names the microbatch ``fwd_chunk_id``)."""
@@ -304,6 +335,8 @@ class PipelineRunner:
         device: this rank's device.
         aux_loss_coef: weight of the router's load-balancing loss (summed over MoE blocks).
         ignore_index: label value that is not a target.
+        dp_group: the other replicas of this rank's stages (pipelines reading other batches), or ``None``: their
+            gradients are summed and the loss weighted over all of their label tokens in :meth:`finish_step`.
 
     Raises:
         ConfigError: a model that is not a :class:`MoEGPT`, a group whose size is not ``config.size``, more stages
@@ -324,6 +357,7 @@ class PipelineRunner:
         device: torch.device,
         aux_loss_coef: float = 0.0,
         ignore_index: int = -100,
+        dp_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not isinstance(model, MoEGPT):
             raise ConfigError(
@@ -333,7 +367,7 @@ class PipelineRunner:
         size = dist.get_world_size(group) if group is not None else 1
         if size != config.size:
             raise ConfigError(f"pipeline: the group has {size} ranks, the pipeline size is {config.size}")
-        self.config, self.group, self.device = config, group, device
+        self.config, self.group, self.device, self.dp_group = config, group, device, dp_group
         self.aux_loss_coef, self.ignore_index = float(aux_loss_coef), ignore_index
         self.rank = dist.get_rank(group) if group is not None else 0
         config.check_layers(len(model.layers))
@@ -363,6 +397,7 @@ class PipelineRunner:
         self._weights: Tensor | None = None
         self._caches: list[SequenceMetadataCache] = []
         self._total: Tensor | None = None
+        self._step_tokens: Tensor | None = None  # label tokens of the batches since the last finish_step
         self.last_schedule: Any = None
         """The schedule of the latest batch (its ``pipeline_order`` is the action table)."""
 
@@ -451,22 +486,32 @@ class PipelineRunner:
     def _eval_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         return self._loss(logits, labels).detach()
 
-    def _open(self, labels: Tensor, position_ids: Tensor, metadata: SequenceMetadata | None, train: bool) -> None:
-        """The batch's label-token total, the microbatches' router-loss weights and metadata caches."""
+    def _open(
+        self,
+        labels: Tensor,
+        position_ids: Tensor,
+        metadata: SequenceMetadata | None,
+        train: bool,
+        divisor: Tensor | None,
+    ) -> Tensor:
+        """The divisor of the token losses, the microbatches' router-loss weights and metadata caches; returns the
+        batch's label tokens."""
         m = self.config.microbatches
         valid = labels != self.ignore_index
         counts = valid.reshape(m, -1).sum(1).to(torch.float32)
-        self._total = counts.sum().clamp_min(1)
+        tokens = counts.sum()
+        self._total = tokens.clamp_min(1) if divisor is None else divisor.to(tokens)
         self._weights = self.aux_loss_coef * counts / self._total if train and self.aux_loss_coef else None
         self._caches = []
         if self.model.config.attention_metadata != "cached":
-            return
+            return tokens
         meta = metadata if metadata is not None else SequenceMetadata.from_position_ids(position_ids)
         for part in split_metadata(meta, m):
             cache = SequenceMetadataCache()
             cache.begin(part)
             remove(cache)  # made active around its microbatch's stage forwards only
             self._caches.append(cache)
+        return tokens
 
     def _close(self) -> None:
         for cache in self._caches:
@@ -505,10 +550,10 @@ class PipelineRunner:
             position_ids: ``(B, T)`` or ``(1, T)``; ``None``: one sequence per row.
             metadata: the batch's packed boundaries over the ``B * T`` positions (``"cached"`` attention); ``None``:
                 built from ``position_ids`` (one host read on an accelerator).
-
         Returns:
-            The batch's loss (token-mean cross entropy plus the weighted router loss), detached, the same on every
-            rank of the pipeline.
+            The batch's loss (token-mean cross entropy plus the router loss weighted by the microbatches' token
+            shares), detached, the same on every rank of the pipeline. The gradients are those of the token-loss sum
+            until :meth:`finish_step` divides them by the step's label tokens.
 
         Raises:
             ConfigError: the microbatches do not divide ``B``, or the inputs are not ``(B, T)``.
@@ -518,21 +563,7 @@ class PipelineRunner:
 
             loss = runner.step(batch.input_ids, batch.labels, batch.position_ids, SequenceMetadata.from_batch(batch))
         """
-        position_ids = self._inputs(input_ids, labels, position_ids)
-        b, t = input_ids.shape
-        schedule = self._schedule(b // self.config.microbatches, t, input_ids.dtype, train=True)
-        self.last_schedule = schedule
-        self._open(labels, position_ids, metadata, train=True)
-        losses: list[Tensor] = []
-        try:
-            schedule.step(input_ids, target=labels, losses=losses, return_outputs=False, position_ids=position_ids)
-            total = torch.stack(losses).sum().detach().float() if losses else torch.zeros((), device=self.device)
-            for module in self.modules:
-                if module.aux_total is not None:
-                    total = total + module.aux_total.to(total.device)
-        finally:
-            self._close()
-        return self._sum_over_pipeline(total)
+        return self._run(input_ids, labels, position_ids, metadata, train=True)
 
     @torch.no_grad()
     def evaluate(
@@ -548,14 +579,40 @@ class PipelineRunner:
 
             val = runner.evaluate(batch.input_ids, batch.labels, batch.position_ids)
         """
-        position_ids = self._inputs(input_ids, labels, position_ids)
+        return self._run(input_ids, labels, position_ids, metadata, train=False)
+
+    def _run(
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        position_ids: Tensor | None,
+        meta: SequenceMetadata | None,
+        *,
+        train: bool,
+    ) -> Tensor:
+        positions = self._inputs(input_ids, labels, position_ids)
         b, t = input_ids.shape
-        schedule = self._schedule(b // self.config.microbatches, t, input_ids.dtype, train=False)
-        self._open(labels, position_ids, metadata, train=False)
+        schedule = self._schedule(b // self.config.microbatches, t, input_ids.dtype, train=train)
+        if train:
+            self.last_schedule = schedule
+        # Training sums the token losses (finish_step divides by the step's tokens); the values are the batch's mean.
+        one = torch.ones((), device=labels.device)
+        tokens = self._open(labels, positions, meta, train, one if train else None)
+        assert self._total is not None
+        scale = self._total / tokens.clamp_min(1)
+        if train:
+            self._step_tokens = tokens if self._step_tokens is None else self._step_tokens + tokens
         losses: list[Tensor] = []
         try:
-            schedule.eval(input_ids, target=labels, losses=losses, position_ids=position_ids)
-            total = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.device)
+            if train:
+                schedule.step(input_ids, target=labels, losses=losses, return_outputs=False, position_ids=positions)
+            else:
+                schedule.eval(input_ids, target=labels, losses=losses, position_ids=positions)
+            total = torch.stack(losses).sum().detach().float() if losses else torch.zeros((), device=self.device)
+            for module in self.modules:  # the router terms, weighted at each stage (training only)
+                if module.aux_total is not None:
+                    total = total + module.aux_total.to(total.device)
+            total = total * scale.to(total.device)
         finally:
             self._close()
         return self._sum_over_pipeline(total)
@@ -579,9 +636,38 @@ class PipelineRunner:
         embed = self.model.embed
         return embed.weight if self.tied and embed is not None else None
 
-    def reduce_tied_grads(self) -> None:
-        """Sums the tied embedding/head gradient of the first and the last stage (call once before the optimizer
-        step, after every accumulated batch); nothing to do when one rank holds both or the weights are not tied."""
+    def finish_step(self) -> None:
+        """Completes the gradients of an optimizer step (once, after every batch of it, before clipping): divides
+        them by the step's label tokens (all its batches, all data-parallel replicas: one all-reduce of a count),
+        sums them over the replicas and sums the tied embedding/head gradient of the first and the last stage.
+
+        Example::
+
+            runner.step(...); runner.step(...)  # gradient accumulation
+            runner.finish_step()
+            optimizer.step()
+        """
+        tokens, self._step_tokens = self._step_tokens, None
+        if tokens is None:
+            return
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.dp_group is not None:
+            tokens = tokens.clone()
+            dist.all_reduce(tokens, group=self.dp_group)
+        factor = 1.0 / tokens.clamp_min(1)
+        grads: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for param in params:
+            assert param.grad is not None
+            grads.setdefault((param.grad.device, param.grad.dtype), []).append(param.grad)
+        for (device, dtype), group in grads.items():
+            torch._foreach_mul_(group, factor.to(device=device, dtype=dtype))
+        if self.dp_group is not None:
+            sum_gradients(params, self.dp_group)
+        self._reduce_tied_grads()
+
+    def _reduce_tied_grads(self) -> None:
+        """Sums the tied embedding/head gradient of the first and the last stage; nothing to do when one rank holds
+        both or the weights are not tied."""
         if self._tied_group is None:
             return
         embed = self.model.embed

@@ -238,13 +238,14 @@ class PipelineParallelBase(ShardedDataParallelBase):
         if runner is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
-        def closure_then_tie() -> Any:
-            # After the step's last backward, before clipping and the update: the tied weight's two halves summed.
+        def closure_then_finish() -> Any:
+            # After the step's last backward, before clipping and the update: the gradients divided by the step's
+            # label tokens, summed over the replicas and over the tied weight's two copies.
             result = closure()
-            runner.reduce_tied_grads()
+            runner.finish_step()
             return result
 
-        return super().optimizer_step(optimizer, closure_then_tie, model, **kwargs)
+        return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
 
     @override
     def _clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> None:
