@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from lightning_llmfast.errors import ConfigError, MetadataError
 from lightning_llmfast.models.model import MoEGPT, MoEGPTConfig
+from lightning_llmfast.parallel.dims import ParallelDims
 from lightning_llmfast.parallel.pipeline import (
     SCHEDULES,
     PipelineConfig,
@@ -51,41 +52,48 @@ def _batches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     return out
 
 
-def _reference(microbatches: int, n_layers: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process: each microbatch's summed token losses over the batch's label tokens plus its router loss weighted
-    by its share of them (gradient accumulation over the microbatches), SGD after every batch."""
+def _reference(microbatches: int, n_layers: int, replicas: int) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """One process on every replica's batches: each microbatch's summed token losses plus its router loss times its
+    label tokens, divided by the label tokens of all replicas' batches of the step (gradient accumulation over the
+    microbatches), SGD after every step. Returns each replica's batch losses and the parameters."""
     torch.manual_seed(0)
     model = MoEGPT(_config(n_layers))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for ids, labels, positions in _batches(1):
-        total = (labels != -100).sum().clamp_min(1)
-        value = 0.0
-        for mb in range(microbatches):
-            rows = slice(mb * ROWS // microbatches, (mb + 1) * ROWS // microbatches)
-            logits = model(ids[rows], positions[rows])
-            ce = F.cross_entropy(logits.flatten(0, 1), labels[rows].flatten(), ignore_index=-100, reduction="sum")
-            loss = ce / total + COEF * model.aux_loss() * (labels[rows] != -100).sum() / total
-            loss.backward()
-            value += float(loss.detach())
+    streams = [_batches(1 + replica) for replica in range(replicas)]
+    losses: list[list[float]] = [[] for _ in range(replicas)]
+    for step in range(STEPS):
+        total = sum((labels != -100).sum() for _, labels, _ in (stream[step] for stream in streams))
+        for replica, stream in enumerate(streams):
+            ids, labels, positions = stream[step]
+            value = 0.0
+            for mb in range(microbatches):
+                rows = slice(mb * ROWS // microbatches, (mb + 1) * ROWS // microbatches)
+                logits = model(ids[rows], positions[rows])
+                ce = F.cross_entropy(logits.flatten(0, 1), labels[rows].flatten(), ignore_index=-100, reduction="sum")
+                token_sum = ce + COEF * model.aux_loss() * (labels[rows] != -100).sum()
+                (token_sum / total).backward()
+                value += float(token_sum.detach())
+            losses[replica].append(value / float((labels != -100).sum()))
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(value)
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def _pipelined(rank: int, world: int, schedule: str, microbatches: int, n_layers: int) -> None:
+def _pipelined(rank: int, world: int, schedule: str, microbatches: int, n_layers: int, pp: int) -> None:
     torch.manual_seed(0)
     model = MoEGPT(_config(n_layers))
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    dims = ParallelDims(world, pipeline_parallel_size=pp)
+    dims.build_mesh("cpu")
     runner = PipelineRunner(
-        model, PipelineConfig(world, microbatches, schedule), dist.group.WORLD, device=torch.device("cpu"),
-        aux_loss_coef=COEF,
+        model, PipelineConfig(pp, microbatches, schedule), dims.pp_group, device=torch.device("cpu"),
+        aux_loss_coef=COEF, dp_group=dims.dp_group,
     )  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    replica = dims.data_parallel_rank(rank)
     losses = []
-    for ids, labels, positions in _batches(1):
+    for ids, labels, positions in _batches(1 + replica):
         loss = runner.step(ids, labels, positions, SequenceMetadata.from_position_ids(positions))
         runner.finish_step()
         optimizer.step()
@@ -93,11 +101,12 @@ def _pipelined(rank: int, world: int, schedule: str, microbatches: int, n_layers
         losses.append(float(loss))
     bubble = runner.bubble
     assert bubble is not None and 0 <= bubble < 1
-    one_f_one_b = (world - 1) / (microbatches + world - 1)
+    one_f_one_b = (pp - 1) / (microbatches + pp - 1)
     if schedule in ("interleaved_zero_bubble", "zbv"):
         assert bubble < one_f_one_b, (schedule, bubble, one_f_one_b)
-    ref_losses, ref_params = _reference(microbatches, n_layers)
-    assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5), (schedule, rank, losses, ref_losses)
+    ref_losses, ref_params = _reference(microbatches, n_layers, dims.dp)
+    # Each rank reports its own replica's batch loss.
+    assert losses == pytest.approx(ref_losses[replica], abs=1e-5, rel=1e-5), (schedule, rank, losses, ref_losses)
     params = dict(model.named_parameters())
     assert params, "every rank holds a stage"
     for name, param in params.items():
@@ -106,21 +115,24 @@ def _pipelined(rank: int, world: int, schedule: str, microbatches: int, n_layers
     moved = max(float((initial[name] - p.detach()).abs().max()) for name, p in params.items())
     assert moved > 1e-3  # the parameters did train (the comparison is not vacuous)
     held = sum(p.numel() * p.element_size() for p in params.values())
-    if world == 2:
+    if pp == 2:
         assert held <= 0.6 * full_bytes, (rank, held / full_bytes)
-    names = set(params)
-    others = [None] * world
-    dist.all_gather_object(others, sorted(names))
-    assert set().union(*map(set, others)) == set(ref_params)  # every parameter is held somewhere, by its name
+    others: list[list[str] | None] = [None] * world
+    dist.all_gather_object(others, sorted(params))
+    assert set().union(*(set(o or ()) for o in others)) == set(ref_params)  # every parameter held, by its name
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_two_stage_pipeline_equals_one_process(schedule: str) -> None:
-    run_distributed(_pipelined, 2, schedule, 4, 4, timeout=180)
+    run_distributed(_pipelined, 2, schedule, 4, 4, 2, timeout=180)
 
 
 def test_four_stage_gpipe_equals_one_process() -> None:
-    run_distributed(_pipelined, 4, "gpipe", 2, 4, timeout=180)
+    run_distributed(_pipelined, 4, "gpipe", 2, 4, 4, timeout=180)
+
+
+def test_two_replicas_of_a_two_stage_pipeline_equal_one_process_on_both_batch_streams() -> None:
+    run_distributed(_pipelined, 4, "1f1b", 2, 4, 2, timeout=180)
 
 
 def test_config_refuses_bad_layouts() -> None:

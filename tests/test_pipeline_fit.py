@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from lightning_llmfast import LLMFastStrategy
 from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.parallel import consolidate_checkpoint
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).parents[1]
@@ -84,6 +85,10 @@ def test_two_stage_checkpoint_resumes_on_one_process(pipelined: tuple[Path, list
     state = trainer.optimizers[0].state
     assert len(state) == sum(1 for _ in resumed.parameters())  # every parameter's AdamW state came back
     assert all(int(s["step"]) == STEPS for s in state.values())
+    consolidate_checkpoint(tmp / "run.ckpt", tmp / "whole.ckpt")  # one file holding the whole model
+    whole = torch.load(tmp / "whole.ckpt", weights_only=True)["state_dict"]
+    assert set(whole) == set(held) | {"model.lm_head.weight"}  # the tied head, as the model's state dict has it
+    assert all(torch.equal(whole[name], value) for name, value in held.items())
 
 
 def test_strategy_refuses_bad_pipeline_settings() -> None:

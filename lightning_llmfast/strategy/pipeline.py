@@ -11,11 +11,14 @@ clipping, optimizer and scheduler steps, callbacks, loggers):
 - the strategy's ``training_step`` runs the batch's forward and backward through the schedule and returns the loss
   as a tensor whose own backward reaches nothing (the gradients are already accumulated), so the closure's
   ``backward`` costs nothing and its hooks still run;
-- before the optimizer step (inside the closure, so before clipping) the tied embedding/head gradient of the first
-  and last stage is summed; clipping by norm takes the norm over every stage (one all-reduce over the pipeline);
-- ``train/loss`` is logged on every rank (the last stage's value, plus every stage's router term, summed over the
-  pipeline), and ``pipeline/bubble`` (the schedule's idle share) with it; ``validate`` and ``test`` run the stages
-  forward and log ``val/loss``/``test/loss``;
+- before the optimizer step (inside the closure, so before clipping) the gradients are divided by the step's label
+  tokens over every replica, summed over the replicas of each stage (``world / P`` pipelines read
+  ``distributed_sampler_kwargs``' streams) and over the tied embedding/head's two copies
+  (:meth:`~lightning_llmfast.parallel.pipeline.PipelineRunner.finish_step`); clipping by norm takes the norm over
+  every stage (one all-reduce over the pipeline);
+- ``train/loss`` is logged on every rank: the loss of its replica's batch (the last stage's value plus every
+  stage's router term, summed over the pipeline), and ``pipeline/bubble`` (the schedule's idle share) with it;
+  ``validate`` and ``test`` run the stages forward and log ``val/loss``/``test/loss``;
 - checkpoints are DCP directories keyed by the model's names (each rank writes its stages), so they resume under
   another pipeline size, or none.
 
@@ -67,10 +70,10 @@ class PipelineParallelBase(ShardedDataParallelBase):
 
     Raises:
         ConfigError: at construction, for a layout :class:`~lightning_llmfast.parallel.pipeline.PipelineConfig`
-            refuses; at setup on every rank before any step, when ``P`` does not divide the world, the world holds
-            more than one pipeline, the model is not a :class:`~lightning_llmfast.models.MoEGPT` (``module.model``),
-            has fewer layers than stages, or pipelining is combined with what it does not compose with yet
-            (``sharding`` other than ``"ddp"``, expert or context parallelism, offload).
+            refuses; at setup on every rank before any step, when ``P`` does not divide the world, the model is not
+            a :class:`~lightning_llmfast.models.MoEGPT` (``module.model``), has fewer layers than stages, or
+            pipelining is combined with what it does not compose with yet (``sharding`` other than ``"ddp"``,
+            expert or context parallelism, offload, ``precision="16-mixed"``'s gradient scaler).
 
     Example::
 
@@ -111,13 +114,15 @@ class PipelineParallelBase(ShardedDataParallelBase):
             "expert_parallel_size": self.expert_parallel_size > 1,
             "context_parallel_size": self.context_parallel_size > 1,
             "offload": getattr(self, "offload_config", None) is not None,
+            # A gradient scaler scales the closure's loss, which the schedule's backward never sees.
+            'precision="16-mixed"': str(self.precision_plugin.precision) == "16-mixed",
         }
         refused = [name for name, used in others.items() if used]
-        if refused or self.world_size != config.size:
-            what = ", ".join(refused) if refused else f"{self.world_size // config.size} pipelines (data parallelism)"
+        if refused:
             raise ConfigError(
-                f"{type(self).__name__}: pipeline_parallel_size={config.size} does not compose with {what} yet: run "
-                f"one pipeline of {config.size} ranks with sharding='ddp'"
+                f"{type(self).__name__}: pipeline_parallel_size={config.size} does not compose with "
+                f"{', '.join(refused)} yet: run pipelines of {config.size} ranks with sharding='ddp' (each stage "
+                "replicated over the data-parallel ranks)"
             )
         assert dims is not None and dims.pp_group is not None
 
@@ -138,15 +143,23 @@ class PipelineParallelBase(ShardedDataParallelBase):
             assert dims is not None
             model.to(self.root_device)
             coef = float(getattr(module, "aux_loss_coef", 0.0))
+            config, device = self.pipeline_config, self.root_device
             self._runner = PipelineRunner(
-                model, self.pipeline_config, dims.pp_group, device=self.root_device, aux_loss_coef=coef
+                model, config, dims.pp_group, device=device, aux_loss_coef=coef, dp_group=dims.dp_group
             )
             self._pipelined = module
         Strategy.setup(self, trainer)
-        # One pipeline reads one stream of batches, whole, on every rank: as on one device, no DistributedSampler
-        # (Lightning would inject one and reshuffle data the user did not ask to shuffle).
+        # Every stage of a pipeline reads its replica's stream of batches (distributed_sampler_kwargs). With one
+        # replica that is the whole stream, as on one device: no DistributedSampler, which would reshuffle data the
+        # user did not ask to shuffle.
         connector = getattr(trainer, "_accelerator_connector", None)
-        if connector is not None and hasattr(connector, "use_distributed_sampler"):
+        dims = self.parallel_dims
+        if (
+            dims is not None
+            and dims.dp == 1
+            and connector is not None
+            and hasattr(connector, "use_distributed_sampler")
+        ):
             connector.use_distributed_sampler = False
 
     @override
