@@ -23,6 +23,8 @@ REPO = Path(__file__).parents[1]
 sys.path.insert(0, str(SCRIPTS))
 from pipeline_fit import MICRO, STEPS, Record, batches, micro_batches, module  # noqa: E402
 
+from lightning_llmfast.parallel.dims import ParallelDims  # noqa: E402
+
 
 def _trainer(**kwargs: Any) -> L.Trainer:
     return L.Trainer(
@@ -31,33 +33,47 @@ def _trainer(**kwargs: Any) -> L.Trainer:
     )  # fmt: skip
 
 
+def _fit(tmp: Path, devices: int) -> list[dict[str, Any]]:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "pipeline_fit.py"), "--out", "run", "--schedule", "1f1b", "--devices",
+         str(devices)], cwd=tmp, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [torch.load(tmp / f"run.rank{r}.pt", weights_only=True) for r in range(devices)]
+
+
 @pytest.fixture(scope="module")
 def pipelined(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("pipeline_fit")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "pipeline_fit.py"), "--out", "run", "--schedule", "1f1b"], cwd=tmp,
-        capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return tmp, [torch.load(tmp / f"run.rank{r}.pt", weights_only=True) for r in range(2)]
+    return tmp, _fit(tmp, 2)
+
+
+def _reference(order: list[list[int]]) -> tuple[L.LightningModule, list[float]]:
+    """One process accumulating the micro-batches of the batches each step's replicas trained on (``order``: per
+    step, the batch of every replica); returns the module and each micro-batch's logged loss."""
+    torch.set_num_threads(1)
+    single, record = module(), Record()
+    micro = micro_batches()
+    chosen = [micro[MICRO * b + k] for step in order for b in step for k in range(MICRO)]
+    trainer = _trainer(max_steps=len(order), accumulate_grad_batches=MICRO * len(order[0]), callbacks=[record])
+    trainer.fit(single, train_dataloaders=DataLoader(chosen, batch_size=None))
+    counts = [float((b.labels != -100).sum()) for b in chosen]
+    # A replica's loss of a batch is its microbatches' losses weighted by their label tokens.
+    batch_losses = [
+        sum(record.losses[i] * counts[i] for i in range(s, s + MICRO)) / sum(counts[s : s + MICRO])
+        for s in range(0, len(chosen), MICRO)
+    ]
+    return single, batch_losses
 
 
 def test_two_stage_fit_equals_one_process_accumulating_the_microbatches(
     pipelined: tuple[Path, list[dict[str, Any]]],
 ) -> None:
     _, ranks = pipelined
-    torch.set_num_threads(1)
-    single, record = module(), Record()
-    start = {name: p.detach().clone() for name, p in single.named_parameters()}
-    micro = micro_batches()
-    trainer = _trainer(max_steps=STEPS, accumulate_grad_batches=MICRO, callbacks=[record])
-    trainer.fit(single, train_dataloaders=DataLoader(micro, batch_size=None))
-    # The pipeline's loss of a batch is its microbatches' losses weighted by their label tokens.
-    counts = [float((b.labels != -100).sum()) for b in micro]
-    expected = [
-        sum(record.losses[i] * counts[i] for i in range(s, s + MICRO)) / sum(counts[s : s + MICRO])
-        for s in range(0, len(micro), MICRO)
-    ]
+    assert ranks[0]["seen"] == ranks[1]["seen"] == list(range(STEPS))  # one pipeline: the stream, in order
+    start = {name: p.detach().clone() for name, p in module().named_parameters()}
+    single, expected = _reference([[step] for step in range(STEPS)])
     for rank in ranks:  # train/loss logged on every rank, the same value
         assert rank["losses"] == pytest.approx(expected, abs=1e-5)
         assert rank["bubbles"] == pytest.approx([1 / 3] * STEPS)  # 1F1B, 2 stages, 2 microbatches
@@ -89,6 +105,24 @@ def test_two_stage_checkpoint_resumes_on_one_process(pipelined: tuple[Path, list
     whole = torch.load(tmp / "whole.ckpt", weights_only=True)["state_dict"]
     assert set(whole) == set(held) | {"model.lm_head.weight"}  # the tied head, as the model's state dict has it
     assert all(torch.equal(whole[name], value) for name, value in held.items())
+
+
+@pytest.mark.slow
+def test_two_replicas_of_a_two_stage_pipeline_equal_one_process_on_both_streams(tmp_path: Path) -> None:
+    ranks = _fit(tmp_path, 4)
+    dims = ParallelDims(4, pipeline_parallel_size=2)
+    replicas = [dims.data_parallel_rank(r) for r in range(4)]  # ranks 0 and 2 read one stream, 1 and 3 the other
+    streams = {replica: ranks[r]["seen"] for r, replica in enumerate(replicas)}
+    assert all(ranks[r]["seen"] == streams[replica] for r, replica in enumerate(replicas))  # a pipeline's stages
+    assert sorted(streams[0] + streams[1]) == list(range(2 * STEPS))  # the sampler split the batches between them
+    order = [[streams[0][step], streams[1][step]] for step in range(STEPS)]
+    single, losses = _reference(order)
+    for r, replica in enumerate(replicas):  # each rank logs its own replica's batch loss
+        assert ranks[r]["losses"] == pytest.approx(losses[replica::2], abs=1e-5)
+    reference = dict(single.named_parameters())
+    for rank in ranks:
+        for name, value in rank["params"].items():
+            assert float((value - reference[name].detach()).abs().max()) < 1e-5, name
 
 
 def test_strategy_refuses_bad_pipeline_settings() -> None:

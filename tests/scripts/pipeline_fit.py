@@ -1,9 +1,11 @@
-"""A pipelined fit of the reference MoE GPT under ``LLMFastStrategy(pipeline_parallel_size=2)`` on two CPU ranks.
+"""A pipelined fit of the reference MoE GPT under ``LLMFastStrategy(pipeline_parallel_size=2)`` on CPU ranks.
 
-Run by tests/test_pipeline_fit.py (Lightning launches the second rank). Every batch joins ``MICRO`` consecutive
-micro-batches of :func:`micro_batches` (the pipeline's microbatches), so one process accumulating the micro-batches
-is the reference. Each rank writes ``<out>.rank<r>.pt``: its logged ``train/loss`` and ``pipeline/bubble`` per step,
-its parameters by name, and its ``val/loss``; the run ends with a DCP checkpoint at ``<out>.ckpt``.
+Run by tests/test_pipeline_fit.py with ``--devices 2`` (one pipeline) or ``4`` (two replicas of it reading their
+own batches through Lightning's sampler); Lightning launches the other ranks. Every batch joins ``MICRO``
+consecutive micro-batches of :func:`micro_batches` (the pipeline's microbatches), so one process accumulating the
+micro-batches is the reference. Each rank writes ``<out>.rank<r>.pt``: its logged ``train/loss`` and
+``pipeline/bubble`` per step, the index of every batch it trained on, its parameters by name, and its ``val/loss``;
+the run ends with a DCP checkpoint at ``<out>.ckpt``.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from lightning_llmfast.bench.processes import leave_world
 from lightning_llmfast.data import PackedBatch, SyntheticCorpus, pack_documents
 
 STEPS, MICRO, ROWS = 3, 2, 2
+REPLICAS = 2  # batches for up to this many data-parallel replicas
 
 
 def micro_batches() -> list[PackedBatch]:
     corpus = SyntheticCorpus(80, mean_len=14, seed=5, distribution="exponential", vocab_size=64)
-    return list(pack_documents(corpus, 16, ROWS, vocab_size=64, lookahead=2))[: MICRO * STEPS]
+    return list(pack_documents(corpus, 16, ROWS, vocab_size=64, lookahead=2))[: MICRO * STEPS * REPLICAS]
 
 
 def joined(parts: list[PackedBatch]) -> PackedBatch:
@@ -59,23 +62,27 @@ def module() -> MoEGPTLightningModule:
 
 
 class Record(L.Callback):
-    """The logged values of every training step."""
+    """The logged values of every training step, and which batch of :func:`batches` it trained on."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.bubbles: list[float] = []
+        self.seen: list[int] = []
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: PackedBatch, *args: Any) -> None:
         metrics = trainer.callback_metrics
         self.losses.append(float(metrics["train/loss"]))
         if "pipeline/bubble" in metrics:
             self.bubbles.append(float(metrics["pipeline/bubble"]))
+        known = [b.input_ids for b in batches()]
+        self.seen.extend(i for i, ids in enumerate(known) if torch.equal(ids, batch.input_ids))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--devices", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = module()
@@ -85,9 +92,9 @@ def main() -> None:
         timeout=timedelta(seconds=60),
     )  # fmt: skip
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[record], gradient_clip_val=0.5,
-        limit_val_batches=1, num_sanity_val_steps=0,
+        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=STEPS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
+        gradient_clip_val=0.5, limit_val_batches=1, num_sanity_val_steps=0,
     )  # fmt: skip
     data = batches()
     trainer.fit(
@@ -99,9 +106,8 @@ def main() -> None:
     rank = trainer.global_rank
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     val = trainer.validate(model, DataLoader(data[:1], batch_size=None), verbose=False)[0]["val/loss"]
-    torch.save(
-        {"losses": record.losses, "bubbles": record.bubbles, "params": params, "val": val}, f"{args.out}.rank{rank}.pt"
-    )
+    result = {"losses": record.losses, "bubbles": record.bubbles, "seen": record.seen, "params": params, "val": val}
+    torch.save(result, f"{args.out}.rank{rank}.pt")
 
 
 if __name__ == "__main__":
