@@ -77,6 +77,7 @@ def test_two_stage_fit_equals_one_process_accumulating_the_microbatches(
     for rank in ranks:  # train/loss logged on every rank, the same value
         assert rank["losses"] == pytest.approx(expected, abs=1e-5)
         assert rank["bubbles"] == pytest.approx([1 / 3] * STEPS)  # 1F1B, 2 stages, 2 microbatches
+        assert len(rank["stage_ms"]) == STEPS and min(rank["stage_ms"]) > 0  # the wall clock: complete at once
     reference = dict(single.named_parameters())
     held = {name: p for rank in ranks for name, p in rank["params"].items()}
     assert set(held) == set(reference)  # every parameter on some stage, under the model's own name

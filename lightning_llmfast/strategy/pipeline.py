@@ -17,7 +17,8 @@ clipping, optimizer and scheduler steps, callbacks, loggers):
   (:meth:`~lightning_llmfast.parallel.pipeline.PipelineRunner.finish_step`); clipping by norm takes the norm over
   every stage (one all-reduce over the pipeline);
 - ``train/loss`` is logged on every rank: the loss of its replica's batch (the last stage's value plus every
-  stage's router term, summed over the pipeline), and ``pipeline/bubble`` (the schedule's idle share) with it;
+  stage's router term, summed over the pipeline), ``pipeline/bubble`` (the schedule's idle share) and
+  ``pipeline/stage_ms`` (this rank's schedule time per step: CUDA events, or the wall clock on the CPU);
   ``validate`` and ``test`` run the stages forward and log ``val/loss``/``test/loss``;
 - checkpoints are DCP directories keyed by the model's names (each rank writes its stages), so they resume under
   another pipeline size, or none.
@@ -38,6 +39,7 @@ from lightning.pytorch.strategies import Strategy
 from torch import nn
 from typing_extensions import override
 
+from lightning_llmfast.comm.timing import SpanTimer, clock_for
 from lightning_llmfast.data import PackedBatch
 from lightning_llmfast.data.packing import IGNORE_INDEX
 from lightning_llmfast.errors import ConfigError
@@ -99,6 +101,7 @@ class PipelineParallelBase(ShardedDataParallelBase):
         self._runner: PipelineRunner | None = None
         self._pipelined: nn.Module | None = None  # the LightningModule the runner pruned
         self._held_grads: list[tuple[nn.Parameter, Tensor]] = []  # the step's gradients until Lightning's backward
+        self._stage_timer: SpanTimer | None = None  # this rank's schedule time per step (pipeline/stage_ms)
 
     @property
     def pipeline_runner(self) -> PipelineRunner | None:
@@ -195,7 +198,12 @@ class PipelineParallelBase(ShardedDataParallelBase):
         kept = [p.grad for p in params]
         for param in params:
             param.grad = None
+        timer = self._stage_timer
+        if timer is None:
+            timer = self._stage_timer = SpanTimer(clock_for(self.root_device))
+        span = timer.begin(last=True)
         loss = runner.step(input_ids, labels, position_ids, metadata)
+        timer.end(span)
         self._held_grads = [(p, p.grad) for p in params if p.grad is not None]
         for param, grad in zip(params, kept, strict=True):
             param.grad = grad
@@ -204,6 +212,9 @@ class PipelineParallelBase(ShardedDataParallelBase):
         bubble = runner.bubble
         if bubble is not None:
             module.log("pipeline/bubble", bubble, on_step=True, on_epoch=False, batch_size=rows)
+        stage_ms = timer.read_ms()  # this rank's stages, over the steps whose stamps completed (never waits)
+        if stage_ms is not None:
+            module.log("pipeline/stage_ms", stage_ms, on_step=True, on_epoch=False, batch_size=rows)
         # The closure's backward runs on a leaf of its own and reaches nothing: the gradients are computed already.
         return loss + torch.zeros((), device=loss.device, requires_grad=True)
 

@@ -68,12 +68,15 @@ class Record(L.Callback):
         self.losses: list[float] = []
         self.bubbles: list[float] = []
         self.seen: list[int] = []
+        self.stage_ms: list[float] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: PackedBatch, *args: Any) -> None:
         metrics = trainer.callback_metrics
         self.losses.append(float(metrics["train/loss"]))
         if "pipeline/bubble" in metrics:
             self.bubbles.append(float(metrics["pipeline/bubble"]))
+        if "pipeline/stage_ms" in metrics:
+            self.stage_ms.append(float(metrics["pipeline/stage_ms"]))
         known = [b.input_ids for b in batches()]
         self.seen.extend(i for i, ids in enumerate(known) if torch.equal(ids, batch.input_ids))
 
@@ -107,6 +110,7 @@ def main() -> None:
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     val = trainer.validate(model, DataLoader(data[:1], batch_size=None), verbose=False)[0]["val/loss"]
     result = {"losses": record.losses, "bubbles": record.bubbles, "seen": record.seen, "params": params, "val": val}
+    result["stage_ms"] = record.stage_ms
     torch.save(result, f"{args.out}.rank{rank}.pt")
 
 
