@@ -127,6 +127,10 @@ def test_two_replicas_of_a_two_stage_pipeline_equal_one_process_on_both_streams(
 
 
 def test_strategy_refuses_bad_pipeline_settings() -> None:
+    strategy = LLMFastStrategy(pipeline_parallel_size=2, pipeline_microbatches=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False)
+    with pytest.raises(ConfigError, match="must divide the world size 1"):  # at setup, before any step
+        trainer.fit(module(), train_dataloaders=DataLoader(batches(), batch_size=None))
     with pytest.raises(ConfigError, match="schedule must be one of"):
         LLMFastStrategy(pipeline_parallel_size=2, pipeline_schedule="dualpipe")
     with pytest.raises(ConfigError, match="exactly 2 stages per rank"):
