@@ -73,9 +73,9 @@ class PipelineParallelBase(ShardedDataParallelBase):
     Raises:
         ConfigError: at construction, for a layout :class:`~lightning_llmfast.parallel.pipeline.PipelineConfig`
             refuses; at setup on every rank before any step, when ``P`` does not divide the world, the model is not
-            a :class:`~lightning_llmfast.models.MoEGPT` (``module.model``), has fewer layers than stages, or
-            pipelining is combined with what it does not compose with yet (``sharding`` other than ``"ddp"``,
-            expert or context parallelism, offload, ``precision="16-mixed"``'s gradient scaler).
+            a :class:`~lightning_llmfast.models.MoEGPT` (``module.model``), has fewer layers than stages, uses manual
+            optimization, or pipelining is combined with what it does not compose with yet (``sharding`` other than
+            ``"ddp"``, expert or context parallelism, offload, ``precision="16-mixed"``'s gradient scaler).
 
     Example::
 
@@ -136,6 +136,11 @@ class PipelineParallelBase(ShardedDataParallelBase):
         self._check_pipeline_composition()
         if module is not self._pipelined:
             self._materialize()
+            if not module.automatic_optimization:
+                raise ConfigError(
+                    f"{type(self).__name__}: pipeline_parallel_size runs the schedule's forward and backward inside "
+                    "the training step of automatic optimization; manual optimization is not supported"
+                )
             model = getattr(module, "model", None)
             if not isinstance(model, MoEGPT):
                 raise ConfigError(

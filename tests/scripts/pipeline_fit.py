@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--accumulate", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = module()
@@ -95,9 +96,9 @@ def main() -> None:
         timeout=timedelta(seconds=60),
     )  # fmt: skip
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=STEPS, logger=False,
+        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=STEPS // args.accumulate, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
-        gradient_clip_val=0.5, limit_val_batches=1, num_sanity_val_steps=0,
+        gradient_clip_val=0.5, limit_val_batches=1, num_sanity_val_steps=0, accumulate_grad_batches=args.accumulate,
     )  # fmt: skip
     data = batches()
     trainer.fit(
