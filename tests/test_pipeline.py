@@ -57,7 +57,8 @@ def _reference(
 ) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     """One process on every replica's batches: each microbatch's summed token losses plus its router loss times its
     label tokens, divided by the label tokens of all replicas' batches of the step (gradient accumulation over the
-    microbatches), SGD after every step. Returns each replica's batch losses and the parameters."""
+    microbatches), SGD after every step. Returns each replica's batch losses (and, last, the trained model's cross
+    entropy on replica 0's first batch) and the parameters."""
     torch.manual_seed(0)
     model = MoEGPT(_config(n_layers, tie))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -78,6 +79,11 @@ def _reference(
             losses[replica].append(value / float((labels != -100).sum()))
         optimizer.step()
         optimizer.zero_grad()
+    with torch.no_grad():  # the trained model's token-mean cross entropy on replica 0's first batch
+        ids, labels, positions = streams[0][0]
+        logits = model(ids, positions)
+        evaluated = float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100))
+    losses.append([evaluated])
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -115,6 +121,9 @@ def _pipelined(
     ref_losses, ref_params = _reference(microbatches, n_layers, dims.dp, tie)
     # Each rank reports its own replica's batch loss.
     assert losses == pytest.approx(ref_losses[replica], abs=1e-5, rel=1e-5), (schedule, rank, losses, ref_losses)
+    ids, labels, positions = _batches(1)[0]
+    evaluated = float(runner.evaluate(ids, labels, positions))  # the stages forward only, every rank the same
+    assert evaluated == pytest.approx(ref_losses[-1][0], abs=1e-5), (schedule, rank, evaluated, ref_losses[-1])
     params = dict(model.named_parameters())
     assert params, "every rank holds a stage"
     for name, param in params.items():

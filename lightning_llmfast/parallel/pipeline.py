@@ -297,6 +297,24 @@ def sum_gradients(params: Sequence[Tensor], group: dist.ProcessGroup) -> None:
             offset += grad.numel()
 
 
+def _forward_only(schedule: Any) -> None:
+    """Lower ``schedule``'s forwards alone, in its order, for evaluation.
+
+    torch's ``eval()`` of the V-shaped ZBV schedule still runs the table's backward actions of the stages that share a
+    rank (and fails on them); its forwards, kept in order, are a valid forward-only table of the same placement.
+    """
+    order = {
+        rank: [a for a in actions if a is not None and _kind(a) == "F"]
+        for rank, actions in schedule.pipeline_order.items()
+    }
+    schedule.pipeline_order = order
+    # torch's own lowering (sends and receives placed by simulating the ranks); its validation would ask for the
+    # backwards a forward-only table has not.
+    schedule.pipeline_order_with_comms = torch_schedules._add_send_recv(
+        order, stage_to_rank=lambda s: schedule.stage_index_to_group_rank[s], num_stages=schedule._num_stages
+    )
+
+
 class _MicrobatchStage(PipelineStage):
     """A :class:`PipelineStage` that opens the microbatch's metadata cache and sets its router-loss weight around
     every forward of the stage (torch names the microbatch ``fwd_chunk_id``)."""
@@ -468,6 +486,8 @@ class PipelineRunner:
         loss_fn = self._loss if train else self._eval_loss
         target = stages[0] if cfg.schedule in _SINGLE else stages
         schedule = cls(target, cfg.microbatches, loss_fn=loss_fn, scale_grads=False)
+        if not train and cfg.schedule == "zbv":
+            _forward_only(schedule)
         self._schedules[key] = schedule
         return schedule
 
