@@ -33,14 +33,14 @@ def _trainer(**kwargs: Any) -> L.Trainer:
     )  # fmt: skip
 
 
-def _fit(tmp: Path, devices: int, accumulate: int = 1) -> list[dict[str, Any]]:
+def _fit(tmp: Path, devices: int, *args: str, out: str = "run") -> list[dict[str, Any]]:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "pipeline_fit.py"), "--out", "run", "--schedule", "1f1b", "--devices",
-         str(devices), "--accumulate", str(accumulate)], cwd=tmp, capture_output=True, text=True, timeout=300,
+        [sys.executable, str(SCRIPTS / "pipeline_fit.py"), "--out", out, "--schedule", "1f1b", "--devices",
+         str(devices), *args], cwd=tmp, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [torch.load(tmp / f"run.rank{r}.pt", weights_only=True) for r in range(devices)]
+    return [torch.load(tmp / f"{out}.rank{r}.pt", weights_only=True) for r in range(devices)]
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +127,25 @@ def test_two_replicas_of_a_two_stage_pipeline_equal_one_process_on_both_streams(
 
 
 @pytest.mark.slow
+def test_two_stage_checkpoint_resumes_on_four_stages(pipelined: tuple[Path, list[dict[str, Any]]]) -> None:
+    tmp, ranks = pipelined
+    resumed = _fit(tmp, 4, "--pp", "4", "--resume", str(tmp / "run.ckpt"), out="pp4")
+    held = {name: p for rank in ranks for name, p in rank["params"].items()}
+    assert all(rank["step"] == STEPS for rank in resumed)
+    # Every stage's AdamW state came back from the other layout, by parameter name.
+    assert all(rank["adam"] == [STEPS] * len(rank["params"]) for rank in resumed)
+    assert [len({n for n in r["params"] if ".layers." in n}) // 7 for r in resumed] == [1, 1, 1, 1]  # a layer each
+    assert set().union(*(r["params"] for r in resumed)) == set(held)
+    for rank in resumed:
+        for name, value in rank["params"].items():
+            assert torch.equal(value, held[name]), name
+
+
+@pytest.mark.slow
 def test_accumulating_two_pipelined_batches_equals_one_process_on_both(tmp_path: Path) -> None:
     # Lightning zeroes gradients between a training step and its backward at the start of every window: the
     # pipelined step's gradients must survive that, and the step's tokens span both batches.
-    ranks = _fit(tmp_path, 2, accumulate=2)
+    ranks = _fit(tmp_path, 2, "--accumulate", "2")
     single, losses = _reference([[0, 1]])  # one optimizer step on batches 0 and 1
     for rank in ranks:
         assert rank["seen"] == [0, 1] and rank["losses"] == pytest.approx(losses, abs=1e-5)
@@ -140,7 +155,7 @@ def test_accumulating_two_pipelined_batches_equals_one_process_on_both(tmp_path:
             assert float((value - reference[name].detach()).abs().max()) < 1e-5, name
 
 
-def test_strategy_refuses_bad_pipeline_settings() -> None:
+def test_strategy_refuses_bad_pipeline_settings(tmp_path: Path) -> None:
     strategy = LLMFastStrategy(pipeline_parallel_size=2, pipeline_microbatches=2)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False)
     with pytest.raises(ConfigError, match="must divide the world size 1"):  # at setup, before any step
@@ -152,3 +167,5 @@ def test_strategy_refuses_bad_pipeline_settings() -> None:
     strategy = LLMFastStrategy(pipeline_parallel_size=2, pipeline_microbatches=2, pipeline_schedule="gpipe")
     assert strategy.pipeline_config is not None and strategy.pipeline_config.num_stages == 2
     assert LLMFastStrategy().pipeline_config is None
+    with pytest.raises(ConfigError, match="is a file: load its weights"):
+        strategy.load_checkpoint(tmp_path / "single.ckpt")

@@ -44,6 +44,7 @@ from lightning_llmfast.data import PackedBatch
 from lightning_llmfast.data.packing import IGNORE_INDEX
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.models.model import MoEGPT
+from lightning_llmfast.parallel.checkpoint import is_distributed_checkpoint
 from lightning_llmfast.parallel.clip import ShardedGrad, clip_grad_norm
 from lightning_llmfast.parallel.pipeline import PipelineConfig, PipelineRunner
 from lightning_llmfast.seqmeta import SequenceMetadata
@@ -51,6 +52,7 @@ from lightning_llmfast.strategy.sharded import ShardedDataParallelBase
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.fabric.utilities.types import _PATH
     from lightning.pytorch.utilities.types import STEP_OUTPUT
     from torch import Tensor
     from torch.optim import Optimizer
@@ -75,7 +77,8 @@ class PipelineParallelBase(ShardedDataParallelBase):
             refuses; at setup on every rank before any step, when ``P`` does not divide the world, the model is not
             a :class:`~lightning_llmfast.models.MoEGPT` (``module.model``), has fewer layers than stages, uses manual
             optimization, or pipelining is combined with what it does not compose with yet (``sharding`` other than
-            ``"ddp"``, expert or context parallelism, offload, ``precision="16-mixed"``'s gradient scaler).
+            ``"ddp"``, expert or context parallelism, offload, ``precision="16-mixed"``'s gradient scaler); when
+            resuming from a checkpoint file rather than a distributed checkpoint directory.
 
     Example::
 
@@ -178,6 +181,17 @@ class PipelineParallelBase(ShardedDataParallelBase):
     @override
     def _distributed_checkpoints(self) -> bool:
         return self.pipeline_config is not None or super()._distributed_checkpoints
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        if self.pipeline_config is not None and not is_distributed_checkpoint(checkpoint_path):
+            # A file's optimizer state is keyed by the whole model's parameter order, which a stage does not have.
+            raise ConfigError(
+                f"{type(self).__name__}: pipeline_parallel_size={self.pipeline_config.size} resumes from distributed "
+                f"checkpoint directories (keyed by parameter name); {checkpoint_path} is a file: load its weights "
+                "with LightningModule.load_from_checkpoint before fit (the strategy then cuts the loaded model)"
+            )
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
     def _batch_inputs(self, batch: Any) -> tuple[Tensor, Tensor, Tensor | None, SequenceMetadata | None]:
         if isinstance(batch, PackedBatch):

@@ -87,12 +87,14 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--resume", default=None, help="a checkpoint to resume from (then only its weights are saved)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = module()
     record = Record()
     strategy = LLMFastStrategy(
-        pipeline_parallel_size=2, pipeline_microbatches=MICRO, pipeline_schedule=args.schedule,
+        pipeline_parallel_size=args.pp, pipeline_microbatches=max(MICRO, args.pp), pipeline_schedule=args.schedule,
         timeout=timedelta(seconds=60),
     )  # fmt: skip
     trainer = L.Trainer(
@@ -101,13 +103,19 @@ def main() -> None:
         gradient_clip_val=0.5, limit_val_batches=1, num_sanity_val_steps=0, accumulate_grad_batches=args.accumulate,
     )  # fmt: skip
     data = batches()
+    rank = trainer.global_rank
+    if args.resume is not None:  # restored, nothing left to train: the weights as the checkpoint holds them
+        trainer.fit(model, train_dataloaders=DataLoader(data, batch_size=None), ckpt_path=args.resume)
+        params = {name: p.detach().clone() for name, p in model.named_parameters()}
+        adam_steps = [int(state["step"]) for state in trainer.optimizers[0].state.values()]
+        torch.save({"params": params, "step": trainer.global_step, "adam": adam_steps}, f"{args.out}.rank{rank}.pt")
+        return
     trainer.fit(
         model,
         train_dataloaders=DataLoader(data, batch_size=None),
         val_dataloaders=DataLoader(data[:1], batch_size=None),
     )
     trainer.save_checkpoint(f"{args.out}.ckpt")
-    rank = trainer.global_rank
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     val = trainer.validate(model, DataLoader(data[:1], batch_size=None), verbose=False)[0]["val/loss"]
     result = {"losses": record.losses, "bubbles": record.bubbles, "seen": record.seen, "params": params, "val": val}
