@@ -6,7 +6,9 @@ lazy-name table (a dict literal whose values are package module names, as ``_laz
 module belongs to a room (a subpackage, or a named group of root modules) and each room to a layer
 (:data:`LAYERS`). The test fails on
 
-- a cycle between rooms (imports inside a room are the room's own business),
+- a cycle between rooms,
+- a cycle between the files of one folder (here ``if TYPE_CHECKING:`` imports count too: a name two files both
+  need belongs one floor down, in a module both import),
 - an edge from a lower layer to a higher one,
 - the runtime (every room but ``bench`` and the CLI entry points) importing ``bench`` or the ``moe.naive`` baselines,
   and ``import lightning_llmfast`` (or any Lightning-layer room) loading them (checked in a fresh interpreter),
@@ -58,7 +60,8 @@ LAYERS: dict[str, int] = {
 LAYER_NAMES = ("core", "plain PyTorch", "expert parallel", "parallel", "Lightning layer", "entry points and bench")
 LIGHTNING_LAYER = 4
 
-# Modules at the package root, by room: the core helpers and the CLI entry points (``python -m lightning_llmfast.X``).
+# Modules at the package root, by room: the core helpers and the CLI entry points (``python -m lightning_llmfast.X``,
+# a module or a package of its own).
 ROOT_MODULES: dict[str, str] = {
     "errors": "core",
     "_checks": "core",
@@ -120,13 +123,14 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _nodes(tree: ast.AST) -> Iterable[ast.AST]:
-    """Every node of ``tree`` except the bodies of ``if TYPE_CHECKING:`` (their ``else`` runs, so it is kept)."""
+def _nodes(tree: ast.AST, type_checking: bool = False) -> Iterable[ast.AST]:
+    """Every node of ``tree`` except the bodies of ``if TYPE_CHECKING:`` (their ``else`` runs, so it is kept); with
+    ``type_checking``, those bodies too."""
     todo = [tree]
     while todo:
         node = todo.pop()
         yield node
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if not type_checking and isinstance(node, ast.If) and _is_type_checking(node.test):
             todo.extend(node.orelse)
             continue
         todo.extend(ast.iter_child_nodes(node))
@@ -138,9 +142,10 @@ def _deepest(name: str, modules: Mapping[str, Path]) -> str | None:
     return name or None
 
 
-def imports_of(module: str, file: Path, modules: Mapping[str, Path]) -> list[Edge]:
-    """The package modules ``module`` imports: statements anywhere (not under ``TYPE_CHECKING``), literal
-    ``import_module`` calls and lazy-name tables; and the third-party top-level names, as ``Edge(target="!name")``."""
+def imports_of(module: str, file: Path, modules: Mapping[str, Path], type_checking: bool = False) -> list[Edge]:
+    """The package modules ``module`` imports: statements anywhere (under ``TYPE_CHECKING`` only with
+    ``type_checking``), literal ``import_module`` calls and lazy-name tables; and the third-party top-level names, as
+    ``Edge(target="!name")``."""
     package = module if file.name == "__init__.py" else module.rpartition(".")[0]
     root = module.partition(".")[0]
     edges = []
@@ -153,7 +158,7 @@ def imports_of(module: str, file: Path, modules: Mapping[str, Path]) -> list[Edg
         if target is not None and target != module:
             edges.append(Edge(module, target, lazy, line))
 
-    for node in _nodes(ast.parse(file.read_text())):
+    for node in _nodes(ast.parse(file.read_text()), type_checking):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 add(alias.name, node.lineno)
@@ -176,11 +181,13 @@ def imports_of(module: str, file: Path, modules: Mapping[str, Path]) -> list[Edg
 
 
 def room_of(module: str, package: Path = PACKAGE) -> str:
-    """The room of a module name: its subpackage, the room :data:`ROOT_MODULES` gives a root module, or
-    ``"package"`` for the package itself. Raises ``KeyError`` for a root module no room has taken."""
+    """The room of a module name: the room :data:`ROOT_MODULES` gives a root module or entry-point package, its
+    subpackage, or ``"package"`` for the package itself. Raises ``KeyError`` for a root module no room has taken."""
     parts = module.split(".")
     if len(parts) == 1:
         return "package"
+    if parts[1] in ROOT_MODULES:
+        return ROOT_MODULES[parts[1]]
     if (package / parts[1]).is_dir():
         return parts[1]
     return ROOT_MODULES[parts[1]]
@@ -195,9 +202,10 @@ class House:
     edges: list[Edge]
 
     @classmethod
-    def read(cls, package: Path = PACKAGE) -> House:
+    def read(cls, package: Path = PACKAGE, type_checking: bool = False) -> House:
+        """The package's modules and edges (``type_checking``: the ``if TYPE_CHECKING:`` imports too)."""
         modules = module_files(package)
-        edges = [edge for name, file in modules.items() for edge in imports_of(name, file, modules)]
+        edges = [edge for name, file in modules.items() for edge in imports_of(name, file, modules, type_checking)]
         return cls(package, modules, edges)
 
     def room(self, module: str) -> str:
@@ -216,6 +224,15 @@ class House:
                 rooms[pair].append(edge)
         return dict(rooms)
 
+    def folder_edges(self) -> dict[tuple[str, str], list[Edge]]:
+        """``(module, module) -> edges`` between two modules whose files lie in one folder (a package's
+        ``__init__`` and its submodules included)."""
+        pairs: dict[tuple[str, str], list[Edge]] = defaultdict(list)
+        for edge in self.package_edges():
+            if self.modules[edge.source].parent == self.modules[edge.target].parent:
+                pairs[(edge.source, edge.target)].append(edge)
+        return dict(pairs)
+
     def closure(self, start: Iterable[str]) -> set[str]:
         """The modules ``start`` reaches through import statements (lazy tables not followed)."""
         statement: dict[str, set[str]] = defaultdict(set)
@@ -232,7 +249,7 @@ class House:
 
 
 def cycles(graph: Mapping[tuple[str, str], object]) -> list[list[str]]:
-    """The strongly connected components of more than one room (Tarjan), each sorted."""
+    """The strongly connected components of more than one node (room or module; Tarjan), each sorted."""
     successors: dict[str, set[str]] = defaultdict(set)
     for a, b in graph:
         successors[a].add(b)
@@ -344,6 +361,18 @@ def test_every_module_has_a_room_and_every_room_a_layer() -> None:
 
 def test_no_cycle_between_rooms() -> None:
     assert cycles(HOUSE.room_edges()) == []
+
+
+def test_no_cycle_between_the_files_of_one_folder() -> None:
+    typed = House.read(type_checking=True)
+    graph = typed.folder_edges()
+    assert (f"{NAME}.models.model", f"{NAME}.models.config") in graph  # the walk sees same-folder edges
+    found = {
+        " <-> ".join(component): [f"{e.source}:{e.line} -> {e.target}" for (a, b), es in graph.items()
+                                  if a in component and b in component for e in es]
+        for component in cycles(graph)
+    }  # fmt: skip
+    assert found == {}
 
 
 def test_no_edge_points_up() -> None:
@@ -467,6 +496,28 @@ def test_the_checker_finds_a_planted_cycle_and_a_planted_upward_edge(tmp_path: P
     (package / "moe" / "block.py").write_text("from lightning_llmfast.errors import X\n")
     clean = House.read(package).room_edges()
     assert cycles(clean) == [] and upward(clean) == []
+
+
+def test_the_folder_check_finds_a_cycle_through_a_function_or_a_type_checking_import(tmp_path: Path) -> None:
+    package = _fake_package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "offload/__init__.py": "",
+            # plan -> plot inside a function, plot -> plan only for the type checker: still a cycle of the folder
+            "offload/plan.py": "def draw():\n    from lightning_llmfast.offload.plot import f\n",
+            "offload/plot.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .plan import Plan\n",
+            # a one-way pair in another folder is no cycle
+            "seqmeta/__init__.py": "",
+            "seqmeta/cache.py": "from lightning_llmfast.seqmeta.metadata import M\n",
+            "seqmeta/metadata.py": "",
+        },
+    )
+    modules = [f"{NAME}.offload.plan", f"{NAME}.offload.plot"]
+    assert cycles(House.read(package, type_checking=True).folder_edges()) == [modules]
+    assert cycles(House.read(package).folder_edges()) == []  # what the room checks read: type-only edges left out
+    (package / "offload" / "plot.py").write_text("")
+    assert cycles(House.read(package, type_checking=True).folder_edges()) == []
 
 
 def test_the_baseline_check_finds_a_function_level_import_of_bench(tmp_path: Path) -> None:

@@ -197,6 +197,23 @@ def test_offloading_late_layers_while_keeping_early_ones_counts_the_buffer_sets(
     assert predict_peak(profile, late, [0, 0, size, size]) == 4 * size  # 2 kept + 2 sets at layer 1's backward
 
 
+def test_the_plans_picture_holds_each_layers_kept_bytes_from_its_forward_to_its_backward() -> None:
+    profile = _random_profile(random.Random(5), 5)
+    plan = plan_memory(profile, profile.saved_bytes // 3)
+    bars = plan.step_bars()
+    kept = [layer.saved_bytes - f for layer, f in zip(profile.layers, plan.freed_bytes)]
+    n = len(kept)
+    assert len(bars) == 2 * n
+    for step, (start, width, live, mechanism) in enumerate(bars):  # a brute-force reading of the step, bar by bar
+        forward = step < n
+        i = step if forward else 2 * n - 1 - step
+        layers_done = range(step) if forward else range(2 * n - step)
+        assert live == sum(kept[k] for k in layers_done) and mechanism == plan.choices[i]
+        own = profile.layers[i].forward_ms if forward else profile.layers[i].backward_ms + plan.cost_ms[i]
+        assert width == pytest.approx(own)
+        assert start == pytest.approx(sum(b[1] for b in bars[:step]))
+
+
 def test_plan_without_offload_tier_never_offloads_and_recompute_only_profile() -> None:
     profile = MemoryProfile((LayerProfile(100, 60, 1.0, 2.0, 0.5),) * 4, bandwidth_bytes_per_ms=1.0)
     plan = plan_memory(profile, 400 - 120, tiers=())

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from lightning_llmfast import DataError
 from lightning_llmfast.data import PreparedBatches, PreparedDataset
-from lightning_llmfast.data import prepared as prepared_module
+from lightning_llmfast.data import layouts as layouts_module
 from lightning_llmfast.data.packing import pack_lengths
 from lightning_llmfast.data.prepare import PrepareConfig, prepare
 from lightning_llmfast.data.prepared import in_validation, layout_files, permute
@@ -447,8 +447,10 @@ def _tokens_by_hand(directory: Path) -> tuple[dict[str, Any], list[np.ndarray]]:
     return manifest, [stream[a:b] for a, b in itertools.pairwise(offsets)]
 
 
-def _layout_bytes(directory: Path, seq_len: int) -> dict[str, bytes]:
-    return {n: (directory / n).read_bytes() for s in ("train", "val") for n in layout_files(seq_len, s)}
+def _layout_bytes(directory: Path, seq_len: int, derived: bool = False) -> dict[str, bytes]:
+    """The rows and pieces files of both splits: prepared (beside the data) or ``derived`` (in ``layout-L*/``)."""
+    place = (lambda s: directory / f"layout-L{seq_len}-{s}") if derived else (lambda s: directory)
+    return {n: (place(s) / n).read_bytes() for s in ("train", "val") for n in layout_files(seq_len, s)}
 
 
 def test_any_seq_len_is_packed_from_the_index_on_first_use_and_cached(
@@ -461,30 +463,15 @@ def test_any_seq_len_is_packed_from_the_index_on_first_use_and_cached(
     for split in ("train", "val"):
         dataset.layout(7, split)
     # equal, byte for byte, to what prepare --seq-len 7 writes; the token files untouched; verify unaffected
-    assert _layout_bytes(only16, 7) == _layout_bytes(prepared, 7)
+    assert _layout_bytes(only16, 7, derived=True) == _layout_bytes(prepared, 7)
     assert {n: b for n, b in file_bytes(only16).items() if n.startswith("tokens-")} == tokens
     assert main(["--verify", str(only16)]) == 0
-    assert not [p for p in only16.iterdir() if ".tmp-" in p.name or p.name.endswith(".raw")]
-    # a later reader (another process, a DataLoader worker) finds the cache and packs nothing
-    monkeypatch.setattr("lightning_llmfast.data.prepared.write_layout", None)
+    assert sorted(p.name for p in only16.iterdir() if "L7" in p.name) == ["layout-L7-train", "layout-L7-val"]
+    assert not [p for p in only16.rglob("*") if ".tmp-" in p.name or ".raw-" in p.name]
+    # a later reader (another process, a DataLoader worker) checks the cache and packs nothing
+    monkeypatch.setattr(layouts_module, "_PLACES", {})
+    monkeypatch.setattr(layouts_module, "write_layout", None)
     assert PreparedDataset(only16).layout(7, "train").num_rows == dataset.layout(7, "train").num_rows
-    monkeypatch.undo()
-    # a damaged cache is packed again; a directory that cannot be written keeps the layout in memory
-    (only16 / "rows-L7-val.npy").write_bytes((only16 / "rows-L7-val.npy").read_bytes()[:-8])
-    write_layout = prepared_module.write_layout
-
-    def read_only(directory: Path, *args: object) -> dict[str, int]:
-        if directory == only16:
-            raise PermissionError(f"{directory}: read-only file system")
-        return write_layout(directory, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr("lightning_llmfast.data.prepared.write_layout", read_only)
-    layout = PreparedDataset(only16).layout(7, "val")
-    reference = np.load(prepared / "rows-L7-val.npy"), np.load(prepared / "pieces-L7-val.npy")
-    assert np.array_equal(layout.rows, reference[0]) and np.array_equal(layout.pieces, reference[1])
-    monkeypatch.undo()
-    assert PreparedDataset(only16).layout(7, "val").num_rows == len(reference[0]) - 1  # packed again, cached
-    assert _layout_bytes(only16, 7) == _layout_bytes(prepared, 7)
 
 
 @pytest.mark.parametrize("seq_len", [2, 3, 97])
@@ -509,7 +496,7 @@ def test_a_derived_layout_holds_every_document_of_its_split_once(prepared: Path,
 
 
 def test_a_layout_is_packed_window_by_window(prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(prepared_module, "PACK_WINDOW", 10)
+    monkeypatch.setattr(layouts_module, "PACK_WINDOW", 10)
     copy = _copy(prepared, tmp_path / "copy")
     dataset = PreparedDataset(copy)
     ids = np.flatnonzero(~in_validation(0, len(dataset), dataset.manifest["settings"]["val_fraction"]))

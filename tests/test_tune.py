@@ -1,6 +1,7 @@
-"""``python -m lightning_llmfast.tune`` (issue 49): settings, memory prediction, successive halving, pruning, failing
-and timed-out trials, the time budget, resume after kill -9, the files it writes, and one real search of the example
-CLI whose ``best.yaml`` trains.
+"""``python -m lightning_llmfast.tune`` (issues 49, 54): settings, memory prediction, successive halving, pruning,
+failing and timed-out trials, the time budget, resume after kill -9, the files it writes, the processes it leaves
+(none: a trial's group ends with it, everything ends with the tuner, Ctrl-C exits 130), what it says while it
+searches, memory sizes with units, and one real search of the example CLI whose ``best.yaml`` trains.
 
 Most searches run :mod:`tests.scripts.fake_trial` (the example CLI's stand-in: no torch, milliseconds) or an
 in-process runner; ``test_real_search_of_the_example_cli`` runs the example CLI itself.
@@ -9,11 +10,14 @@ in-process runner; ``test_real_search_of_the_example_cli`` runs the example CLI 
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,10 +39,12 @@ from lightning_llmfast.tune import (
     apply_settings,
     default_space,
     main,
+    parse_bytes,
     predict_memory,
     tune,
     write_plot,
 )
+from lightning_llmfast.tune.space import CONTEXT_PARALLEL, accumulation
 
 ROOT = Path(__file__).parents[1]
 FAKE = ROOT / "tests" / "scripts" / "fake_trial.py"
@@ -124,6 +130,28 @@ def test_predicted_memory_adds_the_sharding_plan_and_activations_linear_in_the_m
     assert predict_memory({**config, "model": {"class_path": "lightning_llmfast.HFCausalLMModule"}}, 1) is None
 
 
+def test_context_parallel_sizes_share_batches_and_divide_activations(tmp_path: Path) -> None:
+    config = yaml.safe_load(_config(tmp_path).read_text())  # micro-batch 4 of 32 tokens
+    assert default_space(config, world=4, cuda=False)[CONTEXT_PARALLEL] == [1, 2, 4]
+    odd = {**config, "data": {**config["data"], "seq_len": 33}}  # micro-batch 1 of 33 tokens: no split of 2 or 4
+    assert CONTEXT_PARALLEL not in default_space(odd, world=4, cuda=False)
+    settings: dict[str, Any] = {"data.batch_size": 2, CONTEXT_PARALLEL: 2}
+    assert accumulation(settings, config, global_batch=8, world=4) == ""
+    assert settings["trainer.accumulate_grad_batches"] == 2  # 2 streams of micro-batch 2, twice
+    settings = {"data.batch_size": 4, CONTEXT_PARALLEL: 4}
+    assert "1 groups of 4 context-parallel ranks" in accumulation(settings, config, global_batch=6, world=4)
+    long = {"data.seq_len": 512, "data.batch_size": 2}
+    one = predict_memory(apply_settings(config, long), world=2)
+    two = predict_memory(apply_settings(config, {**long, CONTEXT_PARALLEL: 2}), world=2)
+    assert one is not None and two is not None
+    # cp=2 halves the sequence's activations and adds the gathered keys and values: fp32, 1 kv head of 16, 2 layers.
+    states = predict_memory(apply_settings(config, {**long, "data.batch_size": 1}), world=2)
+    assert states is not None
+    activations = 2 * (one - states)  # two sequences' worth, from the scaling by the micro-batch
+    gathered = 2 * 1024 * 2 * 16 * 4
+    assert two == pytest.approx(one - activations + -(-activations // 2) + gathered, abs=2 * 4096)
+
+
 def test_successive_halving_prunes_and_keeps_the_optimizer_batch(tmp_path: Path) -> None:
     space = {"data.batch_size": [1, 2, 3, 4, 8, 16], "model.lr": [0.003, -1.0]}
     runner = FakeRunner({1: 100.0, 2: 300.0, 4: 250.0, 8: 200.0})
@@ -138,6 +166,9 @@ def test_successive_halving_prunes_and_keeps_the_optimizer_batch(tmp_path: Path)
     assert by[8, 0.003, "ok"]["predicted_memory"] == small
     assert "Invalid learning rate" in by[1, -1.0, "failed"]["reason"]  # the search went on
     assert {r["settings"]["trainer.accumulate_grad_batches"] for r in lines if r["status"] == "ok"} == {1, 2, 4, 8}
+    run = [r for r in lines if r["status"] != "pruned"]  # each row: its rung and the steps it measured
+    assert [(r["rung"], r["steps"]) for r in run] == [(0, 4)] * 8 + [(1, 8)] * 2
+    assert all((r["rung"], r["steps"]) == (0, 0) for r in lines if r["status"] == "pruned")
     for trial in runner.trials:  # every trial's optimizer batch is 8 sequences
         assert trial.config["data"]["batch_size"] * trial.config["trainer"]["accumulate_grad_batches"] == 8
     # rung 0: the 4 runnable lr=0.003 candidates and 4 crashing ones, 4 steps; rung 1: the best 2 of 4, 8 steps
@@ -250,6 +281,188 @@ def test_resume_after_kill_9_repeats_no_finished_trial(tmp_path: Path) -> None:
     keys = [(r["settings"]["data.batch_size"], r["settings"]["model.lr"]) for r in after]
     assert len(after) == 10 and len(set(keys[:8])) == 8  # rung 0: each candidate once
     assert yaml.safe_load((tmp_path / "out/best.yaml").read_text())["data"]["batch_size"] == 8
+
+
+def _stat(pid: int) -> tuple[int, int, int] | None:
+    """``(ppid, pgid, start time)`` of a running process, from ``/proc``; ``None`` if it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else (int(fields[1]), int(fields[2]), int(fields[19]))
+
+
+def _processes() -> dict[int, tuple[int, int, int]]:
+    running = {int(name): _stat(int(name)) for name in os.listdir("/proc") if name.isdigit()}
+    return {pid: stat for pid, stat in running.items() if stat is not None}
+
+
+def _descendants(root: int) -> dict[int, tuple[int, int, int]]:
+    table, found, todo = _processes(), {}, [root]
+    while todo:
+        parent = todo.pop()
+        for pid, stat in table.items():
+            if stat[0] == parent and pid not in found:
+                found[pid] = stat
+                todo.append(pid)
+    return found
+
+
+def _survivors(processes: dict[int, tuple[int, int, int]], within: float) -> list[int]:
+    """Which of ``processes`` (as :func:`_stat` saw them: a reused pid is another process) still run after
+    ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        alive = [pid for pid, stat in processes.items() if (_stat(pid) or (0, 0, -1))[2] == stat[2]]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def _gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while _stat(pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _stat(pid) is None
+
+
+def _group(pgid: int) -> dict[int, tuple[int, int, int]]:
+    return {pid: stat for pid, stat in _processes().items() if stat[1] == pgid}
+
+
+def _wait_for_lines(path: Path, count: int, timeout: float = 120.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and (not path.exists() or path.read_text().count("\n") < count):
+        time.sleep(0.05)
+    return _lines(path)
+
+
+@pytest.mark.parametrize("end", ["exit", "sigkill", "timeout"])
+def test_a_trial_s_process_group_ends_with_it(tmp_path: Path, monkeypatch, trial_server, end: str) -> None:
+    """A child the trial left running (a DDP rank, a tracker) ends with it: on a clean exit, when rank 0 is killed
+    (the OOM killer's SIGKILL), at its timeout."""
+    monkeypatch.setenv("FAKE_TRIAL_CALLS", str(tmp_path / "calls.jsonl"))
+    monkeypatch.setenv("FAKE_TRIAL_CHILD", "1")
+    monkeypatch.setenv("FAKE_TRIAL_SLEEP", "30" if end == "timeout" else "0")
+    if end == "sigkill":
+        monkeypatch.setenv("FAKE_TRIAL_KILL", "1")
+    config = yaml.safe_load(_config(tmp_path).read_text())
+    trial = Trial({}, config, 2, 1, 1.0 if end == "timeout" else 60.0, tmp_path / "trial")
+    measured = SubprocessRunner(FAKE)(trial)
+    expected = {"exit": ("ok", ""), "sigkill": ("failed", "killed by SIGKILL"), "timeout": ("timeout", "no result")}
+    assert measured.status == expected[end][0] and measured.reason.startswith(expected[end][1])
+    (call,) = _lines(tmp_path / "calls.jsonl")
+    assert call["pgid"] == call["pid"] == call["child_pgid"]  # the trial leads a group of its own, its child in it
+    assert _gone(call["child"], 2.0) and _survivors(_group(call["pid"]), 2.0) == []  # the watchdog went too
+
+
+def test_kill_9_of_the_tuner_ends_every_process_it_started(tmp_path: Path) -> None:
+    """The trial server, its resource tracker, the running trial, the trial's child and its watchdog end within
+    seconds of a ``kill -9`` of the tuner (the trials are the server's children, not the tuner's)."""
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump({"data.batch_size": [2]}))
+    calls = tmp_path / "calls.jsonl"
+    env = {**os.environ, "FAKE_TRIAL_SLEEP": "60", "FAKE_TRIAL_CHILD": "1", "FAKE_TRIAL_CALLS": str(calls),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    command = [sys.executable, "-m", "lightning_llmfast.tune", "--config", str(_config(tmp_path)), "--out",
+               str(tmp_path / "out"), "--space", str(space), "--steps", "1", "--warmup-steps", "1", "--script",
+               str(FAKE)]  # fmt: skip
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        (call,) = _wait_for_lines(calls, 1)
+        started = _descendants(process.pid)
+        assert {call["pid"], call["child"]} <= set(started) and len(started) >= 5  # + server, tracker, watchdog
+        assert {pid for pid, stat in started.items() if stat[1] == call["pid"]} >= {call["pid"], call["child"]}
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+        assert _survivors(started, 5.0) == []
+    finally:
+        process.kill()
+
+
+def test_ctrl_c_stops_the_running_trial_and_exits_130(tmp_path: Path, monkeypatch, capsys, trial_server) -> None:
+    monkeypatch.setenv("FAKE_TRIAL_SLEEP", "60")
+    monkeypatch.setenv("FAKE_TRIAL_CHILD", "1")
+    monkeypatch.setenv("FAKE_TRIAL_CALLS", str(tmp_path / "calls.jsonl"))
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump({"data.batch_size": [2, 4]}))
+    argv = ["--config", str(_config(tmp_path)), "--out", str(tmp_path / "out"), "--space", str(tmp_path / "space.yaml"),
+            "--steps", "1", "--warmup-steps", "1", "--script", str(FAKE)]  # fmt: skip
+    running: list[dict[str, Any]] = []
+
+    def interrupt() -> None:  # Ctrl-C once the first trial runs (the tuner then waits on it)
+        running.extend(_wait_for_lines(tmp_path / "calls.jsonl", 1, timeout=60))
+        os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    thread = threading.Thread(target=interrupt)
+    try:
+        thread.start()
+        start = time.monotonic()
+        assert main(argv) == 130
+        assert time.monotonic() - start < 30
+    finally:
+        thread.join()
+        signal.signal(signal.SIGINT, previous)
+    assert "interrupted" in capsys.readouterr().err
+    (call,) = running
+    assert _gone(call["child"], 2.0) and _survivors(_group(call["pid"]), 2.0) == []
+    assert not (tmp_path / "out/trials.jsonl").exists() or _lines(tmp_path / "out/trials.jsonl") == []
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_the_search_says_a_line_per_trial(tmp_path: Path, monkeypatch, terminal: bool) -> None:
+    """One line per record as it is made, with its settings, status, rate, memory and time of the budget; a bar of
+    the rung's trials on a terminal only; a rerun says which lines it read back."""
+    stream = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    base = yaml.safe_load(_config(tmp_path).read_text())
+    budget = predict_memory(apply_settings(base, {"data.batch_size": 4}), 1)
+    space = {"data.batch_size": [1, 2, 4, 8], "model.lr": [0.003, -1.0]}
+    config = TuneConfig(_config(tmp_path), tmp_path / "out", space=space, global_batch=8, memory_budget=budget,
+                        time_budget=600.0, eta=2)  # fmt: skip
+    result = tune(config, FakeRunner({1: 1500.0, 2: 2500.0, 4: 2000.0}))
+    said = stream.getvalue().replace("\r", "\n").splitlines()
+    lines = [line for line in said if re.match(r"tune: (ok|failed|pruned|timeout)\b", line)]
+    assert len(lines) == len(result.records) == 10  # 2 pruned by memory; rung 0: 6 (3 crash); rung 1: the best 2
+    for line, record in zip(lines, result.records):
+        assert record.status in line and f"data.batch_size={record.settings['data.batch_size']}" in line
+        assert f"predicted {record.predicted_memory / (1 << 20):,.1f} MiB" in line and "s of 600s" in line
+    ok = [line for line in lines if line.startswith("tune: ok")]
+    assert ok[0].startswith("tune: ok, rung 0, 4 steps: 1,500 tokens/s,") and "peak 1.0 MiB" in ok[0]
+    assert ok[-1].startswith("tune: ok, rung 1, 8 steps: 2,000 tokens/s,")
+    assert "Invalid learning rate" in next(line for line in lines if line.startswith("tune: failed, rung 0"))
+    assert "> memory budget" in next(line for line in lines if line.startswith("tune: pruned: predicted"))
+    assert ("tune rung 0 (4 steps)" in stream.getvalue()) == terminal  # the bar, on a terminal only
+    again = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", again)
+    tune(config, FakeRunner({}))  # everything is in trials.jsonl: nothing runs
+    assert again.getvalue().count("[trials.jsonl]") == 10
+    quiet = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", quiet)
+    tune(config, FakeRunner({}), quiet=True)
+    assert "[trials.jsonl]" not in quiet.getvalue()
+
+
+def test_memory_sizes_take_units(tmp_path: Path, capsys, trial_server) -> None:
+    assert parse_bytes("80GiB") == 80 * 1024**3 and parse_bytes("500MB") == 500 * 1000**2
+    assert parse_bytes("1.5 kib") == 1536 and parse_bytes("81604378624") == 81604378624 and parse_bytes("2TB") == 2e12
+    for garbage in ("", "GiB", "80 GiB x", "-1", "80G", "0.4B", "1e9"):
+        with pytest.raises(ConfigError, match=r"memory size"):
+            parse_bytes(garbage)
+    argv = ["--config", str(_config(tmp_path)), "--out", str(tmp_path / "out"), "--space", str(tmp_path / "s.yaml")]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--memory-budget", "lots"])
+    assert exit_.value.code == 2
+    assert "argument --memory-budget: not a memory size: 'lots'" in capsys.readouterr().err
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump({"data.batch_size": [1, 2]}))
+    assert main([*argv, "--memory-budget", "1KiB", "--script", str(FAKE)]) == 0  # everything pruned: nothing runs
+    reasons = [line["reason"] for line in _lines(tmp_path / "out/trials.jsonl")]
+    assert len(reasons) == 2 and all(r.endswith("> memory budget 1,024") for r in reasons)
 
 
 def test_errors_are_one_line(tmp_path: Path, capsys) -> None:

@@ -14,7 +14,7 @@ _LAZY = {
     "run_benchmark": "lightning_llmfast.bench.suite",
     "PROFILES": "lightning_llmfast.bench.suite",
     "BenchProfile": "lightning_llmfast.bench.suite",
-    "E2ESettings": "lightning_llmfast.bench.e2e",
+    "E2ESettings": "lightning_llmfast.bench.steps",
     "markdown_report": "lightning_llmfast.bench.report",
     "plot_result": "lightning_llmfast.bench.report",
 }
@@ -36,6 +36,6 @@ __getattr__ = lazy_getattr(__name__, _LAZY)
 __dir__ = lazy_dir(__name__, _LAZY)
 
 if TYPE_CHECKING:
-    from lightning_llmfast.bench.e2e import E2ESettings
     from lightning_llmfast.bench.report import markdown_report, plot_result
+    from lightning_llmfast.bench.steps import E2ESettings
     from lightning_llmfast.bench.suite import PROFILES, BenchProfile, run_benchmark

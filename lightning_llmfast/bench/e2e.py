@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -39,10 +38,10 @@ from typing_extensions import override
 from lightning_llmfast.bench.cuda_path import cuda_path_kernels, differs_on_cuda
 from lightning_llmfast.bench.harness import Measurement, interleave
 from lightning_llmfast.bench.peer import HFMixtralFFN
-from lightning_llmfast.bench.steps import Segments, check_device, quiet
+from lightning_llmfast.bench.steps import VARIANTS, E2ESettings, Segments, check_device, quiet
 from lightning_llmfast.data import PackedBatch, SyntheticCorpus, TextCorpus, pack_documents
 from lightning_llmfast.errors import ConfigError, RoutingError
-from lightning_llmfast.models import MoEGPTConfig, MoEGPTLightningModule
+from lightning_llmfast.models import MoEGPTLightningModule
 from lightning_llmfast.moe.stats import MoELayer
 
 __all__ = [
@@ -55,76 +54,6 @@ __all__ = [
     "num_batches",
     "run_e2e",
 ]
-
-VARIANTS: tuple[str, ...] = ("before", "peer", "llmfast")
-"""The end-to-end variants, in report order."""
-
-_MODES: dict[str, tuple[str, str]] = {
-    # variant -> (attention_metadata, router_backend); the peer's experts are swapped for transformers' block.
-    "before": ("per_layer", "naive"),
-    "peer": ("dense", "naive"),
-    "llmfast": ("cached", "auto"),
-}
-
-
-@dataclass(frozen=True)
-class E2ESettings:
-    """What one end-to-end run trains and how it is measured.
-
-    Args:
-        model: keyword arguments of :class:`~lightning_llmfast.models.MoEGPTConfig` (without
-            ``attention_metadata``/``router_backend``, which each variant sets).
-        seq_len: tokens per packed row ``T``.
-        batch_size: rows per batch ``B``.
-        mean_doc_len: mean document length of the synthetic (log-normal) corpus.
-        warmup_steps: steps at the start of every segment that are not measured (optimizer state, lazy init).
-        measured_steps: measured steps per segment.
-        repeats: timed segments per variant; tokens/sec is their median.
-        count_steps: measured steps of the counting segment.
-        precision: Lightning precision (``"32-true"`` on CPU, ``"bf16-mixed"`` on CUDA).
-        lr: constant AdamW learning rate.
-        seed: seed of the weights and the corpus.
-
-    Example::
-
-        settings = E2ESettings(model={"n_layers": 2}, seq_len=128, batch_size=2, mean_doc_len=40)
-    """
-
-    model: dict[str, Any] = field(default_factory=dict)
-    seq_len: int = 512
-    batch_size: int = 4
-    mean_doc_len: float = 128.0
-    warmup_steps: int = 1
-    measured_steps: int = 3
-    repeats: int = 3
-    count_steps: int = 2
-    precision: str = "32-true"
-    lr: float = 3e-3
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("seq_len", "batch_size", "measured_steps", "repeats", "count_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"E2ESettings.{name} must be >= 1, got {getattr(self, name)}")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"E2ESettings.warmup_steps must be >= 0, got {self.warmup_steps}")
-        for key in ("attention_metadata", "router_backend"):
-            if key in self.model:
-                raise ConfigError(f"E2ESettings.model must not set {key!r}: each variant sets it")
-
-    @property
-    def segment_steps(self) -> int:
-        """Steps of one timed segment (warm-up included)."""
-        return self.warmup_steps + self.measured_steps
-
-    def config(self, variant: str) -> MoEGPTConfig:
-        """The model configuration of ``variant``."""
-        attention, router = _MODES[variant]
-        return MoEGPTConfig(**self.model, attention_metadata=attention, router_backend=router)
-
-    def with_overrides(self, **changes: Any) -> E2ESettings:
-        """A copy with some fields changed (``None`` values are ignored)."""
-        return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 
 # ----------------------------------------------------------------------------------------------------------- data

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_llmfast._checks import check_int
 from lightning_llmfast.data.consistency import check_packed_fields, field_versions
+from lightning_llmfast.data.context import ContextShard, context_shard_plan
 from lightning_llmfast.errors import DataError
 
 __all__ = ["PackedBatch"]
@@ -52,6 +55,8 @@ class PackedBatch:
         documents: host list with the document of every ``cu_seqlens`` segment (the stream index for
             :func:`~lightning_llmfast.data.pack_documents`, the corpus index for ``PackedDocumentDataset``), ``-1``
             for padding tails and for every segment of a filler batch (labels all ignored); ``None`` if unknown.
+        context: set on a context-parallel shard (:meth:`context_shard`): the rank's pieces' key ranges, the
+            all-gather's group and order; ``None`` for a whole batch.
 
     Example::
 
@@ -75,6 +80,7 @@ class PackedBatch:
     num_tokens: int
     cu_seqlens_cpu: Tensor | None = None
     documents: list[int] | None = None
+    context: ContextShard | None = None
 
     def __post_init__(self) -> None:
         # Shapes, dtypes and devices only: reading tensor values here would sync when a batch is rebuilt on a
@@ -140,11 +146,16 @@ class PackedBatch:
         stamp = self._stamp()
         if _CHECKED.get(id(self)) == stamp:
             return
+        offsets = self.context.offsets if self.context is not None else None
         if self.cu_seqlens_cpu is None:
-            check_packed_fields(self.cu_seqlens.cpu(), self.position_ids, self.num_tokens)
+            check_packed_fields(self.cu_seqlens.cpu(), self.position_ids, self.num_tokens, segment_offsets=offsets)
         else:
             check_packed_fields(
-                self.cu_seqlens_cpu, self.position_ids, self.num_tokens, cu_seqlens_copy=self.cu_seqlens
+                self.cu_seqlens_cpu,
+                self.position_ids,
+                self.num_tokens,
+                cu_seqlens_copy=self.cu_seqlens,
+                segment_offsets=offsets,
             )
         self._mark_checked(stamp)
 
@@ -209,6 +220,7 @@ class PackedBatch:
             num_tokens=self.num_tokens,
             cu_seqlens_cpu=cu_seqlens_cpu,
             documents=self.documents,
+            context=self.context,
         )
         if checked:
             moved._mark_checked(moved._stamp())
@@ -239,10 +251,90 @@ class PackedBatch:
             num_tokens=self.num_tokens,
             cu_seqlens_cpu=cu_seqlens if shared else self.cu_seqlens_cpu,
             documents=self.documents,
+            context=self.context,
         )
         if checked:
             pinned._mark_checked(pinned._stamp())
         return pinned
+
+    def context_shard(self, cp_rank: int, cp_size: int, group: Any = None) -> PackedBatch:
+        """This context-parallel rank's share of the batch, as a batch of shape ``(1, B * T / cp_size)``.
+
+        The positions are :func:`~lightning_llmfast.data.context.context_split`'s for ``cp_rank``, in ascending
+        global order; ``position_ids`` are each position's place in its document (the RoPE positions), ``labels``
+        the batch's (already the next token of the same document), ``cu_seqlens`` the rank's *pieces* (runs of
+        consecutive positions of one document) and ``context`` the rest attention needs: each piece's key range, the
+        group and the order of the all-gathered keys (:class:`~lightning_llmfast.data.context.ContextShard`). All of
+        it is planned on the host from ``cu_seqlens_cpu``; the tensors are gathered on the batch's device.
+        ``SequenceMetadata.from_batch`` builds the rank's metadata from it, and ``varlen_attention`` all-gathers
+        K and V over ``group`` inside. ``num_tokens`` counts the shard's real tokens where the padding segments are
+        known (``documents`` of ``-1``, or the last segments of the rows when they hold exactly the padding), else
+        the batch's share rounded.
+
+        Args:
+            cp_rank: this rank's index in the context-parallel group.
+            cp_size: ranks in the group; must divide ``B * T``.
+            group: the group's ``ProcessGroup`` (``None``: the default group).
+
+        Returns:
+            A new ``PackedBatch`` with ``context`` set; ``self`` is unchanged.
+
+        Raises:
+            ConfigError: ``cp_size`` does not divide ``B * T``, or ``cp_rank`` is outside ``[0, cp_size)``.
+            DataError: the batch is already a shard.
+            MetadataError: the batch's fields disagree (:meth:`validate`).
+
+        Example::
+
+            shard = batch.context_shard(dims.cp_rank, dims.cp, dims.cp_group)
+            logits = model(shard.input_ids, shard.position_ids)  # (1, B * T / cp, vocab)
+        """
+        if self.context is not None:
+            raise DataError("PackedBatch.context_shard: this batch is already a context-parallel shard")
+        self.validate()
+        host = self.cu_seqlens_cpu if self.cu_seqlens_cpu is not None else self.cu_seqlens.cpu()
+        shard, cu_q = context_shard_plan(host, cp_rank, cp_size, group)
+        cu = host.numpy().astype(np.int64)
+        held = shard.positions.numpy()
+        segment = np.searchsorted(cu, held, side="right") - 1  # the non-empty segment of each held position
+        device = self.input_ids.device
+        index = shard.positions.to(device, non_blocking=True)
+
+        def take(t: Tensor) -> Tensor:
+            return t.reshape(-1).index_select(0, index).view(1, -1)
+
+        pieces = np.diff(cu_q.numpy())
+        first = segment[cu_q.numpy()[:-1]]
+        return PackedBatch(
+            input_ids=take(self.input_ids),
+            labels=take(self.labels),
+            position_ids=torch.from_numpy(held - cu[segment]).view(1, -1).to(device, non_blocking=True),
+            cu_seqlens=cu_q.to(device, non_blocking=True),
+            max_seqlen=int(pieces.max()) if pieces.size else 0,
+            num_tokens=self._real_tokens(cu, segment),
+            cu_seqlens_cpu=cu_q,
+            documents=[self.documents[int(s)] for s in first] if self.documents is not None else None,
+            context=shard,
+        )
+
+    def _real_tokens(self, cu: np.ndarray, segment: np.ndarray) -> int:
+        """Real tokens among the held positions whose segments are ``segment`` (see :meth:`context_shard`)."""
+        total = self.input_ids.numel()
+        padding = total - self.num_tokens
+        if padding == 0:
+            return int(segment.size)
+        lengths = np.diff(cu)
+        candidates = []
+        if self.documents is not None:
+            candidates.append(np.asarray(self.documents) == -1)
+        ends = np.arange(1, self.batch_size + 1) * self.seq_len
+        row_last = np.zeros(lengths.size, dtype=bool)
+        row_last[np.searchsorted(cu, ends, side="left") - 1] = True
+        candidates.append(row_last)
+        for pad in candidates:
+            if int(lengths[pad].sum()) == padding:
+                return int(segment.size - pad[segment].sum())
+        return round(self.num_tokens * segment.size / total)
 
 
 def _describe(value: object) -> str:

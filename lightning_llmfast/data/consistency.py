@@ -38,7 +38,11 @@ def tensor_version(tensor: Tensor) -> int:
 
 
 def check_packed_fields(
-    cu_seqlens_cpu: Tensor, position_ids: Tensor, num_tokens: int, cu_seqlens_copy: Tensor | None = None
+    cu_seqlens_cpu: Tensor,
+    position_ids: Tensor,
+    num_tokens: int,
+    cu_seqlens_copy: Tensor | None = None,
+    segment_offsets: Tensor | None = None,
 ) -> None:
     """Checks that a packed batch's boundaries, positions and token count describe the same segments.
 
@@ -54,6 +58,9 @@ def check_packed_fields(
         num_tokens: the batch's number of real tokens.
         cu_seqlens_copy: another copy of the boundaries (the batch's ``cu_seqlens`` when it is not
             ``cu_seqlens_cpu`` itself), compared with ``cu_seqlens_cpu`` (a sync when it lives on an accelerator).
+        segment_offsets: ``(N,)`` host positions each segment starts counting from (a context-parallel shard's pieces
+            start inside their documents); ``None``: every segment counts from 0. With offsets, padding may be
+            anywhere, so ``num_tokens`` is only checked to be at most ``B * T``.
 
     Raises:
         MetadataError: the fields disagree; the message names the first offending index.
@@ -70,6 +77,8 @@ def check_packed_fields(
     positions = position_ids.detach().reshape(-1).cpu().numpy().astype(np.int64)
     lengths = np.diff(cu)
     expected = np.arange(total) - np.repeat(cu[:-1], lengths)
+    if segment_offsets is not None:
+        expected += np.repeat(segment_offsets.numpy().astype(np.int64), lengths)
     wrong = positions != expected
     if wrong.any():
         i = int(np.argmax(wrong))
@@ -79,10 +88,11 @@ def check_packed_fields(
         )
     ends = row_starts + seq_len  # the last segment of each row ends at its row's end
     last_lengths = ends - cu[np.searchsorted(cu, ends, side="left") - 1]
-    if not total - int(last_lengths.sum()) <= num_tokens <= total:
+    low = 0 if segment_offsets is not None else total - int(last_lengths.sum())
+    if not low <= num_tokens <= total:
         raise MetadataError(
             f"PackedBatch.num_tokens: {num_tokens} real tokens is impossible for these boundaries (between "
-            f"{total - int(last_lengths.sum())} and {total})"
+            f"{low} and {total})"
         )
 
 

@@ -9,7 +9,8 @@ alone):
 - ``rows-L{seq_len}-{split}.npy`` and ``pieces-L{seq_len}-{split}.npy``: the split's documents packed into rows of
   ``seq_len`` tokens: row ``r`` is ``pieces[rows[r]:rows[r + 1]]``, each piece a ``(document, start, length)``
   triple. Written by ``prepare`` for its ``--seq-len`` (listed in the manifest), and derived from the document index
-  on first use for any other length (:func:`write_layout`, cached beside the data);
+  on first use for any other length (:mod:`~lightning_llmfast.data.layouts`: checked, and cached beside the data in
+  ``layout-L{seq_len}-{split}/``);
 - ``manifest.json``, written last: format version, tokenizer, counts, dtypes, settings and the size and sha256 of
   every file. A directory without it is incomplete and refused.
 
@@ -23,17 +24,13 @@ epoch's order is a keyed permutation computed per batch (:func:`permute`), never
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
+import functools
 import json
 import math
-import os
-import shutil
-import tempfile
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any, overload
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -41,7 +38,20 @@ from typing_extensions import override
 
 from lightning_llmfast._checks import check_int, check_number
 from lightning_llmfast.data.dataset import PlannedBatchDataset
-from lightning_llmfast.data.packing import Piece, pack_lengths
+from lightning_llmfast.data.files import atomic_file, npy_from_raw, sha256_file, sha256_text
+from lightning_llmfast.data.layouts import (
+    PACK_WINDOW,
+    SPLITS,
+    LayoutPlace,
+    PackedLayout,
+    derived_layout,
+    in_validation,
+    layout_files,
+    mix64,
+    split_windows,
+    write_layout,
+)
+from lightning_llmfast.data.packing import Piece
 from lightning_llmfast.errors import DataError
 
 __all__ = [
@@ -80,56 +90,14 @@ other."""
 MANIFEST = "manifest.json"
 """Name of the manifest, the file that makes a prepared directory complete."""
 
-SPLITS = ("train", "val")
-"""Splits of whole documents that ``prepare`` packs separately."""
-
-PACK_WINDOW = 1 << 18
-"""Documents of a split packed together (best-fit decreasing, :func:`~lightning_llmfast.data.packing.pack_lengths`):
-bounds the packer's memory (about 50 MiB) and keeps every row within a window of the document order."""
-
 _MASK64 = (1 << 64) - 1
 _FEISTEL_ROUNDS = 4
-_VAL_KEY = 0x5EED5A1D  # fixed key of the validation split's document hash
-_BLOCK = 1 << 16  # documents whose split membership is computed at once
 _OPEN_SHARDS = 4  # token shards a reader keeps mapped at once (least recently used closed first)
 
 
 def shard_file(index: int) -> str:
     """Name of token shard ``index``: ``tokens-00000.bin``."""
     return f"tokens-{index:05d}.bin"
-
-
-def layout_files(seq_len: int, split: str) -> tuple[str, str]:
-    """Names of the ``(rows, pieces)`` files of ``split`` packed into rows of ``seq_len`` tokens."""
-    return f"rows-L{seq_len}-{split}.npy", f"pieces-L{seq_len}-{split}.npy"
-
-
-def mix64(values: np.ndarray | int) -> np.ndarray:
-    """SplitMix64's finaliser on ``uint64`` values: a fixed, well-mixed bijection of 64-bit integers.
-
-    Example::
-
-        >>> int(mix64(0)[0]) == int(mix64(np.array([0], dtype=np.uint64))[0])
-        True
-    """
-    z = np.atleast_1d(np.asarray(values, dtype=np.uint64)) + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def in_validation(first: int, count: int, val_fraction: float) -> np.ndarray:
-    """Whether each of documents ``first ... first + count - 1`` is in the validation split (a fixed hash).
-
-    Example::
-
-        >>> in_validation(0, 4, 0.0).tolist()
-        [False, False, False, False]
-    """
-    if val_fraction == 0:
-        return np.zeros(count, dtype=bool)
-    ids = np.arange(first, first + count, dtype=np.uint64)
-    return (mix64(ids ^ np.uint64(_VAL_KEY)) >> np.uint64(11)).astype(np.float64) / 2.0**53 < val_fraction
 
 
 def _key(*parts: int) -> int:
@@ -179,108 +147,6 @@ def permute(positions: np.ndarray, size: int, key: int) -> np.ndarray:
         x[walking] = rounds(x[walking])
         walking = walking[x[walking] >= np.uint64(size)]
     return x.astype(np.int64)
-
-
-def sha256_text(text: str) -> str:
-    """Hex sha256 of a string's UTF-8 bytes."""
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes, read in blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-@contextlib.contextmanager
-def atomic_file(path: Path) -> Iterator[IO[bytes]]:
-    """A binary file written beside ``path``, flushed to disk (fsync), then renamed over it; removed on error.
-
-    A reader sees the old file or the whole new one, never a part, whenever the writer is killed. The temporary
-    name carries the process id, so processes writing the same file (ranks deriving the same layout) do not meet.
-
-    Example::
-
-        with atomic_file(Path("out/manifest.json")) as f:
-            f.write(data)
-    """
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def npy_from_raw(raw: Path, target: Path, columns: int) -> None:
-    """Turn a raw file of ``int64`` values (rows of ``columns``) into the ``.npy`` file ``target``, atomically.
-
-    The header is written, then the values copied in blocks: no array of the whole file is held in memory.
-    """
-    count = raw.stat().st_size // 8
-    shape = (count // columns, columns) if columns > 1 else (count,)
-    with atomic_file(target) as f, open(raw, "rb") as source:
-        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.int64)), "fortran_order": False, "shape": shape}
-        np.lib.format.write_array_header_1_0(f, header)
-        shutil.copyfileobj(source, f, 1 << 22)
-
-
-def write_layout(
-    directory: Path, seq_len: int, split: str, ids: np.ndarray, offsets: np.ndarray, scratch: Path
-) -> dict[str, int]:
-    """Pack documents ``ids`` into rows of ``seq_len`` tokens and write the split's rows and pieces files.
-
-    The documents are taken by windows of :data:`PACK_WINDOW`, each packed by
-    :func:`~lightning_llmfast.data.packing.pack_lengths` (whole documents, longer ones cut into ``seq_len`` chunks,
-    short pieces best-fit decreasing), so a layout derived at load time equals the one ``prepare`` writes for the
-    same length. Memory is bounded by the window, whatever the number of documents, and the pieces go to disk window
-    by window. The pieces file is renamed into place before the rows file, so a present rows file means a complete
-    pair.
-
-    Args:
-        directory: where the ``.npy`` files go.
-        seq_len: tokens per row.
-        split: the split's name (for the file names).
-        ids: ``int64`` numbers of the split's documents, ascending.
-        offsets: the document index (``N + 1`` token offsets).
-        scratch: a directory for the raw files written before the ``.npy`` headers are known.
-
-    Returns:
-        ``{"rows": R, "pieces": P}``.
-    """
-    rows_name, pieces_name = layout_files(seq_len, split)
-    tag = f".{os.getpid()}.raw"
-    rows_raw, pieces_raw = scratch / f"{rows_name}{tag}", scratch / f"{pieces_name}{tag}"
-    try:
-        counts = _pack_raw(rows_raw, pieces_raw, seq_len, ids, offsets)
-        npy_from_raw(pieces_raw, directory / pieces_name, 3)
-        npy_from_raw(rows_raw, directory / rows_name, 1)
-    finally:
-        rows_raw.unlink(missing_ok=True)
-        pieces_raw.unlink(missing_ok=True)
-    return counts
-
-
-def _pack_raw(rows_raw: Path, pieces_raw: Path, seq_len: int, ids: np.ndarray, offsets: np.ndarray) -> dict[str, int]:
-    """:func:`write_layout`'s packing into raw ``int64`` files (rows offsets, pieces triples), window by window."""
-    num_rows = num_pieces = 0
-    with open(rows_raw, "wb") as rows_file, open(pieces_raw, "wb") as pieces_file:
-        rows_file.write(np.zeros(1, dtype=np.int64).tobytes())
-        for first in range(0, len(ids), PACK_WINDOW):
-            window = np.asarray(ids[first : first + PACK_WINDOW], dtype=np.int64)
-            rows, pieces = pack_lengths(offsets[window + 1] - offsets[window], seq_len)
-            pieces[:, 0] = window[pieces[:, 0]]  # pack_lengths numbers the window's documents 0, 1, ...
-            pieces_file.write(pieces.tobytes())
-            rows_file.write((num_pieces + rows[1:]).tobytes())
-            num_rows, num_pieces = num_rows + len(rows) - 1, num_pieces + len(pieces)
-    return {"rows": num_rows, "pieces": num_pieces}
 
 
 def read_manifest(path: str | Path, *, checksums: bool = False) -> dict[str, Any]:
@@ -335,33 +201,6 @@ def read_manifest(path: str | Path, *, checksums: bool = False) -> dict[str, Any
     return manifest
 
 
-class PackedLayout:
-    """The rows of one split packed into ``seq_len`` tokens: row ``r`` is ``pieces[rows[r]:rows[r + 1]]``.
-
-    Args:
-        rows: ``int64`` offsets into ``pieces`` (``R + 1`` entries), memory-mapped.
-        pieces: ``int64`` ``(P, 3)`` array of ``(document, start, length)``, memory-mapped.
-
-    Example::
-
-        layout = PreparedDataset("data/prepared").layout(2048, "train")
-        layout.num_rows, layout.row(0)  # [(document, start, length), ...]
-    """
-
-    def __init__(self, rows: np.ndarray, pieces: np.ndarray) -> None:
-        self.rows, self.pieces = rows, pieces
-
-    @property
-    def num_rows(self) -> int:
-        """Number of packed rows ``R``."""
-        return len(self.rows) - 1
-
-    def row(self, index: int, document_offset: int = 0) -> list[Piece]:
-        """The pieces of row ``index``; ``document_offset`` is added to every document index."""
-        block = self.pieces[int(self.rows[index]) : int(self.rows[index + 1])]
-        return [(int(d) + document_offset, int(s), int(n)) for d, s, n in block]
-
-
 class PreparedDataset(Sequence[np.ndarray]):
     """The documents of a prepared directory: ``dataset[i]`` is document ``i``'s tokens, EOS included.
 
@@ -399,9 +238,17 @@ class PreparedDataset(Sequence[np.ndarray]):
         self._shard_start = np.array([s["first_token"] for s in shards], dtype=np.int64)
         self._maps: dict[str, np.ndarray] = {}
         self._shards: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._layouts: dict[tuple[int, str], PackedLayout] = {}
+        # Where the derived layouts lie once checked or written: kept when pickled, so DataLoader workers open them.
+        self._derived: dict[tuple[int, str], LayoutPlace] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_maps": {}, "_shards": OrderedDict()}
+        return {**self.__dict__, "_maps": {}, "_shards": OrderedDict(), "_layouts": {}}
+
+    @functools.cached_property
+    def key(self) -> str:
+        """A key of this dataset (its resolved path and manifest): names its derived layouts within a process."""
+        return sha256_text(f"{self.path.resolve()}\n{json.dumps(self.manifest, sort_keys=True)}")[:32]
 
     def _map(self, name: str) -> np.ndarray:
         if name not in self._maps:
@@ -452,9 +299,12 @@ class PreparedDataset(Sequence[np.ndarray]):
         """The packed rows of ``split`` for rows of ``seq_len`` tokens, for any ``seq_len``.
 
         The lengths given to ``prepare --seq-len`` were packed then (listed and checked by the manifest). Any other
-        length is packed from the document index on first use, with the same packer, and cached beside the data
-        (``rows-L{seq_len}-{split}.npy``, written atomically) for every later reader; no token file is read or
-        changed. On a read-only directory the derived layout is kept in this process's memory instead.
+        length is packed from the document index on first use, with the same packer and memory bounded by its window,
+        and published beside the data (``layout-L{seq_len}-{split}/``, one atomic rename) for every later reader,
+        which checks it in full before use (a damaged one is packed again, with a warning); no token file is read or
+        changed. On a read-only directory it goes to a temporary directory of this process instead, once per process.
+        Either way the ``DataLoader`` workers this dataset is pickled to open it as it is
+        (:func:`~lightning_llmfast.data.layouts.derived_layout`).
 
         Raises:
             DataError: ``seq_len`` below 2, or ``split`` not one of :data:`SPLITS`.
@@ -462,45 +312,17 @@ class PreparedDataset(Sequence[np.ndarray]):
         seq_len = check_int("seq_len", seq_len, low=2, error=DataError)
         if split not in SPLITS:
             raise DataError(f"split must be one of {SPLITS}, got {split!r}")
-        rows, pieces = layout_files(seq_len, split)
-        if str(seq_len) in self.manifest["layouts"] or (rows in self._maps and pieces in self._maps):
-            return PackedLayout(self._map(rows), self._map(pieces))
-        cached = self._cached_layout(rows, pieces)
-        if cached is None:
-            cached = self._derive_layout(seq_len, split)
-        self._maps[rows], self._maps[pieces] = cached.rows, cached.pieces
-        return cached
-
-    def _cached_layout(self, rows_name: str, pieces_name: str) -> PackedLayout | None:
-        """A layout derived earlier, when its pair of files is there and consistent."""
-        try:
-            rows = np.load(self.path / rows_name, mmap_mode="r")
-            pieces = np.load(self.path / pieces_name, mmap_mode="r")
-        except (OSError, ValueError):
-            return None
-        whole = rows.ndim == 1 and len(rows) >= 1 and pieces.ndim == 2 and pieces.shape[1] == 3
-        if not (whole and rows.dtype == pieces.dtype == np.int64 and rows[0] == 0 and rows[-1] == len(pieces)):
-            return None
-        return PackedLayout(rows, pieces)
-
-    def _derive_layout(self, seq_len: int, split: str) -> PackedLayout:
-        """Pack ``split`` for ``seq_len`` from the document index and cache it beside the data (when writable)."""
-        settings = self.manifest["settings"]
-        members = np.zeros(len(self), dtype=bool)
-        for first in range(0, len(self), _BLOCK):
-            count = min(_BLOCK, len(self) - first)
-            members[first : first + count] = in_validation(first, count, settings["val_fraction"])
-        ids = np.flatnonzero(members if split == "val" else ~members).astype(np.int64)
-        try:
-            write_layout(self.path, seq_len, split, ids, self.offsets, self.path)
-        except OSError:  # a read-only directory: pack into memory instead
-            with tempfile.TemporaryDirectory() as scratch:
-                write_layout(Path(scratch), seq_len, split, ids, self.offsets, Path(scratch))
-                rows_name, pieces_name = layout_files(seq_len, split)
-                return PackedLayout(np.load(Path(scratch) / rows_name), np.load(Path(scratch) / pieces_name))
-        cached = self._cached_layout(*layout_files(seq_len, split))
-        assert cached is not None  # just written whole
-        return cached
+        key = (seq_len, split)
+        if key not in self._layouts:
+            if str(seq_len) in self.manifest["layouts"]:
+                rows, pieces = layout_files(seq_len, split)
+                self._layouts[key] = PackedLayout(self._map(rows), self._map(pieces))
+            else:
+                windows = functools.partial(split_windows, len(self), self.manifest["settings"]["val_fraction"], split)
+                known = self._derived.get(key)
+                self._derived[key] = derived_layout(self.path, self.key, seq_len, split, windows, self.offsets, known)
+                self._layouts[key] = self._derived[key].open()
+        return self._layouts[key]
 
 
 class PreparedBatches(PlannedBatchDataset):

@@ -55,7 +55,8 @@ class PreparedDataModule(PositionedDataModule):
         path: a prepared directory, or a list of them.
         seq_len: tokens per row, any length: one given to ``prepare --seq-len`` is read as packed then, another is
             packed from the document index in :meth:`prepare_data` (once per node, seconds per million documents, no
-            token read) and cached beside the data for every rank, worker and later run.
+            token read) and cached beside the data for every rank, worker and later run (checked in full before use);
+            on a read-only directory each rank packs it once, in :meth:`setup`, and its workers open that copy.
         batch_size: rows per batch.
         num_workers: ``DataLoader`` worker processes (0 reads in the main process).
         seed: seed of the epoch orders.

@@ -10,7 +10,7 @@ from lightning_llmfast._lazy import lazy_dir, lazy_getattr
 # public name -> submodule
 _LAZY: dict[str, str] = {
     "MoEGPT": "lightning_llmfast.models.model",
-    "MoEGPTConfig": "lightning_llmfast.models.model",
+    "MoEGPTConfig": "lightning_llmfast.models.config",
     "MoEGPTLightningModule": "lightning_llmfast.modules.reference",
     "RMSNorm": "lightning_llmfast.models.rmsnorm",
     "swap_rms_norms": "lightning_llmfast.models.rmsnorm",

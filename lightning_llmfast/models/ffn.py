@@ -8,17 +8,13 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.models.config import MoEGPTConfig
 from lightning_llmfast.moe import MoEBlock, MoEConfig, SequenceBoundaries
 from lightning_llmfast.seqmeta import SequenceMetadata, active_cache
-
-if TYPE_CHECKING:
-    from lightning_llmfast.models.model import MoEGPTConfig
 
 __all__ = ["DenseSwiGLU", "make_ffn", "sequence_boundaries"]
 

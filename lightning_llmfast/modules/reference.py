@@ -13,8 +13,10 @@ from typing_extensions import override
 from lightning_llmfast._compile import check_compile, compile_layers
 from lightning_llmfast.data.packing import IGNORE_INDEX
 from lightning_llmfast.errors import MetadataError
-from lightning_llmfast.models.model import MoEGPT, MoEGPTConfig
+from lightning_llmfast.models.config import MoEGPTConfig
+from lightning_llmfast.models.model import MoEGPT
 from lightning_llmfast.modules.losses import causal_lm_loss, scale_by_token_share, shared_batch_losses
+from lightning_llmfast.seqmeta import SequenceMetadata, active_cache
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -83,7 +85,11 @@ class MoEGPTLightningModule(L.LightningModule):
 
     @override
     def forward(self, batch: PackedBatch) -> Tensor:
-        return self.model(batch.input_ids, batch.position_ids)
+        # A context-parallel shard's pieces are not whole documents: its metadata comes from the shard's plan (the
+        # open metadata cache builds the same from the batch), never from its positions.
+        shard = batch.context is not None and active_cache() is None
+        metadata = SequenceMetadata.from_batch(batch) if shard else None
+        return self.model(batch.input_ids, batch.position_ids, metadata=metadata)
 
     def _loss(self, batch: PackedBatch) -> tuple[Tensor, Tensor]:
         logits = self(batch)

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import OffloadError
+from lightning_llmfast.offload.memory_plan_plot import Bar, plot_steps
 from lightning_llmfast.offload.pool import aligned_bytes, size_class
 from lightning_llmfast.offload.profile import LayerProfile, MemoryProfile
 from lightning_llmfast.offload.schedule import AUTO_MARGIN
@@ -124,9 +125,21 @@ class MemoryPlan:
     def plot(self, path: str) -> None:
         """Draw the predicted live saved bytes over the step (forward up, backward down) against the budget, one
         colour per mechanism, into ``path`` (needs matplotlib)."""
-        from lightning_llmfast.offload.memory_plan_plot import plot_plan
+        plot_steps(self.step_bars(), self.budget_bytes, path)
 
-        plot_plan(self, path)
+    def step_bars(self) -> list[Bar]:
+        """The step as bars ``(start ms, width ms, live saved bytes, mechanism)``: each layer's forward adds what its
+        mechanism leaves on the device; backward frees it again, last layer first."""
+        layers = self.profile.layers
+        order = [(i, +1) for i in range(len(layers))] + [(i, -1) for i in reversed(range(len(layers)))]
+        bars: list[Bar] = []
+        t, live = 0.0, 0
+        for i, sign in order:
+            width = layers[i].forward_ms if sign > 0 else layers[i].backward_ms + self.cost_ms[i]
+            bars.append((t, width, live, self.choices[i]))
+            live += sign * (layers[i].saved_bytes - self.freed_bytes[i])
+            t += width
+        return bars
 
 
 def mechanism_cost(

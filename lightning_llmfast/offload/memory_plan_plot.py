@@ -1,22 +1,30 @@
-"""The picture of a :class:`~lightning_llmfast.offload.MemoryPlan`: predicted live saved bytes over the step (forward
-up, backward down) against the budget, one colour per mechanism (matplotlib, imported only here)."""
+"""The picture of a memory plan: live saved bytes over the step (forward up, backward down) against the budget, one
+colour per mechanism (matplotlib, imported only when drawing).
+
+It draws bars it is given; :meth:`~lightning_llmfast.offload.MemoryPlan.plot` computes them from the plan, so this
+module knows nothing of the plan and the imports go one way.
+
+Example::
+
+    plot_steps([(0.0, 1.5, 0, "keep"), (1.5, 2.0, 4_000_000, "offload")], budget_bytes=8_000_000, path="plan.png")
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from lightning_llmfast.errors import OffloadError
 
-if TYPE_CHECKING:
-    from lightning_llmfast.offload.memory_plan import MemoryPlan
+__all__ = ["Bar", "plot_steps"]
 
-__all__ = ["plot_plan"]
+Bar = tuple[float, float, int, str]
+"""``(start ms, width ms, live saved bytes, mechanism)``: one layer's forward or backward in the step's picture."""
 
 _COLOURS = {"keep": "tab:blue", "recompute": "tab:orange", "offload": "tab:green", "nvme": "tab:purple"}
 
 
-def plot_plan(plan: MemoryPlan, path: str) -> None:
-    """Write the plan's picture to ``path`` (any format matplotlib saves).
+def plot_steps(bars: Sequence[Bar], budget_bytes: int, path: str) -> None:
+    """Write the bars and the budget line to ``path`` (any format matplotlib saves).
 
     Raises:
         OffloadError: matplotlib is not installed.
@@ -28,18 +36,10 @@ def plot_plan(plan: MemoryPlan, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as err:
         raise OffloadError("MemoryPlan.plot needs matplotlib (pip install 'lightning_llmfast[plot]')") from err
-    layers = plan.profile.layers
     fig, ax = plt.subplots(figsize=(8, 4))
-    t, live = 0.0, 0
-    # Forward: each layer adds what its mechanism leaves on the device; backward frees it again, last layer first.
-    order = [(i, +1) for i in range(len(layers))] + [(i, -1) for i in reversed(range(len(layers)))]
-    for i, sign in order:
-        width = layers[i].forward_ms if sign > 0 else layers[i].backward_ms + plan.cost_ms[i]
-        kept = layers[i].saved_bytes - plan.freed_bytes[i]
-        ax.bar(t, live / 1e6, width=max(width, 1e-3), align="edge", color=_COLOURS[plan.choices[i]], alpha=0.8)
-        live += sign * kept
-        t += width
-    ax.axhline(plan.budget_bytes / 1e6, color="red", linestyle="--", label="budget")
+    for start, width, live, mechanism in bars:
+        ax.bar(start, live / 1e6, width=max(width, 1e-3), align="edge", color=_COLOURS[mechanism], alpha=0.8)
+    ax.axhline(budget_bytes / 1e6, color="red", linestyle="--", label="budget")
     for name, colour in _COLOURS.items():
         ax.bar(0, 0, color=colour, label=name)
     ax.set_xlabel("predicted step time (ms): forward, then backward")

@@ -8,21 +8,36 @@ Example::
     with cache.batch(packed_batch):
         meta = active_cache().get(hidden)          # built at the first layer, reused by the others
         out = varlen_attention(q, k, v, meta)      # never attends across documents
+
+Context parallelism: :func:`context_split` says which positions of a packed batch each of ``cp`` ranks holds
+(balanced causal work, exact counts); ``PackedBatch.context_shard`` makes a rank's share, whose metadata carries a
+:class:`ContextShard`, and ``varlen_attention`` on it all-gathers K and V over the cp group inside::
+
+    shard = batch.context_shard(cp_rank, cp_size, cp_group)
+    with cache.batch(shard):
+        out = varlen_attention(q, k, v, active_cache().get(hidden))  # queries of this rank, keys of its documents
 """
 
 from __future__ import annotations
 
+from lightning_llmfast.data.context import ContextShard, context_split
 from lightning_llmfast.seqmeta.attention import dense_block_causal_mask, varlen_attention
 from lightning_llmfast.seqmeta.cache import SequenceMetadataCache, activate_cache, active_cache
+from lightning_llmfast.seqmeta.context import CONTEXT_STATS, ContextStats, offset_causal_attention
 from lightning_llmfast.seqmeta.hf import to_flash_attention_kwargs
 from lightning_llmfast.seqmeta.metadata import SequenceMetadata
 
 __all__ = [
+    "CONTEXT_STATS",
+    "ContextShard",
+    "ContextStats",
     "SequenceMetadata",
     "SequenceMetadataCache",
     "activate_cache",
     "active_cache",
+    "context_split",
     "dense_block_causal_mask",
+    "offset_causal_attention",
     "to_flash_attention_kwargs",
     "varlen_attention",
 ]

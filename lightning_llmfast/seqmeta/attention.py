@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from lightning_llmfast._checks import check_bool, check_number
 from lightning_llmfast.errors import ConfigError, MetadataError
 from lightning_llmfast.seqmeta.buckets import bucket_plan
+from lightning_llmfast.seqmeta.context import gather_keys, offset_causal_attention
 from lightning_llmfast.seqmeta.metadata import SequenceMetadata
 
 __all__ = ["dense_block_causal_mask", "varlen_attention"]
@@ -179,6 +181,20 @@ _native_gqa: bool | None = None
 def _flash(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SequenceMetadata, causal: bool, scale: Any
 ) -> torch.Tensor:
+    cu = meta.cu_seqlens
+    return _flash_varlen(q, k, v, (cu, cu, meta.max_seqlen, meta.max_seqlen), causal, scale)
+
+
+def _flash_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: tuple[torch.Tensor, torch.Tensor, int, int],
+    causal: bool,
+    scale: Any,
+) -> torch.Tensor:
+    """FlashAttention varlen over ``lengths = (cu_seqlens_q, cu_seqlens_k, max_q, max_k)``; with fewer queries than
+    keys in a sequence, its causal diagonal is aligned bottom-right (the last query sees every key)."""
     global _native_gqa
     found = _FLASH_VARLEN
     assert found is not None
@@ -193,10 +209,9 @@ def _flash(
         kwargs["is_causal"] = causal
     elif causal:
         kwargs["window_size"] = (-1, 0)
-    cu = meta.cu_seqlens
 
     def attend(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return varlen_attn(q, k, v, cu, cu, meta.max_seqlen, meta.max_seqlen, **kwargs)
+        return varlen_attn(q, k, v, *lengths, **kwargs)
 
     if k.shape[1] == q.shape[1]:
         return attend(k, v)
@@ -353,4 +368,94 @@ def varlen_attention(
         link = q.sum() + k.sum() + v.sum()
         return q.new_zeros(0, q.shape[1], v.shape[2]) + link
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[2])
-    return _IMPLS[chosen](q, k, v, metadata, causal, scale)
+    shard = metadata.context
+    if shard is not None and shard.size > 1:
+        return _context_parallel(q, k, v, metadata, causal, scale, impl)
+    return _run(chosen, q, k, v, metadata, causal, scale)
+
+
+def _run(
+    impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SequenceMetadata, causal: bool, scale: float
+) -> torch.Tensor:
+    """``_IMPLS[impl]``; outside FlashAttention, with the head dims of q/k and v padded with zeros to one size (no
+    score changes), so that SDPA keeps its flash kernel (O(tokens) saved) instead of the math one, which saves the
+    (queries x keys) probabilities when the value dim differs (MLA)."""
+    dim, v_dim = q.shape[2], v.shape[2]
+    if impl == "flash" or dim == v_dim:
+        return _IMPLS[impl](q, k, v, meta, causal, scale)
+    width = max(dim, v_dim)
+    q, k, v = (F.pad(t, (0, width - t.shape[2])) if t.shape[2] < width else t for t in (q, k, v))
+    return _IMPLS[impl](q, k, v, meta, causal, scale)[..., :v_dim]
+
+
+def _context_parallel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SequenceMetadata, causal: bool, scale: float, impl: Impl
+) -> torch.Tensor:
+    """A context-parallel shard's attention (:mod:`lightning_llmfast.seqmeta.context`): gather, then attend."""
+    shard = meta.context
+    assert shard is not None
+    if not causal:
+        raise ConfigError("causal: context-parallel attention is causal (a piece attends its document's earlier keys)")
+    device = q.device
+    key_index, cu_k = meta.memo(
+        "cp_keys",
+        lambda: (shard.key_index.to(device, non_blocking=True), shard.cu_seqlens_k.to(device, non_blocking=True)),
+    )
+    keys, values = gather_keys(k, v, shard, key_index)
+    if impl in ("auto", "flash") and _flash_unsupported(q, v) is None:
+        lengths = (meta.cu_seqlens, cu_k, meta.max_seqlen, shard.max_seqlen_k)
+        return _flash_varlen(q, keys, values, lengths, True, scale)
+    if impl == "flash":
+        raise ConfigError(f"impl: 'flash' {_flash_unsupported(q, v)}")
+    plan = meta.memo("cp_pieces", lambda: _piece_plan(meta))
+    outs = []
+    if plan.starting is not None:
+        # Pieces that start their document attend exactly their own positions: the packed paths, batched.
+        sub = plan.starting
+        rows, krows = plan.start_rows, plan.start_keys
+        q_s, k_s, v_s = q.index_select(0, rows), keys.index_select(0, krows), values.index_select(0, krows)
+        chosen = _auto_impl(q_s, v_s, sub) if impl == "auto" else impl
+        outs.append(_run(chosen, q_s, k_s, v_s, sub, True, scale))
+    for q_lo, q_hi, k_lo, k_hi in plan.inner:
+        outs.append(offset_causal_attention(q[q_lo:q_hi], keys[k_lo:k_hi], values[k_lo:k_hi], scale))
+    return torch.cat(outs).index_select(0, plan.unpermute)
+
+
+class _PiecePlan(NamedTuple):
+    starting: SequenceMetadata | None  # the pieces at offset 0, packed
+    start_rows: torch.Tensor  # their query rows
+    start_keys: torch.Tensor  # their key rows (in the gathered per-piece key buffer)
+    inner: list[tuple[int, int, int, int]]  # every other piece: query rows [lo, hi), key rows [lo, hi)
+    unpermute: torch.Tensor  # the local row of each output row, in the order the outputs are concatenated
+
+
+def _piece_plan(meta: SequenceMetadata) -> _PiecePlan:
+    """Host plan of the CPU path over a shard's pieces (built once per batch, memoised on the metadata)."""
+    shard = meta.context
+    assert shard is not None
+    cu_q = meta.cu_seqlens_cpu.numpy().astype(np.int64)
+    cu_k = shard.cu_seqlens_k.numpy().astype(np.int64)
+    lengths = np.diff(cu_q)
+    first = shard.offsets.numpy() == 0
+
+    def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        base = np.repeat(starts - np.cumsum(counts) + counts, counts)
+        return base + np.arange(int(counts.sum()), dtype=np.int64)
+
+    start_rows = ranges(cu_q[:-1][first], lengths[first])
+    inner = [(int(cu_q[j]), int(cu_q[j + 1]), int(cu_k[j]), int(cu_k[j + 1])) for j in np.flatnonzero(~first)]
+    order = np.concatenate([start_rows, ranges(cu_q[:-1][~first], lengths[~first])])
+    unpermute = np.empty_like(order)
+    unpermute[order] = np.arange(order.size, dtype=np.int64)
+    device = meta.device
+
+    def to_device(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device, non_blocking=True)
+
+    return _PiecePlan(
+        starting=SequenceMetadata.from_lengths(lengths[first], device=device) if first.any() else None,
+        start_rows=to_device(start_rows),
+        start_keys=to_device(ranges(cu_k[:-1][first], lengths[first])),
+        inner=inner,
+        unpermute=to_device(unpermute),
+    )

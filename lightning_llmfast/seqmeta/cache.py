@@ -24,12 +24,14 @@ cannot be edited outside it: identity alone binds them. Under ``torch.compile`` 
 built at ``begin``/``bind`` outside the compiled region, and a compiled ``bind`` accepts only the version's own token
 ids, which Dynamo guards (a traced forward on any other tokens raises; in-place edits are seen by eager binds only).
 
-The cache with an open version in the current thread is reachable through :func:`active_cache`, so model layers
-need no extra argument: ``meta = metadata if metadata is not None else active_cache().get(hidden)``.
+The cache with an open version in the current thread is reachable through :func:`active_cache` (a per-thread stack,
+innermost last, kept here beside the class it holds), so model layers need no extra argument:
+``meta = metadata if metadata is not None else active_cache().get(hidden)``.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -39,7 +41,6 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_llmfast.errors import MetadataError
-from lightning_llmfast.seqmeta.active import activate_cache, active_cache, push, remove
 from lightning_llmfast.seqmeta.binding import (
     Binding,
     has_source_fields,
@@ -55,6 +56,67 @@ from lightning_llmfast.seqmeta.metadata import SequenceMetadata
 __all__ = ["SequenceMetadataCache", "activate_cache", "active_cache"]
 
 _NOT_OPEN = "cache: no open version; call begin(batch) (or use `with cache.batch(batch):`) first"
+_LOCAL = threading.local()
+
+
+def _stack() -> list[SequenceMetadataCache]:
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = []
+        _LOCAL.stack = stack
+    return stack
+
+
+def active_cache() -> SequenceMetadataCache | None:
+    """Returns the cache with an open version in the current thread (the innermost when nested), or ``None``.
+
+    Example::
+
+        cache = active_cache()
+        meta = metadata if metadata is not None else cache.get(hidden)
+    """
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
+@contextmanager
+def activate_cache(cache: SequenceMetadataCache | None) -> Iterator[None]:
+    """Make ``cache`` the active cache of the *current thread* for the block (``None``: do nothing).
+
+    The active stack is per thread, and the autograd engine runs CUDA backward on its own threads; activation
+    recomputation (:mod:`lightning_llmfast.offload.recompute`) replays a layer's forward there and needs the cache
+    that was active when the layer first ran. The cache's version is not touched: it must still be open.
+
+    Example::
+
+        with activate_cache(cache_seen_in_forward):
+            out = layer_forward(x)
+    """
+    if cache is None:
+        yield
+        return
+    stack = _stack()
+    stack.append(cache)
+    try:
+        yield
+    finally:
+        if stack and stack[-1] is cache:
+            stack.pop()
+        elif cache in stack:
+            stack.remove(cache)
+
+
+def _push(cache: SequenceMetadataCache) -> None:
+    """Makes ``cache`` the innermost active cache of the current thread."""
+    _remove(cache)
+    _stack().append(cache)
+
+
+def _remove(cache: SequenceMetadataCache) -> None:
+    """Takes ``cache`` off the current thread's active stack (if it is there)."""
+    stack = _stack()
+    if cache in stack:
+        stack.remove(cache)
 
 
 def _token_count(hidden: torch.Tensor) -> int:
@@ -150,7 +212,7 @@ class SequenceMetadataCache:
             self._build(binding)
         self._main = binding
         mark_tokens(binding.tokens, self)
-        push(self)
+        _push(self)
         self._open = True
 
     def end(self) -> None:
@@ -167,7 +229,7 @@ class SequenceMetadataCache:
         self._main = Binding(None, None)
         self._foreign = None
         self._open = False
-        remove(self)
+        _remove(self)
 
     @contextmanager
     def batch(self, source: Any = None, model: nn.Module | None = None) -> Iterator[SequenceMetadataCache]:

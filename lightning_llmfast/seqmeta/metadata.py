@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from lightning_llmfast.data.batch import PackedBatch
+from lightning_llmfast.data.context import ContextShard
 from lightning_llmfast.errors import MetadataError
 from lightning_llmfast.seqmeta.host import (
     INTEGER_DTYPES,
@@ -51,7 +52,17 @@ class SequenceMetadata:
         meta.max_seqlen, meta.num_tokens, meta.num_sequences  # (4, 8, 3)
     """
 
-    __slots__ = ("_cu_cpu", "_cu_device", "_device", "_lengths", "_max_seqlen", "_memo", "_num_tokens", "_starts")
+    __slots__ = (
+        "_context",
+        "_cu_cpu",
+        "_cu_device",
+        "_device",
+        "_lengths",
+        "_max_seqlen",
+        "_memo",
+        "_num_tokens",
+        "_starts",
+    )
 
     def __init__(
         self,
@@ -61,6 +72,7 @@ class SequenceMetadata:
         max_seqlen: int | None = None,
         device: torch.device | str | None = None,
         device_cu_seqlens: torch.Tensor | None = None,
+        context: ContextShard | None = None,
     ) -> None:
         """Validates ``cu_seqlens`` on the host and places a copy on ``device``.
 
@@ -74,6 +86,8 @@ class SequenceMetadata:
             device: target device (defaults to the device of ``cu_seqlens`` when it is a tensor, else CPU).
             device_cu_seqlens: an existing copy of the same boundaries already on ``device`` (e.g. the batch's),
                 reused instead of copying again. It is trusted: checking it would read the device.
+            context: a context-parallel shard's plan (``PackedBatch.context``): the sequences are then the rank's
+                query pieces, each attending its document's keys up to its end (see :attr:`context`).
         """
         if isinstance(cu_seqlens, torch.Tensor) and device is None:
             device = cu_seqlens.device
@@ -98,6 +112,16 @@ class SequenceMetadata:
         # One int, not derived from the tuples above: torch.compile guards on what it reads, and reading the tuples
         # would specialise a compiled graph on every boundary of the batch.
         self._num_tokens = int(host[-1])
+        if context is not None and (
+            not isinstance(context, ContextShard)
+            or context.positions.numel() != self._num_tokens
+            or context.cu_seqlens_k.numel() != host.size
+        ):
+            raise MetadataError(
+                f"context: must be the ContextShard of these {host.size - 1} pieces over {self._num_tokens} positions "
+                f"(PackedBatch.context_shard builds both), got {context!r}"
+            )
+        self._context = context
         self._memo: dict[Any, Any] = {}
 
     # ------------------------------------------------------------------ constructors
@@ -250,7 +274,8 @@ class SequenceMetadata:
                 device = cu.device if isinstance(cu, torch.Tensor) else None
                 reuse = cu if isinstance(cu, torch.Tensor) and cu.device.type != "cpu" else None
                 host = cu_cpu if cu_cpu is not None else cu
-                return cls(host, max_seqlen=max_seqlen, device=device, device_cu_seqlens=reuse)
+                context = field(batch, "context")
+                return cls(host, max_seqlen=max_seqlen, device=device, device_cu_seqlens=reuse, context=context)
             return cls.from_cu_seqlens(cu, max_seqlen=max_seqlen)
         position_ids = field(batch, "position_ids")
         if position_ids is not None:
@@ -269,6 +294,17 @@ class SequenceMetadata:
     def cu_seqlens_cpu(self) -> torch.Tensor:
         """``(num_sequences + 1,)`` int32 boundaries on the CPU."""
         return self._cu_cpu
+
+    @property
+    def context(self) -> ContextShard | None:
+        """The context-parallel shard this metadata describes, or ``None``.
+
+        With a shard, the sequences are the rank's *pieces* (``cu_seqlens`` is ``cu_seqlens_q``): piece ``j`` starts
+        ``context.offsets[j]`` positions into its document and attends the keys ``context.cu_seqlens_k`` ranges over
+        (its document from the start up to the piece's end), which ``varlen_attention`` all-gathers over
+        ``context.group``; :attr:`position_ids` are the places inside the documents.
+        """
+        return self._context
 
     @property
     def device(self) -> torch.device:
@@ -322,11 +358,17 @@ class SequenceMetadata:
 
     @property
     def position_ids(self) -> torch.Tensor:
-        """``(num_tokens,)`` int64 position of each token inside its sequence, on the target device; memoised."""
+        """``(num_tokens,)`` int64 position of each token inside its sequence (inside its document for a
+        context-parallel shard), on the target device; memoised."""
         pos = self._memo.get("position_ids")
         if pos is None:
             positions = torch.arange(self.num_tokens, device=self._device, dtype=torch.int64)
-            pos = positions - self._cu_device.to(torch.int64)[self.document_ids]
+            starts = self._cu_device.to(torch.int64)
+            if self._context is not None:
+                # A piece's first position is context.offsets[j] into its document, not 0.
+                offsets = self._context.offsets.to(self._device, non_blocking=True)
+                starts = starts[:-1] - offsets
+            pos = positions - starts[self.document_ids]
             self._memo["position_ids"] = pos
         return pos
 
@@ -380,6 +422,7 @@ class SequenceMetadata:
         new._starts = self._starts
         new._lengths = self._lengths
         new._num_tokens = self._num_tokens
+        new._context = self._context
         new._memo = {"fingerprint": self._memo["fingerprint"]} if "fingerprint" in self._memo else {}
         return new
 

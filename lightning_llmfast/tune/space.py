@@ -1,0 +1,204 @@
+"""The space a search runs through: the example CLI's dotted keys written into a config (:func:`apply_settings`), read
+from it (:func:`get_setting`), read from YAML (:func:`load_space`) or derived from the config and the world
+(:func:`default_space`), and the optimizer batch every candidate keeps (:func:`accumulation`)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from lightning_llmfast.errors import ConfigError
+
+__all__ = [
+    "ACCUMULATE",
+    "CONTEXT_PARALLEL",
+    "MICRO_BATCH",
+    "STRATEGY_CLASS",
+    "accumulation",
+    "apply_settings",
+    "config_global_batch",
+    "default_space",
+    "get_setting",
+    "invalid",
+    "load_space",
+    "on_cuda",
+    "world_size",
+]
+
+ACCUMULATE = "trainer.accumulate_grad_batches"
+MICRO_BATCH = "data.batch_size"
+CONTEXT_PARALLEL = "trainer.strategy.init_args.context_parallel_size"
+STRATEGY_CLASS = "lightning_llmfast.LLMFastStrategy"
+
+
+def _section(node: dict[str, Any], part: str, key: str) -> dict[str, Any]:
+    """``node[part]`` as a section to write into: a class-path section's arguments go under ``init_args``; the
+    strategy's name ``"llmfast"`` becomes its class path."""
+    if "class_path" in node and part not in ("class_path", "init_args", "dict_kwargs"):
+        node = node.setdefault("init_args", {})
+    child = node.get(part)
+    if child is None:
+        child = node[part] = {}
+    elif isinstance(child, str) and part == "strategy" and child == "llmfast":
+        child = node[part] = {"class_path": STRATEGY_CLASS, "init_args": {}}
+    elif not isinstance(child, dict):
+        raise ConfigError(f"setting {key}: {part} is {child!r} in the config, not a section")
+    return child
+
+
+def apply_settings(config: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of the example-CLI ``config`` with each dotted key of ``settings`` set (sections created as needed).
+
+    Raises:
+        ConfigError: a key runs through a value that is not a section (``trainer.strategy.x`` with ``strategy: ddp``).
+
+    Example::
+
+        apply_settings(yaml.safe_load(open("tiny.yaml")), {"data.batch_size": 4, "trainer.accumulate_grad_batches": 2})
+    """
+    out = copy.deepcopy(dict(config))
+    for key, value in settings.items():
+        *path, leaf = key.split(".")
+        node = out
+        for part in path:
+            node = _section(node, part, key)
+        if "class_path" in node and leaf not in ("class_path", "init_args", "dict_kwargs"):
+            node = node.setdefault("init_args", {})
+        node[leaf] = copy.deepcopy(value)
+    return out
+
+
+def get_setting(config: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    """The value of a dotted key in an example-CLI config (through ``init_args`` where a section has a class path);
+    ``default`` where the config does not set it.
+
+    Example::
+
+        get_setting({"data": {"batch_size": 4}}, "data.batch_size", 8)  # 4
+    """
+    node: Any = config
+    for part in key.split("."):
+        if isinstance(node, str) and part == "init_args":
+            return default  # "strategy: llmfast": its arguments are the defaults
+        if not isinstance(node, Mapping):
+            return default
+        if part not in node and "init_args" in node:
+            node = node["init_args"]
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def load_space(space: Mapping[str, Sequence[Any]] | str | Path) -> dict[str, list[Any]]:
+    """The space as a dict of non-empty lists (read from YAML if a path).
+
+    Raises:
+        ConfigError: not a mapping of dotted keys to non-empty lists.
+    """
+    if isinstance(space, (str, Path)):
+        try:
+            space = yaml.safe_load(Path(space).read_text())
+        except (OSError, yaml.YAMLError) as err:
+            raise ConfigError(f"space: cannot read {str(space)!r}: {err}") from None
+    if not isinstance(space, Mapping) or not space:
+        raise ConfigError(f"space must map dotted keys to lists of values, got {space!r}")
+    out = {}
+    for key, values in space.items():
+        if not isinstance(key, str) or key.split(".")[0] not in ("trainer", "model", "data"):
+            raise ConfigError(f"space: {key!r} is not a dotted key of the example CLI (trainer.*, model.*, data.*)")
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"space: {key} must list at least one value, got {values!r}")
+        out[key] = values
+    return out
+
+
+def world_size(config: Mapping[str, Any]) -> int:
+    """The ranks a config trains on: its devices (CUDA's count for ``"auto"`` on a GPU host, else 1) x nodes."""
+    devices = get_setting(config, "trainer.devices", "auto")
+    nodes = get_setting(config, "trainer.num_nodes", 1)
+    if isinstance(devices, list):
+        count = len(devices)
+    elif isinstance(devices, int) and devices > 0:
+        count = devices
+    elif get_setting(config, "trainer.accelerator", "auto") != "cpu" and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+    else:
+        count = 1
+    return count * int(nodes)
+
+
+def on_cuda(config: Mapping[str, Any]) -> bool:
+    """Whether a config trains on CUDA here."""
+    return get_setting(config, "trainer.accelerator", "auto") in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+
+
+def default_space(config: Mapping[str, Any], world: int | None = None, cuda: bool | None = None) -> dict[str, list]:
+    """The space searched without ``--space``: from the config and the world.
+
+    Micro-batches from a quarter to twice the config's (powers of two); with several ranks the sharding (DDP, FSDP2,
+    and HSDP across nodes), the expert-parallel sizes that divide the world and the experts, with the dispatch
+    payload where experts are parallel, and the context-parallel sizes that divide the world and every micro-batch's
+    tokens (ranks sharing each batch's positions); on CUDA the router kernels (Triton, PyTorch), the offload/recompute
+    plans (none, offload all but the last layer, selective recomputation) and compiling the layers. Knobs that do
+    nothing on CPU (offload needs a device, compile takes minutes on a CPU) or with one rank stay out.
+
+    Example::
+
+        default_space(yaml.safe_load(open("tiny.yaml")))  # {"data.batch_size": [2, 4, 8, 16]}
+    """
+    world = world_size(config) if world is None else world
+    cuda = on_cuda(config) if cuda is None else cuda
+    micro = int(get_setting(config, MICRO_BATCH, 8))
+    space: dict[str, list[Any]] = {MICRO_BATCH: sorted({max(1, micro // 4), max(1, micro // 2), micro, micro * 2})}
+    if world > 1:
+        nodes = int(get_setting(config, "trainer.num_nodes", 1))
+        space["trainer.strategy.init_args.sharding"] = ["ddp", "fsdp", *(["hsdp"] if nodes > 1 else [])]
+        experts = int(get_setting(config, "model.config.num_experts", 8))
+        sizes = [n for n in range(1, world + 1) if world % n == 0 and experts % n == 0]
+        if len(sizes) > 1:
+            space["trainer.strategy.init_args.expert_parallel_size"] = sizes
+            space["trainer.strategy.init_args.dispatch_dtype"] = [None, "bf16"]
+        tokens = min(space[MICRO_BATCH]) * int(get_setting(config, "data.seq_len", 256))
+        splits = [n for n in range(1, world + 1) if world % n == 0 and tokens % n == 0]
+        if len(splits) > 1:
+            space[CONTEXT_PARALLEL] = splits
+    if cuda:
+        space["model.config.router_backend"] = ["triton", "torch"]
+        space["trainer.strategy.init_args.offload"] = [False, True, {"offload_layers": 0, "recompute": "selective"}]
+        space["model.compile"] = [False, True]
+    return space
+
+
+def config_global_batch(config: Mapping[str, Any], world: int) -> int:
+    """The config's own sequences per optimizer step: micro-batch x accumulation x streams of batches (the world
+    over its context-parallel size)."""
+    streams = world // int(get_setting(config, CONTEXT_PARALLEL, 1) or 1)
+    return int(get_setting(config, MICRO_BATCH, 8)) * int(get_setting(config, ACCUMULATE, 1)) * streams
+
+
+def accumulation(settings: Mapping[str, Any], config: Mapping[str, Any], global_batch: int, world: int) -> str:
+    """Sets ``settings[ACCUMULATE]`` so the candidate takes ``global_batch`` sequences a step (the ranks of a
+    context-parallel group share their micro-batches); returns why it cannot (``""`` when it can)."""
+    micro = settings.get(MICRO_BATCH, get_setting(config, MICRO_BATCH, 8))
+    cp = int(settings.get(CONTEXT_PARALLEL, get_setting(config, CONTEXT_PARALLEL, 1)) or 1)
+    per_step = int(micro) * (world // cp)
+    if global_batch % per_step:
+        settings[ACCUMULATE] = None
+        streams = f"{world} ranks" if cp == 1 else f"{world // cp} groups of {cp} context-parallel ranks"
+        return f"global batch {global_batch} is not a multiple of micro-batch {micro} x {streams}"
+    settings[ACCUMULATE] = global_batch // per_step
+    return ""
+
+
+def invalid(settings: Mapping[str, Any]) -> str:
+    """Why the strategy would refuse a combination of settings (``""`` if it would not)."""
+    ep = settings.get("trainer.strategy.init_args.expert_parallel_size", 1)
+    if settings.get("trainer.strategy.init_args.dispatch_dtype") is not None and ep == 1:
+        return "dispatch_dtype needs expert_parallel_size > 1"
+    return ""

@@ -1,0 +1,201 @@
+"""Context-parallel attention on gloo processes: a shard's ``varlen_attention`` (K/V all-gathered inside) equals one
+process's and a float64 per-document loop, in outputs and q/k/v gradients; the CPU path saves memory linear in tokens
+and no (queries x keys) tensor; the shard's metadata flows through ``PackedBatch`` and the cache."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from _distributed import run_distributed
+
+from lightning_llmfast.data import PackedBatch
+from lightning_llmfast.data.context import context_shard_plan
+from lightning_llmfast.seqmeta import (
+    SequenceMetadata,
+    SequenceMetadataCache,
+    active_cache,
+    context_split,
+    varlen_attention,
+)
+from lightning_llmfast.seqmeta.context import CONTEXT_STATS, offset_causal_attention
+
+# Awkward batches over 96 positions (divisible by 2 and 4): one document across every rank; length-1 documents
+# among others; [B=3, T=32] rows with a document of exactly T and padding tails; prime lengths.
+BATCHES = {
+    "one_document": [96],
+    "length_one": [1, 1, 40, 1, 1, 1, 17, 1, 33],
+    "rows_of_T": [32, 5, 20, 7, 29, 3],
+    "primes": [2, 3, 5, 7, 11, 13, 17, 19, 19],
+}
+HEADS, KV_HEADS, DIM, V_DIM = 4, 2, 8, 12  # grouped-query heads, a value dim unlike the key dim (MLA)
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], scale: float) -> torch.Tensor:
+    """Float64 causal attention computed one document at a time, with its explicit (L x L) causal mask."""
+    rep = q.shape[1] // k.shape[1]
+    outs = []
+    for qd, kd, vd in zip(*(t.double().split(lengths) for t in (q, k, v))):
+        kd, vd = kd.repeat_interleave(rep, 1), vd.repeat_interleave(rep, 1)
+        scores = torch.einsum("qhd,khd->hqk", qd, kd) * scale
+        causal = torch.ones(len(qd), len(qd), dtype=torch.bool).tril()
+        outs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, -math.inf).softmax(-1), vd))
+    return torch.cat(outs)
+
+
+def _inputs(total: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(total)
+    q = torch.randn(total, HEADS, DIM, generator=gen)
+    k = torch.randn(total, KV_HEADS, DIM, generator=gen)
+    v = torch.randn(total, KV_HEADS, V_DIM, generator=gen)
+    weight = torch.randn(total, HEADS, V_DIM, generator=gen)
+    return q, k, v, weight
+
+
+def _grads(q, k, v, weight, attend) -> tuple[torch.Tensor, ...]:  # type: ignore[no-untyped-def]
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = attend(*leaves)
+    (out * weight).sum().backward()
+    return (out.detach(), *(t.grad for t in leaves))
+
+
+def _check_batch(rank: int, world: int, name: str, lengths: list[int]) -> None:
+    scale = 1.0 / math.sqrt(DIM)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    total = int(cu[-1])
+    q, k, v, weight = _inputs(total)
+    whole = SequenceMetadata.from_cu_seqlens(cu)
+    one_process = _grads(q, k, v, weight, lambda a, b, c: varlen_attention(a, b, c, whole))
+    reference = _grads(*(t.double() for t in (q, k, v, weight)), lambda a, b, c: _reference(a, b, c, lengths, scale))
+    shard, cu_q = context_shard_plan(cu, rank, world, dist.group.WORLD)
+    meta = SequenceMetadata(cu_q, context=shard)
+    held = shard.positions
+    CONTEXT_STATS.reset()
+    got = _grads(*(t[held] for t in (q, k, v, weight)), lambda a, b, c: varlen_attention(a, b, c, meta))
+    assert CONTEXT_STATS.gathers == 1
+    assert CONTEXT_STATS.gathered_bytes == total * KV_HEADS * (DIM + V_DIM) * 4
+    for what, mine, ours, exact in zip(("out", "dq", "dk", "dv"), got, one_process, reference):
+        torch.testing.assert_close(mine, ours[held], atol=1e-5, rtol=1e-5, msg=f"{name} {what} against cp=1")
+        torch.testing.assert_close(mine.double(), exact[held], atol=1e-5, rtol=1e-5, msg=f"{name} {what} vs float64")
+    # RoPE positions: each held position's place in its document.
+    starts = torch.repeat_interleave(cu[:-1].long(), torch.tensor(lengths))
+    assert torch.equal(meta.position_ids, held - starts[held])
+
+
+def _attention_worker(rank: int, world: int) -> None:
+    for name, lengths in BATCHES.items():
+        _check_batch(rank, world, name, lengths)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_attention_equals_one_process(world: int) -> None:
+    run_distributed(_attention_worker, world, timeout=120)
+
+
+def _saved_bytes(fn) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """Bytes of the distinct storages autograd saves during ``fn()``, and the largest saved tensor's elements."""
+    storages: dict[int, int] = {}
+    largest = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal largest
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        largest = max(largest, t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values()), largest
+
+
+def _saved_by_shard(rank: int, world: int, total: int) -> int:
+    cu = torch.tensor([0, total], dtype=torch.int32)  # one document across every rank
+    shard, cu_q = context_shard_plan(cu, rank, world, None)
+    meta = SequenceMetadata(cu_q, context=shard)
+    q, k, v, _ = (t[shard.positions].requires_grad_() for t in _inputs(total))
+    size, largest = _saved_bytes(lambda: varlen_attention(q, k, v, meta))
+    assert largest < q.shape[0] * shard.num_keys  # no (queries x keys) mask or score tensor
+    return size
+
+
+def _memory_worker(rank: int, world: int) -> None:
+    small, large = _saved_by_shard(rank, world, 512), _saved_by_shard(rank, world, 2048)
+    assert large <= 4.6 * small, (small, large)  # linear in tokens (quadratic would be 16x)
+
+
+def test_context_parallel_cpu_path_saves_linear_memory() -> None:
+    run_distributed(_memory_worker, 2, timeout=120)
+
+
+def _flow_worker(rank: int, world: int) -> None:
+    batch = PackedBatch(
+        input_ids=torch.arange(64).view(2, 32),
+        labels=torch.arange(64).view(2, 32),
+        position_ids=torch.cat([torch.arange(32), torch.arange(20), torch.arange(12)]).view(2, 32),
+        cu_seqlens=torch.tensor([0, 32, 52, 64], dtype=torch.int32),
+        max_seqlen=32,
+        num_tokens=52,
+        documents=[0, 1, -1],
+    )
+    shard = batch.context_shard(rank, world, dist.group.WORLD)
+    assert shard.input_ids.shape == (1, 32)
+    assert shard.num_tokens == 32 - int((shard.context.positions >= 52).sum())  # the padding segment [52, 64)
+    cache = SequenceMetadataCache()
+    with cache.batch(shard):
+        meta = active_cache().get(torch.zeros(1, 32, 4))
+        assert meta.context is shard.context
+        assert torch.equal(meta.position_ids.view(1, -1), shard.position_ids)
+        q = torch.randn(32, 2, 8)
+        out = varlen_attention(q, q[:, :1], q[:, :1], meta)
+        assert out.shape == (32, 2, 8)
+
+
+def test_shard_metadata_flows_through_the_cache() -> None:
+    run_distributed(_flow_worker, 2, timeout=120)
+
+
+def test_offset_causal_attention_against_float64() -> None:
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(5, 4, 8, generator=gen), torch.randn(13, 2, 8, generator=gen), torch.randn(13, 2, 6)
+    weight = torch.randn(5, 4, 6, generator=gen)
+    got = _grads(q, k, v, weight, lambda a, b, c: offset_causal_attention(a, b, c, scale=0.3))
+    # Queries 8..12 of a 13-position document: the reference runs all 13 queries, the first 8 weighted by zero.
+    early = torch.randn(8, 4, 8, generator=gen)
+    pad = torch.cat([torch.zeros(8, 4, 6), weight])
+    expected = _grads(
+        torch.cat([early, q]).double(),
+        k.double(),
+        v.double(),
+        pad.double(),
+        lambda a, b, c: _reference(a, b, c, [13], 0.3),
+    )
+    torch.testing.assert_close(got[0].double(), expected[0][8:], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got[1].double(), expected[1][8:], atol=1e-6, rtol=1e-6)
+    for mine, theirs in zip(got[2:], expected[2:]):
+        torch.testing.assert_close(mine.double(), theirs, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention varlen needs CUDA")
+@pytest.mark.parametrize("cp", [2, 4])
+def test_flash_varlen_pieces_against_float64(cp: int) -> None:
+    # The gather simulated in one process: every rank's keys, rank after rank, then each piece's by key_index.
+    from lightning_llmfast.seqmeta.attention import _flash_unsupported, _flash_varlen
+
+    gen = torch.Generator().manual_seed(cp)
+    for lengths in BATCHES.values():
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        total = int(cu[-1])
+        q, k, v = (torch.randn(total, h, 64, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
+        expected = _reference(q, k, v, lengths, 0.125)
+        order = torch.cat(context_split(cu, cp))
+        for rank in range(cp):
+            shard, cu_q = context_shard_plan(cu, rank, cp)
+            held = shard.positions
+            keys, values = (t[order][shard.key_index].cuda().bfloat16() for t in (k, v))
+            local = q[held].cuda().bfloat16()
+            assert _flash_unsupported(local, values) is None
+            sizes = (cu_q.cuda(), shard.cu_seqlens_k.cuda(), int(cu_q.diff().max()), shard.max_seqlen_k)
+            out = _flash_varlen(local, keys, values, sizes, True, 0.125)
+            torch.testing.assert_close(out.double().cpu(), expected[held], atol=3e-2, rtol=3e-2)
