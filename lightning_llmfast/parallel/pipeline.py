@@ -57,8 +57,7 @@ from lightning_llmfast.parallel.pipeline_split import (
     rank_stages,
     split_metadata,
 )
-from lightning_llmfast.seqmeta import SequenceMetadata, SequenceMetadataCache, activate_cache
-from lightning_llmfast.seqmeta.active import remove
+from lightning_llmfast.seqmeta import SequenceMetadata, SequenceMetadataCache
 
 __all__ = [
     "SCHEDULES",
@@ -332,11 +331,16 @@ class _MicrobatchStage(PipelineStage):
     ) -> Any:
         submod = self.submod
         assert isinstance(submod, MoEGPTStage)
-        weights, caches = self._runner.microbatch_state()
+        weights, metas = self._runner.microbatch_state()
         submod.aux_weight = weights[fwd_chunk_id] if weights is not None else None
-        cache = caches[fwd_chunk_id] if caches else None
-        with activate_cache(cache):
+        if not metas:
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        cache = self._runner.cache
+        cache.begin(metas[fwd_chunk_id])  # the microbatch's metadata, built once per batch: only opened here
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        finally:
+            cache.end()
 
 
 class PipelineRunner:
@@ -413,7 +417,9 @@ class PipelineRunner:
         self._tied_group = self._make_tied_group() if self.tied else None
         self._schedules: dict[tuple[Any, ...], Any] = {}
         self._weights: Tensor | None = None
-        self._caches: list[SequenceMetadataCache] = []
+        self._metas: list[SequenceMetadata] = []
+        self.cache = SequenceMetadataCache()
+        """The cache the stages' forwards read the microbatch's metadata from (open around each forward)."""
         self._total: Tensor | None = None
         self._step_tokens: Tensor | None = None  # label tokens of the batches since the last finish_step
         self.last_schedule: Any = None
@@ -452,9 +458,9 @@ class PipelineRunner:
             return bubble_share(single_stage_actions(cfg.schedule, cfg.size, cfg.microbatches))
         return bubble_share(self.last_schedule.pipeline_order)
 
-    def microbatch_state(self) -> tuple[Tensor | None, list[SequenceMetadataCache]]:
-        """The current batch's router-loss weight per microbatch and metadata cache per microbatch."""
-        return self._weights, self._caches
+    def microbatch_state(self) -> tuple[Tensor | None, list[SequenceMetadata]]:
+        """The current batch's router-loss weight and packed metadata per microbatch."""
+        return self._weights, self._metas
 
     def _schedule(self, rows: int, seq_len: int, ids_dtype: torch.dtype, train: bool) -> Any:
         key = (rows, seq_len, ids_dtype, train)
@@ -514,29 +520,23 @@ class PipelineRunner:
         train: bool,
         divisor: Tensor | None,
     ) -> Tensor:
-        """The divisor of the token losses, the microbatches' router-loss weights and metadata caches; returns the
-        batch's label tokens."""
+        """The divisor of the token losses, the microbatches' router-loss weights and metadata; returns the batch's
+        label tokens."""
         m = self.config.microbatches
         valid = labels != self.ignore_index
         counts = valid.reshape(m, -1).sum(1).to(torch.float32)
         tokens = counts.sum()
         self._total = tokens.clamp_min(1) if divisor is None else divisor.to(tokens)
         self._weights = self.aux_loss_coef * counts / self._total if train and self.aux_loss_coef else None
-        self._caches = []
+        self._metas = []
         if self.model.config.attention_metadata != "cached":
             return tokens
         meta = metadata if metadata is not None else SequenceMetadata.from_position_ids(position_ids)
-        for part in split_metadata(meta, m):
-            cache = SequenceMetadataCache()
-            cache.begin(part)
-            remove(cache)  # made active around its microbatch's stage forwards only
-            self._caches.append(cache)
+        self._metas = split_metadata(meta, m)
         return tokens
 
     def _close(self) -> None:
-        for cache in self._caches:
-            cache.end()
-        self._caches, self._weights, self._total = [], None, None
+        self._metas, self._weights, self._total = [], None, None
         for module in self.modules:
             module.aux_weight = module.aux_total = None
 

@@ -237,9 +237,9 @@ class MoEGPTStage(nn.Module):
     microbatch's ``(b, T)`` positions (given to every stage with the batch), and returns hidden states (cast to
     ``dtype``, the dtype the next stage's receive buffer has) or, on the last stage, the logits. In ``"cached"``
     attention mode the packed metadata comes from the active
-    :class:`~lightning_llmfast.seqmeta.SequenceMetadataCache` (the runner opens one per microbatch). The router's
-    load-balancing loss of the stage's MoE blocks is attached to the output (:class:`AttachAuxLoss`) with the weight
-    ``aux_weight`` the runner sets before each microbatch; its detached value is added to ``aux_total``.
+    :class:`~lightning_llmfast.seqmeta.SequenceMetadataCache` (the runner opens it on the microbatch's metadata).
+    The router's load-balancing loss of the stage's MoE blocks is attached to the output (:class:`AttachAuxLoss`) with
+    the weight ``aux_weight`` the runner sets before each microbatch; its detached value is added to ``aux_total``.
 
     Example::
 
