@@ -570,6 +570,7 @@ class PipelineRunner:
             position_ids: ``(B, T)`` or ``(1, T)``; ``None``: one sequence per row.
             metadata: the batch's packed boundaries over the ``B * T`` positions (``"cached"`` attention); ``None``:
                 built from ``position_ids`` (one host read on an accelerator).
+
         Returns:
             The batch's loss (token-mean cross entropy plus the router loss weighted by the microbatches' token
             shares), detached, the same on every rank of the pipeline. The gradients are those of the token-loss sum
