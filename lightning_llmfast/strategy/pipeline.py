@@ -138,7 +138,6 @@ class PipelineParallelBase(ShardedDataParallelBase):
         assert module is not None and self.pipeline_config is not None
         self._check_pipeline_composition()
         if module is not self._pipelined:
-            self._materialize()
             if not module.automatic_optimization:
                 raise ConfigError(
                     f"{type(self).__name__}: pipeline_parallel_size runs the schedule's forward and backward inside "
@@ -152,12 +151,14 @@ class PipelineParallelBase(ShardedDataParallelBase):
                 )
             dims = self.parallel_dims
             assert dims is not None
-            model.to(self.root_device)
             coef = float(getattr(module, "aux_loss_coef", 0.0))
             config, device = self.pipeline_config, self.root_device
             self._runner = PipelineRunner(
                 model, config, dims.pp_group, device=device, aux_loss_coef=coef, dp_group=dims.dp_group
             )
+            # Pruned first: a model built on the meta device allocates and initialises only this rank's stages.
+            self._materialize()
+            model.to(device)
             self._pipelined = module
         Strategy.setup(self, trainer)
         # Every stage of a pipeline reads its replica's stream of batches (distributed_sampler_kwargs). With one
