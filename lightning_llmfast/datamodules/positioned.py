@@ -37,8 +37,6 @@ def data_shard(trainer: Any) -> tuple[int, int]:
     if isinstance(kwargs, dict) and "rank" in kwargs and "num_replicas" in kwargs:
         return int(kwargs["rank"]), int(kwargs["num_replicas"])
     return trainer.global_rank, trainer.world_size
-
-
 # The DataLoader workers' start method once a process group is initialised. Not "forkserver": its server and the
 # workers it forks outlive a rank killed with SIGKILL (their parent is the server, so the workers' parent watchdog
 # never fires) and keep the rank's pipes open; spawned workers are the rank's own children and exit when it dies.
