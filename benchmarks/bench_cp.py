@@ -24,11 +24,17 @@ Measured per (layout, row length, cp):
 Layouts: ``one_document`` (the row is one document) and ``short_documents`` (documents of 16 to 512 tokens filling
 the row exactly).
 
+``--device cuda --dtype bfloat16`` (the ``cp`` stage of ``benchmarks/gpu_check.sh``): the ranks share the one GPU, the
+groups stay gloo (NCCL refuses two ranks on one device; gloo moves CUDA tensors through the host), attention is
+FlashAttention varlen with ``cu_seqlens_q != cu_seqlens_k``; saved bytes are then the GPU path's, tokens/s counts the
+gloo copies.
+
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_cp.py                  # rows of 4096 and 8192 tokens, 3 repeats (~3 min)
     PYTHONPATH=. python benchmarks/bench_cp.py --lengths 4096,8192,16384,32768 --repeats 5
     PYTHONPATH=. python benchmarks/bench_cp.py --lengths 4096 --layouts one_document --repeats 1   # the figure only
+    python benchmarks/bench_cp.py --device cuda --dtype bfloat16 --lengths 4096,16384 --json $OUT/cp.json
 """
 
 from __future__ import annotations
@@ -105,10 +111,12 @@ def attention_work_balance(batch: PackedBatch, cp: int) -> float:
     return float(work.max() / work.mean())
 
 
-def build_model(config: MoEGPTConfig, group: dist.ProcessGroup | None) -> MoEGPT:
+def build_model(
+    config: MoEGPTConfig, group: dist.ProcessGroup | None, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> MoEGPT:
     """The model on every rank with the same weights; under cp its MoE blocks balance over the whole shared row."""
     torch.manual_seed(0)
-    model = MoEGPT(config)
+    model = MoEGPT(config).to(device=device, dtype=dtype)
     if group is not None:
         expert_parallel.share_batch(model, group)
     return model
@@ -120,7 +128,9 @@ def training_step(model: MoEGPT, batch: PackedBatch, shard: PackedBatch, cp: int
     metadata = SequenceMetadata.from_batch(shard)  # once per batch, on the host
     logits = model(shard.input_ids, shard.position_ids, metadata=metadata)
     labels = int((batch.labels != IGNORE_INDEX).sum())
-    ce = F.cross_entropy(logits.flatten(0, 1), shard.labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    ce = F.cross_entropy(
+        logits.flatten(0, 1).float(), shard.labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
     return ce / labels + AUX_LOSS_COEF * model.aux_loss() / cp
 
 
@@ -152,6 +162,8 @@ def _timed(model: MoEGPT | None, batch: PackedBatch, shard: PackedBatch | None, 
         if model is not None and shard is not None:
             training_step(model, batch, shard, cp).backward()
             model.zero_grad(set_to_none=True)
+            if shard.input_ids.is_cuda:
+                torch.cuda.synchronize()
         elapsed = torch.tensor(time.perf_counter() - start if model is not None else 0.0, dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return float(elapsed)
@@ -168,14 +180,17 @@ def _worker(rank: int, world: int, port: int, options: dict[str, Any], out: str)
     cps = [cp for cp in CP_SIZES if cp <= world]
     groups = {cp: dist.new_group(list(range(cp))) for cp in cps if cp > 1}  # every rank creates every group
     config = model_config(options["hidden"])
-    models = {cp: build_model(config, groups.get(cp)) if rank < cp else None for cp in cps}
+    device, dtype = options["device"], getattr(torch, options["dtype"])
+    models = {cp: build_model(config, groups.get(cp), device, dtype) if rank < cp else None for cp in cps}
     rows = []
     for tokens in options["lengths"]:
         for layout in options["layouts"]:
             batch = make_batch(document_lengths(layout, tokens), config.vocab_size)
             shards = {
-                cp: (batch if cp == 1 else batch.context_shard(rank, cp, groups[cp])) if rank < cp else None
+                # Cut on the host, then copied (as the strategy does).
+                cp: (batch if cp == 1 else batch.context_shard(rank, cp, groups[cp])).to(device)
                 for cp in cps
+                if rank < cp
             }
             saved = {}
             for cp in cps:
@@ -183,7 +198,7 @@ def _worker(rank: int, world: int, port: int, options: dict[str, Any], out: str)
                 everyone: list[Any] = [None] * world
                 dist.all_gather_object(everyone, mine)
                 saved[cp] = everyone[:cp]
-            impls = {f"cp{cp}": _timed(models[cp], batch, shards[cp], cp) for cp in cps}
+            impls = {f"cp{cp}": _timed(models[cp], batch, shards.get(cp), cp) for cp in cps}
             measured = interleave(impls, options["repeats"], warmup=1)
             for cp in cps:
                 per_rank = saved[cp]
@@ -216,7 +231,8 @@ def _with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run(
     lengths: list[int], layouts: list[str], repeats: int, hidden: int = 64, world: int = max(CP_SIZES),
-    timeout: float = 900, collective_timeout: float = 300, verbose: bool = False,
+    timeout: float = 900, collective_timeout: float = 300, verbose: bool = False, device: str = "cpu",
+    dtype: str = "float32",
 ) -> dict[str, Any]:  # fmt: skip
     """Runs the benchmark on ``world`` processes; returns the report :func:`main` writes.
 
@@ -226,13 +242,15 @@ def run(
         report["figure"]["cp2_over_cp1"]  # per-rank saved activations at cp=2 over cp=1, one 4096-token document
     """
     options = {"lengths": lengths, "layouts": layouts, "repeats": repeats, "hidden": hidden,
-               "collective_timeout": collective_timeout, "verbose": verbose}  # fmt: skip
+               "collective_timeout": collective_timeout, "verbose": verbose, "device": device,
+               "dtype": dtype}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
         spawn_world(_worker, world, (world, free_port(), options, out), timeout, "context-parallel benchmark")
         rows = _with_ratios(json.loads(Path(out).read_text()))
     report: dict[str, Any] = {
-        "date": date.today().isoformat(), "device": "cpu", "backend": "gloo", "cores": os.cpu_count(),
+        "date": date.today().isoformat(), "device": device, "dtype": dtype, "backend": "gloo",
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None, "cores": os.cpu_count(),
         "threads_per_rank": 1, "torch": torch.__version__, "python": platform.python_version(),
         "model": {k: v for k, v in vars(model_config(hidden)).items() if not k.startswith("_")},
         "repeats": repeats, "rows": rows,
@@ -247,8 +265,10 @@ def run(
 
 def print_report(report: dict[str, Any]) -> None:
     """The rows as a Markdown table."""
-    print(f"\nContext parallelism, tiny MoE GPT (hidden {report['model']['hidden_size']}, 2 layers), CPU gloo, "
-          f"{report['cores']} cores, median of {report['repeats']}")  # fmt: skip
+    print(
+        f"\nContext parallelism, tiny MoE GPT (hidden {report['model']['hidden_size']}, 2 layers), "
+        f"{report['device']} {report['dtype']}, gloo, {report['cores']} cores, median of {report['repeats']}"
+    )
     print("| layout | tokens | cp | saved MiB/rank (max) | x cp=1 | tokens/s (min-max) | gathered K/V KiB/layer "
           "| work max/mean |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
@@ -271,11 +291,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=900, help="seconds for the whole run")
     parser.add_argument("--collective-timeout", type=float, default=300, help="seconds for any one collective")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--json", default=str(RESULTS))
     args = parser.parse_args(argv)
     report = run(
         [int(n) for n in args.lengths.split(",")], args.layouts.split(","), args.repeats, args.hidden,
-        timeout=args.timeout, collective_timeout=args.collective_timeout, verbose=True,
+        timeout=args.timeout, collective_timeout=args.collective_timeout, verbose=True, device=args.device,
+        dtype=args.dtype,
     )  # fmt: skip
     report["command"] = "python benchmarks/bench_cp.py " + " ".join(argv if argv is not None else sys.argv[1:])
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
