@@ -1,6 +1,7 @@
 """Context parallelism divides what a training step saves for backward: on one 4096-token document, each of 2 ranks
 saves at most 0.6x what one process holding the row saves (every storage autograd saves: activations, masks, the
-gathered K/V), and the split of benchmarks/bench_cp.py's batches balances the causal attention work within 5%."""
+gathered K/V), and the split of benchmarks/bench_cp.py's batches balances the causal attention work within 5%.
+The counter itself (``SavedBytes``) against storages counted by hand."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 from _distributed import run_distributed
 
+from lightning_llmfast.bench.saved import SavedBytes
 from lightning_llmfast.seqmeta import context_split
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
@@ -75,3 +77,13 @@ def test_split_of_the_benchmark_batches_balances_attention_work_within_5_percent
     works = [_work_by_brute_force(cu, part.tolist()) for part in parts]
     assert max(works) / (sum(works) / cp) <= 1.05, works
     assert bench.attention_work_balance(batch, cp) == pytest.approx(max(works) / (sum(works) / cp), rel=1e-12)
+
+
+def test_saved_bytes_lists_each_distinct_storage_once_in_the_order_saved() -> None:
+    x = torch.randn(7, 5, requires_grad=True)
+    w = torch.randn(5, 3, requires_grad=True)
+    with SavedBytes(exclude=[w]) as saved:
+        y = x.exp()  # saves its output y: 7 x 5 fp32
+        y.t().sin()  # saves a view of y: the same storage, not counted again
+        (y @ w).sin()  # the matmul saves y and w (excluded); sin saves the product: 7 x 3 fp32
+    assert saved.sizes == [7 * 5 * 4, 7 * 3 * 4] and saved.nbytes == sum(saved.sizes) and saved.storages == 2
