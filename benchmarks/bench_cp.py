@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -61,6 +62,7 @@ from lightning_llmfast.bench.processes import free_port, leave_world, spawn_worl
 from lightning_llmfast.bench.saved import SavedBytes
 from lightning_llmfast.data import PackedBatch, pack_documents
 from lightning_llmfast.data.packing import IGNORE_INDEX
+from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.models import MoEGPT, MoEGPTConfig
 from lightning_llmfast.seqmeta import CONTEXT_STATS, SequenceMetadata, context_split
 
@@ -83,7 +85,7 @@ def document_lengths(layout: str, tokens: int, seed: int = 0) -> list[int]:
     if layout == "one_document":
         return [tokens]
     if layout != "short_documents":
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        raise ConfigError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     gen = torch.Generator().manual_seed(seed)
     low, high = SHORT_DOCUMENTS
     lengths: list[int] = []
@@ -210,8 +212,7 @@ def _worker(rank: int, world: int, port: int, options: dict[str, Any], out: str)
                     "largest_saved_rank0": per_rank[0]["largest_saved"],
                     "gathered_kv_bytes_per_layer": per_rank[0]["gathered_kv_bytes_per_layer"],
                     "gathers_per_step": per_rank[0]["gathers_per_step"],
-                    "tokens_per_s": speeds[len(speeds) // 2] if len(speeds) % 2 else
-                    (speeds[len(speeds) // 2 - 1] + speeds[len(speeds) // 2]) / 2,
+                    "tokens_per_s": statistics.median(speeds),
                     "tokens_per_s_min": speeds[0], "tokens_per_s_max": speeds[-1],
                     "step_s_repeats": measured[f"cp{cp}"].values,
                     "work_max_over_mean": attention_work_balance(batch, cp),
