@@ -42,7 +42,7 @@ from lightning_llmfast.expert_parallel.sharding import EP_DISPATCHES
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 from lightning_llmfast.parallel.pretrained import loads_every_weight
 from lightning_llmfast.strategy.checkpoint_io import VerifiedCheckpointIO
-from lightning_llmfast.strategy.sharded import ShardedDataParallelBase
+from lightning_llmfast.strategy.pipeline import PipelineParallelBase
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -77,7 +77,7 @@ _REMOVED_OFFLOAD_KEYWORDS = frozenset(
 )
 
 
-class LLMFastStrategy(ShardedDataParallelBase):
+class LLMFastStrategy(PipelineParallelBase):
     """DDP or FSDP2 for LLM training with optional double-buffered activation offload.
 
     With one process on one device it neither wraps the model in ``DistributedDataParallel`` nor creates a
@@ -129,6 +129,10 @@ class LLMFastStrategy(ShardedDataParallelBase):
             them (``expert_parallel_size`` divides ``dp_shard x cp``); losses, router statistics and token counts
             cover the whole group's batch, equal to one rank holding it. ``N`` must divide the world (under
             ``"hsdp"``: the processes of a node) and the tokens of every batch; batches must be ``PackedBatch`` es.
+        pipeline_parallel_size: ``P > 1`` cuts the model's layers into pipeline stages run by torch's schedules
+            inside the training step, with ``pipeline_microbatches``, ``pipeline_schedule``,
+            ``pipeline_stages_per_rank`` and ``pipeline_layers``
+            (:class:`~lightning_llmfast.strategy.pipeline.PipelineParallelBase`, docs/pipeline.md).
         dispatch_dtype: with ``expert_parallel_size > 1``, the tokens' payload on the all-to-all: ``None`` (the
             activations' dtype), ``"bf16"``, or ``"fp8"`` (e4m3 with one fp32 scale per row, ``H + 4`` bytes: half of
             bf16 plus the scales); the expert outputs and gradients then come back in bf16. A
@@ -314,6 +318,9 @@ class LLMFastStrategy(ShardedDataParallelBase):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._setup_clipping()
+        if self.pipeline_config is not None:
+            self._setup_pipeline(trainer)  # its own setup: stages cut and pruned, no DDP wrapper
+            return
         if self.sharding == "ddp" and not self.single_process:
             self._read_locally()
         if self.sharding == "ddp" and self.expert_parallel_size > 1:

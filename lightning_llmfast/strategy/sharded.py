@@ -87,6 +87,7 @@ class ShardedDataParallelBase(DDPStrategy):
         sharding: str = "ddp",
         expert_parallel_size: int = 1,
         context_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
         if not isinstance(sharding, str) or sharding not in SHARDINGS:
@@ -97,6 +98,7 @@ class ShardedDataParallelBase(DDPStrategy):
         self.sharding = sharding
         self.expert_parallel_size = expert_parallel_size
         self.context_parallel_size = context_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
         self._parallel_dims: ParallelDims | None = None
         self._mesh_world: dist.ProcessGroup | None = None  # the default group the mesh was built over
         self._parallelized: nn.Module | None = None  # the module parallelize() sharded over that mesh
@@ -161,6 +163,7 @@ class ShardedDataParallelBase(DDPStrategy):
             self.expert_parallel_size,
             num_nodes=self.num_nodes,
             context_parallel_size=self.context_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
         )
         world = dist.group.WORLD if dims.world_size > 1 else None
         if dims == self._parallel_dims and world is self._mesh_world:
