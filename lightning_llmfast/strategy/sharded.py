@@ -120,8 +120,9 @@ class ShardedDataParallelBase(DDPStrategy):
     Raises:
         ConfigError: at construction for a ``sharding`` outside :data:`~lightning_llmfast.parallel.dims.SHARDINGS`,
             an ``expert_parallel_size`` that is not an int ``>= 1``, or a keyword that neither DDPStrategy nor
-            ``DistributedDataParallel`` takes (:func:`check_strategy_keywords`, under every ``sharding``); in :meth:`setup_environment` when it does not
-            divide the world size (under ``"hsdp"``: the processes of a node).
+            ``DistributedDataParallel`` takes (:func:`check_strategy_keywords`, under every ``sharding``); in
+            :meth:`setup_environment` when it does not divide the world size (under ``"hsdp"``: the processes of a
+            node).
 
     Example::
 
