@@ -279,6 +279,47 @@ def test_exchange_timer_union_of_spans_and_sum_of_waits() -> None:
     assert timer.read_ms() == (1.0, 0.0)
 
 
+class _Evaluated(L.LightningModule):
+    """Each evaluation step runs one exchange of 100 ms on ``timer`` (stamps given by hand, as with :class:`_Clock`)."""
+
+    def __init__(self, timer: ExchangeTimer) -> None:
+        super().__init__()
+        self.timer = timer
+
+    def _exchange(self) -> None:
+        span = self.timer.begin()
+        span[0] = 100.0
+        self.timer.waited(150.0, 160.0)
+        self.timer.end(span, 200.0)
+
+    def validation_step(self, *args: Any) -> None:
+        self._exchange()
+
+    def test_step(self, *args: Any) -> None:
+        self._exchange()
+
+    def predict_step(self, *args: Any) -> None:
+        self._exchange()
+
+
+def test_evaluation_exchanges_are_dropped_and_never_charged_to_a_training_step() -> None:
+    timer = ExchangeTimer(_Clock())
+    strategy = LLMFastStrategy(expert_parallel_size=2)
+    module = _Evaluated(timer)
+    strategy._lightning_module, strategy.model, strategy._a2a_timer = module, module, timer
+    span = timer.begin()  # a training step's exchange, still open when validation starts (val_check_interval)
+    span[0] = 0.0
+    timer.end(span, 10.0)
+    timer.waited(2.0, 5.0)
+    for _ in range(50):  # a validate/test/predict run of many steps: the timer holds nothing between them
+        for step in (strategy.validation_step, strategy.test_step, strategy.predict_step):
+            step(None, 0)
+            assert not timer._spans and not timer._waits and len(timer._closed) == 1
+    timer.close()  # what the next training step does first
+    assert timer.read_ms() == (10.0, 3.0)  # the training step alone: no evaluation exchange charged to it
+    assert timer.read_ms() is None and not timer._closed
+
+
 def test_chunk_rules() -> None:
     assert split_evenly(7, 3) == [2, 2, 3] and split_evenly(0, 2) == [0, 0] and split_evenly(2, 4) == [0, 1, 0, 1]
     assert chunk_count("auto", 100) == 1 and chunk_count("auto", 600) == 2 and chunk_count("auto", 10**6) == 4

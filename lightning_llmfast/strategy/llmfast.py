@@ -15,8 +15,9 @@ Example::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -439,6 +440,35 @@ class LLMFastStrategy(ShardedDataParallelBase):
         if output is None or not self.lightning_module.automatic_optimization:
             offload.on_train_batch_end(trainer, self.lightning_module, output, None, 0)
         return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self._untimed_exchanges():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self._untimed_exchanges():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._untimed_exchanges():
+            return super().predict_step(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _untimed_exchanges(self) -> Iterator[None]:
+        """An evaluation step: the training step before it is closed (its forward and backward are whole), and the
+        evaluation's own exchanges are dropped, so the timer holds nothing between training steps and no evaluation
+        exchange is charged to a training step."""
+        timer = self._a2a_timer
+        if timer is not None:
+            timer.close()
+        try:
+            yield
+        finally:
+            if timer is not None:
+                timer.discard()
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
