@@ -338,7 +338,14 @@ class ShardedDataParallelBase(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if not self._distributed_checkpoints:
-            super().save_checkpoint(checkpoint, filepath, storage_options)
+            # Rank 0 writes the file; the others learn here whether it did (Lightning's barrier after the save would
+            # leave them waiting for a rank that raised), and any failure raises on every rank alike.
+            error: Exception | None = None
+            try:
+                super().save_checkpoint(checkpoint, filepath, storage_options)
+            except Exception as err:
+                error = err
+            agree(error, f"saving {filepath}")
             return
         if storage_options is not None:
             raise ConfigError(
