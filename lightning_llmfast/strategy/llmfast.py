@@ -43,6 +43,7 @@ from lightning_llmfast.expert_parallel.sharding import EP_DISPATCHES
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 from lightning_llmfast.parallel.pretrained import loads_every_weight
 from lightning_llmfast.strategy.checkpoint_io import VerifiedCheckpointIO
+from lightning_llmfast.strategy.recovery import InProcessLauncher, with_recovery
 from lightning_llmfast.strategy.sharded import ShardedDataParallelBase
 
 if TYPE_CHECKING:
@@ -283,9 +284,11 @@ class LLMFastStrategy(ShardedDataParallelBase):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self.single_process and not self.cluster_environment.creates_processes_externally:
-            self._launcher = None  # nothing to launch; also works in notebooks
+            self._launcher = InProcessLauncher()  # nothing to launch; also works in notebooks
         else:
             super()._configure_launcher()
+        if self._launcher is not None:  # checkpoints a kill left aside put back before Lightning looks for them
+            self._launcher = with_recovery(self._launcher)
 
     @override
     def setup_distributed(self) -> None:
