@@ -100,7 +100,9 @@ class LLMFastStrategy(ShardedDataParallelBase):
     modules' ``reset_parameters()``. Checkpoints are DCP directories that every rank writes its shards into and
     that load into any world size (:mod:`~lightning_llmfast.parallel.checkpoint`; ``consolidate_checkpoint``
     exports one file for inference). One process shards nothing, as with DDP, but reads and writes the same
-    checkpoints.
+    checkpoints. A save that fails on any rank raises the same ``CheckpointError`` on every rank, and before every
+    ``fit``, ``validate``, ``test`` or ``predict`` the strategy's launcher puts back a checkpoint that a kill inside
+    a save left aside (:mod:`~lightning_llmfast.strategy.recovery`), so ``ckpt_path="last"`` finds it.
 
     Args:
         sharding: ``"ddp"`` (replicated model), ``"fsdp"`` (FSDP2 sharded data parallel) or ``"hsdp"`` (FSDP2 sharded
@@ -167,6 +169,8 @@ class LLMFastStrategy(ShardedDataParallelBase):
             no grouped MoE block, or (hierarchical) the expert-parallel group does not fill whole nodes equally or
             group-limited routing has groups that straddle nodes; an ``ep_overlap`` that is not a bool or an
             ``ep_overlap_chunks`` that is not an int ``>= 1`` or ``"auto"``.
+        ConfigError: at construction for a keyword that neither this strategy, DDPStrategy nor
+            ``DistributedDataParallel`` takes, under every ``sharding`` (named, with its closest accepted spelling).
         ConfigError: at construction for a ``grad_reduce_dtype`` other than ``None``/``"bf16"``, a
             ``grad_compression`` other than ``None``/``"powersgd"``/a ``PowerSGDConfig``, both together, PowerSGD
             with ``sharding="fsdp"``, or either with a ``ddp_comm_hook``.
