@@ -84,6 +84,7 @@ def test_leave_world_leaves_no_semaphore_and_no_worker_behind(tmp_path: Path) ->
         os.kill(pid, 0)
 
 
+@pytest.mark.slow
 def test_a_two_process_fsdp_x_ep_fit_with_a_worker_ends_quietly(tmp_path: Path) -> None:
     script = Path(__file__).parent / "scripts" / "fit_packed.py"
     args = ["--devices", "2", "--workers", "1", "--max-steps", "2", "--docs", "16", "--sharding", "fsdp", "--ep", "2"]
