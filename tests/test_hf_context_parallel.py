@@ -24,9 +24,9 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 61
 AUX = 0.01
-# Rows of T = 13 (prime): one document of exactly T, length-1 documents, prime lengths, and one document of 26
-# tokens cut at a row end: over 2 rows x 13 and cp = 2 a document spans both ranks.
-LAYOUTS = ([13, 1, 1, 5, 7], [26], [2, 3, 1, 11, 3, 2, 1, 3])
+# 4 rows of T = 13 (prime): one document of exactly T, length-1 documents, prime lengths, padding tails, and one
+# document of 52 tokens cut at the row ends, which spans every rank.
+LAYOUTS = ([13, 1, 1, 5, 7, 13, 2], [52], [2, 3, 1, 11, 3, 2, 1, 3, 17, 5])
 
 
 def _batches() -> list[PackedBatch]:
@@ -34,7 +34,7 @@ def _batches() -> list[PackedBatch]:
     out = []
     for lengths in LAYOUTS:
         docs = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-        out.append(next(pack_documents(docs, seq_len=13, batch_size=2, vocab_size=VOCAB, lookahead=8)))
+        out.append(next(pack_documents(docs, seq_len=13, batch_size=4, vocab_size=VOCAB, lookahead=8)))
     return out
 
 
@@ -46,8 +46,8 @@ def _module(family: str) -> HFCausalLMModule:
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double()
     with torch.no_grad():
         for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.normal_()
+            if name.endswith("e_score_correction_bias"):  # biased routing, small enough to keep it varied
+                buf.normal_(0.0, 0.05)
     module = HFCausalLMModule(model, aux_loss_coef=AUX, moe_backend="torch")
     module.configure_model()  # the grouped MoE blocks
     return module
@@ -81,12 +81,13 @@ def _worker(rank: int, world: int, family: str) -> None:
             per_token = config.kv_lora_rank + config.qk_rope_head_dim
         else:  # one gather a layer, of every kv head's key and value
             per_token = 2 * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads)
+        assert shard.input_ids.numel() * world == batch.input_ids.numel()
         assert CONTEXT_STATS.gathers == config.num_hidden_layers
         assert CONTEXT_STATS.gathered_bytes == config.num_hidden_layers * batch.input_ids.numel() * per_token * 8
         with torch.no_grad():
             logits = module(shard)
             expected = reference(batch).flatten(0, 1).index_select(0, shard.context.positions)
-        torch.testing.assert_close(logits[0], expected, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(logits[0], expected, rtol=1e-6, atol=1e-6)  # float32 router (below)
     names = [n for n, p in reference.named_parameters() if p.grad is not None]
     assert names == [n for n, p in module.named_parameters() if p.grad is not None]
     for (name, mine), theirs in zip(module.named_parameters(), reference.parameters()):
@@ -99,9 +100,13 @@ def _worker(rank: int, world: int, family: str) -> None:
         torch.testing.assert_close(grad, theirs.grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "mixtral"])
-def test_shards_equal_one_process_float64(family: str) -> None:
-    run_distributed(_worker, 2, family, timeout=180)
+@pytest.mark.parametrize(
+    ("family", "cp"),
+    [("deepseek_v3", 2), ("deepseek_v3", 4), ("mixtral", 2)],
+    ids=["mla-cp2", "mla-cp4", "mixtral-cp2"],
+)
+def test_shards_equal_one_process_float64(family: str, cp: int) -> None:
+    run_distributed(_worker, cp, family, timeout=180)
 
 
 def test_latent_swap_keeps_names_and_gathers_the_latent_only() -> None:
