@@ -75,13 +75,7 @@ def packed_model_inputs(
     config = getattr(model, "config", None)
     if config is None:
         raise ConfigError(f"model: a transformers model with a `config` is needed, got {type(model).__name__}")
-    impl = _attention_implementation(config)
-    if batch.context is not None and impl != VARLEN_ATTENTION:
-        raise ConfigError(
-            f"{type(model).__name__}: a context-parallel shard attends its documents' keys gathered from every rank, "
-            f"which only {VARLEN_ATTENTION!r} does; its attention implementation is {impl!r} "
-            "(use_context_parallel(model) sets it)"
-        )
+    impl = _attention_implementation(config, model if batch.context is not None else None)
     meta = _metadata(batch, metadata)
     kwargs: dict[str, Any] = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False}
     if impl == VARLEN_ATTENTION:
@@ -132,10 +126,18 @@ def block_causal_mask(
     return torch.zeros(allowed.shape, dtype=dtype, device=doc.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-def _attention_implementation(config: Any) -> str:
+def _attention_implementation(config: Any, shard_model: nn.Module | None = None) -> str:
+    """The config's attention implementation, checked for packed batches (and, with ``shard_model``, for a
+    context-parallel shard of one)."""
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl == VARLEN_ATTENTION:  # its layers were checked by use_varlen_attention
         return impl
+    if shard_model is not None:
+        raise ConfigError(
+            f"{type(shard_model).__name__}: a context-parallel shard attends its documents' keys gathered from every "
+            f"rank, which only {VARLEN_ATTENTION!r} does; its attention implementation is {impl!r} "
+            "(use_context_parallel(model) sets it)"
+        )
     if impl in _MASKED or "flash" in impl:
         if len(set(getattr(config, "layer_types", None) or ())) > 1 or getattr(config, "attention_chunk_size", None):
             raise ConfigError(
