@@ -6,6 +6,7 @@ the latent's); the MLA swap keeps every parameter name; models that cannot atten
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -135,3 +136,16 @@ def test_models_that_cannot_attend_a_shard_are_refused() -> None:
     shard = _batches()[0].context_shard(0, 2)
     with pytest.raises(ConfigError, match=r"MixtralForCausalLM.*context-parallel shard.*'sdpa'"):
         packed_model_inputs(shard, module.model)
+
+
+def test_module_setup_under_context_parallelism_restores_varlen_or_refuses() -> None:
+    module = _module("qwen3_moe")
+    module.model.set_attn_implementation("sdpa")
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(context_parallel_size=2))  # what setup reads
+    module.setup("fit")
+    assert module.model.config._attn_implementation == "llmfast_varlen"
+    module.model.config.attention_dropout = 0.1  # set after construction: cannot attend a shard
+    with pytest.raises(ConfigError, match=r"Qwen3MoeForCausalLM.*attention_dropout"):
+        module.setup("fit")
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace())  # another strategy: no context parallelism
+    module.setup("fit")
