@@ -16,6 +16,7 @@ from lightning_llmfast.errors import MetadataError
 from lightning_llmfast.models.config import MoEGPTConfig
 from lightning_llmfast.models.model import MoEGPT
 from lightning_llmfast.modules.losses import causal_lm_loss, scale_by_token_share, shared_batch_losses
+from lightning_llmfast.seqmeta import SequenceMetadata
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -84,7 +85,10 @@ class MoEGPTLightningModule(L.LightningModule):
 
     @override
     def forward(self, batch: PackedBatch) -> Tensor:
-        return self.model(batch.input_ids, batch.position_ids)
+        # A context-parallel shard's pieces start inside their documents: only the batch (not its position ids)
+        # describes them, so its metadata is built here, once per batch, on the host.
+        metadata = SequenceMetadata.from_batch(batch) if getattr(batch, "context", None) is not None else None
+        return self.model(batch.input_ids, batch.position_ids, metadata)
 
     def _loss(self, batch: PackedBatch) -> tuple[Tensor, Tensor]:
         logits = self(batch)
