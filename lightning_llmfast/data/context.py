@@ -12,8 +12,9 @@ most two contiguous pieces of the document (a prefix-side piece and its mirror: 
 when one document is split across all ranks).
 
 - Heavy documents (at least two positions per rank, and more than a quarter of a rank's fair work) are split across
-  every rank: each takes a run of ``floor``/``ceil`` of ``L / cp`` fold positions (at most two pieces), the extra
-  positions rotating over the ranks from document to document.
+  every rank in runs of whole mirrored pairs (so each run has exactly its document's mean work per position; at most
+  two pieces), the ``floor``/``ceil`` of the pairs rotating over the ranks from document to document; the last one
+  evens the ranks' counts out.
 - Every other document is one *item*, or, when it weighs more than 4% of a rank's fair work or is longer than an
   eighth of a rank's positions, a few equal runs of whole mirrored pairs. Items are dealt heaviest first into ``cp``
   lanes, each to the lane whose work still due most exceeds what the items left would bring its room; the lanes are
@@ -21,11 +22,11 @@ when one document is split across all ranks).
   reaches exactly ``N / cp`` minus what the heavy documents gave it. A cut splits at most one item.
 
 Balance: the largest rank's work is within 5% of the mean whenever every rank holds at least
-:data:`BALANCED_MIN_POSITIONS` positions (``N / cp >= 64``), whatever the document lengths (one document, hundreds
-of short ones, length-1 documents, prime lengths); tests/test_context_split.py checks this on random batches of
-five length distributions against a brute-force count. Below that the integer works may make 5% impossible
-(positions of works ``1, 2, 3`` and ``1..5`` over 4 ranks of 2: the best split's largest rank does 6, the mean is
-5.25).
+:func:`balanced_min_positions` positions (``N / cp >= max(64, 8 * cp)``), whatever the document lengths (one
+document, hundreds of short ones, length-1 documents, prime lengths, rows with padding tails);
+tests/test_context_split.py checks this on random batches of six length distributions against a brute-force count.
+Below that the integer works may make 5% impossible (positions of works ``1, 2, 3`` and ``1..5`` over 4 ranks of 2:
+the best split's largest rank does 6, the mean is 5.25).
 
 Pieces: a rank holds at most two pieces of each heavy document, whole light documents or runs of mirrored pairs of
 mid-size ones, and at most two partial items at its cuts. Host NumPy only; deterministic (stable sorts, no randomness).
@@ -44,10 +45,8 @@ from torch import Tensor
 from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import ConfigError, MetadataError
 
-__all__ = ["BALANCED_MIN_POSITIONS", "ContextShard", "context_shard_plan", "context_split", "split_positions"]
+__all__ = ["ContextShard", "balanced_min_positions", "context_shard_plan", "context_split", "split_positions"]
 
-# Below this many positions per rank the 5% work bound may be impossible with integer works (module docstring).
-BALANCED_MIN_POSITIONS = 64
 # A document of at least two positions per rank whose work exceeds this share of a rank's fair work is split across
 # every rank (at most two pieces on each).
 _SPLIT_ALL_SHARE = 0.25
@@ -55,6 +54,17 @@ _SPLIT_ALL_SHARE = 0.25
 # positions, are cut into equal fold runs (whole mirrored pairs) below both, dealt like short documents.
 _ITEM_SHARE = 0.04
 _ITEM_FRACTION = 8
+
+
+def balanced_min_positions(cp_size: int) -> int:
+    """Positions per rank from which :func:`context_split` keeps every rank's work within 5% of the mean:
+    ``max(64, 8 * cp_size)`` (below it, integer works may make 5% impossible; see the module docstring).
+
+    Example::
+
+        balanced_min_positions(4), balanced_min_positions(16)  # (64, 128)
+    """
+    return max(64, 8 * check_int("cp_size", cp_size, low=1))
 
 
 def context_split(cu_seqlens: Any, cp_size: int) -> list[Tensor]:
@@ -68,7 +78,7 @@ def context_split(cu_seqlens: Any, cp_size: int) -> list[Tensor]:
 
     Returns:
         ``cp_size`` int64 CPU tensors of ``N / cp_size`` ascending positions each: every position held exactly once,
-        causal attention work balanced within 5% (max/mean) when ``N / cp_size >= 64`` (module docstring).
+        causal attention work balanced within 5% (max/mean) when ``N / cp_size >= balanced_min_positions(cp_size)``.
 
     Raises:
         ConfigError: ``cp_size`` is not a positive int, or ``N`` is not a multiple of it.
@@ -138,21 +148,32 @@ def _fold_offsets(length: int, begin: int, end: int) -> np.ndarray:
 def _split_long(
     docs: list[int], starts: np.ndarray, lengths: np.ndarray, cp: int, parts: list[list[np.ndarray]]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Splits each document in ``docs`` over all ranks in fold order; returns the positions and work each rank got."""
+    """Splits each document in ``docs`` over all ranks in fold order; returns the positions and work each rank got.
+
+    Rank ``r`` ends with ``floor((total + r) / cp)`` positions of these documents. Every document but the last
+    (shortest) is cut into runs of whole mirrored pairs (exactly its mean work per position), the ``floor``/``ceil``
+    of its pairs over the ranks rotating from document to document and its middle position (odd lengths) going to
+    the rank with the fewest so far; the last evens the counts out. Where it cannot (its share would be negative on
+    some rank), every document is cut into ``floor``/``ceil`` of ``L / cp`` positions, rotating likewise.
+    """
+    ranks = np.arange(cp)
+    takes = _pair_takes(docs, lengths, cp)
+    if takes is None:
+        before, takes = 0, []
+        for doc in docs:
+            length = int(lengths[doc])
+            takes.append((before + length + ranks) // cp - (before + ranks) // cp)
+            before += length
     count = np.zeros(cp, dtype=np.int64)
     work = np.zeros(cp)
-    before = 0  # positions of the documents already split: where this one's rounding starts
-    ranks = np.arange(cp)
-    for i, doc in enumerate(docs):
+    for i, (doc, took) in enumerate(zip(docs, takes)):
         length, start = int(lengths[doc]), int(starts[doc])
-        # floor((before + L + r) / cp) - floor((before + r) / cp): floor or ceil of L / cp, summing to L over the
-        # ranks and, over all these documents, to floor((their total + r) / cp) for rank r.
-        took = (before + length + ranks) // cp - (before + ranks) // cp
-        before += length
-        # Alternate which ranks take the leading fold positions, so that the half-pair at a run's ends does not
-        # favour the same ranks document after document.
+        # Alternate which ranks take the leading fold positions, so that no rank always holds a document's start;
+        # a rank with an odd share goes last (a run of whole pairs ending at the middle position).
+        order = ranks if i % 2 == 0 else ranks[::-1]
+        order = np.concatenate([order[took[order] % 2 == 0], order[took[order] % 2 == 1]])
         cursor = 0
-        for rank in ranks if i % 2 == 0 else ranks[::-1]:
+        for rank in order:
             n = int(took[rank])
             if n:
                 offsets = _fold_offsets(length, cursor, cursor + n)
@@ -161,6 +182,28 @@ def _split_long(
                 cursor += n
         count += took
     return count, work
+
+
+def _pair_takes(docs: list[int], lengths: np.ndarray, cp: int) -> list[np.ndarray] | None:
+    """Each document's positions per rank in whole pairs, the last one evening the counts out (``None``: it cannot)."""
+    ranks = np.arange(cp)
+    target = (int(lengths[docs].sum()) + ranks) // cp
+    count = np.zeros(cp, dtype=np.int64)
+    takes = []
+    pairs_before = 0  # pairs already dealt: where this document's rotation starts
+    for doc in docs[:-1]:
+        length = int(lengths[doc])
+        pairs = length // 2
+        took = 2 * ((pairs_before + pairs + ranks) // cp - (pairs_before + ranks) // cp)
+        pairs_before += pairs
+        if length % 2:
+            took[int(np.argmin(count + took))] += 1
+        takes.append(took)
+        count += took
+    last = target - count
+    if (last < 0).any():
+        return None
+    return [*takes, last]
 
 
 def _items(docs: np.ndarray, lengths: np.ndarray, fair: float, per_rank: int) -> list[tuple[int, int, int]]:
