@@ -298,7 +298,8 @@ def test_lightning_cli_builds_the_model_from_a_transformers_config(tmp_path: Pat
     )
     model = cli.model.model
     assert isinstance(model, transformers.Qwen3MoeForCausalLM)
-    assert model.config.hidden_size == 32 and model.config._attn_implementation == "eager"
+    assert model.config.hidden_size == 32 and cli.model.hparams.attn_implementation == "eager"
+    assert model.config._attn_implementation == "llmfast_varlen"  # packed batches attend through it whatever built
     assert cli.model.swap_moe_blocks("torch") == 2
 
 

@@ -9,7 +9,8 @@ same model trained the way the transformers documentation shows for packed data,
   documents, which would make this a benchmark of a wrong computation. transformers detects the packing from the
   ``position_ids`` in each forward;
 - ``llmfast``: :class:`~lightning_llmfast.HFCausalLMModule` (grouped, sync-free MoE blocks swapped in,
-  :func:`~lightning_llmfast.packed_model_inputs` on the ``(B, T)`` rows) with ``strategy="llmfast"``,
+  :func:`~lightning_llmfast.packed_model_inputs` on the ``(B, T)`` rows, the package's varlen attention driven by the
+  batch's metadata, no mask) with ``strategy="llmfast"``,
   :class:`~lightning_llmfast.SequenceMetadataCallback` and :class:`~lightning_llmfast.TokenThroughputMonitor`.
 
 All three train on the same tokens with the same labels (the peer's labels are ours unshifted), without the

@@ -6,7 +6,9 @@ causal mask over the whole row and every token attends across document boundarie
 device (``find_packed_sequence_indices`` ends in a Python ``if`` on a tensor). :func:`packed_model_inputs` avoids
 both: ``use_cache=False`` and, for the mask-based implementations (``"sdpa"``, ``"eager"``), the finished
 block-diagonal causal mask ``(B, 1, T, T)``, which transformers passes to every layer untouched. FlashAttention
-implementations get ``cu_seq_lens_q/k`` and ``max_length_q/k`` from the host-side metadata instead.
+implementations get ``cu_seq_lens_q/k`` and ``max_length_q/k`` from the host-side metadata instead, and the package's
+own ``"llmfast_varlen"`` (:mod:`~lightning_llmfast.hf.attention`, what
+:class:`~lightning_llmfast.HFCausalLMModule` uses) gets the metadata itself and no mask.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import Tensor, nn
 
 from lightning_llmfast.data import PackedBatch
 from lightning_llmfast.errors import ConfigError, DataError, MetadataError
+from lightning_llmfast.hf.attention import METADATA_KWARG, VARLEN_ATTENTION, packed_attention_mask
 from lightning_llmfast.seqmeta import SequenceMetadata, active_cache
 
 __all__ = ["block_causal_mask", "packed_model_inputs"]
@@ -31,11 +34,13 @@ def packed_model_inputs(
     """Returns the keyword arguments of a transformers causal-LM forward on a packed batch.
 
     The result always holds ``input_ids``, ``position_ids`` (both ``(B, T)``) and ``use_cache=False``. For the
-    ``"sdpa"`` and ``"eager"`` attention implementations it adds ``attention_mask``: the block-diagonal causal mask
-    of the batch (boolean for SDPA, additive for eager; the config's ``sliding_window`` applied), built once per
-    metadata and memoised on it. For FlashAttention implementations it adds ``cu_seq_lens_q``/``cu_seq_lens_k``
-    (``int32`` on the batch's device) and ``max_length_q``/``max_length_k`` (host ints) over the flattened
-    ``B * T`` positions. Nothing here reads the device.
+    ``"llmfast_varlen"`` implementation (:func:`~lightning_llmfast.hf.attention.use_varlen_attention`) it adds the
+    metadata (``llmfast_metadata``) and a one-byte placeholder ``attention_mask`` that keeps transformers from building
+    a mask. For the ``"sdpa"`` and ``"eager"`` attention implementations it adds ``attention_mask``: the
+    block-diagonal causal mask of the batch (boolean for SDPA, additive for eager; the config's ``sliding_window``
+    applied), built once per metadata and memoised on it. For FlashAttention implementations it adds
+    ``cu_seq_lens_q``/``cu_seq_lens_k`` (``int32`` on the batch's device) and ``max_length_q``/``max_length_k`` (host
+    ints) over the flattened ``B * T`` positions. Nothing here reads the device.
 
     The metadata comes from ``metadata`` when given, else from the active
     :class:`~lightning_llmfast.seqmeta.SequenceMetadataCache` (what
@@ -72,7 +77,10 @@ def packed_model_inputs(
     impl = _attention_implementation(config)
     meta = _metadata(batch, metadata)
     kwargs: dict[str, Any] = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False}
-    if impl in _MASKED:
+    if impl == VARLEN_ATTENTION:
+        kwargs["attention_mask"] = packed_attention_mask(meta, batch.batch_size, batch.seq_len)
+        kwargs[METADATA_KWARG] = meta
+    elif impl in _MASKED:
         dtype = _mask_dtype(model)
         window = getattr(config, "sliding_window", None)
         key = ("hf_mask", impl, dtype, batch.seq_len, window)
@@ -119,6 +127,8 @@ def block_causal_mask(
 
 def _attention_implementation(config: Any) -> str:
     impl = getattr(config, "_attn_implementation", None) or "eager"
+    if impl == VARLEN_ATTENTION:  # its layers were checked by use_varlen_attention
+        return impl
     if impl in _MASKED or "flash" in impl:
         if len(set(getattr(config, "layer_types", None) or ())) > 1 or getattr(config, "attention_chunk_size", None):
             raise ConfigError(
@@ -126,8 +136,8 @@ def _attention_implementation(config: Any) -> str:
             )
         return impl
     raise ConfigError(
-        f"attn_implementation {impl!r} is not supported for packed batches; use 'sdpa', 'eager' or a "
-        "FlashAttention implementation ('flash_attention_2', ...)"
+        f"attn_implementation {impl!r} is not supported for packed batches; use {VARLEN_ATTENTION!r} "
+        "(use_varlen_attention(model)), 'sdpa', 'eager' or a FlashAttention implementation ('flash_attention_2', ...)"
     )
 
 

@@ -17,6 +17,7 @@ from typing_extensions import override
 from lightning_llmfast._checks import check_int, check_number
 from lightning_llmfast._compile import check_compile, compile_layers
 from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.hf.attention import use_varlen_attention
 from lightning_llmfast.hf.inputs import packed_model_inputs
 from lightning_llmfast.modules.grouped_router import GroupedRouterMixin
 from lightning_llmfast.modules.losses import causal_lm_loss, scale_by_token_share, shared_batch_losses
@@ -35,11 +36,14 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
     """Trains a transformers causal LM on :class:`~lightning_llmfast.data.PackedBatch` batches.
 
     Every forward goes through :func:`~lightning_llmfast.packed_model_inputs`, so each document attends to itself
-    only, with no cache and no host sync. The loss is computed here from the logits and the batch's already shifted
-    labels (never passed to the model, which would shift them again), token-weighted over the optimizer step with
-    :func:`~lightning_llmfast.causal_lm_loss`. The model's MoE blocks are swapped for grouped, sync-free ones at
-    ``configure_model`` (:class:`~lightning_llmfast.GroupedRouterMixin`, same parameters) and their load-balancing
-    losses are added with ``aux_loss_coef``, weighted by :func:`~lightning_llmfast.scale_by_token_share`.
+    only, with no cache and no host sync. Whatever ``attn_implementation`` the model was built with, its attention runs
+    through the package's varlen attention (:func:`~lightning_llmfast.hf.attention.use_varlen_attention`, set at
+    construction): no ``(B, 1, T, T)`` mask, activation memory linear in the row length. The loss is computed here
+    from the logits and the batch's already shifted labels (never passed to the model, which would shift them again),
+    token-weighted over the optimizer step with :func:`~lightning_llmfast.causal_lm_loss`. The model's MoE blocks are
+    swapped for grouped, sync-free ones at ``configure_model`` (:class:`~lightning_llmfast.GroupedRouterMixin`, same
+    parameters) and their load-balancing losses are added with ``aux_loss_coef``, weighted by
+    :func:`~lightning_llmfast.scale_by_token_share`.
 
     A local pretrained directory (as ``save_pretrained`` writes it; nothing is downloaded) builds the model on the
     meta device from its ``config.json``, in fp32 and in train mode; the strategy parallelises it, then each rank reads
@@ -59,8 +63,10 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
         warmup_steps: linear warm-up length in optimizer steps.
         min_lr_ratio: after the warm-up the learning rate follows a cosine from ``lr`` down to ``min_lr_ratio * lr``
             at the run's last optimizer step (``Trainer.estimated_stepping_batches``); ``1.0`` keeps it constant.
-        attn_implementation: attention implementation of a model built from a config (``"sdpa"``, ``"eager"``,
-            ``"flash_attention_2"``...); a given model keeps its own.
+        attn_implementation: attention implementation a model is built with from a config (``"sdpa"``, ``"eager"``,
+            ``"flash_attention_2"``...); a given model keeps its own. Packed batches attend through
+            ``"llmfast_varlen"`` either way (the model's config then names it); the model called without the
+            package's metadata (``module.model.generate``) attends as ``"sdpa"``.
         moe_backend: routing backend of the swapped MoE blocks (``"auto"``, ``"torch"`` or ``"triton"``).
         compile: compile every decoder layer with ``torch.compile(fullgraph=True)`` at ``configure_model``, after the
             MoE swap, as torchtitan does (``True``: the default backend; or a backend name such as ``"aot_eager"``).
@@ -112,6 +118,7 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
                 f"model: expected a transformers causal LM, its config or a pretrained directory, got "
                 f"{type(model).__name__}"
             )
+        use_varlen_attention(model)
         self.model = model
         self.lr, self.weight_decay, self.warmup_steps = lr, weight_decay, warmup_steps
         self.aux_loss_coef, self.moe_backend, self.min_lr_ratio = aux_loss_coef, moe_backend, min_lr_ratio
@@ -128,7 +135,8 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
 
         Raises:
             CheckpointError: no ``config.json``, missing or corrupt shards, keys the shards do not hold.
-            ConfigError: an unsupported architecture (the supported families are named).
+            ConfigError: an unsupported architecture (the supported families are named), or attention that cannot run
+            through the package's varlen attention (the model is named).
 
         Example::
 

@@ -16,7 +16,7 @@ from lightning_llmfast.errors import MetadataError
 from lightning_llmfast.models.config import MoEGPTConfig
 from lightning_llmfast.models.model import MoEGPT
 from lightning_llmfast.modules.losses import causal_lm_loss, scale_by_token_share, shared_batch_losses
-from lightning_llmfast.seqmeta import SequenceMetadata
+from lightning_llmfast.seqmeta import SequenceMetadata, active_cache
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -85,10 +85,11 @@ class MoEGPTLightningModule(L.LightningModule):
 
     @override
     def forward(self, batch: PackedBatch) -> Tensor:
-        # A context-parallel shard's pieces start inside their documents: only the batch (not its position ids)
-        # describes them, so its metadata is built here, once per batch, on the host.
-        metadata = SequenceMetadata.from_batch(batch) if getattr(batch, "context", None) is not None else None
-        return self.model(batch.input_ids, batch.position_ids, metadata)
+        # A context-parallel shard's pieces are not whole documents: its metadata comes from the shard's plan (the
+        # open metadata cache builds the same from the batch), never from its positions.
+        shard = batch.context is not None and active_cache() is None
+        metadata = SequenceMetadata.from_batch(batch) if shard else None
+        return self.model(batch.input_ids, batch.position_ids, metadata=metadata)
 
     def _loss(self, batch: PackedBatch) -> tuple[Tensor, Tensor]:
         logits = self(batch)

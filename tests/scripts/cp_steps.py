@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule
 from lightning_llmfast.bench.processes import leave_world
@@ -62,14 +62,33 @@ class LossLog(L.Callback):
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
 
 
-def fit(strategy: Any, devices: int) -> tuple[MoEGPTLightningModule, LossLog, L.Trainer]:
+def streams(dp: int) -> list[PackedBatch]:
+    """The micro-batches one process accumulates to see what ``dp`` streams of batches see (each the share of one cp
+    group, from the sampler Lightning injects with the strategy's ``distributed_sampler_kwargs``: shuffled with seed
+    0, one permutation per epoch): step by step, stream by stream."""
+    data, out, epoch = batches(), [], 0
+    while len(out) < STEPS * dp:
+        samplers = [DistributedSampler(data, num_replicas=dp, rank=r, shuffle=True, seed=0) for r in range(dp)]
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+        orders = [list(sampler) for sampler in samplers]
+        out += [data[orders[r][i]] for i in range(len(orders[0])) for r in range(dp)]
+        epoch += 1
+    return out[: STEPS * dp]
+
+
+def fit(strategy: Any, devices: int, dp: int = 1) -> tuple[MoEGPTLightningModule, LossLog, L.Trainer]:
+    """Trains :data:`STEPS` steps: several ranks read :func:`batches` through the sampler Lightning injects, one
+    process accumulates the ``dp`` streams' micro-batches of every step (:func:`streams`)."""
     torch.set_num_threads(1)
     model, log = module(), LossLog()
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, callbacks=[log],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accumulate_grad_batches=1 if devices > 1 else dp, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
-    trainer.fit(model, train_dataloaders=DataLoader(batches(), batch_size=None))
+    data = batches() if devices > 1 else streams(dp)
+    trainer.fit(model, train_dataloaders=DataLoader(data, batch_size=None))
     return model, log, trainer
 
 
