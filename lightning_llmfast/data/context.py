@@ -34,6 +34,7 @@ mid-size ones, and at most two partial items at its cuts. Host NumPy only; deter
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -250,11 +251,17 @@ def _deal(
     need = [float(w) for w in work_left]
     lanes: list[list[int]] = [[] for _ in range(cp)]
     rest_len, rest_work = float(size.sum()), float(weight.sum())
+    sizes, weights = size.tolist(), weight.tolist()
     for j in np.lexsort((np.arange(size.size), -weight)).tolist():
-        n, w = float(size[j]), float(weight[j])
+        n, w = sizes[j], weights[j]
         density = rest_work / rest_len
-        fits = [r for r in range(cp) if room[r] >= n] or list(range(cp))
-        lane = max(fits, key=lambda r: (need[r] - density * room[r], -r))
+        lane, best = -1, -math.inf
+        for r in range(cp):  # ties: the lowest rank
+            value = need[r] - density * room[r]
+            if room[r] >= n and value > best:
+                lane, best = r, value
+        if lane < 0:  # no lane has room for it whole: the cuts will split it
+            lane = max(range(cp), key=lambda r: (need[r] - density * room[r], -r))
         lanes[lane].append(j)
         room[lane] -= n
         need[lane] -= w
