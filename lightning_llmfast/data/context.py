@@ -16,7 +16,7 @@ when one document is split across all ranks).
   two pieces), the ``floor``/``ceil`` of the pairs rotating over the ranks from document to document; the last one
   evens the ranks' counts out.
 - Every other document is one *item*, or, when it weighs more than 4% of a rank's fair work or is longer than an
-  eighth of a rank's positions, a few equal runs of whole mirrored pairs. Items are dealt heaviest first into ``cp``
+  sixteenth of a rank's positions, a few equal runs of whole mirrored pairs. Items are dealt heaviest first into ``cp``
   lanes, each to the lane whose work still due most exceeds what the items left would bring its room; the lanes are
   laid end to end (each lane's lightest items at its two ends), read in fold order, and cut where each rank's count
   reaches exactly ``N / cp`` minus what the heavy documents gave it. A cut splits at most one item.
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -54,7 +53,10 @@ _SPLIT_ALL_SHARE = 0.25
 # Other documents weighing more than this share of a rank's fair work, or longer than 1/_ITEM_FRACTION of its
 # positions, are cut into equal fold runs (whole mirrored pairs) below both, dealt like short documents.
 _ITEM_SHARE = 0.04
-_ITEM_FRACTION = 8
+_ITEM_FRACTION = 16
+# Light items are dealt in bundles of at most this share of a rank's work and 1/_BUNDLE_FRACTION of its positions.
+_BUNDLE_SHARE = 0.004
+_BUNDLE_FRACTION = 64
 
 
 def balanced_min_positions(cp_size: int) -> int:
@@ -207,27 +209,30 @@ def _pair_takes(docs: list[int], lengths: np.ndarray, cp: int) -> list[np.ndarra
     return [*takes, last]
 
 
-def _items(docs: np.ndarray, lengths: np.ndarray, fair: float, per_rank: int) -> list[tuple[int, int, int]]:
-    """``(document, fold begin, fold end)`` runs to deal whole: a document, or equal runs of whole mirrored pairs of
-    one that weighs more than ``_ITEM_SHARE`` of a rank's work or is longer than ``per_rank / _ITEM_FRACTION``."""
+def _items(docs: np.ndarray, lengths: np.ndarray, fair: float, per_rank: int) -> tuple[np.ndarray, ...]:
+    """``(document, fold begin, fold end)`` arrays of the runs to deal whole: a document, or equal runs of whole
+    mirrored pairs of one that weighs more than ``_ITEM_SHARE`` of a rank's work or is longer than
+    ``per_rank / _ITEM_FRACTION``."""
     length = lengths[docs]
     pairs = (length + 1) // 2
     pieces = np.maximum(
         np.ceil(length * (length + 1) / 2.0 / (_ITEM_SHARE * fair)), np.ceil(length * _ITEM_FRACTION / per_rank)
     )
     pieces = np.clip(pieces.astype(np.int64), 1, np.maximum(pairs, 1))
-    items = []
-    for doc, n, count, p in zip(docs.tolist(), length.tolist(), pairs.tolist(), pieces.tolist()):
-        if p == 1:
-            items.append((doc, 0, n))
-            continue
+    whole = pieces == 1
+    doc, begin, end = [docs[whole]], [np.zeros(int(whole.sum()), dtype=np.int64)], [length[whole]]
+    for d, n, count, p in zip(
+        docs[~whole].tolist(), length[~whole].tolist(), pairs[~whole].tolist(), pieces[~whole].tolist()
+    ):
         bounds = [2 * (count * k // p) for k in range(p)] + [n]
-        items.extend((doc, b, e) for b, e in pairwise(bounds))
-    return items
+        doc.append(np.full(p, d, dtype=np.int64))
+        begin.append(np.array(bounds[:-1], dtype=np.int64))
+        end.append(np.array(bounds[1:], dtype=np.int64))
+    return np.concatenate(doc), np.concatenate(begin), np.concatenate(end)
 
 
 def _deal(
-    items: list[tuple[int, int, int]],
+    items: tuple[np.ndarray, ...],
     starts: np.ndarray,
     lengths: np.ndarray,
     quota: np.ndarray,
@@ -237,23 +242,23 @@ def _deal(
     """Deals the items (heaviest first) into lanes, lays the lanes end to end and cuts them at exactly ``quota[r]``
     positions per rank (a cut splits at most one item, in fold order)."""
     cp = quota.size
-    if not items:
+    doc, begin, end = items
+    if doc.size == 0:
         return
-    doc = np.array([d for d, _, _ in items], dtype=np.int64)
-    begin = np.array([b for _, b, _ in items], dtype=np.int64)
-    size = np.array([e - b for _, b, e in items], dtype=np.int64)
+    size = end - begin
     # A run of whole mirrored pairs (plus the middle position of an odd document) has its document's mean work.
     weight = size * (lengths[doc] + 1) / 2.0
-    # Each lane must end with its rank's positions and work left after the split documents. Items go heaviest first
-    # to the lane whose work left most exceeds what the items still to come would bring its positions left (plain
-    # Python floats: cp is small and a batch may hold tens of thousands of items).
+    units = _bundles(weight, size, float(work_left.sum()) / cp, float(quota.sum()) / cp)
+    unit_size = np.array([int(size[u].sum()) for u in units], dtype=np.int64)
+    unit_weight = np.array([float(weight[u].sum()) for u in units])
+    # Each lane must end with its rank's positions and work left after the split documents. Units go heaviest first
+    # to the lane whose work left most exceeds what the units still to come would bring its positions left (plain
+    # Python floats: cp is small and a batch may hold thousands of units).
     room = [float(q) for q in quota]
     need = [float(w) for w in work_left]
     lanes: list[list[int]] = [[] for _ in range(cp)]
     rest_len, rest_work = float(size.sum()), float(weight.sum())
-    sizes, weights = size.tolist(), weight.tolist()
-    for j in np.lexsort((np.arange(size.size), -weight)).tolist():
-        n, w = sizes[j], weights[j]
+    for j, (n, w) in enumerate(zip(unit_size.tolist(), unit_weight.tolist())):
         density = rest_work / rest_len
         lane, best = -1, -math.inf
         for r in range(cp):  # ties: the lowest rank
@@ -267,13 +272,13 @@ def _deal(
         need[lane] -= w
         rest_len -= n
         rest_work -= w
-    # Each lane's lightest items at its two ends, where the exact cuts may move a few positions to a neighbour.
-    order: list[int] = []
+    # Each lane's lightest units at its two ends, where the exact cuts may move a few positions to a neighbour.
+    order: list[np.ndarray] = []
     for lane in lanes:
-        ascending = sorted(lane, key=lambda j: (weight[j], j))
-        order.extend(ascending[0::2] + ascending[1::2][::-1])
+        ascending = sorted(lane, key=lambda j: (unit_weight[j], j))
+        order.extend(units[j] for j in ascending[0::2] + ascending[1::2][::-1])
     # The lanes end to end as one stream of positions (each item in fold order), cut at the ranks' quotas.
-    ordered = np.array(order, dtype=np.int64)
+    ordered = np.concatenate(order)
     run = size[ordered]
     first = np.repeat(np.cumsum(run) - run, run)
     fold = np.repeat(begin[ordered], run) + np.arange(int(run.sum()), dtype=np.int64) - first
@@ -285,6 +290,22 @@ def _deal(
     for rank in range(cp):
         if cuts[rank + 1] > cuts[rank]:
             parts[rank].append(stream[cuts[rank] : cuts[rank + 1]])
+
+
+def _bundles(weight: np.ndarray, size: np.ndarray, fair: float, per_rank: float) -> list[np.ndarray]:
+    """The items heaviest first (ties: batch order) as *units* to deal: each item alone, except that consecutive light
+    items (under ``_BUNDLE_SHARE`` of a rank's work) are bundled up to that weight and ``per_rank / _BUNDLE_FRACTION``
+    positions, so that thousands of tiny documents cost a few hundred choices."""
+    ranked = np.lexsort((np.arange(size.size), -weight))
+    cap, size_cap = max(_BUNDLE_SHARE * fair, 1.0), max(per_rank / _BUNDLE_FRACTION, 1.0)
+    light = weight[ranked] <= cap
+    heavy = [ranked[i : i + 1] for i in np.flatnonzero(~light)]
+    rest = ranked[light]
+    if rest.size == 0:
+        return heavy
+    bundle = np.maximum(np.cumsum(weight[rest]) // cap, np.cumsum(size[rest]) // size_cap)
+    breaks = np.flatnonzero(np.diff(bundle)) + 1
+    return heavy + np.split(rest, breaks)
 
 
 @dataclass(frozen=True, eq=False)
