@@ -15,11 +15,12 @@ when one document is split across all ranks).
   every rank in runs of whole mirrored pairs (so each run has exactly its document's mean work per position; at most
   two pieces), the ``floor``/``ceil`` of the pairs rotating over the ranks from document to document; the last one
   evens the ranks' counts out.
-- Every other document is one *item*, or, when it weighs more than 4% of a rank's fair work or is longer than an
-  sixteenth of a rank's positions, a few equal runs of whole mirrored pairs. Items are dealt heaviest first into ``cp``
-  lanes, each to the lane whose work still due most exceeds what the items left would bring its room; the lanes are
-  laid end to end (each lane's lightest items at its two ends), read in fold order, and cut where each rank's count
-  reaches exactly ``N / cp`` minus what the heavy documents gave it. A cut splits at most one item.
+- Every other document is one *item*, or, when it weighs more than 4% of a rank's fair work or is longer than a
+  sixteenth of a rank's positions, a few equal runs of whole mirrored pairs. Items are dealt heaviest first (the
+  lightest in bundles) into ``cp`` lanes, each to the lane whose work still due most exceeds what the items left would
+  bring its room; the lanes are laid end to end (each lane's lightest items at its two ends), read in fold order, and
+  cut where each rank's count reaches exactly ``N / cp`` minus what the heavy documents gave it. A cut splits at most
+  one item.
 
 Balance: the largest rank's work is within 5% of the mean whenever every rank holds at least
 :func:`balanced_min_positions` positions (``N / cp >= max(64, 8 * cp)``), whatever the document lengths (one
