@@ -24,6 +24,9 @@
 #                 1024) against offloading and recomputing alone: peak and tokens/s     -> memplan.json
 #   overlap       benchmarks/bench_overlap.py --device cuda: the reference model's step with ep_overlap on and off, its
 #                 exchanges (NCCL) slowed to link bandwidths B, step and exposed all-to-all time  -> overlap.json, .png
+#   cp            benchmarks/bench_cp.py --device cuda --dtype bfloat16: context parallelism cp 1/2/4 (gloo ranks
+#                 sharing the GPU, FlashAttention varlen with cu_seqlens_q != cu_seqlens_k): per-rank saved bytes (the
+#                 cp=2 <= 0.6x cp=1 figure on one 4096-token document fails the stage), gathered K/V, tokens/s  -> cp.json
 #   bench         python -m lightning_llmfast.bench --profile full --device cuda (bf16; micro: metadata, moe)
 #                                                                                   -> bench.json, bench.png
 # The last thing printed is a short table: one line per stage.
@@ -231,6 +234,12 @@ stage_overlap() {
         --json "$OUT/overlap.json" --plot "$OUT/overlap.png"
 }
 
+stage_cp() {
+    "$PY" benchmarks/bench_cp.py --device cuda --dtype bfloat16 --lengths "${CP_LENGTHS:-4096,16384}" \
+        --repeats "${CP_REPEATS:-3}" --timeout $((STAGE_LIMIT_S > 20 ? STAGE_LIMIT_S - 10 : STAGE_LIMIT_S)) \
+        --json "$OUT/cp.json"
+}
+
 stage_bench() {
     # A soft budget under the stage's hard limit: fewer repeats and skipped micro-benchmarks, not a lost run.
     local soft=$((STAGE_LIMIT_S > 80 ? STAGE_LIMIT_S - 40 : STAGE_LIMIT_S / 2))
@@ -240,10 +249,10 @@ stage_bench() {
 
 # ------------------------------------------------------------------------------------------------------- the runner
 export -f stage_env stage_cuda_tests stage_nccl stage_kernel_check stage_cuda_graphs stage_offload stage_memplan \
-    stage_overlap stage_bench
+    stage_overlap stage_cp stage_bench
 # name:max seconds:min seconds (the min of every later selected stage is reserved when a stage's limit is set)
 STAGES=(env:30:10 cuda_tests:150:60 nccl:50:20 kernel_check:40:15 cuda_graphs:40:15 offload:80:30 memplan:60:25
-    overlap:60:25 bench:110:60)
+    overlap:60:25 cp:60:30 bench:110:60)
 declare -a RESULTS
 FAILED=0
 PLANNED=0  # dry run: every stage is assumed to use its whole limit

@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ import pytest
 import torch
 from _distributed import run_distributed
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.fsdp import fully_shard
 
 from lightning_llmfast import CheckpointError
@@ -115,16 +118,34 @@ def _own_files(path: Path, rank: int) -> int:
     return sum((path / name).stat().st_size for name in names)
 
 
+@contextmanager
+def _metadata_reads() -> Iterator[list[int]]:
+    """Reads of DCP's ``.metadata`` while the context is open."""
+    reads: list[int] = []
+    real = FileSystemReader.read_metadata
+
+    def counting(self: FileSystemReader, *args: Any, **kwargs: Any) -> Any:
+        reads.append(1)
+        return real(self, *args, **kwargs)
+
+    FileSystemReader.read_metadata = counting  # type: ignore[method-assign]
+    try:
+        yield reads
+    finally:
+        FileSystemReader.read_metadata = real  # type: ignore[method-assign]
+
+
 def _two_ranks(rank: int, world: int, root: str) -> None:
     root_path = Path(root)
     last, older = root_path / "last.ckpt", root_path / "step=1.ckpt"
     model, optimizer = _sharded(0)
     _save(model, optimizer, older, 1, rank)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, _metadata_reads() as saving_reads:
         warnings.simplefilter("always")
         for step in (1, 2):  # the second save replaces the first: no "overwriting" of a directory in place
             _save(model, optimizer, last, step, rank)
     assert not [w for w in caught if "overwrit" in str(w.message)], [str(w.message) for w in caught]
+    assert not saving_reads  # the digests are written from the metadata dcp.save returned
     assert sorted(os.listdir(root_path)) == ["last.ckpt", "step=1.ckpt"]  # no temporary left beside them
     # resume: every rank reads and hashes its own files only (rank 0 also the metadata), and loads bitwise
     hashed: list[int] = []
@@ -137,23 +158,38 @@ def _two_ranks(rank: int, world: int, root: str) -> None:
     integrity._checksum = counting
     try:
         target, target_optimizer = _sharded(1)
-        assert load_distributed_checkpoint(last, target, [target_optimizer])["step"] == 2
+        with _metadata_reads() as loading_reads:
+            assert load_distributed_checkpoint(last, target, [target_optimizer])["step"] == 2
     finally:
         integrity._checksum = real
     assert sum(hashed) == _own_files(last, rank) > 0
+    assert len(loading_reads) == (rank == 0)  # .metadata read once, by rank 0, and shared
     for (key, got), expected in zip(target.state_dict().items(), model.state_dict().values(), strict=True):
         assert torch.equal(got.to_local(), expected.to_local()), key
-    # a save that fails on one rank (its digests cannot be written) fails on every rank; the previous one stays
+    # a save that fails on one rank, with any exception, fails on every rank alike; the previous one stays
     real_write = checkpoint._write_rank_files
     if rank == 1:
         checkpoint._write_rank_files = _disk_full  # type: ignore[assignment]
     try:
-        with pytest.raises((OSError, CheckpointError)) as failed:
+        with pytest.raises(CheckpointError, match=r"saving .*last\.ckpt: rank 1 failed with OSError: disk full"):
             _save(model, optimizer, last, 3, rank)
     finally:
         checkpoint._write_rank_files = real_write
-    assert failed.match("disk full" if rank == 1 else r"saving .*last\.ckpt: rank\(s\) \[1\] failed")
+    state = {"state_dict": model_state(model), "optimizer_states": [optimizer_state(model, optimizer)]}
+    unpicklable = {"hyper_parameters": {"schedule": lambda step: step}} if rank == 0 else {}  # meta.pt: rank 0's
+    with pytest.raises(CheckpointError, match=r"saving .*last\.ckpt: rank 0 failed with \w+: .*pickle"):
+        save_distributed_checkpoint({**state, **unpicklable, "step": 4}, last, rank=rank)
     assert load_distributed_checkpoint(last, _sharded(2)[0])["step"] == 2
+    # a checkpoint missing a saving rank's digests (and shards): every rank refuses it
+    torch.distributed.barrier()
+    if rank == 0:
+        for name in ("integrity_rank1_of_2.json", "__1_0.distcp"):
+            (older / name).unlink()
+    torch.distributed.barrier()
+    with pytest.raises(
+        CheckpointError, match=r"step=1\.ckpt: incomplete: saved by 2 ranks, .* rank\(s\) \[1\] missing"
+    ):
+        load_distributed_checkpoint(older, _sharded(3)[0])
     # one rank's shard damaged: every rank raises, none falls back to the intact older sibling
     torch.distributed.barrier()
     if rank == 1:
@@ -161,7 +197,7 @@ def _two_ranks(rank: int, world: int, root: str) -> None:
             f.seek(os.path.getsize(last / "__1_0.distcp") // 2)
             f.write(b"\xff" * 64)
     torch.distributed.barrier()
-    pattern = r"__1_0\.distcp: tensor .* differs" if rank == 1 else r"last\.ckpt: rank\(s\) \[1\] failed"
+    pattern = r"last\.ckpt: rank 1 failed with CheckpointError: .*__1_0\.distcp: tensor .* differs"
     with pytest.raises(CheckpointError, match=pattern):
         load_distributed_checkpoint(last, _sharded(3)[0])
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).parents[1]
-STAGES = ("env", "cuda_tests", "nccl", "kernel_check", "cuda_graphs", "offload", "memplan", "overlap", "bench")
+STAGES = ("env", "cuda_tests", "nccl", "kernel_check", "cuda_graphs", "offload", "memplan", "overlap", "cp", "bench")
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="gpu_check.sh is a bash script")
 
 
@@ -34,6 +34,7 @@ def test_dry_run_plans_every_stage_within_eight_minutes(tmp_path: Path) -> None:
     assert "gpu_nccl_check.py --backend nccl" in run.stdout
     assert "gpu_cuda_graphs.py --json" in run.stdout  # capture, replay, compare with eager, time both
     assert "bench_overlap.py --device cuda" in run.stdout  # ep_overlap on NCCL over a slowed link
+    assert "bench_cp.py --device cuda --dtype bfloat16" in run.stdout  # context parallelism's saved bytes per rank
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
 
 

@@ -32,6 +32,7 @@ def _run(tmp: Path, name: str, *args: str, expect_kill: bool = False) -> list[li
         assert proc.returncode == -9, proc.stderr[-3000:]
     else:
         assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "leaked semaphore" not in proc.stderr and "resource_tracker" not in proc.stderr, proc.stderr[-3000:]
     ranks = sorted(tmp.glob(f"{name}.rank*"))
     return [[json.loads(line) for line in path.read_text().splitlines()] for path in ranks]
 

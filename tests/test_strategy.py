@@ -20,7 +20,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 import lightning_llmfast
-from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule, OffloadConfig, OffloadError
+from lightning_llmfast import (
+    ConfigError,
+    LLMFastStrategy,
+    MoEGPTConfig,
+    MoEGPTLightningModule,
+    OffloadConfig,
+    OffloadError,
+)
 from lightning_llmfast.data import SyntheticCorpus, pack_documents
 from lightning_llmfast.offload.copier import CpuCopier as _Copier
 
@@ -221,6 +228,26 @@ def test_removed_offload_keywords_raise_with_the_config_spelling(removed: str) -
     # DDP would take unknown keywords (and on one process never use them): each one is refused by name instead.
     with pytest.raises(OffloadError, match=f"{removed} removed; pass offload=OffloadConfig"):
         LLMFastStrategy(**{removed: True})
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp", "hsdp"])
+@pytest.mark.parametrize(
+    ("keyword", "suggestion"),
+    [("find_unused_parameter", "find_unused_parameters"), ("expert_paralel_size", "expert_parallel_size"),
+     ("bucket_cap", "bucket_cap_mb"), ("qwertyuiop", None)],
+)  # fmt: skip
+def test_unknown_keywords_are_refused_at_construction_under_every_sharding(
+    sharding: str, keyword: str, suggestion: str | None
+) -> None:
+    # FSDP2 would drop them in silence, DDP fail only at setup: refused by name, with the closest spelling.
+    hint = rf" \(did you mean '{suggestion}'\?\)" if suggestion else ";"
+    with pytest.raises(ConfigError, match=rf"unknown keyword\(s\) '{keyword}'{hint}"):
+        LLMFastStrategy(sharding=sharding, **{keyword: 1})
+    # what DDPStrategy and DistributedDataParallel take passes under every sharding
+    strategy = LLMFastStrategy(
+        sharding=sharding, find_unused_parameters=True, static_graph=False, process_group_backend="gloo", timeout=None
+    )
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True, "static_graph": False}
 
 
 def test_layers_without_offload_warn_and_offload_true_is_the_defaults() -> None:

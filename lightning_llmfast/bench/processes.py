@@ -14,6 +14,7 @@ did all its work then fails on SIGABRT. :func:`leave_world` is the one way a wor
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.util
 import os
 import socket
 import sys
@@ -70,12 +71,16 @@ def spawn_world(worker: Callable[..., None], world: int, args: tuple[Any, ...], 
 def leave_world() -> None:
     """End a finished worker: meet the other ranks, close the process group, exit 0 without finalization.
 
-    The barrier keeps a rank from closing its gloo pairs while a peer still exchanges with it. Call it last, after
-    the worker's results are written.
+    The barrier keeps a rank from closing its gloo pairs while a peer still exchanges with it. Then what
+    ``multiprocessing`` does when a process ends, which ``os._exit`` alone would skip: its finalizers (the named
+    semaphores of queues and events, such as a DataLoader's with spawned workers, unlinked and struck from the
+    resource tracker, which otherwise reports "leaked semaphore objects" at shutdown), daemonic children (DataLoader
+    workers) terminated, the others joined. Call it last, after the worker's results are written.
     """
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    multiprocessing.util._exit_function()  # once per process: a multiprocessing child's own end skips it then
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

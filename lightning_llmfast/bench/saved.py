@@ -31,6 +31,7 @@ class SavedBytes:
     Attributes:
         nbytes: bytes of the distinct storages saved.
         storages: their number.
+        sizes: the bytes of each, in the order first saved (``sorted(sizes)[-5:]``: what dominates).
 
     Example::
 
@@ -45,6 +46,7 @@ class SavedBytes:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self.nbytes = 0
         self.storages = 0
+        self.sizes: list[int] = []
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "meta":
@@ -55,6 +57,7 @@ class SavedBytes:
             self._seen[ptr] = storage
             self.nbytes += storage.nbytes()
             self.storages += 1
+            self.sizes.append(storage.nbytes())
         return t
 
     def __enter__(self) -> SavedBytes:

@@ -200,7 +200,8 @@ class ExchangeTimer:
     exchange was in flight); its exposed time is the length of the part of that union the :meth:`waited` intervals
     cover (stamped around each wait, on the host or on the compute stream, so that a stream stalled on the exchange
     shows as the gap), so it never exceeds the exchange time. :meth:`close`
-    ends a step; :meth:`read_ms` reads the closed steps whose stamps completed, without waiting.
+    ends a step; :meth:`read_ms` reads the closed steps whose stamps completed, without waiting; :meth:`discard` drops
+    the exchanges of a step that is not timed (validation, test, predict).
 
     Args:
         clock: takes the stamps (:func:`clock_for` the training device).
@@ -244,6 +245,12 @@ class ExchangeTimer:
             if self._spans or self._waits:
                 self._closed.append((self._spans, self._waits))
                 del self._closed[:-_MAX_PENDING]
+            self._spans, self._waits = [], []
+
+    def discard(self) -> None:
+        """Forget the exchanges since the last :meth:`close` (an evaluation step's: part of no training step). An
+        exchange whose completion is stamped later stamps a span no step holds any more."""
+        with self._lock:
             self._spans, self._waits = [], []
 
     def read_ms(self) -> tuple[float, float] | None:

@@ -7,7 +7,8 @@ checkpoint) is filled under ``.<name>.tmp``, its files and itself fsynced, then 
 the previous checkpoint is deleted only after the new one has its name. A kill at any moment leaves ``<name>`` as the
 previous or the new checkpoint, whole, and at most a stale temporary beside it, which the next save clears
 (:func:`clear_stale`; a kill between the two renames of the fallback leaves the previous checkpoint as ``.old``, and
-:func:`clear_stale` puts it back). The temporary names start with a dot and end in ``.tmp``/``.old``, so neither
+:func:`recover` puts it back: the strategy does so before Lightning looks for a checkpoint to resume, and
+:func:`clear_stale` before the next save). The temporary names start with a dot and end in ``.tmp``/``.old``, so neither
 ``ckpt_path="last"`` nor a glob of ``*.ckpt`` picks them up.
 
 Example::
@@ -30,6 +31,8 @@ __all__ = [
     "fsync_directory",
     "fsync_file",
     "move_into_place",
+    "recover",
+    "recover_directory",
     "temporary_beside",
     "write_file_atomically",
 ]
@@ -78,15 +81,50 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def recover(path: Path) -> bool:
+    """Puts back the previous checkpoint that a kill between the fallback swap's two renames left aside as
+    ``.<name>.old``, where ``path`` is missing; returns whether it did.
+
+    Harmless when every rank tries it at once on a shared file system: one rename wins, the others find the
+    ``.old`` gone (or ``path`` there) and leave it.
+
+    Example::
+
+        recover(Path("ckpts/last.ckpt"))  # before Lightning looks for ckpt_path="last"
+    """
+    previous = _previous_beside(path)
+    if path.exists() or path.is_symlink() or not previous.exists():
+        return False
+    try:
+        previous.rename(path)
+    except OSError as err:  # another process put it back first: the source is gone, or the target is there
+        if err.errno in (errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY) and path.exists():
+            return False
+        raise
+    fsync_directory(path.parent)
+    return True
+
+
+def recover_directory(directory: Path) -> list[Path]:
+    """:func:`recover` every checkpoint of ``directory`` that a kill left aside as ``.<name>.old``; returns those put
+    back.
+
+    Example::
+
+        recover_directory(Path("ckpts"))  # [Path("ckpts/last.ckpt")] after a kill inside its swap
+    """
+    if not directory.is_dir():
+        return []
+    aside = (entry.name[1 : -len(".old")] for entry in directory.glob(".*.old"))
+    return [directory / name for name in sorted(aside) if name and recover(directory / name)]
+
+
 def clear_stale(path: Path) -> None:
     """Before a save of ``path``: removes what an interrupted save left beside it. A previous checkpoint moved aside
     by the fallback swap goes back to ``path`` when ``path`` is missing (the kill fell between the two renames)."""
     previous = _previous_beside(path)
-    if previous.exists():
-        if path.exists():
-            _remove(previous)
-        else:
-            previous.rename(path)
+    if not recover(path) and previous.exists():  # beside a whole path: a stale copy
+        _remove(previous)
     _remove(temporary_beside(path))
 
 

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -41,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map_only
+from typing_extensions import override
 
 from lightning_llmfast.errors import CheckpointError, ConfigError
 from lightning_llmfast.expert_parallel.state import expert_dtensor_optimizer_state, expert_dtensor_state_dict
@@ -50,11 +52,13 @@ from lightning_llmfast.parallel.verdict import agree
 
 __all__ = [
     "META_FILENAME",
+    "MetadataReader",
     "consolidate_checkpoint",
     "is_distributed_checkpoint",
     "load_distributed_checkpoint",
     "model_state",
     "optimizer_state",
+    "read_metadata",
     "save_distributed_checkpoint",
 ]
 
@@ -99,13 +103,18 @@ def save_distributed_checkpoint(checkpoint: dict[str, Any], path: str | Path, *,
     not at all.
 
     Every rank calls this with the same ``path`` (on a file system they share). Rank 0 clears what an interrupted
-    save left beside ``path``; then all write into one temporary directory beside it
-    (:mod:`~lightning_llmfast.parallel.atomic`): each its own shards and their digests, rank 0 also
-    :data:`META_FILENAME`, each flushing what it wrote; once every rank has, rank 0 renames the directory over
-    ``path``, and every rank learns that it did. Each of these three meeting points is one collective
-    (:func:`~lightning_llmfast.parallel.verdict.agree`, bounded by the process group's timeout): a failure on any
-    rank raises on every rank. Until the rename ``path`` holds the previous checkpoint, whole: a kill at any moment
-    costs at most the checkpoint being written. ``checkpoint`` is not modified.
+    save left beside ``path`` and makes the temporary directory beside it (:mod:`~lightning_llmfast.parallel.atomic`);
+    then all write into it: each its own shards (``dcp.save``, which decides together itself) and their digests, rank
+    0 also :data:`META_FILENAME`, each flushing what it wrote; once every rank has, rank 0 renames the directory over
+    ``path``, and every rank learns that it did. Each of these meeting points is one collective
+    (:func:`~lightning_llmfast.parallel.verdict.agree`, bounded by the process group's timeout): any exception on any
+    rank (a full disk's ``OSError`` or ``RuntimeError``, a pickling error in the hyper-parameters) raises the same
+    :class:`CheckpointError` on every rank, naming the rank and the cause, and no rank is left waiting for it. Until
+    the rename ``path`` holds the previous checkpoint, whole: a kill or a failure at any moment costs at most the
+    checkpoint being written. ``checkpoint`` is not modified.
+
+    Raises:
+        CheckpointError: on every rank, when the save failed on any rank.
 
     Example::
 
@@ -113,38 +122,100 @@ def save_distributed_checkpoint(checkpoint: dict[str, Any], path: str | Path, *,
     """
     path = Path(path)
     tmp = atomic.temporary_beside(path)
-    agree(_attempt(atomic.clear_stale, path) if rank == 0 else None, f"saving {path}")
-    tmp.mkdir(parents=True, exist_ok=True)
+    what = f"saving {path}"
+    agree(_attempt(_prepare, path, tmp) if rank == 0 else None, what)
     tensors: dict[str, Any] = {_MODEL_KEY: checkpoint.get(_MODEL_KEY, {})}
     for index, state in enumerate(checkpoint.get("optimizer_states", [])):
         tensors[_optimizer_key(index)] = state
-    dcp.save(tensors, checkpoint_id=tmp)  # its shard files and .metadata are fsynced by DCP's writer
-    agree(_attempt(_write_rank_files, checkpoint, tmp, rank), f"saving {path}")  # every rank flushed its files
-    agree(_attempt(_publish, tmp, path) if rank == 0 else None, f"saving {path}")
+    try:
+        metadata = dcp.save(tensors, checkpoint_id=tmp)  # its shard files and .metadata are fsynced by DCP's writer
+    except CheckpointException as err:  # DCP gathered every rank's failure and raises it on every rank
+        failed = sorted(err.failures)
+        cause = err.failures[failed[0]].exception
+        raise CheckpointError(
+            f"{what}: rank {failed[0]} failed with {type(cause).__name__}: {cause}"
+            f"{f'; rank(s) {failed[1:]} failed too' if len(failed) > 1 else ''}; every rank stops here"
+        ) from err
+    agree(_attempt(_write_rank_files, checkpoint, tmp, rank, metadata), what)  # every rank flushed its files
+    agree(_attempt(_publish, tmp, path) if rank == 0 else None, what)
 
 
-def _attempt(fn: Callable[..., None], *args: Any) -> OSError | None:
-    """``fn(*args)``; the :class:`OSError` it raised (a full disk, a permission), for :func:`agree`."""
+def _attempt(fn: Callable[..., None], *args: Any) -> Exception | None:
+    """``fn(*args)``; whatever it raised (a full disk's ``OSError`` or ``RuntimeError``, a pickling error), for
+    :func:`agree`."""
     try:
         fn(*args)
-    except OSError as err:
+    except Exception as err:
         return err
     return None
 
 
-def _write_rank_files(checkpoint: dict[str, Any], tmp: Path, rank: int) -> None:
+def _prepare(path: Path, tmp: Path) -> None:
+    """Rank 0, before a save: what an interrupted save left beside ``path`` cleared, the temporary directory made."""
+    atomic.clear_stale(path)
+    tmp.mkdir(parents=True)
+
+
+def _write_rank_files(checkpoint: dict[str, Any], tmp: Path, rank: int, metadata: Metadata) -> None:
     """After ``dcp.save``: rank 0 writes :data:`META_FILENAME`; every rank the digests of its files; both flushed."""
     if rank == 0:
         meta = {key: value for key, value in checkpoint.items() if key not in _TENSOR_ENTRIES}
         torch.save(meta, tmp / META_FILENAME)
         atomic.fsync_file(tmp / META_FILENAME)
-    atomic.fsync_file(write_shard_digests(tmp, rank, (".metadata", META_FILENAME) if rank == 0 else ()))
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    extra = (".metadata", META_FILENAME) if rank == 0 else ()
+    atomic.fsync_file(write_shard_digests(tmp, rank, extra, world_size=world_size, metadata=metadata))
 
 
 def _publish(tmp: Path, path: Path) -> None:
     """Rank 0, once every rank has flushed: the directory's entries to the disk, then ``tmp`` renamed over ``path``."""
     atomic.fsync_directory(tmp)
     atomic.move_into_place(tmp, path)
+
+
+class MetadataReader(dcp.FileSystemReader):
+    """DCP's file-system reader with the checkpoint's ``.metadata`` given, read once (by one rank) instead of by every
+    rank on every load.
+
+    Args:
+        path: the checkpoint directory.
+        metadata: its DCP ``Metadata`` (:func:`read_metadata`).
+
+    Example::
+
+        dcp.load(state, storage_reader=MetadataReader(path, read_metadata(path)))
+    """
+
+    def __init__(self, path: str | Path, metadata: Metadata) -> None:
+        super().__init__(str(path))
+        self.metadata = metadata
+
+    @override
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:  # a rank-local metadata file (DCP's fallback): not the shared one
+            return super().read_metadata(*args, **kwargs)
+        if self.metadata.storage_meta is None:
+            self.metadata.storage_meta = StorageMeta()
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
+
+
+def read_metadata(path: str | Path) -> Metadata:
+    """The DCP ``Metadata`` of the checkpoint ``path`` (one read of its ``.metadata``).
+
+    Raises:
+        CheckpointError: the file is missing or unreadable.
+
+    Example::
+
+        read_metadata("ckpts/last.ckpt").state_dict_metadata  # {key: tensor or bytes metadata}
+    """
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # a missing file, a truncated pickle: torch and pickle raise many kinds
+        raise CheckpointError(
+            f"{path}: unreadable distributed checkpoint metadata ({type(err).__name__}: {err})"
+        ) from err
 
 
 def load_distributed_checkpoint(
@@ -184,15 +255,16 @@ def load_distributed_checkpoint(
         meta["global_step"]
     """
     path = Path(path)
-    _verify_together(path)
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = _verify_together(path)
+    saved = metadata.state_dict_metadata
     missing = [i for i in range(len(optimizers)) if not any(k.startswith(_optimizer_key(i) + ".") for k in saved)]
     if missing:
         raise ConfigError(f"{path} holds no state for optimizer(s) {missing}; was it saved with weights only?")
     state: dict[str, Any] = {_MODEL_KEY: model_state(module, ep_mesh)}
     for index, optimizer in enumerate(optimizers):
         state[_optimizer_key(index)] = optimizer_state(module, optimizer, ep_mesh)
-    dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    reader = MetadataReader(path, metadata)
+    dcp.load(state, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
     if ep_mesh is not None:  # the module's experts are plain tensors: the views' local parts
         state = tree_map_only(DTensor, lambda t: t.to_local(), state)
     set_model_state_dict(module, state[_MODEL_KEY], options=StateDictOptions(strict=strict))
@@ -202,19 +274,27 @@ def load_distributed_checkpoint(
     return torch.load(path / META_FILENAME, map_location="cpu", **kwargs)
 
 
-def _verify_together(path: Path) -> None:
+def _verify_together(path: Path) -> Metadata:
     """Each rank checks that ``path`` is a distributed checkpoint and verifies its share of the digests
-    (:func:`verify_shard_digests`); one collective makes every rank go on, or every rank raise."""
+    (:func:`verify_shard_digests`), rank 0 also reads DCP's ``.metadata``; one collective makes every rank go on, or
+    every rank raise; the metadata is then broadcast (read once, not by every rank). Returns the metadata."""
     distributed = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     error: Exception | None = None
+    metadata: list[Metadata | None] = [None]
     try:
         if not is_distributed_checkpoint(path):
             raise ConfigError(f"{path} is not a distributed (DCP) checkpoint directory")
         verify_shard_digests(path, rank, world_size)
+        if rank == 0:
+            metadata[0] = read_metadata(path)
     except (ConfigError, CheckpointError, OSError) as err:
         error = err
     agree(error, f"resuming from {path}")
+    if world_size > 1:
+        dist.broadcast_object_list(metadata, src=0)
+    assert metadata[0] is not None
+    return metadata[0]
 
 
 def consolidate_checkpoint(path: str | Path, output: str | Path, *, weights_only: bool | None = None) -> Path:
@@ -243,14 +323,15 @@ def consolidate_checkpoint(path: str | Path, output: str | Path, *, weights_only
     path, output = Path(path), Path(output)
     if not is_distributed_checkpoint(path):
         raise ConfigError(f"{path} is not a distributed (DCP) checkpoint directory")
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = read_metadata(path)
+    saved = metadata.state_dict_metadata
     prefix = _MODEL_KEY + "."
     weights = {
         key[len(prefix) :]: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in saved.items()
         if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
-    dcp.load({_MODEL_KEY: weights}, checkpoint_id=path, no_dist=True)
+    dcp.load({_MODEL_KEY: weights}, storage_reader=MetadataReader(path, metadata), no_dist=True)
     kwargs = {} if weights_only is None else {"weights_only": weights_only}
     checkpoint = torch.load(path / META_FILENAME, map_location="cpu", **kwargs)
     checkpoint[_MODEL_KEY] = weights

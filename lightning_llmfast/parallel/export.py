@@ -45,7 +45,12 @@ from transformers.utils.hub import convert_file_size_to_int
 from lightning_llmfast.errors import CheckpointError, ConfigError
 from lightning_llmfast.expert_parallel.state import sharded_moe_blocks
 from lightning_llmfast.hf.state_dict import state_dict_adapter
-from lightning_llmfast.parallel.checkpoint import META_FILENAME, is_distributed_checkpoint
+from lightning_llmfast.parallel.checkpoint import (
+    META_FILENAME,
+    MetadataReader,
+    is_distributed_checkpoint,
+    read_metadata,
+)
 from lightning_llmfast.parallel.integrity import verify_shard_digests
 from lightning_llmfast.parallel.pretrained import INDEX_FILENAME
 
@@ -165,8 +170,9 @@ def _file_source(path: Path) -> tuple[dict[str, Any], dict[str, Any], Reader]:
 
 def _dcp_source(path: Path) -> tuple[dict[str, Any], dict[str, Any], Reader]:
     verify_shard_digests(path)
+    metadata = read_metadata(path)  # once: every read below plans against it
+    saved = metadata.state_dict_metadata
     try:
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         meta = torch.load(path / META_FILENAME, map_location="cpu", weights_only=True)
     except Exception as err:
         raise CheckpointError(f"{path}: unreadable distributed checkpoint ({err})") from err
@@ -181,7 +187,8 @@ def _dcp_source(path: Path) -> tuple[dict[str, Any], dict[str, Any], Reader]:
 
     def read(keys: list[str]) -> dict[str, Tensor]:
         tensors = {k: torch.empty(tuple(shapes[k].size), dtype=shapes[k].properties.dtype) for k in keys}
-        dcp.load({"state_dict": {_MODULE_PREFIX + k: t for k, t in tensors.items()}}, checkpoint_id=path, no_dist=True)
+        state = {"state_dict": {_MODULE_PREFIX + k: t for k, t in tensors.items()}}
+        dcp.load(state, storage_reader=MetadataReader(path, metadata), no_dist=True)
         return tensors
 
     return meta, {k: _Shape(tuple(v.size), v.properties.dtype) for k, v in shapes.items()}, read

@@ -4,7 +4,8 @@ A single-file checkpoint (:class:`~lightning_llmfast.strategy.checkpoint_io.Veri
 checkpoint IO of ``strategy="llmfast"``) carries a checksum of every tensor's bytes (block sums of its words, see
 ``_checksum``), computed on the host tensors that ``torch.save`` serialises anyway; a distributed (DCP) checkpoint
 gets one digest file per rank, with the checksum of each of the rank's shard files and of every tensor chunk inside
-them (:func:`write_shard_digests`). Loading recomputes them: a mismatch, a truncated or unreadable file raises
+them, named with the rank and the saving world size (:func:`write_shard_digests`), so a checkpoint that lost a rank's
+part is seen. Loading recomputes them: a mismatch, a truncated or unreadable file raises
 :class:`~lightning_llmfast.errors.CheckpointError` naming the file and the first tensor that differs. A checkpoint
 verified across several ranks is split between them: each verifies the digest files of the ranks it stands for
 (:func:`verify_shard_digests`), so the checkpoint is read once in all, not once per rank; the ranks then decide
@@ -47,8 +48,8 @@ DIGEST_KEY = "llmfast_tensor_digests"
 """The checkpoint entry holding ``{tensor path: digest}``."""
 
 _BLOCK_WORDS = 512  # 4 KiB of 8-byte words per block sum
-_SHARD_DIGESTS = "integrity_rank{rank}.json"
-_SHARD_DIGESTS_RANK = re.compile(r"integrity_rank(\d+)\.json")
+_SHARD_DIGESTS = "integrity_rank{rank}_of_{world}.json"
+_SHARD_DIGESTS_RANK = re.compile(r"integrity_rank(\d+)(?:_of_(\d+))?\.json")
 
 
 def _checksum(data: np.ndarray) -> int:
@@ -107,20 +108,33 @@ def verify_tensor_digests(checkpoint: dict[str, Any], digests: dict[str, str], f
             )
 
 
-def write_shard_digests(path: str | Path, rank: int, extra: tuple[str, ...] = ()) -> Path:
+def write_shard_digests(
+    path: str | Path, rank: int, extra: tuple[str, ...] = (), *, world_size: int = 1, metadata: Any | None = None
+) -> Path:
     """After ``dcp.save``: writes the digests of ``rank``'s shard files of the DCP checkpoint ``path`` (and of the
     ``extra`` files, e.g. the metadata): each file's size, every tensor chunk's checksum inside it and the checksum of
-    the bytes around the chunks, so every byte is read once and hashed once.
+    the bytes around the chunks, so every byte is read once and hashed once. The digest file's name holds the rank and
+    the saving world size, so that a verification counts the digest files against it (a missing rank is seen).
+
+    Args:
+        path: the checkpoint directory.
+        rank: the saving rank.
+        extra: more files of the directory to digest with the rank's shards.
+        world_size: how many ranks saved the checkpoint (each writes its digest file).
+        metadata: the checkpoint's DCP ``Metadata`` (``dcp.save`` returns it on every rank); ``None`` reads it.
 
     Example::
 
-        dcp.save(state, checkpoint_id=path); write_shard_digests(path, rank, (".metadata",) if rank == 0 else ())
+        metadata = dcp.save(state, checkpoint_id=path)
+        write_shard_digests(path, rank, (".metadata",) if rank == 0 else (), world_size=world, metadata=metadata)
     """
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
+    if metadata is None:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
     chunks: dict[str, list[tuple[str, int, int]]] = {}
-    for index, info in dcp.FileSystemReader(str(path)).read_metadata().storage_data.items():
+    for index, info in metadata.storage_data.items():
         chunks.setdefault(info.relative_path, []).append(
             (f"{index.fqn}{list(index.offset or [])}", info.offset, info.length)
         )
@@ -133,16 +147,44 @@ def write_shard_digests(path: str | Path, rank: int, extra: tuple[str, ...] = ()
         sums = [[fqn, offset, length, _checksum(_read(file, offset, length))] for fqn, offset, length in items]
         data = _mapped(file)  # only the bytes around the chunks are touched through the map
         entries[name] = {"size": int(data.size), "rest": _checksum(_rest(data, sums)), "chunks": sums}
-    out = path / _SHARD_DIGESTS.format(rank=rank)
+    out = path / _SHARD_DIGESTS.format(rank=rank, world=world_size)
     out.write_text(json.dumps(entries))
     return out
+
+
+def _digest_files(path: Path) -> dict[int, Path]:
+    """The digest files of the checkpoint ``path`` by saving rank, checked against the saving world size that their
+    names hold: every rank's present, of one save (files without it, of lightning_llmfast 0.2, are taken
+    as they are)."""
+    found: dict[int, Path] = {}
+    worlds: set[int] = set()
+    for file in path.glob("integrity_rank*.json"):
+        match = _SHARD_DIGESTS_RANK.fullmatch(file.name)
+        if match is None:
+            continue
+        found[int(match.group(1))] = file
+        if match.group(2) is not None:
+            worlds.add(int(match.group(2)))
+    if len(worlds) > 1:
+        raise CheckpointError(f"{path}: digest files of saves by {sorted(worlds)} ranks mixed in one checkpoint")
+    if worlds:
+        (world,) = worlds
+        missing, beyond = sorted(set(range(world)) - set(found)), sorted(set(found) - set(range(world)))
+        if missing:
+            raise CheckpointError(
+                f"{path}: incomplete: saved by {world} ranks, the digests of rank(s) {missing} missing"
+            )
+        if beyond:
+            raise CheckpointError(f"{path}: digests of rank(s) {beyond}, beyond the {world} ranks that saved it")
+    return found
 
 
 def verify_shard_digests(path: str | Path, rank: int = 0, world_size: int = 1) -> int:
     """Verifies the files that ``rank``'s share of the digest files of the DCP checkpoint ``path`` lists: the digests
     of the saving ranks ``s`` with ``s % world_size == rank`` (a rank resuming at the world size of the save verifies
     the shards it wrote, and rank 0 also the metadata, which saving rank 0 listed). Together the ranks verify every
-    file once. No digest file: nothing to verify.
+    file once. Every rank first counts the digest files (their names) against the saving world size: a checkpoint
+    missing a rank's digests is refused by every rank. No digest file: nothing to verify.
 
     Args:
         path: the checkpoint directory.
@@ -153,8 +195,8 @@ def verify_shard_digests(path: str | Path, rank: int = 0, world_size: int = 1) -
         The bytes read (and hashed) to verify this rank's share.
 
     Raises:
-        CheckpointError: a listed file is missing, truncated or altered (naming the file and the first tensor chunk
-            that differs), or a digest file is unreadable.
+        CheckpointError: a saving rank's digest file is missing, a listed file is missing, truncated or altered
+            (naming the file and the first tensor chunk that differs), or a digest file is unreadable.
 
     Example::
 
@@ -163,9 +205,8 @@ def verify_shard_digests(path: str | Path, rank: int = 0, world_size: int = 1) -
     """
     path = Path(path)
     read = 0
-    for digest_file in sorted(path.glob(_SHARD_DIGESTS.format(rank="*"))):
-        match = _SHARD_DIGESTS_RANK.fullmatch(digest_file.name)
-        if match is None or int(match.group(1)) % world_size != rank:
+    for saving_rank, digest_file in sorted(_digest_files(path).items()):
+        if saving_rank % world_size != rank:
             continue
         try:
             entries = json.loads(digest_file.read_text())

@@ -15,8 +15,9 @@ Example::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -42,7 +43,8 @@ from lightning_llmfast.expert_parallel.sharding import EP_DISPATCHES
 from lightning_llmfast.offload import ActivationOffloader, OffloadConfig
 from lightning_llmfast.parallel.pretrained import loads_every_weight
 from lightning_llmfast.strategy.checkpoint_io import VerifiedCheckpointIO
-from lightning_llmfast.strategy.sharded import ShardedDataParallelBase
+from lightning_llmfast.strategy.pipeline import PipelineParallelBase
+from lightning_llmfast.strategy.recovery import InProcessLauncher, with_recovery
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -77,7 +79,7 @@ _REMOVED_OFFLOAD_KEYWORDS = frozenset(
 )
 
 
-class LLMFastStrategy(ShardedDataParallelBase):
+class LLMFastStrategy(PipelineParallelBase):
     """DDP or FSDP2 for LLM training with optional double-buffered activation offload.
 
     With one process on one device it neither wraps the model in ``DistributedDataParallel`` nor creates a
@@ -98,7 +100,9 @@ class LLMFastStrategy(ShardedDataParallelBase):
     modules' ``reset_parameters()``. Checkpoints are DCP directories that every rank writes its shards into and
     that load into any world size (:mod:`~lightning_llmfast.parallel.checkpoint`; ``consolidate_checkpoint``
     exports one file for inference). One process shards nothing, as with DDP, but reads and writes the same
-    checkpoints.
+    checkpoints. A save that fails on any rank raises the same ``CheckpointError`` on every rank, and before every
+    ``fit``, ``validate``, ``test`` or ``predict`` the strategy's launcher puts back a checkpoint that a kill inside
+    a save left aside (:mod:`~lightning_llmfast.strategy.recovery`), so ``ckpt_path="last"`` finds it.
 
     Args:
         sharding: ``"ddp"`` (replicated model), ``"fsdp"`` (FSDP2 sharded data parallel) or ``"hsdp"`` (FSDP2 sharded
@@ -129,6 +133,10 @@ class LLMFastStrategy(ShardedDataParallelBase):
             them (``expert_parallel_size`` divides ``dp_shard x cp``); losses, router statistics and token counts
             cover the whole group's batch, equal to one rank holding it. ``N`` must divide the world (under
             ``"hsdp"``: the processes of a node) and the tokens of every batch; batches must be ``PackedBatch`` es.
+        pipeline_parallel_size: ``P > 1`` cuts the model's layers into pipeline stages run by torch's schedules
+            inside the training step, with ``pipeline_microbatches``, ``pipeline_schedule``,
+            ``pipeline_stages_per_rank`` and ``pipeline_layers``
+            (:class:`~lightning_llmfast.strategy.pipeline.PipelineParallelBase`, docs/pipeline.md).
         dispatch_dtype: with ``expert_parallel_size > 1``, the tokens' payload on the all-to-all: ``None`` (the
             activations' dtype), ``"bf16"``, or ``"fp8"`` (e4m3 with one fp32 scale per row, ``H + 4`` bytes: half of
             bf16 plus the scales); the expert outputs and gradients then come back in bf16. A
@@ -173,6 +181,8 @@ class LLMFastStrategy(ShardedDataParallelBase):
             no grouped MoE block, or (hierarchical) the expert-parallel group does not fill whole nodes equally or
             group-limited routing has groups that straddle nodes; an ``ep_overlap`` that is not a bool or an
             ``ep_overlap_chunks`` that is not an int ``>= 1`` or ``"auto"``.
+        ConfigError: at construction for a keyword that neither this strategy, DDPStrategy nor
+            ``DistributedDataParallel`` takes, under every ``sharding`` (named, with its closest accepted spelling).
         ConfigError: at construction for a ``grad_reduce_dtype`` other than ``None``/``"bf16"``, a
             ``grad_compression`` other than ``None``/``"powersgd"``/a ``PowerSGDConfig``, both together, PowerSGD
             with ``sharding="fsdp"``, or either with a ``ddp_comm_hook``.
@@ -298,9 +308,11 @@ class LLMFastStrategy(ShardedDataParallelBase):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self.single_process and not self.cluster_environment.creates_processes_externally:
-            self._launcher = None  # nothing to launch; also works in notebooks
+            self._launcher = InProcessLauncher()  # nothing to launch; also works in notebooks
         else:
             super()._configure_launcher()
+        if self._launcher is not None:  # checkpoints a kill left aside put back before Lightning looks for them
+            self._launcher = with_recovery(self._launcher)
 
     @override
     def setup_distributed(self) -> None:
@@ -314,6 +326,9 @@ class LLMFastStrategy(ShardedDataParallelBase):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._setup_clipping()
+        if self.pipeline_config is not None:
+            self._setup_pipeline(trainer)  # its own setup: stages cut and pruned, no DDP wrapper
+            return
         if self.sharding == "ddp" and not self.single_process:
             self._read_locally()
         if self.sharding == "ddp" and self.expert_parallel_size > 1:
@@ -456,6 +471,35 @@ class LLMFastStrategy(ShardedDataParallelBase):
         if output is None or not self.lightning_module.automatic_optimization:
             offload.on_train_batch_end(trainer, self.lightning_module, output, None, 0)
         return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self._untimed_exchanges():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self._untimed_exchanges():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._untimed_exchanges():
+            return super().predict_step(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _untimed_exchanges(self) -> Iterator[None]:
+        """An evaluation step: the training step before it is closed (its forward and backward are whole), and the
+        evaluation's own exchanges are dropped, so the timer holds nothing between training steps and no evaluation
+        exchange is charged to a training step."""
+        timer = self._a2a_timer
+        if timer is not None:
+            timer.close()
+        try:
+            yield
+        finally:
+            if timer is not None:
+                timer.discard()
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

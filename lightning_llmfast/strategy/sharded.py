@@ -19,7 +19,9 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +32,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_llmfast import expert_parallel
@@ -57,7 +60,52 @@ if TYPE_CHECKING:
     from lightning_llmfast.comm.timing import SpanTimer
     from lightning_llmfast.expert_parallel import DispatchPayload
 
-__all__ = ["ShardedDataParallelBase"]
+__all__ = ["ShardedDataParallelBase", "check_strategy_keywords"]
+
+
+@functools.cache
+def _passed_keywords() -> frozenset[str]:
+    """The keywords DDPStrategy takes itself, and those it hands on to ``DistributedDataParallel`` (all but the
+    module), read from their signatures so that a newer Lightning or torch brings its own."""
+    names: set[str] = set()
+    for function, skip in ((DDPStrategy.__init__, {"self"}), (DistributedDataParallel.__init__, {"self", "module"})):
+        names.update(
+            name
+            for name, parameter in inspect.signature(function).parameters.items()
+            if name not in skip and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+        )
+    return frozenset(names)
+
+
+def check_strategy_keywords(kwargs: Mapping[str, Any], owner: str, own: Sequence[str] = ()) -> None:
+    """Refuse the keywords of ``kwargs`` that neither DDPStrategy nor ``DistributedDataParallel`` takes, naming each
+    with its closest accepted spelling: under FSDP2 they would be dropped in silence, under DDP fail only at setup.
+
+    Args:
+        kwargs: the keywords a strategy passes on to DDPStrategy.
+        owner: the strategy's name, for the message.
+        own: the strategy's own keywords (offered as spellings too).
+
+    Raises:
+        ConfigError: naming every unknown keyword.
+
+    Example::
+
+        check_strategy_keywords({"find_unused_parameter": True}, "LLMFastStrategy")  # ConfigError: did you mean ...
+    """
+    known = _passed_keywords()
+    unknown = sorted(set(kwargs) - known)
+    if not unknown:
+        return
+    spellings = sorted(known | set(own))
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, spellings, n=1)
+        hints.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    raise ConfigError(
+        f"{owner}: unknown keyword(s) {', '.join(hints)}; it takes its own settings and those of DDPStrategy and "
+        "DistributedDataParallel"
+    )
 
 
 class ShardedDataParallelBase(DDPStrategy):
@@ -71,9 +119,11 @@ class ShardedDataParallelBase(DDPStrategy):
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
 
     Raises:
-        ConfigError: at construction for a ``sharding`` outside :data:`~lightning_llmfast.parallel.dims.SHARDINGS`
-            or an ``expert_parallel_size`` that is not an int ``>= 1``; in :meth:`setup_environment` when it does not
-            divide the world size (under ``"hsdp"``: the processes of a node).
+        ConfigError: at construction for a ``sharding`` outside :data:`~lightning_llmfast.parallel.dims.SHARDINGS`,
+            an ``expert_parallel_size`` that is not an int ``>= 1``, or a keyword that neither DDPStrategy nor
+            ``DistributedDataParallel`` takes (:func:`check_strategy_keywords`, under every ``sharding``); in
+            :meth:`setup_environment` when it does not divide the world size (under ``"hsdp"``: the processes of a
+            node).
 
     Example::
 
@@ -87,16 +137,20 @@ class ShardedDataParallelBase(DDPStrategy):
         sharding: str = "ddp",
         expert_parallel_size: int = 1,
         context_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
         if not isinstance(sharding, str) or sharding not in SHARDINGS:
             raise ConfigError(f"{type(self).__name__}: sharding must be one of {SHARDINGS}, got {sharding!r}")
         check_int(f"{type(self).__name__}: expert_parallel_size", expert_parallel_size, low=1)
         check_int(f"{type(self).__name__}: context_parallel_size", context_parallel_size, low=1)
+        own = [inspect.signature(c.__init__).parameters for c in type(self).__mro__ if "__init__" in vars(c)]
+        check_strategy_keywords(kwargs, type(self).__name__, tuple(name for names in own for name in names))
         super().__init__(*args, **kwargs)
         self.sharding = sharding
         self.expert_parallel_size = expert_parallel_size
         self.context_parallel_size = context_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
         self._parallel_dims: ParallelDims | None = None
         self._mesh_world: dist.ProcessGroup | None = None  # the default group the mesh was built over
         self._parallelized: nn.Module | None = None  # the module parallelize() sharded over that mesh
@@ -161,6 +215,7 @@ class ShardedDataParallelBase(DDPStrategy):
             self.expert_parallel_size,
             num_nodes=self.num_nodes,
             context_parallel_size=self.context_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
         )
         world = dist.group.WORLD if dims.world_size > 1 else None
         if dims == self._parallel_dims and world is self._mesh_world:
@@ -339,7 +394,14 @@ class ShardedDataParallelBase(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if not self._distributed_checkpoints:
-            super().save_checkpoint(checkpoint, filepath, storage_options)
+            # Rank 0 writes the file; the others learn here whether it did (Lightning's barrier after the save would
+            # leave them waiting for a rank that raised), and any failure raises on every rank alike.
+            error: Exception | None = None
+            try:
+                super().save_checkpoint(checkpoint, filepath, storage_options)
+            except Exception as err:
+                error = err
+            agree(error, f"saving {filepath}")
             return
         if storage_options is not None:
             raise ConfigError(

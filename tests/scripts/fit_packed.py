@@ -1,4 +1,5 @@
-"""Fit the reference MoE GPT on PackedDataModule under strategy="llmfast"; record every step per rank.
+"""Fit the reference MoE GPT on PackedDataModule under strategy="llmfast" (``--sharding``, ``--ep``); record every
+step per rank.
 
 Run by tests/test_resume.py and tests/test_dp_equivalence.py in subprocesses (Lightning launches the second rank).
 Each rank appends one JSON line per training batch to ``<out>.rank<r>``: the loss as ``float.hex`` (equality is
@@ -69,6 +70,8 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--validate", action="store_true")
     parser.add_argument("--ckpt-dir", default="ckpt")
+    parser.add_argument("--sharding", default="ddp")
+    parser.add_argument("--ep", type=int, default=1, help="expert_parallel_size")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     # A rank still running after 200 s (the tests wait 240 s) prints every thread's stack and exits: a hang fails
@@ -90,7 +93,9 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.every, save_top_k=-1,
                                          save_last=True))  # fmt: skip
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.devices, strategy=LLMFastStrategy(timeout=timedelta(seconds=60)),
+        accelerator="cpu", devices=args.devices, strategy=LLMFastStrategy(
+            sharding=args.sharding, expert_parallel_size=args.ep, timeout=timedelta(seconds=60)
+        ),
         max_steps=args.max_steps, max_epochs=args.max_epochs, logger=False, callbacks=callbacks,
         enable_checkpointing=bool(args.every), enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, log_every_n_steps=1,

@@ -1,0 +1,310 @@
+"""The pipeline half of ``strategy="llmfast"``: ``pipeline_parallel_size=P`` runs torch's pipeline schedules inside
+Lightning's training step.
+
+:class:`PipelineParallelBase` sits between :class:`~lightning_llmfast.strategy.sharded.ShardedDataParallelBase` and
+:class:`~lightning_llmfast.LLMFastStrategy`. With ``pipeline_parallel_size > 1`` its setup cuts the LightningModule's
+:class:`~lightning_llmfast.models.MoEGPT` into stages and prunes it in place
+(:class:`~lightning_llmfast.parallel.pipeline.PipelineRunner`): the optimizers are then built on this rank's stages
+only, under the full model's parameter names. Lightning's loop is unchanged (automatic optimization, accumulation,
+clipping, optimizer and scheduler steps, callbacks, loggers):
+
+- the strategy's ``training_step`` runs the batch's forward and backward through the schedule and returns the loss
+  as a tensor whose own backward reaches nothing (the gradients are already accumulated), so the closure's
+  ``backward`` costs nothing and its hooks still run;
+- before the optimizer step (inside the closure, so before clipping) the gradients are divided by the step's label
+  tokens over every replica, summed over the replicas of each stage (``world / P`` pipelines read
+  ``distributed_sampler_kwargs``' streams) and over the tied embedding/head's two copies
+  (:meth:`~lightning_llmfast.parallel.pipeline.PipelineRunner.finish_step`); clipping by norm takes the norm over
+  every stage (one all-reduce over the pipeline);
+- ``train/loss`` is logged on every rank: the loss of its replica's batch (the last stage's value plus every
+  stage's router term, summed over the pipeline), ``pipeline/bubble`` (the schedule's idle share) and
+  ``pipeline/stage_ms`` (this rank's schedule time per step: CUDA events, or the wall clock on the CPU);
+  ``validate`` and ``test`` run the stages forward and log ``val/loss``/``test/loss``;
+- checkpoints are DCP directories keyed by the model's names (each rank writes its stages), so they resume under
+  another pipeline size, or none.
+
+Example::
+
+    strategy = LLMFastStrategy(pipeline_parallel_size=2, pipeline_microbatches=4, pipeline_schedule="1f1b")
+    trainer = L.Trainer(strategy=strategy, accelerator="cuda", devices=2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.strategies import Strategy
+from torch import nn
+from typing_extensions import override
+
+from lightning_llmfast.comm.timing import SpanTimer, clock_for
+from lightning_llmfast.data import PackedBatch
+from lightning_llmfast.data.packing import IGNORE_INDEX
+from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.models.model import MoEGPT
+from lightning_llmfast.parallel.checkpoint import is_distributed_checkpoint
+from lightning_llmfast.parallel.clip import ShardedGrad, clip_grad_norm
+from lightning_llmfast.parallel.pipeline import PipelineConfig, PipelineRunner
+from lightning_llmfast.seqmeta import SequenceMetadata
+from lightning_llmfast.strategy.sharded import ShardedDataParallelBase
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.types import _PATH
+    from lightning.pytorch.utilities.types import STEP_OUTPUT
+    from torch import Tensor
+    from torch.optim import Optimizer
+
+__all__ = ["PipelineParallelBase"]
+
+
+class PipelineParallelBase(ShardedDataParallelBase):
+    """ShardedDataParallelBase with pipeline stages (``pipeline_parallel_size > 1``).
+
+    Args:
+        *args: passed on.
+        pipeline_parallel_size: pipeline stages ``P`` (ranks of one pipeline); ``1``: no pipelining.
+        pipeline_microbatches: row microbatches each batch is cut into; must divide the batch size.
+        pipeline_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zero_bubble"`` or ``"zbv"``.
+        pipeline_stages_per_rank: stages per rank (``None``: 1 for ``"gpipe"``/``"1f1b"``, else 2).
+        pipeline_layers: transformer layers per stage, by hand (``None``: balanced by parameters and compute).
+        **kwargs: passed on.
+
+    Raises:
+        ConfigError: at construction, for a layout :class:`~lightning_llmfast.parallel.pipeline.PipelineConfig`
+            refuses; at setup on every rank before any step, when ``P`` does not divide the world, the model is not
+            a :class:`~lightning_llmfast.models.MoEGPT` (``module.model``), has fewer layers than stages, uses manual
+            optimization, or pipelining is combined with what it does not compose with yet (``sharding`` other than
+            ``"ddp"``, expert or context parallelism, offload, ``precision="16-mixed"``'s gradient scaler); when
+            resuming from a checkpoint file rather than a distributed checkpoint directory.
+
+    Example::
+
+        strategy = LLMFastStrategy(pipeline_parallel_size=2, pipeline_microbatches=4, pipeline_schedule="zbv")
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        pipeline_parallel_size: int = 1,
+        pipeline_microbatches: int = 1,
+        pipeline_schedule: str = "1f1b",
+        pipeline_stages_per_rank: int | None = None,
+        pipeline_layers: Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        config = PipelineConfig(
+            pipeline_parallel_size, pipeline_microbatches, pipeline_schedule, pipeline_stages_per_rank, pipeline_layers
+        )
+        super().__init__(*args, pipeline_parallel_size=pipeline_parallel_size, **kwargs)
+        self.pipeline_config: PipelineConfig | None = config if config.size > 1 else None
+        """The pipeline layout (``None`` without pipelining)."""
+        self._runner: PipelineRunner | None = None
+        self._pipelined: nn.Module | None = None  # the LightningModule the runner pruned
+        self._held_grads: list[tuple[nn.Parameter, Tensor]] = []  # the step's gradients until Lightning's backward
+        self._stage_timer: SpanTimer | None = None  # this rank's schedule time per step (pipeline/stage_ms)
+
+    @property
+    def pipeline_runner(self) -> PipelineRunner | None:
+        """The runner of this rank's stages, from setup on (``None`` without pipelining)."""
+        return self._runner
+
+    def _check_pipeline_composition(self) -> None:
+        config, dims = self.pipeline_config, self.parallel_dims
+        assert config is not None
+        config.check_world(self.world_size)
+        others = {
+            "sharding": self.sharding != "ddp",
+            "expert_parallel_size": self.expert_parallel_size > 1,
+            "context_parallel_size": self.context_parallel_size > 1,
+            "offload": getattr(self, "offload_config", None) is not None,
+            # A gradient scaler scales the closure's loss, which the schedule's backward never sees.
+            'precision="16-mixed"': str(self.precision_plugin.precision) == "16-mixed",
+        }
+        refused = [name for name, used in others.items() if used]
+        if refused:
+            raise ConfigError(
+                f"{type(self).__name__}: pipeline_parallel_size={config.size} does not compose with "
+                f"{', '.join(refused)} yet: run pipelines of {config.size} ranks with sharding='ddp' (each stage "
+                "replicated over the data-parallel ranks)"
+            )
+        assert dims is not None and dims.pp_group is not None
+
+    def _setup_pipeline(self, trainer: pl.Trainer) -> None:
+        """Cut and prune the model (once per LightningModule), then the base setup without DDP's wrapper."""
+        module = self.lightning_module
+        assert module is not None and self.pipeline_config is not None
+        self._check_pipeline_composition()
+        if module is not self._pipelined:
+            if not module.automatic_optimization:
+                raise ConfigError(
+                    f"{type(self).__name__}: pipeline_parallel_size runs the schedule's forward and backward inside "
+                    "the training step of automatic optimization; manual optimization is not supported"
+                )
+            model = getattr(module, "model", None)
+            if not isinstance(model, MoEGPT):
+                raise ConfigError(
+                    f"{type(self).__name__}: pipeline_parallel_size needs a LightningModule whose `model` is a MoEGPT "
+                    f"(embed, layers, norm, lm_head), got {type(model).__name__}"
+                )
+            dims = self.parallel_dims
+            assert dims is not None
+            coef = float(getattr(module, "aux_loss_coef", 0.0))
+            config, device = self.pipeline_config, self.root_device
+            self._runner = PipelineRunner(
+                model, config, dims.pp_group, device=device, aux_loss_coef=coef, dp_group=dims.dp_group
+            )
+            # Pruned first: a model built on the meta device allocates and initialises only this rank's stages.
+            self._materialize()
+            model.to(device)
+            self._pipelined = module
+        Strategy.setup(self, trainer)
+        # Every stage of a pipeline reads its replica's stream of batches (distributed_sampler_kwargs). With one
+        # replica that is the whole stream, as on one device: no DistributedSampler, which would reshuffle data the
+        # user did not ask to shuffle.
+        connector = getattr(trainer, "_accelerator_connector", None)
+        dims = self.parallel_dims
+        if (
+            dims is not None
+            and dims.dp == 1
+            and connector is not None
+            and hasattr(connector, "use_distributed_sampler")
+        ):
+            connector.use_distributed_sampler = False
+
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        return model if self._runner is not None else super()._setup_model(model)
+
+    @property
+    @override
+    def _distributed_checkpoints(self) -> bool:
+        return self.pipeline_config is not None or super()._distributed_checkpoints
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        if self.pipeline_config is not None and not is_distributed_checkpoint(checkpoint_path):
+            # A file's optimizer state is keyed by the whole model's parameter order, which a stage does not have.
+            raise ConfigError(
+                f"{type(self).__name__}: pipeline_parallel_size={self.pipeline_config.size} resumes from distributed "
+                f"checkpoint directories (keyed by parameter name); {checkpoint_path} is a file: load its weights "
+                "with LightningModule.load_from_checkpoint before fit (the strategy then cuts the loaded model)"
+            )
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
+    def _batch_inputs(self, batch: Any) -> tuple[Tensor, Tensor, Tensor | None, SequenceMetadata | None]:
+        if isinstance(batch, PackedBatch):
+            return batch.input_ids, batch.labels, batch.position_ids, SequenceMetadata.from_batch(batch)
+        if isinstance(batch, dict) and "input_ids" in batch and "labels" in batch:
+            return batch["input_ids"], batch["labels"], batch.get("position_ids"), None
+        raise ConfigError(
+            f"{type(self).__name__}: pipelined steps take PackedBatch batches (or dicts with input_ids and labels), "
+            f"got {type(batch).__name__}"
+        )
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        runner, module = self._runner, self.lightning_module
+        if runner is None or module is None:
+            return super().training_step(*args, **kwargs)
+        batch = args[0] if args else kwargs["batch"]
+        input_ids, labels, position_ids, metadata = self._batch_inputs(batch)
+        # Lightning zeroes the gradients between the training step and its backward (at the start of an
+        # accumulation window): this batch's gradients are computed apart, wait aside, and are added in `backward`
+        # to what Lightning kept.
+        params = [p for p in module.parameters() if p.requires_grad]
+        kept = [p.grad for p in params]
+        for param in params:
+            param.grad = None
+        timer = self._stage_timer
+        if timer is None:
+            timer = self._stage_timer = SpanTimer(clock_for(self.root_device))
+        span = timer.begin(last=True)
+        loss = runner.step(input_ids, labels, position_ids, metadata)
+        timer.end(span)
+        self._held_grads = [(p, p.grad) for p in params if p.grad is not None]
+        for param, grad in zip(params, kept, strict=True):
+            param.grad = grad
+        rows = int(input_ids.shape[0])
+        module.log("train/loss", loss, prog_bar=True, batch_size=rows, sync_dist=False)
+        bubble = runner.bubble
+        if bubble is not None:
+            module.log("pipeline/bubble", bubble, on_step=True, on_epoch=False, batch_size=rows)
+        stage_ms = timer.read_ms()  # this rank's stages, over the steps whose stamps completed (never waits)
+        if stage_ms is not None:
+            module.log("pipeline/stage_ms", stage_ms, on_step=True, on_epoch=False, batch_size=rows)
+        # The closure's backward runs on a leaf of its own and reaches nothing: the gradients are computed already.
+        return loss + torch.zeros((), device=loss.device, requires_grad=True)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        for param, grad in self._held_grads:
+            param.grad = grad if param.grad is None else param.grad + grad
+        self._held_grads = []
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _pipeline_eval(self, batch: Any, name: str) -> Tensor:
+        runner, module = self._runner, self.lightning_module
+        assert runner is not None and module is not None
+        input_ids, labels, position_ids, metadata = self._batch_inputs(batch)
+        loss = runner.evaluate(input_ids, labels, position_ids, metadata)
+        metric = getattr(module, "val_ce" if name == "val/loss" else "test_ce", None)
+        if metric is not None:  # MoEGPTLightningModule's token-weighted mean over the split
+            metric.update(loss, (labels != IGNORE_INDEX).sum())
+            module.log(name, metric, prog_bar=True, batch_size=int(input_ids.shape[0]))
+        else:
+            module.log(name, loss, prog_bar=True, batch_size=int(input_ids.shape[0]))
+        return loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self._runner is None:
+            return super().validation_step(*args, **kwargs)
+        return self._pipeline_eval(args[0] if args else kwargs["batch"], "val/loss")
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self._runner is None:
+            return super().test_step(*args, **kwargs)
+        return self._pipeline_eval(args[0] if args else kwargs["batch"], "test/loss")
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self._runner is not None:
+            raise ConfigError(f"{type(self).__name__}: predict is not available under pipeline parallelism yet")
+        return super().predict_step(*args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        runner = self._runner
+        if runner is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_finish() -> Any:
+            # After the step's last backward, before clipping and the update: the gradients divided by the step's
+            # label tokens, summed over the replicas and over the tied weight's two copies.
+            result = closure()
+            runner.finish_step()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
+
+    @override
+    def _clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> None:
+        runner, module = self._runner, self.lightning_module
+        if runner is None or module is None:
+            super()._clip_grad_norm(optimizer, max_norm)
+            return
+        tied = runner.tied_weight() if runner.tied_holders == 2 else None
+        grads = [
+            # Every stage's squares go into one all-reduce over the pipeline; the tied weight's two equal copies
+            # count once.
+            ShardedGrad(p.grad, 2 if p is tied else 1)
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        norm = clip_grad_norm(grads, max_norm, runner.group)
+        module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
