@@ -20,7 +20,7 @@ Context parallelism: :func:`context_split` says which positions of a packed batc
 
 from __future__ import annotations
 
-from lightning_llmfast.data.context import ContextShard, context_split
+from lightning_llmfast.data.context import ContextShard, balanced_min_positions, context_split
 from lightning_llmfast.seqmeta.attention import dense_block_causal_mask, varlen_attention
 from lightning_llmfast.seqmeta.cache import SequenceMetadataCache, activate_cache, active_cache
 from lightning_llmfast.seqmeta.context import CONTEXT_STATS, ContextStats, offset_causal_attention
@@ -35,6 +35,7 @@ __all__ = [
     "SequenceMetadataCache",
     "activate_cache",
     "active_cache",
+    "balanced_min_positions",
     "context_split",
     "dense_block_causal_mask",
     "offset_causal_attention",
