@@ -152,6 +152,9 @@ def _flow_worker(rank: int, world: int) -> None:
         q = torch.randn(32, 2, 8)
         out = varlen_attention(q, q[:, :1], q[:, :1], meta)
         assert out.shape == (32, 2, 8)
+    with torch.inference_mode():  # Lightning's evaluation loops: the gather runs without autograd too
+        same = varlen_attention(q, q[:, :1], q[:, :1], SequenceMetadata.from_batch(shard))
+    torch.testing.assert_close(same, out)
 
 
 def test_shard_metadata_flows_through_the_cache() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_llmfast.data import PackedBatch, pack_documents
-from lightning_llmfast.data.context import BALANCED_MIN_POSITIONS
+from lightning_llmfast.data.context import balanced_min_positions
 from lightning_llmfast.errors import ConfigError, DataError, MetadataError
 from lightning_llmfast.seqmeta import SequenceMetadata, context_split
 
@@ -37,7 +37,7 @@ def _check(lengths: list[int], cp: int, bound: float | None = 1.05) -> list[torc
 
 
 def _random_lengths(rng: np.random.Generator, total: int) -> list[int]:
-    kind = int(rng.integers(5))
+    kind = int(rng.integers(6))
     if kind == 0:  # hundreds of tiny documents
         lengths = rng.integers(1, 4, size=total)
     elif kind == 1:  # geometric, mean anywhere from 2 to half the batch
@@ -47,18 +47,28 @@ def _random_lengths(rng: np.random.Generator, total: int) -> list[int]:
     elif kind == 3:  # a few random cuts: long documents
         cuts = np.sort(rng.choice(np.arange(1, total), size=int(rng.integers(1, 6)), replace=False))
         lengths = np.diff(np.concatenate([[0], cuts, [total]]))
-    else:  # primes and length-1 documents mixed
+    elif kind == 4:  # primes and length-1 documents mixed
         lengths = rng.choice([1, 2, 3, 5, 7, 11, 13, 97, 211, 1009], size=total)
+    else:  # [B, T] rows of geometric documents, each row's last cut at the row end (a padding tail)
+        row = int(rng.choice([total // 8, total // 2, total])) or total
+        lengths = []
+        for _ in range(total // row):
+            cuts = np.cumsum(rng.geometric(1.0 / rng.uniform(2, row), size=row))
+            cuts = cuts[cuts < row]
+            lengths.extend(np.diff(np.concatenate([[0], cuts, [row]])).tolist())
+        lengths = np.array([*lengths, total - row * (total // row)], dtype=np.int64)
+        lengths = lengths[lengths > 0]
     lengths = lengths[np.cumsum(lengths) <= total]
     rest = total - int(lengths.sum())
     return [int(n) for n in lengths] + ([rest] if rest else [])
 
 
 def test_random_batches_balanced_against_brute_force() -> None:
-    rng = np.random.default_rng(55)
-    for _ in range(150):
-        cp = int(rng.choice([2, 3, 4, 8]))
-        per_rank = int(rng.choice([BALANCED_MIN_POSITIONS, 65, 97, 128, 509]))
+    rng = np.random.default_rng(55)  # six length distributions, cp up to 16, the fewest positions the bound allows
+    for _ in range(200):
+        cp = int(rng.choice([2, 3, 4, 8, 16]))
+        least = balanced_min_positions(cp)
+        per_rank = int(rng.choice([least, least + 1, least + 33, 2 * least, 509]))
         _check(_random_lengths(rng, cp * per_rank), cp)
 
 
@@ -88,7 +98,7 @@ def test_one_document_is_the_zigzag() -> None:
 
 
 def test_small_batches_cover_and_count() -> None:
-    # Below BALANCED_MIN_POSITIONS per rank only the 5% bound may fail (integer works); coverage and counts hold.
+    # Below balanced_min_positions(cp) per rank only the 5% bound may fail (integer works); coverage and counts hold.
     rng = np.random.default_rng(7)
     for per_rank in (1, 2, 3, 5, 16):
         for cp in (2, 4):

@@ -12,20 +12,22 @@ most two contiguous pieces of the document (a prefix-side piece and its mirror: 
 when one document is split across all ranks).
 
 - Heavy documents (at least two positions per rank, and more than a quarter of a rank's fair work) are split across
-  every rank: each takes a run of ``floor``/``ceil`` of ``L / cp`` fold positions (at most two pieces), the extra
-  positions rotating over the ranks from document to document.
-- Every other document is one *item*, or, when it weighs more than 4% of a rank's fair work or is longer than an
-  eighth of a rank's positions, a few equal runs of whole mirrored pairs. Items are dealt heaviest first into ``cp``
-  lanes, each to the lane whose work still due most exceeds what the items left would bring its room; the lanes are
-  laid end to end (each lane's lightest items at its two ends), read in fold order, and cut where each rank's count
-  reaches exactly ``N / cp`` minus what the heavy documents gave it. A cut splits at most one item.
+  every rank in runs of whole mirrored pairs (so each run has exactly its document's mean work per position; at most
+  two pieces), the ``floor``/``ceil`` of the pairs rotating over the ranks from document to document; the last one
+  evens the ranks' counts out.
+- Every other document is one *item*, or, when it weighs more than 4% of a rank's fair work or is longer than a
+  sixteenth of a rank's positions, a few equal runs of whole mirrored pairs. Items are dealt heaviest first (the
+  lightest in bundles) into ``cp`` lanes, each to the lane whose work still due most exceeds what the items left would
+  bring its room; the lanes are laid end to end (each lane's lightest items at its two ends), read in fold order, and
+  cut where each rank's count reaches exactly ``N / cp`` minus what the heavy documents gave it. A cut splits at most
+  one item.
 
 Balance: the largest rank's work is within 5% of the mean whenever every rank holds at least
-:data:`BALANCED_MIN_POSITIONS` positions (``N / cp >= 64``), whatever the document lengths (one document, hundreds
-of short ones, length-1 documents, prime lengths); tests/test_context_split.py checks this on random batches of
-five length distributions against a brute-force count. Below that the integer works may make 5% impossible
-(positions of works ``1, 2, 3`` and ``1..5`` over 4 ranks of 2: the best split's largest rank does 6, the mean is
-5.25).
+:func:`balanced_min_positions` positions (``N / cp >= max(64, 8 * cp)``), whatever the document lengths (one
+document, hundreds of short ones, length-1 documents, prime lengths, rows with padding tails);
+tests/test_context_split.py checks this on random batches of six length distributions against a brute-force count.
+Below that the integer works may make 5% impossible (positions of works ``1, 2, 3`` and ``1..5`` over 4 ranks of 2:
+the best split's largest rank does 6, the mean is 5.25).
 
 Pieces: a rank holds at most two pieces of each heavy document, whole light documents or runs of mirrored pairs of
 mid-size ones, and at most two partial items at its cuts. Host NumPy only; deterministic (stable sorts, no randomness).
@@ -33,8 +35,8 @@ mid-size ones, and at most two partial items at its cuts. Host NumPy only; deter
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -44,17 +46,29 @@ from torch import Tensor
 from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import ConfigError, MetadataError
 
-__all__ = ["BALANCED_MIN_POSITIONS", "ContextShard", "context_shard_plan", "context_split", "split_positions"]
+__all__ = ["ContextShard", "balanced_min_positions", "context_shard_plan", "context_split", "split_positions"]
 
-# Below this many positions per rank the 5% work bound may be impossible with integer works (module docstring).
-BALANCED_MIN_POSITIONS = 64
 # A document of at least two positions per rank whose work exceeds this share of a rank's fair work is split across
 # every rank (at most two pieces on each).
 _SPLIT_ALL_SHARE = 0.25
 # Other documents weighing more than this share of a rank's fair work, or longer than 1/_ITEM_FRACTION of its
 # positions, are cut into equal fold runs (whole mirrored pairs) below both, dealt like short documents.
 _ITEM_SHARE = 0.04
-_ITEM_FRACTION = 8
+_ITEM_FRACTION = 16
+# Light items are dealt in bundles of at most this share of a rank's work and 1/_BUNDLE_FRACTION of its positions.
+_BUNDLE_SHARE = 0.004
+_BUNDLE_FRACTION = 64
+
+
+def balanced_min_positions(cp_size: int) -> int:
+    """Positions per rank from which :func:`context_split` keeps every rank's work within 5% of the mean:
+    ``max(64, 8 * cp_size)`` (below it, integer works may make 5% impossible; see the module docstring).
+
+    Example::
+
+        balanced_min_positions(4), balanced_min_positions(16)  # (64, 128)
+    """
+    return max(64, 8 * check_int("cp_size", cp_size, low=1))
 
 
 def context_split(cu_seqlens: Any, cp_size: int) -> list[Tensor]:
@@ -68,7 +82,7 @@ def context_split(cu_seqlens: Any, cp_size: int) -> list[Tensor]:
 
     Returns:
         ``cp_size`` int64 CPU tensors of ``N / cp_size`` ascending positions each: every position held exactly once,
-        causal attention work balanced within 5% (max/mean) when ``N / cp_size >= 64`` (module docstring).
+        causal attention work balanced within 5% (max/mean) when ``N / cp_size >= balanced_min_positions(cp_size)``.
 
     Raises:
         ConfigError: ``cp_size`` is not a positive int, or ``N`` is not a multiple of it.
@@ -138,21 +152,32 @@ def _fold_offsets(length: int, begin: int, end: int) -> np.ndarray:
 def _split_long(
     docs: list[int], starts: np.ndarray, lengths: np.ndarray, cp: int, parts: list[list[np.ndarray]]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Splits each document in ``docs`` over all ranks in fold order; returns the positions and work each rank got."""
+    """Splits each document in ``docs`` over all ranks in fold order; returns the positions and work each rank got.
+
+    Rank ``r`` ends with ``floor((total + r) / cp)`` positions of these documents. Every document but the last
+    (shortest) is cut into runs of whole mirrored pairs (exactly its mean work per position), the ``floor``/``ceil``
+    of its pairs over the ranks rotating from document to document and its middle position (odd lengths) going to
+    the rank with the fewest so far; the last evens the counts out. Where it cannot (its share would be negative on
+    some rank), every document is cut into ``floor``/``ceil`` of ``L / cp`` positions, rotating likewise.
+    """
+    ranks = np.arange(cp)
+    takes = _pair_takes(docs, lengths, cp)
+    if takes is None:
+        before, takes = 0, []
+        for doc in docs:
+            length = int(lengths[doc])
+            takes.append((before + length + ranks) // cp - (before + ranks) // cp)
+            before += length
     count = np.zeros(cp, dtype=np.int64)
     work = np.zeros(cp)
-    before = 0  # positions of the documents already split: where this one's rounding starts
-    ranks = np.arange(cp)
-    for i, doc in enumerate(docs):
+    for i, (doc, took) in enumerate(zip(docs, takes)):
         length, start = int(lengths[doc]), int(starts[doc])
-        # floor((before + L + r) / cp) - floor((before + r) / cp): floor or ceil of L / cp, summing to L over the
-        # ranks and, over all these documents, to floor((their total + r) / cp) for rank r.
-        took = (before + length + ranks) // cp - (before + ranks) // cp
-        before += length
-        # Alternate which ranks take the leading fold positions, so that the half-pair at a run's ends does not
-        # favour the same ranks document after document.
+        # Alternate which ranks take the leading fold positions, so that no rank always holds a document's start;
+        # a rank with an odd share goes last (a run of whole pairs ending at the middle position).
+        order = ranks if i % 2 == 0 else ranks[::-1]
+        order = np.concatenate([order[took[order] % 2 == 0], order[took[order] % 2 == 1]])
         cursor = 0
-        for rank in ranks if i % 2 == 0 else ranks[::-1]:
+        for rank in order:
             n = int(took[rank])
             if n:
                 offsets = _fold_offsets(length, cursor, cursor + n)
@@ -163,27 +188,52 @@ def _split_long(
     return count, work
 
 
-def _items(docs: np.ndarray, lengths: np.ndarray, fair: float, per_rank: int) -> list[tuple[int, int, int]]:
-    """``(document, fold begin, fold end)`` runs to deal whole: a document, or equal runs of whole mirrored pairs of
-    one that weighs more than ``_ITEM_SHARE`` of a rank's work or is longer than ``per_rank / _ITEM_FRACTION``."""
+def _pair_takes(docs: list[int], lengths: np.ndarray, cp: int) -> list[np.ndarray] | None:
+    """Each document's positions per rank in whole pairs, the last one evening the counts out (``None``: it cannot)."""
+    ranks = np.arange(cp)
+    target = (int(lengths[docs].sum()) + ranks) // cp
+    count = np.zeros(cp, dtype=np.int64)
+    takes = []
+    pairs_before = 0  # pairs already dealt: where this document's rotation starts
+    for doc in docs[:-1]:
+        length = int(lengths[doc])
+        pairs = length // 2
+        took = 2 * ((pairs_before + pairs + ranks) // cp - (pairs_before + ranks) // cp)
+        pairs_before += pairs
+        if length % 2:
+            took[int(np.argmin(count + took))] += 1
+        takes.append(took)
+        count += took
+    last = target - count
+    if (last < 0).any():
+        return None
+    return [*takes, last]
+
+
+def _items(docs: np.ndarray, lengths: np.ndarray, fair: float, per_rank: int) -> tuple[np.ndarray, ...]:
+    """``(document, fold begin, fold end)`` arrays of the runs to deal whole: a document, or equal runs of whole
+    mirrored pairs of one that weighs more than ``_ITEM_SHARE`` of a rank's work or is longer than
+    ``per_rank / _ITEM_FRACTION``."""
     length = lengths[docs]
     pairs = (length + 1) // 2
     pieces = np.maximum(
         np.ceil(length * (length + 1) / 2.0 / (_ITEM_SHARE * fair)), np.ceil(length * _ITEM_FRACTION / per_rank)
     )
     pieces = np.clip(pieces.astype(np.int64), 1, np.maximum(pairs, 1))
-    items = []
-    for doc, n, count, p in zip(docs.tolist(), length.tolist(), pairs.tolist(), pieces.tolist()):
-        if p == 1:
-            items.append((doc, 0, n))
-            continue
+    whole = pieces == 1
+    doc, begin, end = [docs[whole]], [np.zeros(int(whole.sum()), dtype=np.int64)], [length[whole]]
+    for d, n, count, p in zip(
+        docs[~whole].tolist(), length[~whole].tolist(), pairs[~whole].tolist(), pieces[~whole].tolist()
+    ):
         bounds = [2 * (count * k // p) for k in range(p)] + [n]
-        items.extend((doc, b, e) for b, e in pairwise(bounds))
-    return items
+        doc.append(np.full(p, d, dtype=np.int64))
+        begin.append(np.array(bounds[:-1], dtype=np.int64))
+        end.append(np.array(bounds[1:], dtype=np.int64))
+    return np.concatenate(doc), np.concatenate(begin), np.concatenate(end)
 
 
 def _deal(
-    items: list[tuple[int, int, int]],
+    items: tuple[np.ndarray, ...],
     starts: np.ndarray,
     lengths: np.ndarray,
     quota: np.ndarray,
@@ -193,37 +243,43 @@ def _deal(
     """Deals the items (heaviest first) into lanes, lays the lanes end to end and cuts them at exactly ``quota[r]``
     positions per rank (a cut splits at most one item, in fold order)."""
     cp = quota.size
-    if not items:
+    doc, begin, end = items
+    if doc.size == 0:
         return
-    doc = np.array([d for d, _, _ in items], dtype=np.int64)
-    begin = np.array([b for _, b, _ in items], dtype=np.int64)
-    size = np.array([e - b for _, b, e in items], dtype=np.int64)
+    size = end - begin
     # A run of whole mirrored pairs (plus the middle position of an odd document) has its document's mean work.
     weight = size * (lengths[doc] + 1) / 2.0
-    # Each lane must end with its rank's positions and work left after the split documents. Items go heaviest first
-    # to the lane whose work left most exceeds what the items still to come would bring its positions left (plain
-    # Python floats: cp is small and a batch may hold tens of thousands of items).
+    units = _bundles(weight, size, float(work_left.sum()) / cp, float(quota.sum()) / cp)
+    unit_size = np.array([int(size[u].sum()) for u in units], dtype=np.int64)
+    unit_weight = np.array([float(weight[u].sum()) for u in units])
+    # Each lane must end with its rank's positions and work left after the split documents. Units go heaviest first
+    # to the lane whose work left most exceeds what the units still to come would bring its positions left (plain
+    # Python floats: cp is small and a batch may hold thousands of units).
     room = [float(q) for q in quota]
     need = [float(w) for w in work_left]
     lanes: list[list[int]] = [[] for _ in range(cp)]
     rest_len, rest_work = float(size.sum()), float(weight.sum())
-    for j in np.lexsort((np.arange(size.size), -weight)).tolist():
-        n, w = float(size[j]), float(weight[j])
+    for j, (n, w) in enumerate(zip(unit_size.tolist(), unit_weight.tolist())):
         density = rest_work / rest_len
-        fits = [r for r in range(cp) if room[r] >= n] or list(range(cp))
-        lane = max(fits, key=lambda r: (need[r] - density * room[r], -r))
+        lane, best = -1, -math.inf
+        for r in range(cp):  # ties: the lowest rank
+            value = need[r] - density * room[r]
+            if room[r] >= n and value > best:
+                lane, best = r, value
+        if lane < 0:  # no lane has room for it whole: the cuts will split it
+            lane = max(range(cp), key=lambda r: (need[r] - density * room[r], -r))
         lanes[lane].append(j)
         room[lane] -= n
         need[lane] -= w
         rest_len -= n
         rest_work -= w
-    # Each lane's lightest items at its two ends, where the exact cuts may move a few positions to a neighbour.
-    order: list[int] = []
+    # Each lane's lightest units at its two ends, where the exact cuts may move a few positions to a neighbour.
+    order: list[np.ndarray] = []
     for lane in lanes:
-        ascending = sorted(lane, key=lambda j: (weight[j], j))
-        order.extend(ascending[0::2] + ascending[1::2][::-1])
+        ascending = sorted(lane, key=lambda j: (unit_weight[j], j))
+        order.extend(units[j] for j in ascending[0::2] + ascending[1::2][::-1])
     # The lanes end to end as one stream of positions (each item in fold order), cut at the ranks' quotas.
-    ordered = np.array(order, dtype=np.int64)
+    ordered = np.concatenate(order)
     run = size[ordered]
     first = np.repeat(np.cumsum(run) - run, run)
     fold = np.repeat(begin[ordered], run) + np.arange(int(run.sum()), dtype=np.int64) - first
@@ -235,6 +291,22 @@ def _deal(
     for rank in range(cp):
         if cuts[rank + 1] > cuts[rank]:
             parts[rank].append(stream[cuts[rank] : cuts[rank + 1]])
+
+
+def _bundles(weight: np.ndarray, size: np.ndarray, fair: float, per_rank: float) -> list[np.ndarray]:
+    """The items heaviest first (ties: batch order) as *units* to deal: each item alone, except that consecutive light
+    items (under ``_BUNDLE_SHARE`` of a rank's work) are bundled up to that weight and ``per_rank / _BUNDLE_FRACTION``
+    positions, so that thousands of tiny documents cost a few hundred choices."""
+    ranked = np.lexsort((np.arange(size.size), -weight))
+    cap, size_cap = max(_BUNDLE_SHARE * fair, 1.0), max(per_rank / _BUNDLE_FRACTION, 1.0)
+    light = weight[ranked] <= cap
+    heavy = [ranked[i : i + 1] for i in np.flatnonzero(~light)]
+    rest = ranked[light]
+    if rest.size == 0:
+        return heavy
+    bundle = np.maximum(np.cumsum(weight[rest]) // cap, np.cumsum(size[rest]) // size_cap)
+    breaks = np.flatnonzero(np.diff(bundle)) + 1
+    return heavy + np.split(rest, breaks)
 
 
 @dataclass(frozen=True, eq=False)

@@ -20,7 +20,7 @@ Context parallelism: :func:`context_split` says which positions of a packed batc
 
 from __future__ import annotations
 
-from lightning_llmfast.data.context import ContextShard, context_split
+from lightning_llmfast.data.context import ContextShard, balanced_min_positions, context_split
 from lightning_llmfast.seqmeta.attention import (
     context_attention,
     context_keys,
@@ -40,6 +40,7 @@ __all__ = [
     "SequenceMetadataCache",
     "activate_cache",
     "active_cache",
+    "balanced_min_positions",
     "context_attention",
     "context_keys",
     "context_split",

@@ -181,14 +181,16 @@ def _activations(config: Mapping[str, Any], probe: Probe, kinds: Sequence[int]) 
 
 def _context_share(config: Mapping[str, Any], activations: int) -> int:
     """A rank's saved activations under context parallelism: its ``1 / cp`` of the micro-batch's positions, plus the
-    keys and values of the whole micro-batch that every layer's attention gathers and saves for backward."""
+    keys and values every layer's attention gathers and saves for backward: each piece of a document keeps that
+    document's keys up to its end, ``N (1 + 1 / (2 cp))`` rows on the busiest rank of a zigzag split."""
     cp = int(get_setting(config, CONTEXT_PARALLEL, 1) or 1)
     if cp == 1:
         return activations
     model = _model_config(config)
     tokens = int(get_setting(config, MICRO_BATCH, 8)) * int(get_setting(config, "data.seq_len", 256))
     kv_bytes = 2 * model.n_kv_heads * (model.hidden_size // model.n_heads) * 4  # fp32 K and V of one token
-    return -(-activations // cp) + model.n_layers * tokens * kv_bytes
+    rows = tokens + -(-tokens // (2 * cp))
+    return -(-activations // cp) + model.n_layers * rows * kv_bytes
 
 
 def predict_memory(
