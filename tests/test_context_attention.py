@@ -244,3 +244,43 @@ def test_context_attention_on_gathered_keys_against_float64(cp: int, device: str
         context_attention(leaves[0], leaves[1][:-1], leaves[2][:-1], meta)
     with pytest.raises(MetadataError, match="context-parallel shard"):
         context_attention(q, k, v, SequenceMetadata.from_cu_seqlens(cu))
+
+
+def _overlap_worker(rank: int, world: int) -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_llmfast.data import pack_documents
+    from lightning_llmfast.models import MoEGPT, MoEGPTConfig
+    from lightning_llmfast.seqmeta import SequenceMetadata
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = MoEGPT(MoEGPTConfig(vocab_size=32, hidden_size=16, n_layers=1, n_heads=4, n_kv_heads=2, ffn_size=16,
+                                num_experts=2, top_k=1))  # fmt: skip
+    batch = next(pack_documents([list(range(1, 12)), [3, 4, 5]], 8, 2, vocab_size=32, lookahead=2))
+    shard = batch.context_shard(rank, world, dist.group.WORLD)
+    x = model.embed(shard.input_ids)
+    attention = model.layers[0].attn
+    from lightning_llmfast.models.model import rope_tables
+
+    rope = rope_tables(shard.position_ids, model.config.head_dim, model.config.rope_theta)
+    with Ops() as ops:
+        attention(x, rope, shard.position_ids, SequenceMetadata.from_batch(shard))
+    names = ops.names
+    start = next(i for i, n in enumerate(names) if n.startswith("all_gather"))
+    wait = next(i for i, n in enumerate(names) if n.startswith("wait_tensor"))
+    # The key/value projection before the gather starts, the query projection while it is in flight.
+    assert any(n in ("mm.default", "addmm.default", "bmm.default") for n in names[:start]), names[:start]
+    assert any(n in ("mm.default", "addmm.default", "bmm.default") for n in names[start:wait]), names[start:wait]
+
+
+def test_moegpt_query_projection_overlaps_the_key_gather() -> None:
+    run_distributed(_overlap_worker, 2, timeout=120)

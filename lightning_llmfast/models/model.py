@@ -29,7 +29,13 @@ from lightning_llmfast.models.config import MoEGPTConfig
 from lightning_llmfast.models.ffn import make_ffn, sequence_boundaries
 from lightning_llmfast.models.rmsnorm import RMSNorm
 from lightning_llmfast.moe import MoEBlock, MoELayer
-from lightning_llmfast.seqmeta import SequenceMetadata, active_cache, varlen_attention
+from lightning_llmfast.seqmeta import (
+    SequenceMetadata,
+    active_cache,
+    context_attention,
+    start_context_keys,
+    varlen_attention,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -90,6 +96,10 @@ class Attention(nn.Module):
     ) -> Tensor:
         """``x`` ``(B, T, H)``; ``metadata`` is the batch's boundaries ("cached") or its dense mask ("dense")."""
         b, t, _ = x.shape
+        if self.mode == "cached":
+            metadata = _layer_metadata(x, metadata)
+            if isinstance(metadata, SequenceMetadata) and metadata.context is not None:
+                return self._context_parallel(x, rope, metadata)
         q, k, v = self.qkv(x).split(
             [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim], dim=-1
         )
@@ -105,11 +115,7 @@ class Attention(nn.Module):
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
             ).transpose(1, 2)
         else:
-            if metadata is None:
-                cache = active_cache()
-                if cache is None:
-                    raise ConfigError("cached attention needs `metadata` or an active SequenceMetadataCache")
-                metadata = cache.get(x)
+            assert isinstance(metadata, SequenceMetadata)
             n = b * t
             out = varlen_attention(
                 q.reshape(n, self.n_heads, self.head_dim),
@@ -118,6 +124,30 @@ class Attention(nn.Module):
                 metadata,
             )
         return self.proj(out.reshape(b, t, self.n_heads * self.head_dim))
+
+    def _context_parallel(self, x: Tensor, rope: tuple[Tensor, Tensor], metadata: SequenceMetadata) -> Tensor:
+        """A context-parallel shard: the keys and values are projected first and their all-gather over the cp group
+        starts before the query projection, which runs while they travel (the same weights, sliced by rows)."""
+        b, t, _ = x.shape
+        n, q_out = b * t, self.n_heads * self.head_dim
+        k, v = F.linear(x, self.qkv.weight[q_out:]).split(self.n_kv_heads * self.head_dim, dim=-1)
+        k = apply_rope(k.view(b, t, self.n_kv_heads, self.head_dim), *rope)
+        finish = start_context_keys(
+            k.reshape(n, self.n_kv_heads, self.head_dim), v.reshape(n, self.n_kv_heads, self.head_dim), metadata
+        )
+        q = apply_rope(F.linear(x, self.qkv.weight[:q_out]).view(b, t, self.n_heads, self.head_dim), *rope)
+        out = context_attention(q.reshape(n, self.n_heads, self.head_dim), *finish(), metadata)
+        return self.proj(out.reshape(b, t, q_out))
+
+
+def _layer_metadata(x: Tensor, metadata: SequenceMetadata | Tensor | None) -> SequenceMetadata | Tensor:
+    """The metadata a "cached" layer attends with: the given one, or the active cache's for ``x``."""
+    if metadata is not None:
+        return metadata
+    cache = active_cache()
+    if cache is None:
+        raise ConfigError("cached attention needs `metadata` or an active SequenceMetadataCache")
+    return cache.get(x)
 
 
 class Block(nn.Module):

@@ -25,6 +25,7 @@ from lightning_llmfast.seqmeta.attention import (
     context_attention,
     context_keys,
     dense_block_causal_mask,
+    start_context_keys,
     varlen_attention,
 )
 from lightning_llmfast.seqmeta.cache import SequenceMetadataCache, activate_cache, active_cache
@@ -43,6 +44,7 @@ __all__ = [
     "balanced_min_positions",
     "context_attention",
     "context_keys",
+    "start_context_keys",
     "context_split",
     "dense_block_causal_mask",
     "offset_causal_attention",

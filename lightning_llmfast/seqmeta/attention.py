@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -28,10 +29,10 @@ import torch.nn.functional as F
 from lightning_llmfast._checks import check_bool, check_number
 from lightning_llmfast.errors import ConfigError, MetadataError
 from lightning_llmfast.seqmeta.buckets import bucket_plan
-from lightning_llmfast.seqmeta.context import gather_keys, offset_causal_attention
+from lightning_llmfast.seqmeta.context import offset_causal_attention, start_gather
 from lightning_llmfast.seqmeta.metadata import SequenceMetadata
 
-__all__ = ["context_attention", "context_keys", "dense_block_causal_mask", "varlen_attention"]
+__all__ = ["context_attention", "context_keys", "dense_block_causal_mask", "start_context_keys", "varlen_attention"]
 
 Impl = Literal["auto", "masked", "per_document", "bucketed", "flash"]
 
@@ -445,13 +446,31 @@ def context_keys(k: torch.Tensor, v: torch.Tensor, metadata: SequenceMetadata) -
 
         latent, rope = context_keys(kv_latent[:, None], k_rope[:, None], meta)  # (num_keys, 1, rank), (num_keys, 1, r)
     """
+    return start_context_keys(k, v, metadata)()
+
+
+def start_context_keys(
+    k: torch.Tensor, v: torch.Tensor, metadata: SequenceMetadata
+) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`context_keys` in two halves: starts the all-gather and returns the function that waits for it, so that a
+    module can compute between them (its query projection, while the keys and values travel).
+
+    Raises:
+        MetadataError: as :func:`context_keys`.
+
+    Example::
+
+        finish = start_context_keys(k, v, meta)
+        q = rope(project_queries(x))
+        out = context_attention(q, *finish(), meta)
+    """
     shard = _shard_of(metadata)
     if k.shape[0] != metadata.num_tokens or v.shape[0] != metadata.num_tokens:
         raise MetadataError(
             f"num_tokens: k/v hold {k.shape[0]}/{v.shape[0]} tokens but the metadata describes {metadata.num_tokens}"
         )
     key_index, _ = _key_plan(metadata, k.device)
-    return gather_keys(k, v, shard, key_index)
+    return start_gather(k, v, shard, key_index)
 
 
 def context_attention(

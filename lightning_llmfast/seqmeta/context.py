@@ -20,6 +20,7 @@ per layer call), for benchmarks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ from torch.distributed._functional_collectives import all_gather_single_autograd
 from lightning_llmfast.data.context import ContextShard
 from lightning_llmfast.errors import ConfigError
 
-__all__ = ["CONTEXT_STATS", "ContextStats", "gather_keys", "offset_causal_attention"]
+__all__ = ["CONTEXT_STATS", "ContextStats", "gather_keys", "offset_causal_attention", "start_gather"]
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -84,6 +85,19 @@ def gather_keys(k: Tensor, v: Tensor, shard: ContextShard, key_index: Tensor) ->
 
         keys, values = gather_keys(k, v, meta.context, key_index)
     """
+    return start_gather(k, v, shard, key_index)()
+
+
+def start_gather(k: Tensor, v: Tensor, shard: ContextShard, key_index: Tensor) -> Callable[[], tuple[Tensor, Tensor]]:
+    """:func:`gather_keys` in two halves: starts the all-gather and returns the function that waits for it and lays
+    out the keys, so that compute between the two (a layer's query projection) overlaps the exchange.
+
+    Example::
+
+        finish = start_gather(k, v, meta.context, key_index)
+        q = project_queries(x)       # while the keys and values travel
+        keys, values = finish()
+    """
     group = shard.group if shard.group is not None else dist.group.WORLD
     size = dist.get_world_size(group)
     if size != shard.size:
@@ -91,12 +105,18 @@ def gather_keys(k: Tensor, v: Tensor, shard: ContextShard, key_index: Tensor) ->
             f"context parallelism: the shard was planned for {shard.size} ranks but its group has {size}; pass the "
             "cp group to PackedBatch.context_shard"
         )
+    split = k.shape[-1]
     kv = torch.cat([k, v], dim=-1)  # one collective for both; the group's timeout bounds it
-    gathered = wait_tensor(all_gather_single_autograd(kv, 0, group))
-    CONTEXT_STATS.gathers += 1
-    CONTEXT_STATS.gathered_bytes += gathered.numel() * gathered.element_size()
-    keys = gathered.index_select(0, key_index)
-    return keys[..., : k.shape[-1]], keys[..., k.shape[-1] :]
+    pending = all_gather_single_autograd(kv, 0, group)
+
+    def finish() -> tuple[Tensor, Tensor]:
+        gathered = wait_tensor(pending)
+        CONTEXT_STATS.gathers += 1
+        CONTEXT_STATS.gathered_bytes += gathered.numel() * gathered.element_size()
+        keys = gathered.index_select(0, key_index)
+        return keys[..., :split], keys[..., split:]
+
+    return finish
 
 
 def _layout(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
