@@ -23,6 +23,7 @@ from lightning_llmfast.data import pack_documents
 from lightning_llmfast.errors import ConfigError, RoutingError
 from lightning_llmfast.expert_parallel import shard_experts
 from lightning_llmfast.moe import MoEBlock, MoEConfig
+from lightning_llmfast.parallel import ParallelDims
 
 HIDDEN, TOKENS = 8, 7
 _COLLECTIVES = ("all_gather_single", "all_to_all_single", "all_reduce", "all_gather", "broadcast")
@@ -127,11 +128,14 @@ def _setups(rank: int, world: int) -> None:
         assert _groups() == groups and strategy.device_mesh is mesh, (sharding, _groups(), groups)
     # Hierarchical dispatch on one node (nothing crosses a node boundary) is refused on every rank, before any group.
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    groups = _groups()
+    ParallelDims(world, "ddp", 2).build_mesh("cpu")
+    per_mesh = _groups() - groups  # the groups one mesh of this layout holds
     strategy = LLMFastStrategy(expert_parallel_size=2, ep_dispatch="hierarchical", process_group_backend="gloo")
     groups = _groups()
     with pytest.raises(ConfigError, match="spans several nodes"):
         _trainer(strategy, 1, 1).fit(MoEGPTLightningModule(config), data)
-    assert _groups() == groups + 1  # the new strategy's mesh only
+    assert _groups() == groups + per_mesh  # the new strategy's mesh only
 
 
 def test_repeated_fit_and_validate_create_no_process_groups() -> None:
