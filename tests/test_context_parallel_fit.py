@@ -91,3 +91,33 @@ def test_transformers_context_parallel_fit_equals_one_process(tmp_path: Path, fa
     initial = module(pretrained)
     initial.materialize()
     assert _max_relative_difference(initial.state_dict(), state) > 1e-2  # the steps moved the weights
+
+
+def _cp_run(tmp_path: Path, name: str, *args: str) -> dict[str, torch.Tensor]:
+    """Two ranks of one cp group run ``cp_steps.py`` with ``args``; rank 0's final weights."""
+    out = tmp_path / name
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "cp_steps.py"), "--out", str(out), "--devices", "2", "--cp", "2", *args],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(f"{out}.rank0", weights_only=True)["state"]
+
+
+def test_a_cp2_checkpoint_resumes_in_one_process_and_back(tmp_path: Path) -> None:
+    # Context parallelism holds no state: a checkpoint written by a cp group is the one process's, and resumes there.
+    _cp_run(tmp_path, "first", "--steps", "2", "--save", str(tmp_path / "cp.ckpt"))
+    fit("llmfast", 1, steps=2, save=str(tmp_path / "one.ckpt"))
+    cp_ckpt, one_ckpt = (torch.load(tmp_path / n, weights_only=False) for n in ("cp.ckpt", "one.ckpt"))
+    assert _max_relative_difference(cp_ckpt["state_dict"], one_ckpt["state_dict"]) < 1e-5
+    moments = [
+        {f"{i}.{k}": v for i, s in cp["optimizer_states"][0]["state"].items() for k, v in s.items() if k != "step"}
+        for cp in (cp_ckpt, one_ckpt)
+    ]
+    assert _max_relative_difference(*moments) < 1e-5
+    reference = fit("llmfast", 1, resume=str(tmp_path / "one.ckpt"))[0].state_dict()
+    from_cp = fit("llmfast", 1, resume=str(tmp_path / "cp.ckpt"))[0].state_dict()
+    assert _max_relative_difference(from_cp, reference) < 1e-5
+    back = _cp_run(tmp_path, "back", "--resume", str(tmp_path / "one.ckpt"))  # a one-process checkpoint at cp=2
+    assert _max_relative_difference(back, reference) < 1e-5
+    assert _max_relative_difference(one_ckpt["state_dict"], reference) > 1e-3  # the resumed steps moved the weights

@@ -92,19 +92,28 @@ def streams(dp: int) -> list[PackedBatch]:
 
 
 def fit(
-    strategy: Any, devices: int, dp: int = 1, pretrained: str | None = None
+    strategy: Any,
+    devices: int,
+    dp: int = 1,
+    pretrained: str | None = None,
+    steps: int = STEPS,
+    save: str | None = None,
+    resume: str | None = None,
 ) -> tuple[L.LightningModule, LossLog, L.Trainer]:
-    """Trains :data:`STEPS` steps: several ranks read :func:`batches` through the sampler Lightning injects, one
-    process accumulates the ``dp`` streams' micro-batches of every step (:func:`streams`)."""
+    """Trains to ``steps`` steps (from the checkpoint ``resume``, if given; writes the checkpoint ``save`` at the end):
+    several ranks read :func:`batches` through the sampler Lightning injects, one process accumulates the ``dp``
+    streams' micro-batches of every step (:func:`streams`)."""
     torch.set_num_threads(1)
     model, log = module(pretrained), LossLog()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, callbacks=[log],
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, callbacks=[log],
         accumulate_grad_batches=1 if devices > 1 else dp, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     data = batches() if devices > 1 else streams(dp)
-    trainer.fit(model, train_dataloaders=DataLoader(data, batch_size=None))
+    trainer.fit(model, train_dataloaders=DataLoader(data, batch_size=None), ckpt_path=resume)
+    if save is not None:
+        trainer.save_checkpoint(save)
     return model, log, trainer
 
 
@@ -116,12 +125,17 @@ def main() -> None:
     parser.add_argument("--sharding", default="ddp")
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--pretrained", default=None)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--save", default=None)
+    parser.add_argument("--resume", default=None)
     args = parser.parse_args()
     strategy = LLMFastStrategy(
         sharding=args.sharding, context_parallel_size=args.cp, expert_parallel_size=args.ep,
         timeout=timedelta(seconds=60),
     )  # fmt: skip
-    _, log, trainer = fit(strategy, args.devices, pretrained=args.pretrained)
+    _, log, trainer = fit(
+        strategy, args.devices, pretrained=args.pretrained, steps=args.steps, save=args.save, resume=args.resume
+    )
     state = full_state(trainer)
     grads = log.grads if args.sharding == "ddp" and args.ep == 1 else {}  # whole tensors only
     latent = sum(isinstance(m, LatentGatherAttention) for m in trainer.lightning_module.modules())
