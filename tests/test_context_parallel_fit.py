@@ -43,13 +43,17 @@ def _one_process(
 
 
 @pytest.mark.parametrize(
-    ("devices", "cp", "sharding", "ep"),
-    [(2, 2, "ddp", 1), (2, 2, "ddp", 2), (4, 2, "fsdp", 1), (4, 4, "ddp", 1)],
-    ids=["cp2", "cp2-ep2", "fsdp-dp2-cp2", "cp4"],
-)
-def test_context_parallel_fit_equals_one_process(tmp_path: Path, devices: int, cp: int, sharding: str, ep: int) -> None:
+    ("devices", "cp", "sharding", "ep", "offload"),
+    [(2, 2, "ddp", 1, False), (2, 2, "ddp", 2, False), (4, 2, "fsdp", 1, False), (4, 4, "ddp", 1, False),
+     (2, 2, "ddp", 1, True)],
+    ids=["cp2", "cp2-ep2", "fsdp-dp2-cp2", "cp4", "cp2-offload"],
+)  # fmt: skip
+def test_context_parallel_fit_equals_one_process(
+    tmp_path: Path, devices: int, cp: int, sharding: str, ep: int, offload: bool
+) -> None:
     out = tmp_path / "cp"
     args = ["--out", str(out), "--devices", str(devices), "--cp", str(cp), "--sharding", sharding, "--ep", str(ep)]
+    args += ["--offload"] if offload else []
     proc = subprocess.run(
         [sys.executable, str(SCRIPTS / "cp_steps.py"), *args], cwd=tmp_path, capture_output=True, text=True,
         timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -62,6 +66,7 @@ def test_context_parallel_fit_equals_one_process(tmp_path: Path, devices: int, c
         # Every rank logs its cp group's batch loss: the one-process loss of that stream's micro-batch.
         assert saved["losses"] == pytest.approx(losses[rank // cp :: dp], rel=1e-5, abs=1e-6)
         assert _max_relative_difference(saved["state"], state) < 1e-5
+        assert (saved["offloaded"] > 0) == offload  # every layer's saved activations went through the offloader
     assert _max_relative_difference(module().state_dict(), state) > 1e-2  # the steps moved the weights
 
 

@@ -26,6 +26,7 @@ from lightning_llmfast.bench.processes import leave_world
 from lightning_llmfast.data import PackedBatch, pack_documents
 from lightning_llmfast.expert_parallel import expert_dtensor_state_dict
 from lightning_llmfast.hf.context import LatentGatherAttention
+from lightning_llmfast.offload import OffloadConfig
 
 STEPS = 4
 SEQ_LEN = 16
@@ -128,9 +129,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--save", default=None)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--offload", action="store_true", help="offload every layer's saved activations (forced)")
     args = parser.parse_args()
     strategy = LLMFastStrategy(
         sharding=args.sharding, context_parallel_size=args.cp, expert_parallel_size=args.ep,
+        offload=OffloadConfig(force=True, keep_last_layers=0, min_offload_bytes=0) if args.offload else None,
         timeout=timedelta(seconds=60),
     )  # fmt: skip
     _, log, trainer = fit(
@@ -139,7 +142,8 @@ def main() -> None:
     state = full_state(trainer)
     grads = log.grads if args.sharding == "ddp" and args.ep == 1 else {}  # whole tensors only
     latent = sum(isinstance(m, LatentGatherAttention) for m in trainer.lightning_module.modules())
-    saved = {"losses": log.losses, "state": state, "grads": grads, "latent_attention": latent}
+    offloaded = (trainer.strategy.offload_stats or {}).get("offloaded_tensors", 0)
+    saved = {"losses": log.losses, "state": state, "grads": grads, "latent_attention": latent, "offloaded": offloaded}
     torch.save(saved, f"{args.out}.rank{trainer.global_rank}")
 
 
