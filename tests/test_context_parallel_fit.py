@@ -17,7 +17,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).parents[1]
 sys.path.insert(0, str(SCRIPTS))
 from _pretrained import save_tiny  # noqa: E402
-from cp_steps import VOCAB, fit, module  # noqa: E402
+from cp_steps import VOCAB, batches, fit, module  # noqa: E402
 
 
 def _max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -126,3 +126,16 @@ def test_a_cp2_checkpoint_resumes_in_one_process_and_back(tmp_path: Path) -> Non
     back = _cp_run(tmp_path, "back", "--resume", str(tmp_path / "one.ckpt"))  # a one-process checkpoint at cp=2
     assert _max_relative_difference(back, reference) < 1e-5
     assert _max_relative_difference(one_ckpt["state_dict"], reference) > 1e-3  # the resumed steps moved the weights
+
+
+@pytest.mark.parametrize("mode", ["dense", "per_layer"])
+def test_a_shard_is_refused_by_attention_that_reads_its_positions(mode: str) -> None:
+    # Masks built from a shard's positions would attend only this rank's keys: silent wrong output, so refused.
+    from lightning_llmfast import MoEGPTLightningModule
+    from lightning_llmfast.errors import ConfigError
+
+    config = module().model.config
+    model = MoEGPTLightningModule(type(config)(**{**vars(config), "attention_metadata": mode}))
+    shard = batches()[1].context_shard(0, 2, None)
+    with pytest.raises(ConfigError, match=f"attention_metadata='{mode}'.*'cached'"):
+        model(shard)

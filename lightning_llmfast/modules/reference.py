@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lightning_llmfast._compile import check_compile, compile_layers
 from lightning_llmfast.data.packing import IGNORE_INDEX
-from lightning_llmfast.errors import MetadataError
+from lightning_llmfast.errors import ConfigError, MetadataError
 from lightning_llmfast.models.config import MoEGPTConfig
 from lightning_llmfast.models.model import MoEGPT
 from lightning_llmfast.modules.losses import causal_lm_loss, scale_by_token_share, shared_batch_losses
@@ -87,6 +87,12 @@ class MoEGPTLightningModule(L.LightningModule):
     def forward(self, batch: PackedBatch) -> Tensor:
         # A context-parallel shard's pieces are not whole documents: its metadata comes from the shard's plan (the
         # open metadata cache builds the same from the batch), never from its positions.
+        if batch.context is not None and self.model.config.attention_metadata != "cached":
+            raise ConfigError(
+                f"context parallelism gathers keys and values inside varlen attention: attention_metadata="
+                f"{self.model.config.attention_metadata!r} would attend only this rank's positions; use "
+                "attention_metadata='cached' (the default)"
+            )
         shard = batch.context is not None and active_cache() is None
         metadata = SequenceMetadata.from_batch(batch) if shard else None
         return self.model(batch.input_ids, batch.position_ids, metadata=metadata)
