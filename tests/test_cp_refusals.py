@@ -49,3 +49,9 @@ def test_batch_and_step_balance_losses_are_shared_over_the_cp_group(aux_loss: st
     _setup_context_parallel(module)
     blocks = [layer.ffn for layer in module.model.layers]
     assert all(isinstance(block.dispatcher, SharedBatchDispatcher) for block in blocks)
+
+
+def test_a_batch_that_is_not_packed_is_refused_naming_the_fix() -> None:
+    strategy = LLMFastStrategy(context_parallel_size=2)
+    with pytest.raises(ConfigError, match=r"yields dict, not a PackedBatch .*context_parallel_size=1"):
+        strategy._context_shard({"input_ids": None}, ParallelDims(2, "ddp", context_parallel_size=2))
