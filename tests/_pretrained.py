@@ -50,14 +50,23 @@ def tiny_config(family: str, vocab_size: int = VOCAB) -> Any:
 
 
 def save_tiny(
-    family: str, directory: Path, *, seed: int = 0, max_shard_size: str = "8KB", vocab_size: int = VOCAB
+    family: str,
+    directory: Path,
+    *,
+    seed: int = 0,
+    max_shard_size: str = "8KB",
+    vocab_size: int = VOCAB,
+    **overrides: Any,
 ) -> Path:
-    """Write a randomly initialised tiny ``family`` model (DeepSeek's correction bias non-zero) sharded into
-    ``directory``; returns it."""
+    """Write a randomly initialised tiny ``family`` model (DeepSeek's correction bias non-zero; ``overrides`` set on
+    its config, e.g. ``num_hidden_layers=4``) sharded into ``directory``; returns it."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, vocab_size))
+    config = tiny_config(family, vocab_size)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

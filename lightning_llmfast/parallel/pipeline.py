@@ -1,7 +1,9 @@
 """Pipeline parallelism on ``torch.distributed.pipelining``: the layers cut into stages across the ``"pp"`` ranks.
 
-:class:`PipelineConfig` is the validated layout (stages, microbatches, schedule). :class:`PipelineRunner` cuts a
-:class:`~lightning_llmfast.models.MoEGPT` into balanced stages (:mod:`~lightning_llmfast.parallel.pipeline_split`),
+:class:`PipelineConfig` is the validated layout (stages, microbatches, schedule). :class:`PipelineRunner` cuts a model
+into balanced stages (:mod:`~lightning_llmfast.parallel.pipeline_split`) through its stage adapter
+(:mod:`~lightning_llmfast.parallel.pipeline_stage`: a :class:`~lightning_llmfast.models.MoEGPT` or a transformers
+decoder-only causal LM),
 prunes it in place to this rank's stages (parameters keep the full model's names), and runs one training batch
 through torch's :class:`~torch.distributed.pipelining.PipelineStage` and schedules (``ScheduleGPipe``,
 ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``): no
@@ -41,22 +43,25 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import ConfigError
-from lightning_llmfast.models.model import MoEGPT
 from lightning_llmfast.parallel.pipeline_split import (
-    MoEGPTStage,
+    StageModule,
     balanced_cut,
     layer_ranges,
-    moegpt_costs,
-    prune_moegpt,
+    part,
+    prune_stages,
     rank_stages,
     split_metadata,
+    stage_costs,
+    tied_parameter,
 )
+from lightning_llmfast.parallel.pipeline_stage import stage_adapter
+from lightning_llmfast.parallel.pretrained import hold_elsewhere
 from lightning_llmfast.seqmeta import SequenceMetadata, SequenceMetadataCache
 
 __all__ = [
@@ -330,7 +335,7 @@ class _MicrobatchStage(PipelineStage):
         save_forward_output: bool = True,
     ) -> Any:
         submod = self.submod
-        assert isinstance(submod, MoEGPTStage)
+        assert isinstance(submod, StageModule)
         weights, metas = self._runner.microbatch_state()
         submod.aux_weight = weights[fwd_chunk_id] if weights is not None else None
         if not metas:
@@ -344,13 +349,15 @@ class _MicrobatchStage(PipelineStage):
 
 
 class PipelineRunner:
-    """Runs training and evaluation batches of a :class:`MoEGPT` through a pipeline schedule over ``group``.
+    """Runs training and evaluation batches of a model through a pipeline schedule over ``group``.
 
     Construction cuts the model (by :attr:`PipelineConfig.layers`, or balanced) and prunes it in place to this rank's
     stages; schedules are built per microbatch shape on first use.
 
     Args:
-        model: the model, whole and holding its trained values; pruned in place.
+        model: the model, whole and holding its trained values: a :class:`~lightning_llmfast.models.MoEGPT` or a
+            transformers decoder-only causal LM (:func:`~lightning_llmfast.parallel.pipeline_stage.stage_adapter`);
+            pruned in place.
         config: the layout.
         group: the pipeline's process group (``config.size`` ranks, pipeline index = group rank); ``None`` only with
             ``size == 1``.
@@ -361,8 +368,8 @@ class PipelineRunner:
             gradients are summed and the loss weighted over all of their label tokens in :meth:`finish_step`.
 
     Raises:
-        ConfigError: a model that is not a :class:`MoEGPT`, a group whose size is not ``config.size``, more stages
-            than layers, a ``layers`` cut that does not sum to the model's layers.
+        ConfigError: a model without a stage adapter (the message says what a split needs), a group whose size is
+            not ``config.size``, more stages than layers, a ``layers`` cut that does not sum to the model's layers.
 
     Example::
 
@@ -372,7 +379,7 @@ class PipelineRunner:
 
     def __init__(
         self,
-        model: MoEGPT,
+        model: nn.Module,
         config: PipelineConfig,
         group: dist.ProcessGroup | None,
         *,
@@ -381,19 +388,15 @@ class PipelineRunner:
         ignore_index: int = -100,
         dp_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if not isinstance(model, MoEGPT):
-            raise ConfigError(
-                f"pipeline: cannot split a {type(model).__name__}; pipelining needs a MoEGPT (embed, layers, norm, "
-                "lm_head)"
-            )
+        adapter = stage_adapter(model)
         size = dist.get_world_size(group) if group is not None else 1
         if size != config.size:
             raise ConfigError(f"pipeline: the group has {size} ranks, the pipeline size is {config.size}")
         self.config, self.group, self.device, self.dp_group = config, group, device, dp_group
         self.aux_loss_coef, self.ignore_index = float(aux_loss_coef), ignore_index
         self.rank = dist.get_rank(group) if group is not None else 0
-        config.check_layers(len(model.layers))
-        costs, first, last = moegpt_costs(model)
+        costs, first, last = stage_costs(adapter)
+        config.check_layers(len(costs))
         self.layer_counts: list[int] = (
             list(config.layers)
             if config.layers is not None
@@ -406,13 +409,23 @@ class PipelineRunner:
         ranges = layer_ranges(self.layer_counts)
         self.num_stages = config.num_stages
         last_stage = self.num_stages - 1
-        self.tied = model.lm_head.weight is model.embed.weight
-        dtype = model.embed.weight.dtype
+        tied = tied_parameter(adapter)
+        self.tied = tied is not None
+        embed = part(adapter, "embed")
+        assert embed is not None
+        dtype = next(p.dtype for p in embed.parameters() if p.is_floating_point())
+        # By name in the embedding: materialising a meta model replaces the parameter objects.
+        self._tied_name = next((n for n, p in embed.named_parameters() if p is tied), None)
         keep = [i for s in self.stages for i in ranges[s]]
-        prune_moegpt(model, keep, first=0 in self.stages, last=last_stage in self.stages)
-        self.model = model
+        shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+        prune_stages(adapter, keep, first=self.has_first, last=self.has_last)
+        kept = model.state_dict(keep_vars=True)
+        # A model waiting for its pretrained weights reads only this rank's; the other stages' keys are theirs.
+        hold_elsewhere(model, {name: shape for name, shape in shapes.items() if name not in kept})
+        self.model, self.adapter = model, adapter
+        """The model (pruned to this rank's stages) and its stage adapter."""
         self.modules = [
-            MoEGPTStage(model, ranges[s], first=s == 0, last=s == last_stage, dtype=dtype) for s in self.stages
+            StageModule(adapter, ranges[s], first=s == 0, last=s == last_stage, dtype=dtype) for s in self.stages
         ]
         self._tied_group = self._make_tied_group() if self.tied else None
         self._schedules: dict[tuple[Any, ...], Any] = {}
@@ -467,11 +480,11 @@ class PipelineRunner:
         schedule = self._schedules.get(key)
         if schedule is not None:
             return schedule
-        cfg, model = self.config, self.model.config
+        cfg, adapter = self.config, self.adapter
         # Static shapes (no shape inference by a trial forward); an activation that carries a gradient back says so.
         dtype = self.modules[0].dtype
-        hidden = torch.empty(rows, seq_len, model.hidden_size, dtype=dtype, device="meta", requires_grad=train)
-        logits = torch.empty(rows, seq_len, model.vocab_size, dtype=dtype, device="meta", requires_grad=train)
+        hidden = torch.empty(rows, seq_len, adapter.hidden_size, dtype=dtype, device="meta", requires_grad=train)
+        logits = torch.empty(rows, seq_len, adapter.vocab_size, dtype=dtype, device="meta", requires_grad=train)
         stages = []
         for s, module in zip(self.stages, self.modules, strict=True):
             inputs = torch.empty(rows, seq_len, dtype=ids_dtype, device="meta") if s == 0 else hidden
@@ -529,7 +542,7 @@ class PipelineRunner:
         self._total = tokens.clamp_min(1) if divisor is None else divisor.to(tokens)
         self._weights = self.aux_loss_coef * counts / self._total if train and self.aux_loss_coef else None
         self._metas = []
-        if self.model.config.attention_metadata != "cached":
+        if not self.adapter.needs_metadata:
             return tokens
         meta = metadata if metadata is not None else SequenceMetadata.from_position_ids(position_ids)
         self._metas = split_metadata(meta, m)
@@ -654,8 +667,8 @@ class PipelineRunner:
 
     def tied_weight(self) -> Tensor | None:
         """The tied embedding/head weight when this rank holds it, else ``None``."""
-        embed = self.model.embed
-        return embed.weight if self.tied and embed is not None else None
+        embed = part(self.adapter, "embed")
+        return embed.get_parameter(self._tied_name) if self._tied_name is not None and embed is not None else None
 
     def finish_step(self) -> None:
         """Completes the gradients of an optimizer step (once, after every batch of it, before clipping): divides
@@ -691,9 +704,8 @@ class PipelineRunner:
         both or the weights are not tied."""
         if self._tied_group is None:
             return
-        embed = self.model.embed
-        assert embed is not None
-        weight = embed.weight
+        weight = self.tied_weight()
+        assert weight is not None
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         dist.all_reduce(weight.grad, group=self._tied_group)

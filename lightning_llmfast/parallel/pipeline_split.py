@@ -1,6 +1,10 @@
 """Cutting a model into pipeline stages: the balanced cut, the stage-to-rank placement, the in-place pruning and the
 stage modules :class:`~torch.distributed.pipelining.PipelineStage` runs.
 
+Everything here reaches the model through its stage adapter
+(:class:`~lightning_llmfast.parallel.pipeline_stage.StageAdapter`: where the embedding, the layer list, the final
+norm and the head are registered, and how a stage runs forward), never through a family's own attributes.
+
 A model is split at its transformer layers. The cut balances the stages' cost, where a unit's cost is its parameter
 count (memory) plus the parameters a token goes through (compute: an MoE block counts ``top_k / num_experts`` of its
 experts); the embedding is counted on the first stage, the final norm and the head on the last (a tied head again,
@@ -25,19 +29,22 @@ import torch
 from torch import Tensor, nn
 
 from lightning_llmfast.errors import ConfigError, MetadataError
-from lightning_llmfast.models.model import MoEGPT, dense_document_mask, rope_tables
-from lightning_llmfast.moe import MoELayer
-from lightning_llmfast.seqmeta import SequenceMetadata, active_cache
+from lightning_llmfast.moe import GroupedMoE, MoELayer
+from lightning_llmfast.parallel.pipeline_stage import StageAdapter
+from lightning_llmfast.seqmeta import SequenceMetadata
 
 __all__ = [
     "KeptLayers",
-    "MoEGPTStage",
+    "StageModule",
     "balanced_cut",
+    "indexed_layers",
     "layer_ranges",
-    "moegpt_costs",
-    "prune_moegpt",
+    "part",
+    "prune_stages",
     "rank_stages",
     "split_metadata",
+    "stage_costs",
+    "tied_parameter",
 ]
 
 STYLES = ("loop", "v")
@@ -157,28 +164,76 @@ def split_metadata(meta: SequenceMetadata, parts: int) -> list[SequenceMetadata]
     return out
 
 
-def _active_share(config: object, name: str) -> float:
-    top_k, experts = getattr(config, "top_k", 1), getattr(config, "num_experts", 1)
-    return top_k / experts if ".experts." in f".{name}" else 1.0
-
-
-def moegpt_costs(model: MoEGPT) -> tuple[list[float], float, float]:
-    """Per-layer costs and the first and last stage's extra cost of a :class:`MoEGPT` (see the module docstring).
+def part(adapter: StageAdapter, name: str) -> nn.Module | None:
+    """The module registered as the adapter's part ``name`` (one of ``PARTS``); ``None`` once pruned away.
 
     Example::
 
-        costs, first, last = moegpt_costs(model)
+        part(adapter, "head")  # model.lm_head
     """
-    config = model.config
+    owner, attribute = adapter.parts[name]
+    return cast(nn.Module | None, getattr(owner, attribute, None))
+
+
+def indexed_layers(adapter: StageAdapter) -> dict[int, nn.Module]:
+    """The layers the model holds, by their index in the full model (all of them before pruning).
+
+    Example::
+
+        indexed_layers(adapter)  # {2: layers[2], 3: layers[3]} on a rank pruned to layers 2 and 3
+    """
+    layers = part(adapter, "layers")
+    if isinstance(layers, KeptLayers):
+        return dict(zip(layers.indices, layers, strict=True))
+    return dict(enumerate(cast(nn.ModuleList, layers)))
+
+
+def tied_parameter(adapter: StageAdapter) -> nn.Parameter | None:
+    """The parameter the embedding and the head share (tied word embeddings), or ``None``.
+
+    Example::
+
+        tied_parameter(adapter) is model.embed.weight  # MoEGPTConfig(tie_embeddings=True)
+    """
+    embed, head = part(adapter, "embed"), part(adapter, "head")
+    if embed is None or head is None:
+        return None
+    ids = {id(p) for p in embed.parameters()}
+    return next((p for p in head.parameters() if id(p) in ids), None)
+
+
+def _numel(module: nn.Module | None) -> float:
+    return float(sum(p.numel() for p in module.parameters())) if module is not None else 0.0
+
+
+def _active_shares(layer: nn.Module) -> dict[int, float]:
+    """The share of a token's work each expert parameter of ``layer`` gets: ``top_k / num_experts``."""
+    shares: dict[int, float] = {}
+    for module in layer.modules():
+        experts = getattr(module, "experts", None)
+        if isinstance(module, GroupedMoE) and isinstance(experts, nn.Module):
+            share = module.config.routing.top_k / module.config.num_experts
+            shares.update((id(p), share) for p in experts.parameters())
+    return shares
+
+
+def stage_costs(adapter: StageAdapter) -> tuple[list[float], float, float]:
+    """Per-layer costs and the first and last stage's extra cost (see the module docstring).
+
+    A layer's parameters count once for memory and once more for compute, except expert parameters, which a token
+    goes through at ``top_k / num_experts`` of their count; the embedding (a lookup) counts once, the final norm and
+    the head twice (the head's vocabulary matmul; a tied head again: the last stage holds the weight too).
+
+    Example::
+
+        costs, first, last = stage_costs(stage_adapter(model))
+    """
     costs = []
-    for layer in model.layers:
-        total = 0.0
-        for name, param in layer.named_parameters():
-            total += param.numel() * (1.0 + _active_share(config, name))
-        costs.append(total)
-    embed = float(model.embed.weight.numel())  # a lookup: memory, no matmul
-    head = float(model.lm_head.weight.numel()) * 2.0 + model.norm.weight.numel() * 2.0
-    return costs, embed, head
+    for layer in indexed_layers(adapter).values():
+        shares = _active_shares(layer)
+        costs.append(sum(p.numel() * (1.0 + shares.get(id(p), 1.0)) for p in layer.parameters()))
+    last = 2.0 * (_numel(part(adapter, "norm")) + _numel(part(adapter, "head")))
+    return costs, _numel(part(adapter, "embed")), last
 
 
 class KeptLayers(nn.ModuleList):
@@ -209,83 +264,76 @@ class KeptLayers(nn.ModuleList):
         return iter(cast(list[nn.Module], list(self._modules.values())))
 
 
-def prune_moegpt(model: MoEGPT, keep: Sequence[int], *, first: bool, last: bool) -> None:
-    """Prune ``model`` in place to the layers ``keep`` (full-model indices), the embedding when ``first`` and the
-    final norm and head when ``last``.
+def prune_stages(adapter: StageAdapter, keep: Sequence[int], *, first: bool, last: bool) -> None:
+    """Prune the adapter's model in place to the layers ``keep`` (full-model indices), the embedding when ``first``
+    and the final norm and head when ``last``; every part left registered where the model has it.
 
-    A tied head keeps its weight under the embedding's name: on the last stage the embedding module stays registered
-    (unused) so that ``named_parameters()`` lists ``embed.weight`` there too.
+    A tied head keeps its weight under the embedding's name: on the last stage the embedding stays registered
+    (unused) so that ``named_parameters()`` lists the weight there under that name too.
 
     Example::
 
-        prune_moegpt(model, [2, 3], first=False, last=True)
+        prune_stages(stage_adapter(model), [2, 3], first=False, last=True)
     """
-    tied = model.lm_head.weight is model.embed.weight
-    model.layers = KeptLayers({i: model.layers[i] for i in keep})
-    if not (first or (last and tied)):
-        model.embed = None  # type: ignore[assignment]
+    tied = tied_parameter(adapter) is not None
+    layers = indexed_layers(adapter)
+    owner, name = adapter.parts["layers"]
+    setattr(owner, name, KeptLayers({i: layers[i] for i in keep}))
+    dropped = [] if first or (last and tied) else ["embed"]
     if not last:
-        model.norm = None  # type: ignore[assignment]
-        model.lm_head = None  # type: ignore[assignment]
+        dropped += ["norm", "head"]
+    for dropped_part in dropped:
+        owner, name = adapter.parts[dropped_part]
+        setattr(owner, name, None)
 
 
-class MoEGPTStage(nn.Module):
-    """One pipeline stage of a :class:`MoEGPT`: the embedding (first stage), some layers, the final norm and head
-    (last stage).
+class StageModule(nn.Module):
+    """One pipeline stage of a model, run through its :class:`~lightning_llmfast.parallel.pipeline_stage.StageAdapter`:
+    the embedding (first stage), some layers, the final norm and head (last stage), registered here too so that the
+    stage's ``parameters()`` are what torch's pipeline stage differentiates.
 
     ``forward(x, position_ids)`` takes the token ids (first stage) or the previous stage's hidden states and the
     microbatch's ``(b, T)`` positions (given to every stage with the batch), and returns hidden states (cast to
-    ``dtype``, the dtype the next stage's receive buffer has) or, on the last stage, the logits. In ``"cached"``
-    attention mode the packed metadata comes from the active
-    :class:`~lightning_llmfast.seqmeta.SequenceMetadataCache` (the runner opens it on the microbatch's metadata).
-    The router's load-balancing loss of the stage's MoE blocks is attached to the output (:class:`AttachAuxLoss`) with
-    the weight ``aux_weight`` the runner sets before each microbatch; its detached value is added to ``aux_total``.
+    ``dtype``, the dtype the next stage's receive buffer has) or, on the last stage, the logits. The packed metadata
+    comes from the active :class:`~lightning_llmfast.seqmeta.SequenceMetadataCache` when the adapter reads it (the
+    runner opens it on the microbatch's metadata). The router's load-balancing losses of the stage's MoE blocks
+    (:class:`~lightning_llmfast.moe.MoELayer`) are attached to the output (:class:`AttachAuxLoss`) with the weight
+    ``aux_weight`` the runner sets before each microbatch; their detached value is added to ``aux_total``.
 
     Example::
 
-        stage = MoEGPTStage(model, [0, 1], first=True, last=False, dtype=torch.float32)
+        stage = StageModule(stage_adapter(model), [0, 1], first=True, last=False, dtype=torch.float32)
     """
 
-    def __init__(self, model: MoEGPT, layers: Sequence[int], *, first: bool, last: bool, dtype: torch.dtype) -> None:
+    def __init__(
+        self, adapter: StageAdapter, layers: Sequence[int], *, first: bool, last: bool, dtype: torch.dtype
+    ) -> None:
         super().__init__()
-        self.config = model.config
+        self.adapter = adapter
         self.first, self.last, self.dtype = first, last, dtype
-        self.embed = model.embed if first else None
-        kept = model.layers
-        by_index = dict(zip(kept.indices, kept, strict=True)) if isinstance(kept, KeptLayers) else dict(enumerate(kept))
+        self.embed = part(adapter, "embed") if first else None
+        by_index = indexed_layers(adapter)
         self.layers = nn.ModuleList(by_index[i] for i in layers)
-        self.norm = model.norm if last else None
-        self.lm_head = model.lm_head if last else None
+        self.norm = part(adapter, "norm") if last else None
+        self.head = part(adapter, "head") if last else None
         self.aux_weight: Tensor | None = None
         self.aux_total: Tensor | None = None
 
-    def _metadata(self, x: Tensor, position_ids: Tensor) -> SequenceMetadata | Tensor | None:
-        mode = self.config.attention_metadata
-        if mode == "dense":
-            return dense_document_mask(position_ids)
-        if mode == "cached":
-            cache = active_cache()
-            if cache is None:
-                return SequenceMetadata.from_position_ids(position_ids)
-            return cache.get(x)
-        return None
-
     def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        meta = self._metadata(x, position_ids)
-        rope = rope_tables(position_ids, self.config.head_dim, self.config.rope_theta)
+        adapter = self.adapter
+        if self.first:
+            x = adapter.embed(x)
+        inputs = adapter.layer_inputs(x, position_ids)
         for layer in self.layers:
-            x = layer(x, rope, position_ids, meta)
-        aux = [m.stats.aux_loss for m in (layer.ffn for layer in self.layers) if _has_stats(m)]
+            x = adapter.run_layer(layer, x, inputs)
+        aux = [m.stats.aux_loss for layer in self.layers for m in layer.modules() if _has_stats(m)]
         if aux and self.aux_weight is not None:
             value = torch.stack(aux).sum()
             x = AttachAuxLoss.apply(x, value, self.aux_weight)
             share = (value.detach() * self.aux_weight).float()
             self.aux_total = share if self.aux_total is None else self.aux_total + share
-        if self.lm_head is not None:
-            assert self.norm is not None
-            return self.lm_head(self.norm(x))
+        if self.last:
+            return adapter.head(x)
         return x.to(self.dtype)
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ from lightning_llmfast.parallel.staging import ALIGNMENT, StagedReader
 
 __all__ = [
     "INDEX_FILENAME", "PRETRAINED_ATTRIBUTE", "SINGLE_FILENAME", "STAGING_BYTES", "LoadStats", "PretrainedCheckpoint",
-    "TensorEntry", "loads_every_weight", "pretrained_targets", "read_header",
+    "TensorEntry", "hold_elsewhere", "loads_every_weight", "pretrained_targets", "read_header",
 ]  # fmt: skip
 
 INDEX_FILENAME = "model.safetensors.index.json"
@@ -174,6 +175,8 @@ class PretrainedCheckpoint:
         entries: checkpoint key -> where its bytes lie in its file.
         block: the block size of a block-FP8 checkpoint (``None``: not quantized).
         skipped: keys of layers past ``num_hidden_layers`` (multi-token prediction), not loaded.
+        elsewhere: model tensor name -> global shape of the tensors other ranks hold (pipeline stages pruned away
+            here, :func:`hold_elsewhere`): their keys are expected in the checkpoint, not read here.
     """
 
     directory: Path
@@ -185,6 +188,7 @@ class PretrainedCheckpoint:
     entries: dict[str, TensorEntry] = field(repr=False, default_factory=dict)
     block: tuple[int, int] | None = None
     skipped: tuple[str, ...] = field(repr=False, default=())
+    elsewhere: dict[str, tuple[int, ...]] = field(repr=False, default_factory=dict)
 
     @classmethod
     def open(cls, directory: str | Path) -> PretrainedCheckpoint:
@@ -261,6 +265,10 @@ class PretrainedCheckpoint:
                         f"{list(self.shapes[piece.key])}, the model expects {list(piece.shape)} (a checkpoint of "
                         "another size?)"
                     )
+        for name, shape in self.elsewhere.items():
+            expected.update(
+                key for piece in self.adapter.pieces(name, shape) for key in (piece.key, scale_key(piece.key))
+            )
         tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {
             name for name, _ in model.named_parameters()
         }
@@ -357,6 +365,20 @@ def loads_every_weight(module: nn.Module) -> bool:
         return False
     names = [*module.state_dict(keep_vars=True), *(name for name, _ in module.named_parameters())]
     return all(any(not p or name.startswith(p + ".") for p in prefixes) for name in names)
+
+
+def hold_elsewhere(module: nn.Module, tensors: Mapping[str, tuple[int, ...]]) -> None:
+    """Tell the pretrained checkpoints waiting in ``module`` (:func:`pretrained_targets`) that the tensors
+    ``tensors`` (names under ``module``, global shapes) are held by other ranks, as pipeline stages pruned away here
+    are: their keys are then expected in the checkpoint but not read by this rank.
+
+    Example::
+
+        hold_elsewhere(model, {"model.layers.3.mlp.gate.weight": (4, 32)})  # the stage holding layer 3 reads it
+    """
+    for prefix, _, checkpoint in pretrained_targets(module):
+        start = f"{prefix}." if prefix else ""
+        checkpoint.elsewhere.update((n[len(start) :], s) for n, s in tensors.items() if n.startswith(start))
 
 
 def pretrained_targets(module: nn.Module) -> list[tuple[str, nn.Module, PretrainedCheckpoint]]:

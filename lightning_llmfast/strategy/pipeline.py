@@ -3,7 +3,9 @@ Lightning's training step.
 
 :class:`PipelineParallelBase` sits between :class:`~lightning_llmfast.strategy.sharded.ShardedDataParallelBase` and
 :class:`~lightning_llmfast.LLMFastStrategy`. With ``pipeline_parallel_size > 1`` its setup cuts the LightningModule's
-:class:`~lightning_llmfast.models.MoEGPT` into stages and prunes it in place
+``model`` (a :class:`~lightning_llmfast.models.MoEGPT`, or the transformers causal LM of
+:class:`~lightning_llmfast.HFCausalLMModule`: :mod:`~lightning_llmfast.parallel.pipeline_stage`) into stages and
+prunes it in place
 (:class:`~lightning_llmfast.parallel.pipeline.PipelineRunner`): the optimizers are then built on this rank's stages
 only, under the full model's parameter names. Lightning's loop is unchanged (automatic optimization, accumulation,
 clipping, optimizer and scheduler steps, callbacks, loggers):
@@ -43,7 +45,6 @@ from lightning_llmfast.comm.timing import SpanTimer, clock_for
 from lightning_llmfast.data import PackedBatch
 from lightning_llmfast.data.packing import IGNORE_INDEX
 from lightning_llmfast.errors import ConfigError
-from lightning_llmfast.models.model import MoEGPT
 from lightning_llmfast.parallel.checkpoint import is_distributed_checkpoint
 from lightning_llmfast.parallel.clip import ShardedGrad, clip_grad_norm
 from lightning_llmfast.parallel.pipeline import PipelineConfig, PipelineRunner
@@ -74,8 +75,8 @@ class PipelineParallelBase(ShardedDataParallelBase):
 
     Raises:
         ConfigError: at construction, for a layout :class:`~lightning_llmfast.parallel.pipeline.PipelineConfig`
-            refuses; at setup on every rank before any step, when ``P`` does not divide the world, the model is not
-            a :class:`~lightning_llmfast.models.MoEGPT` (``module.model``), has fewer layers than stages, uses manual
+            refuses; at setup on every rank before any step, when ``P`` does not divide the world, the model
+            (``module.model``, MoEGPT or transformers decoder) cannot be cut, has fewer layers than stages, uses manual
             optimization, or pipelining is combined with what it does not compose with yet (``sharding`` other than
             ``"ddp"``, expert or context parallelism, offload, ``precision="16-mixed"``'s gradient scaler); when
             resuming from a checkpoint file rather than a distributed checkpoint directory.
@@ -144,10 +145,10 @@ class PipelineParallelBase(ShardedDataParallelBase):
                     "the training step of automatic optimization; manual optimization is not supported"
                 )
             model = getattr(module, "model", None)
-            if not isinstance(model, MoEGPT):
+            if not isinstance(model, nn.Module):
                 raise ConfigError(
-                    f"{type(self).__name__}: pipeline_parallel_size needs a LightningModule whose `model` is a MoEGPT "
-                    f"(embed, layers, norm, lm_head), got {type(model).__name__}"
+                    f"{type(self).__name__}: pipeline_parallel_size cuts the LightningModule's `model` (a MoEGPT or a "
+                    f"transformers decoder-only causal LM) into stages; {type(module).__name__} has no such attribute"
                 )
             dims = self.parallel_dims
             assert dims is not None
