@@ -72,7 +72,10 @@ class _Record(L.Callback):
             self.bubbles.append(float(trainer.callback_metrics["pipeline/bubble"]))
 
 
-def _fit(module: HFCausalLMModule, data: list[PackedBatch], strategy: Any, devices: int, accumulate: int) -> _Record:
+def _fit(
+    module: HFCausalLMModule, data: list[PackedBatch], strategy: Any, devices: int, accumulate: int
+) -> tuple[_Record, float]:
+    """The fit's record, then ``val/loss`` of the trained model on the first batch (its microbatches joined)."""
     record = _Record()
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=accumulate,
@@ -80,7 +83,8 @@ def _fit(module: HFCausalLMModule, data: list[PackedBatch], strategy: Any, devic
         enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=None))
-    return record
+    val = DataLoader([data[0] if accumulate == 1 else joined(data[:accumulate])], batch_size=None)
+    return record, trainer.validate(module, val, verbose=False)[0]["val/loss"]
 
 
 def _worker(rank: int, world: int, out: str) -> None:
@@ -94,9 +98,10 @@ def _worker(rank: int, world: int, out: str) -> None:
         strategy = LLMFastStrategy(
             pipeline_parallel_size=2, pipeline_microbatches=microbatches, pipeline_schedule=schedule
         )
-        record = _fit(module, batches, strategy, world, 1)
+        record, val = _fit(module, batches, strategy, world, 1)
         params = {name: p.detach().clone() for name, p in module.named_parameters()}
-        torch.save({"losses": record.losses, "bubbles": record.bubbles, "params": params}, f"{out}/{family}.{rank}.pt")
+        result = {"losses": record.losses, "bubbles": record.bubbles, "params": params, "val": val}
+        torch.save(result, f"{out}/{family}.{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -115,14 +120,15 @@ def test_two_stage_fits_equal_one_process_accumulating_the_microbatches(pretrain
         micro = _micro_batches(microbatches, index)
         start = {name: p.detach().clone() for name, p in _materialized(pretrained / family).named_parameters()}
         reference = _module(str(pretrained / family))
-        record = _fit(reference, micro, "llmfast", 1, microbatches)
+        record, val = _fit(reference, micro, "llmfast", 1, microbatches)
         counts = [float((b.labels != -100).sum()) for b in micro]
         expected = [  # a batch's loss: its microbatches' losses weighted by their label tokens
             sum(record.losses[i] * counts[i] for i in range(s, s + microbatches)) / sum(counts[s : s + microbatches])
             for s in range(0, len(micro), microbatches)
         ]
-        for rank in ranks:  # train/loss on every rank: the pipeline's value
+        for rank in ranks:  # train/loss and val/loss (the stages forward) on every rank: the pipeline's value
             assert rank["losses"] == pytest.approx(expected, abs=1e-5), (family, rank["losses"], expected)
+            assert rank["val"] == pytest.approx(val, abs=1e-5), (family, rank["val"], val)
             one_f_one_b = 1 / (microbatches + 1)  # (P - 1) / (M + P - 1)
             if schedule == "1f1b":
                 assert rank["bubbles"] == pytest.approx([one_f_one_b] * STEPS)
