@@ -65,10 +65,17 @@ class StageAdapter(Protocol):
             ...
     """
 
-    parts: Mapping[str, tuple[nn.Module, str]]
-    hidden_size: int
-    vocab_size: int
-    needs_metadata: bool
+    @property
+    def parts(self) -> Mapping[str, tuple[nn.Module, str]]: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def needs_metadata(self) -> bool: ...
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """``(b, T, hidden)`` hidden states of ``(b, T)`` token ids (first stage)."""
