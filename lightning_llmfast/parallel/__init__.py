@@ -14,7 +14,8 @@ Expert sharding over ``"ep"`` itself is :mod:`lightning_llmfast.expert_parallel`
 - :mod:`~lightning_llmfast.parallel.atomic`: checkpoints written beside their target, flushed, renamed over it.
 - :mod:`~lightning_llmfast.parallel.verdict`: every rank's verdict turned into one decision by one collective.
 - :mod:`~lightning_llmfast.parallel.pipeline` and :mod:`~lightning_llmfast.parallel.pipeline_split`: pipeline stages
-  on ``torch.distributed.pipelining``'s schedules (the cut, the in-place pruning, the runner).
+  on ``torch.distributed.pipelining``'s schedules (the cut, the in-place pruning, the runner), reaching a model
+  through its stage adapter (:mod:`~lightning_llmfast.parallel.pipeline_stage`: MoEGPT, transformers decoders).
 
 Example::
 
