@@ -21,7 +21,7 @@ from lightning_llmfast.parallel import consolidate_checkpoint
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).parents[1]
 sys.path.insert(0, str(SCRIPTS))
-from pipeline_fit import MICRO, STEPS, Record, batches, micro_batches, module  # noqa: E402
+from pipeline_fit import MICRO, PREDICT, STEPS, Record, batches, micro_batches, module  # noqa: E402
 
 from lightning_llmfast.parallel.dims import ParallelDims  # noqa: E402
 
@@ -87,6 +87,16 @@ def test_two_stage_fit_equals_one_process_accumulating_the_microbatches(
     assert max(float((start[n] - p.detach()).abs().max()) for n, p in reference.items()) > 1e-3
     validation = _trainer().validate(single, DataLoader(batches()[:1], batch_size=None), verbose=False)
     assert ranks[0]["val"] == ranks[1]["val"] == pytest.approx(validation[0]["val/loss"], abs=1e-5)
+    # trainer.predict after the fit and alone (a fresh trainer, an untrained model): on every rank what
+    # MoEGPTLightningModule.predict_step returns in one process (rank 0 receives it from the last stage)
+    data = DataLoader(batches()[:PREDICT], batch_size=None)
+    for key, reference_module in (("predicted", single), ("predicted_alone", module())):
+        expected_batches = _trainer().predict(reference_module, data)
+        assert expected_batches is not None and len(expected_batches) == PREDICT
+        for rank in ranks:
+            for got, want in zip(rank[key], expected_batches, strict=True):
+                assert got["documents"] == want["documents"] and torch.equal(got["tokens"], want["tokens"])
+                assert float((got["loss"] - want["loss"]).abs().max()) < 1e-5, key
 
 
 def test_two_stage_checkpoint_resumes_on_one_process(pipelined: tuple[Path, list[dict[str, Any]]]) -> None:
@@ -169,3 +179,18 @@ def test_strategy_refuses_bad_pipeline_settings(tmp_path: Path) -> None:
     assert LLMFastStrategy().pipeline_config is None
     with pytest.raises(ConfigError, match="is a file: load its weights"):
         strategy.load_checkpoint(tmp_path / "single.ckpt")
+
+
+def test_pipelined_predict_refuses_a_predict_step_that_runs_forward_otherwise() -> None:
+    from lightning_llmfast.strategy.pipeline import _forward_answers
+
+    model, (batch, other) = module(), batches()[:2]
+    logits = torch.randn(*batch.input_ids.shape, 64)
+    with _forward_answers(model, batch, logits):
+        assert model(batch) is logits  # the pipeline's logits, for this very batch
+        with pytest.raises(ConfigError, match="once, on the batch it was given"):
+            model(batch)
+    with _forward_answers(model, batch, logits), pytest.raises(ConfigError, match="once, on the batch"):
+        model(other)
+    assert "forward" not in vars(model)  # the class's forward again
+    assert model(batch).shape == logits.shape

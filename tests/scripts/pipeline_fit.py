@@ -26,6 +26,7 @@ from lightning_llmfast.data import PackedBatch, SyntheticCorpus, pack_documents
 
 STEPS, MICRO, ROWS = 3, 2, 2
 REPLICAS = 2  # batches for up to this many data-parallel replicas
+PREDICT = 2  # batches trainer.predict runs
 
 
 def micro_batches() -> list[PackedBatch]:
@@ -46,6 +47,7 @@ def joined(parts: list[PackedBatch]) -> PackedBatch:
         cu_seqlens=torch.cat(cu),
         max_seqlen=max(p.max_seqlen for p in parts),
         num_tokens=sum(p.num_tokens for p in parts),
+        documents=[d for p in parts for d in p.documents or []],
     )
 
 
@@ -120,6 +122,14 @@ def main() -> None:
     val = trainer.validate(model, DataLoader(data[:1], batch_size=None), verbose=False)[0]["val/loss"]
     result = {"losses": record.losses, "bubbles": record.bubbles, "seen": record.seen, "params": params, "val": val}
     result["stage_ms"] = record.stage_ms
+    result["predicted"] = trainer.predict(model, DataLoader(data[:PREDICT], batch_size=None))
+    # predict alone, on a fresh trainer and an untrained model
+    alone = L.Trainer(
+        accelerator="cpu", devices=args.devices, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=LLMFastStrategy(pipeline_parallel_size=args.pp, pipeline_microbatches=max(MICRO, args.pp),
+                                 pipeline_schedule=args.schedule, timeout=timedelta(seconds=60)),
+    )  # fmt: skip
+    result["predicted_alone"] = alone.predict(module(), DataLoader(data[:PREDICT], batch_size=None))
     torch.save(result, f"{args.out}.rank{rank}.pt")
 
 
