@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from lightning_llmfast import LLMFastStrategy
 from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.export import main as export_main
 from lightning_llmfast.parallel import consolidate_checkpoint
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -116,6 +117,34 @@ def test_two_stage_checkpoint_resumes_on_one_process(pipelined: tuple[Path, list
     whole = torch.load(tmp / "whole.ckpt", weights_only=True)["state_dict"]
     assert set(whole) == set(held) | {"model.lm_head.weight"}  # the tied head, as the model's state dict has it
     assert all(torch.equal(whole[name], value) for name, value in held.items())
+
+
+def test_two_stage_checkpoint_exports_as_the_one_process_model(
+    pipelined: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    tmp, ranks = pipelined
+    torch.set_num_threads(1)
+    single = module()  # the one-process model holding the pipeline's trained weights, saved as one .ckpt file
+    held = {name: p for rank in ranks for name, p in rank["params"].items()}
+    single.load_state_dict(held | {"model.lm_head.weight": held["model.embed.weight"]})
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, max_steps=0)
+    trainer.strategy.connect(single)
+    trainer.save_checkpoint(tmp_path / "single.ckpt")
+    shard = ["--max-shard-size", "20KB"]
+    assert export_main([str(tmp / "run.ckpt"), str(tmp_path / "pp"), *shard]) == 0  # the pp=2 DCP directory
+    assert export_main([str(tmp_path / "single.ckpt"), str(tmp_path / "one"), *shard]) == 0
+    files = sorted(f.name for f in (tmp_path / "pp").iterdir())
+    assert files == sorted(f.name for f in (tmp_path / "one").iterdir()) and len(files) > 4  # sharded
+    for name in files:
+        assert (tmp_path / "pp" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+    # transformers loads it as the Mixtral a MoEGPT is: the same logits
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "pp").eval()
+    ids = batches()[0].input_ids[:, :13]
+    with torch.no_grad():
+        expected, got = single.model(ids), hf(input_ids=ids).logits
+    assert float((got - expected).abs().max()) < 1e-5
 
 
 @pytest.mark.slow
