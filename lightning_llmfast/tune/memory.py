@@ -17,7 +17,7 @@ from lightning_llmfast.errors import LLMFastError
 from lightning_llmfast.tune.records import settings_key
 from lightning_llmfast.tune.space import CONTEXT_PARALLEL, MICRO_BATCH, get_setting, on_cuda
 
-__all__ = ["REFERENCE_MODULE", "Probe", "predict_memory"]
+__all__ = ["REFERENCE_MODULE", "Probe", "measure_probe", "predict_memory"]
 
 REFERENCE_MODULE = "lightning_llmfast.MoEGPTLightningModule"
 """The module whose memory is predicted (the reference MoE GPT); another model gets ``None``."""
@@ -87,15 +87,28 @@ class _SavedBytes:
 
 
 def _measure_probe(config: Mapping[str, Any]) -> tuple[Probe, list[int]]:
-    """Run the probe model's forward and backward on one CPU sequence; count its saved activations per layer."""
+    """:func:`measure_probe` of an example-CLI config's model, sequence length and precision."""
+    seq_len = int(get_setting(config, "data.seq_len", 256))
+    bf16 = "bf16" in str(get_setting(config, "trainer.precision", "32"))
+    return measure_probe(_model_config(config), seq_len, bf16=bf16)
+
+
+def measure_probe(model_config: Any, seq_len: int, *, bf16: bool = False) -> tuple[Probe, list[int]]:
+    """Run one layer of each kind of a ``MoEGPTConfig``'s model forward and backward on one CPU sequence of
+    ``seq_len`` tokens; count its saved activations per layer. Returns the :class:`Probe` and, for every layer of the
+    full model, the index of its probed kind.
+
+    Example::
+
+        probe, kinds = measure_probe(MoEGPTConfig(n_layers=8), 256)
+        per_layer = [sum(probe.storages[k]) for k in kinds]  # bytes one sequence saves in each layer
+    """
     from lightning_llmfast.offload.must_save import MustSaveCounter
 
-    model_config = _model_config(config)
     if model_config.router_backend in ("auto", "triton"):  # on CPU: the kernels' PyTorch reference saves the same
         model_config = dataclasses.replace(model_config, router_backend="torch")
     torch.manual_seed(0)
     model, kinds = _probe_model(model_config)
-    seq_len = int(get_setting(config, "data.seq_len", 256))
     counter = _SavedBytes(len(model.layers))
     keeps = [0] * len(model.layers)
     modes: dict[int, Any] = {}
@@ -120,7 +133,6 @@ def _measure_probe(config: Mapping[str, Any]) -> tuple[Probe, list[int]]:
         layer.register_forward_pre_hook(enter(index))
         layer.register_forward_hook(leave(index))
     ids = torch.randint(0, model_config.vocab_size, (1, seq_len))
-    bf16 = "bf16" in str(get_setting(config, "trainer.precision", "32"))
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = model(ids)
