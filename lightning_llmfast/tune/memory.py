@@ -15,12 +15,16 @@ from torch import nn
 
 from lightning_llmfast.errors import LLMFastError
 from lightning_llmfast.tune.records import settings_key
-from lightning_llmfast.tune.space import CONTEXT_PARALLEL, MICRO_BATCH, get_setting, on_cuda
+from lightning_llmfast.tune.space import (
+    CONTEXT_PARALLEL,
+    MICRO_BATCH,
+    REFERENCE_MODULE,
+    get_setting,
+    on_cuda,
+    pipeline_layout,
+)
 
 __all__ = ["REFERENCE_MODULE", "Probe", "measure_probe", "predict_memory"]
-
-REFERENCE_MODULE = "lightning_llmfast.MoEGPTLightningModule"
-"""The module whose memory is predicted (the reference MoE GPT); another model gets ``None``."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +209,23 @@ def _context_share(config: Mapping[str, Any], activations: int) -> int:
     return -(-activations // cp) + model.n_layers * rows * kv_bytes
 
 
+def _pipeline_stages(config: Mapping[str, Any], probe: Probe, kinds: Sequence[int]) -> int | None:
+    """Under pipelining: the most loaded pipeline rank's bytes (its stages' parameters, gradients and AdamW moments
+    and the activations of its microbatches in flight at their peak:
+    :func:`~lightning_llmfast.parallel.pipeline_memory.stage_memory`); ``None`` without pipelining."""
+    from lightning_llmfast.models import MoEGPT
+    from lightning_llmfast.parallel.pipeline_memory import stage_memory
+
+    layout = pipeline_layout(config)
+    if layout is None:
+        return None
+    with torch.device("meta"):
+        model = MoEGPT(_model_config(config))
+    rows = int(get_setting(config, MICRO_BATCH, 8)) // layout.microbatches  # one microbatch's sequences
+    layers = [rows * sum(probe.storages[k]) for k in kinds]
+    return max(r.total for r in stage_memory(model, layout, layers, head_activations=rows * probe.outside))
+
+
 def predict_memory(
     config: Mapping[str, Any], world: int, probes: dict[str, tuple[Probe, list[int]]] | None = None
 ) -> int | None:
@@ -212,8 +233,10 @@ def predict_memory(
     AdamW moments (the sharding plan, :func:`~lightning_llmfast.plan.formula_plan`) plus its micro-batch's saved
     activations at their peak (:func:`~lightning_llmfast.offload.memory_plan.predict_peak` on a profile measured
     once per model config: one sequence through one layer of each kind on CPU, scaled by the micro-batch; auto
-    offload plans are predicted at their upper bound, keeping everything). ``None`` for a model other than the
-    reference MoE GPT, or a config the prediction cannot build (the trial then tells).
+    offload plans are predicted at their upper bound, keeping everything). Under pipelining
+    (``pipeline_parallel_size > 1``), per stage: the most loaded pipeline rank's stages and its microbatches in
+    flight, from the same profile. ``None`` for a model other than the reference MoE GPT, or a config the
+    prediction cannot build (the trial then tells).
 
     Example::
 
@@ -228,6 +251,9 @@ def predict_memory(
         )
         if model_key not in probes:
             probes[model_key] = _measure_probe(config)
+        staged = _pipeline_stages(config, *probes[model_key])
+        if staged is not None:
+            return staged
         return _model_states(config, world) + _context_share(config, _activations(config, *probes[model_key]))
     except (LLMFastError, TypeError, ValueError, RuntimeError):  # a config the model refuses: the trial will say why
         return None
