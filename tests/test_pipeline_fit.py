@@ -34,9 +34,9 @@ def _trainer(**kwargs: Any) -> L.Trainer:
     )  # fmt: skip
 
 
-def _fit(tmp: Path, devices: int, *args: str, out: str = "run") -> list[dict[str, Any]]:
+def _fit(tmp: Path, devices: int, *args: str, out: str = "run", schedule: str = "1f1b") -> list[dict[str, Any]]:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "pipeline_fit.py"), "--out", out, "--schedule", "1f1b", "--devices",
+        [sys.executable, str(SCRIPTS / "pipeline_fit.py"), "--out", out, "--schedule", schedule, "--devices",
          str(devices), *args], cwd=tmp, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
@@ -208,6 +208,20 @@ def test_strategy_refuses_bad_pipeline_settings(tmp_path: Path) -> None:
     assert LLMFastStrategy().pipeline_config is None
     with pytest.raises(ConfigError, match="is a file: load its weights"):
         strategy.load_checkpoint(tmp_path / "single.ckpt")
+
+
+@pytest.mark.parametrize(("schedule", "pp"), [("zbv", 2), pytest.param("1f1b", 4, marks=pytest.mark.slow)])
+def test_predict_alone_equals_one_process_when_the_last_stage_is_elsewhere(
+    schedule: str, pp: int, tmp_path: Path
+) -> None:
+    # zbv: the last stage on rank 0 (its V); on 4 ranks: on rank 3, two ranks in between
+    ranks = _fit(tmp_path, pp, "--pp", str(pp), "--predict-only", schedule=schedule)
+    expected = _trainer().predict(module(), DataLoader(batches()[:PREDICT], batch_size=None))
+    assert expected is not None
+    for rank in ranks:
+        for got, want in zip(rank["predicted_alone"], expected, strict=True):
+            assert got["documents"] == want["documents"] and torch.equal(got["tokens"], want["tokens"])
+            assert float((got["loss"] - want["loss"]).abs().max()) < 1e-5
 
 
 def test_pipelined_predict_refuses_a_predict_step_that_runs_forward_otherwise() -> None:

@@ -83,6 +83,14 @@ class Record(L.Callback):
         self.seen.extend(i for i, ids in enumerate(known) if torch.equal(ids, batch.input_ids))
 
 
+def _predictor(args: argparse.Namespace) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu", devices=args.devices, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=LLMFastStrategy(pipeline_parallel_size=args.pp, pipeline_microbatches=max(MICRO, args.pp),
+                                 pipeline_schedule=args.schedule, timeout=timedelta(seconds=60)),
+    )  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -91,8 +99,14 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from (then only its weights are saved)")
+    parser.add_argument("--predict-only", action="store_true", help="only trainer.predict of the untrained model")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.predict_only:
+        trainer = _predictor(args)
+        predicted = trainer.predict(module(), DataLoader(batches()[:PREDICT], batch_size=None))
+        torch.save({"predicted_alone": predicted}, f"{args.out}.rank{trainer.global_rank}.pt")
+        return
     model = module()
     record = Record()
     strategy = LLMFastStrategy(
@@ -124,12 +138,7 @@ def main() -> None:
     result["stage_ms"] = record.stage_ms
     result["predicted"] = trainer.predict(model, DataLoader(data[:PREDICT], batch_size=None))
     # predict alone, on a fresh trainer and an untrained model
-    alone = L.Trainer(
-        accelerator="cpu", devices=args.devices, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        strategy=LLMFastStrategy(pipeline_parallel_size=args.pp, pipeline_microbatches=max(MICRO, args.pp),
-                                 pipeline_schedule=args.schedule, timeout=timedelta(seconds=60)),
-    )  # fmt: skip
-    result["predicted_alone"] = alone.predict(module(), DataLoader(data[:PREDICT], batch_size=None))
+    result["predicted_alone"] = _predictor(args).predict(module(), DataLoader(data[:PREDICT], batch_size=None))
     torch.save(result, f"{args.out}.rank{rank}.pt")
 
 
