@@ -1,9 +1,10 @@
 """``python -m lightning_llmfast.export CHECKPOINT OUT_DIR``: a trained checkpoint back to a transformers directory.
 
-CHECKPOINT is what the strategy writes for an ``HFCausalLMModule`` built from a pretrained directory: a Lightning
-``.ckpt`` file or a DCP directory (FSDP2, expert parallelism, any world size). OUT_DIR, created atomically, is what
-``AutoModelForCausalLM.from_pretrained`` loads (:mod:`lightning_llmfast.parallel.export`). Errors print one line,
-``error: ...``, and exit with status 2.
+CHECKPOINT is what the strategy writes for an ``HFCausalLMModule`` built from a pretrained directory, or for a
+``MoEGPTLightningModule`` (written as the Mixtral it is: :mod:`lightning_llmfast.parallel.moegpt_export`): a Lightning
+``.ckpt`` file or a DCP directory (FSDP2, expert parallelism, pipeline stages, any world size). OUT_DIR, created
+atomically, is what ``AutoModelForCausalLM.from_pretrained`` loads (:mod:`lightning_llmfast.parallel.export`).
+Errors print one line, ``error: ...``, and exit with status 2.
 
 Example::
 
@@ -31,7 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(
         prog="python -m lightning_llmfast.export",
-        description="Export an HFCausalLMModule checkpoint (.ckpt file or DCP directory) as a transformers directory.",
+        description="Export an HFCausalLMModule or MoEGPTLightningModule checkpoint (.ckpt file or DCP directory) as "
+        "a transformers directory.",
     )
     parser.add_argument("checkpoint", help="a Lightning .ckpt file or a DCP checkpoint directory")
     parser.add_argument("out_dir", help="the directory to create (must not exist)")

@@ -11,7 +11,9 @@ fp32 moments). Per step and rank: bytes received by FSDP2's all-gathers (in the 
 in forward and again in backward, the roots included, except the last layer's own group, once), bytes sent by its
 reduce-scatters (in the reduce dtype, once per group) and the expected all-to-all bytes of the token exchange
 (dispatch and combine, forward and backward, the ``(ep - 1) / ep`` of the rows that leave the rank under uniform
-routing). With ``--nodes`` (``world = nodes * gpus_per_node``): the all-to-all bytes that cross the node boundary
+routing). With ``--pp`` (the reference model only): per pipeline rank, the parameters, gradients and AdamW
+states of its stages and the peak activations of its microbatches in flight (:func:`pipeline_plan`). With ``--nodes``
+(``world = nodes * gpus_per_node``): the all-to-all bytes that cross the node boundary
 per token and per step, flat against hierarchical dispatch (:class:`InterNodeBytes`); with ``--link-gbps`` and
 ``--tflops``: per MoE layer, that exchange's time against the expert GEMMs' time (:class:`ExchangeOverlap`).
 
@@ -20,6 +22,7 @@ Example::
     python -m lightning_llmfast.plan deepseek-v3 --world 256 --ep 64
     python -m lightning_llmfast.plan deepseek-v3 --nodes 32 --gpus-per-node 8 --ep 64  # + inter-node bytes
     python -m lightning_llmfast.plan deepseek-v3 --nodes 8 --ep 64 --link-gbps 400 --tflops 400  # + can it hide?
+    python -m lightning_llmfast.plan reference --pp 4 --microbatches 8 --schedule 1f1b --batch 8  # per stage
 
     plan = sharding_plan("qwen3-235b-a22b", world=256, ep=64)
     plan.ranks[0].expert_params  # bytes of routed-expert parameters on rank 0
@@ -46,12 +49,15 @@ from lightning_llmfast.moe.config import RoutingConfig
 from lightning_llmfast.parallel.dims import ParallelDims
 from lightning_llmfast.parallel.fsdp import expert_shard_dim
 from lightning_llmfast.parallel.layout import parallelize
+from lightning_llmfast.parallel.pipeline import SCHEDULES, PipelineConfig
+from lightning_llmfast.parallel.pipeline_memory import StageBytes, stage_memory
 
 __all__ = [
     "PRESETS",
     "ExchangeOverlap",
     "InterNodeBytes",
     "ParamShape",
+    "PipelinePlan",
     "RankBytes",
     "ShardingPlan",
     "a2a_bytes",
@@ -62,6 +68,7 @@ __all__ = [
     "inter_node_bytes",
     "main",
     "param_shapes",
+    "pipeline_plan",
     "sharding_plan",
 ]
 
@@ -617,7 +624,82 @@ def sharding_plan(
     return ShardingPlan(name, world, ep, params, ranks, gathered, scattered, a2a, inter_node, overlap)
 
 
-def main(argv: Sequence[str] | None = None) -> ShardingPlan:
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Per pipeline rank: what its stages hold (:class:`~lightning_llmfast.parallel.pipeline_memory.StageBytes`)
+    for a batch of ``batch_size`` rows of ``seq_len`` tokens cut into the layout's microbatches."""
+
+    model: str
+    config: PipelineConfig
+    batch_size: int
+    seq_len: int
+    ranks: tuple[StageBytes, ...]
+
+    def table(self) -> str:
+        """One row per pipeline rank, as text."""
+        cfg = self.config
+        lines = [
+            f"{self.model}: pipeline {cfg.size} x {cfg.stages_per_rank} stages, {cfg.schedule}, {cfg.microbatches} "
+            f"microbatches of {self.batch_size // cfg.microbatches} x {self.seq_len} tokens",
+            "rank  stages    layers  params_GB  grads_GB  adam_GB  in_flight  activations_GB  total_GB",
+        ]
+        for r in self.ranks:
+            stages = ",".join(map(str, r.stages))
+            lines.append(
+                f"{r.rank:<5} {stages:<9} {len(r.layers):6d} {r.params / 1e9:10.3f} {r.grads / 1e9:9.3f} "
+                f"{r.optimizer / 1e9:8.3f} {r.in_flight:10d} {r.activations / 1e9:15.3f} {r.total / 1e9:9.3f}"
+            )
+        return "\n".join(lines)
+
+
+def pipeline_plan(
+    name: str,
+    pp: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    *,
+    stages_per_rank: int | None = None,
+    batch_size: int = 8,
+    seq_len: int = 256,
+    bf16: bool = False,
+) -> PipelinePlan:
+    """Per-stage memory of the reference model under ``LLMFastStrategy(pipeline_parallel_size=pp, ...)``.
+
+    Parameters, fp32 gradients and two fp32 AdamW moments of each rank's stages (the strategy's balanced cut), and
+    the activations of its microbatches in flight at their peak, read from the schedule's action table
+    (:func:`~lightning_llmfast.parallel.pipeline_memory.stage_memory`); what a microbatch saves in each layer is
+    measured once on one CPU sequence through one layer of each kind
+    (:func:`~lightning_llmfast.tune.memory.measure_probe`) and scaled by the microbatch's rows. Each stage is
+    replicated over its data-parallel ranks (pipelining composes with DDP), so the rows hold at any world size.
+
+    Raises:
+        ConfigError: a model other than ``"reference"`` (only MoEGPT splits into stages), a layout the strategy
+            refuses (:class:`~lightning_llmfast.parallel.pipeline.PipelineConfig`), microbatches that do not divide
+            ``batch_size``, or more stages than layers.
+
+    Example::
+
+        print(pipeline_plan("reference", pp=2, microbatches=4, schedule="zbv").table())
+    """
+    from lightning_llmfast.models import MoEGPT
+    from lightning_llmfast.tune.memory import measure_probe
+
+    if name != "reference":
+        raise ConfigError(f"pipeline plan: only the 'reference' MoEGPT splits into pipeline stages, got {name!r}")
+    config = PipelineConfig(pp, microbatches, schedule, stages_per_rank)
+    config.check_batch(batch_size)
+    model_config = _presets()[name]()
+    with torch.device("meta"):
+        model = MoEGPT(model_config)
+    config.check_layers(len(model.layers))
+    probe, kinds = measure_probe(model_config, seq_len, bf16=bf16)
+    rows = batch_size // microbatches
+    layers = [rows * sum(probe.storages[k]) for k in kinds]
+    ranks = stage_memory(model, config, layers, head_activations=rows * probe.outside)
+    return PipelinePlan(name, config, batch_size, seq_len, tuple(ranks))
+
+
+def main(argv: Sequence[str] | None = None) -> ShardingPlan | PipelinePlan:
     """``python -m lightning_llmfast.plan MODEL --world W --ep N [--tokens T] [--dispatch-dtype D] [--nodes N
     [--gpus-per-node G] [--link-gbps B --tflops F]]``: print it (``--nodes``: ``world = N * G`` and the inter-node
     bytes; ``--link-gbps``/``--tflops``: each MoE layer's exchange time against its expert GEMM time). Bad values
@@ -632,7 +714,23 @@ def main(argv: Sequence[str] | None = None) -> ShardingPlan:
     parser.add_argument("--dispatch-dtype", choices=WIRES, default=None, help="all-to-all dispatch payload")
     parser.add_argument("--link-gbps", type=float, default=None, help="inter-node Gbit/s per rank (with --nodes)")
     parser.add_argument("--tflops", type=float, default=None, help="expert GEMM TFLOP/s per rank (with --link-gbps)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages: per-stage memory instead (reference)")
+    parser.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches (default: --pp)")
+    parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b", help="pipeline schedule")
+    parser.add_argument("--stages-per-rank", type=int, default=None, help="pipeline stages per rank")
+    parser.add_argument("--batch", type=int, default=8, help="rows a pipeline's batch holds (with --pp)")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens a row holds (with --pp)")
     args = parser.parse_args(argv)
+    if args.pp > 1:
+        try:
+            pipeline = pipeline_plan(
+                args.model, args.pp, args.microbatches or args.pp, args.schedule,
+                stages_per_rank=args.stages_per_rank, batch_size=args.batch, seq_len=args.seq_len,
+            )  # fmt: skip
+        except ConfigError as error:
+            parser.error(str(error))
+        print(pipeline.table())
+        return pipeline
     world = args.world if args.world is not None else 256
     gpus_per_node = None
     if args.nodes is not None:

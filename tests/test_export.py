@@ -209,3 +209,31 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path: Path, capsys: pytes
     assert main([str(tmp_path / "m.ckpt"), str(tmp_path / "out")]) == 2
     assert "exists" in capsys.readouterr().err
     assert not list((tmp_path / "out").iterdir())
+
+
+def test_moegpt_ckpt_exports_as_a_mixtral_computing_its_logits(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from lightning_llmfast import MoEGPTConfig, MoEGPTLightningModule
+
+    torch.manual_seed(3)
+    config = MoEGPTConfig(vocab_size=37, hidden_size=24, n_layers=3, n_heads=4, n_kv_heads=2, ffn_size=12,
+                          num_experts=5, top_k=3, tie_embeddings=False, init_std=0.3, rope_theta=500.0,
+                          router_backend="torch")  # fmt: skip
+    module = MoEGPTLightningModule(config)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, max_steps=0)
+    trainer.strategy.connect(module)
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    assert main([str(tmp_path / "m.ckpt"), str(tmp_path / "out")]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(hf).__name__ == "MixtralForCausalLM" and "lm_head.weight" in _tensors(tmp_path / "out")  # untied
+    ids = torch.randint(0, 37, (3, 17))
+    with torch.no_grad():
+        expected, got = module.model(ids).double(), hf(input_ids=ids).logits.double()
+    assert float((got - expected).abs().max()) < 1e-5 < float(expected.std())
+    for refused, match in (({"dense_layers": [1]}, "dense"), ({"capacity_factor": 1.5}, "dropless")):
+        other = MoEGPTLightningModule(MoEGPTConfig(**{**vars(config), **refused}))
+        trainer.strategy.connect(other)
+        trainer.save_checkpoint(tmp_path / "x.ckpt")
+        with pytest.raises(ConfigError, match=match):
+            export_module.export_checkpoint(tmp_path / "x.ckpt", tmp_path / "x")

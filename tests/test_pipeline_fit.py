@@ -16,12 +16,13 @@ from torch.utils.data import DataLoader
 
 from lightning_llmfast import LLMFastStrategy
 from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.export import main as export_main
 from lightning_llmfast.parallel import consolidate_checkpoint
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).parents[1]
 sys.path.insert(0, str(SCRIPTS))
-from pipeline_fit import MICRO, STEPS, Record, batches, micro_batches, module  # noqa: E402
+from pipeline_fit import MICRO, PREDICT, STEPS, Record, batches, micro_batches, module  # noqa: E402
 
 from lightning_llmfast.parallel.dims import ParallelDims  # noqa: E402
 
@@ -33,9 +34,9 @@ def _trainer(**kwargs: Any) -> L.Trainer:
     )  # fmt: skip
 
 
-def _fit(tmp: Path, devices: int, *args: str, out: str = "run") -> list[dict[str, Any]]:
+def _fit(tmp: Path, devices: int, *args: str, out: str = "run", schedule: str = "1f1b") -> list[dict[str, Any]]:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "pipeline_fit.py"), "--out", out, "--schedule", "1f1b", "--devices",
+        [sys.executable, str(SCRIPTS / "pipeline_fit.py"), "--out", out, "--schedule", schedule, "--devices",
          str(devices), *args], cwd=tmp, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
@@ -87,6 +88,16 @@ def test_two_stage_fit_equals_one_process_accumulating_the_microbatches(
     assert max(float((start[n] - p.detach()).abs().max()) for n, p in reference.items()) > 1e-3
     validation = _trainer().validate(single, DataLoader(batches()[:1], batch_size=None), verbose=False)
     assert ranks[0]["val"] == ranks[1]["val"] == pytest.approx(validation[0]["val/loss"], abs=1e-5)
+    # trainer.predict after the fit and alone (a fresh trainer, an untrained model): on every rank what
+    # MoEGPTLightningModule.predict_step returns in one process (rank 0 receives it from the last stage)
+    data = DataLoader(batches()[:PREDICT], batch_size=None)
+    for key, reference_module in (("predicted", single), ("predicted_alone", module())):
+        expected_batches = _trainer().predict(reference_module, data)
+        assert expected_batches is not None and len(expected_batches) == PREDICT
+        for rank in ranks:
+            for got, want in zip(rank[key], expected_batches, strict=True):
+                assert got["documents"] == want["documents"] and torch.equal(got["tokens"], want["tokens"])
+                assert float((got["loss"] - want["loss"]).abs().max()) < 1e-5, key
 
 
 def test_two_stage_checkpoint_resumes_on_one_process(pipelined: tuple[Path, list[dict[str, Any]]]) -> None:
@@ -106,6 +117,34 @@ def test_two_stage_checkpoint_resumes_on_one_process(pipelined: tuple[Path, list
     whole = torch.load(tmp / "whole.ckpt", weights_only=True)["state_dict"]
     assert set(whole) == set(held) | {"model.lm_head.weight"}  # the tied head, as the model's state dict has it
     assert all(torch.equal(whole[name], value) for name, value in held.items())
+
+
+def test_two_stage_checkpoint_exports_as_the_one_process_model(
+    pipelined: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    tmp, ranks = pipelined
+    torch.set_num_threads(1)
+    single = module()  # the one-process model holding the pipeline's trained weights, saved as one .ckpt file
+    held = {name: p for rank in ranks for name, p in rank["params"].items()}
+    single.load_state_dict(held | {"model.lm_head.weight": held["model.embed.weight"]})
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, max_steps=0)
+    trainer.strategy.connect(single)
+    trainer.save_checkpoint(tmp_path / "single.ckpt")
+    shard = ["--max-shard-size", "20KB"]
+    assert export_main([str(tmp / "run.ckpt"), str(tmp_path / "pp"), *shard]) == 0  # the pp=2 DCP directory
+    assert export_main([str(tmp_path / "single.ckpt"), str(tmp_path / "one"), *shard]) == 0
+    files = sorted(f.name for f in (tmp_path / "pp").iterdir())
+    assert files == sorted(f.name for f in (tmp_path / "one").iterdir()) and len(files) > 4  # sharded
+    for name in files:
+        assert (tmp_path / "pp" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+    # transformers loads it as the Mixtral a MoEGPT is: the same logits
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "pp").eval()
+    ids = batches()[0].input_ids[:, :13]
+    with torch.no_grad():
+        expected, got = single.model(ids), hf(input_ids=ids).logits
+    assert float((got - expected).abs().max()) < 1e-5
 
 
 @pytest.mark.slow
@@ -169,3 +208,32 @@ def test_strategy_refuses_bad_pipeline_settings(tmp_path: Path) -> None:
     assert LLMFastStrategy().pipeline_config is None
     with pytest.raises(ConfigError, match="is a file: load its weights"):
         strategy.load_checkpoint(tmp_path / "single.ckpt")
+
+
+@pytest.mark.parametrize(("schedule", "pp"), [("zbv", 2), pytest.param("1f1b", 4, marks=pytest.mark.slow)])
+def test_predict_alone_equals_one_process_when_the_last_stage_is_elsewhere(
+    schedule: str, pp: int, tmp_path: Path
+) -> None:
+    # zbv: the last stage on rank 0 (its V); on 4 ranks: on rank 3, two ranks in between
+    ranks = _fit(tmp_path, pp, "--pp", str(pp), "--predict-only", schedule=schedule)
+    expected = _trainer().predict(module(), DataLoader(batches()[:PREDICT], batch_size=None))
+    assert expected is not None
+    for rank in ranks:
+        for got, want in zip(rank["predicted_alone"], expected, strict=True):
+            assert got["documents"] == want["documents"] and torch.equal(got["tokens"], want["tokens"])
+            assert float((got["loss"] - want["loss"]).abs().max()) < 1e-5
+
+
+def test_pipelined_predict_refuses_a_predict_step_that_runs_forward_otherwise() -> None:
+    from lightning_llmfast.strategy.pipeline import _forward_answers
+
+    model, (batch, other) = module(), batches()[:2]
+    logits = torch.randn(*batch.input_ids.shape, 64)
+    with _forward_answers(model, batch, logits):
+        assert model(batch) is logits  # the pipeline's logits, for this very batch
+        with pytest.raises(ConfigError, match="once, on the batch it was given"):
+            model(batch)
+    with _forward_answers(model, batch, logits), pytest.raises(ConfigError, match="once, on the batch"):
+        model(other)
+    assert "forward" not in vars(model)  # the class's forward again
+    assert model(batch).shape == logits.shape

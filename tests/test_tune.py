@@ -44,7 +44,14 @@ from lightning_llmfast.tune import (
     tune,
     write_plot,
 )
-from lightning_llmfast.tune.space import CONTEXT_PARALLEL, accumulation
+from lightning_llmfast.tune.memory import measure_probe
+from lightning_llmfast.tune.space import (
+    CONTEXT_PARALLEL,
+    PIPELINE_MICROBATCHES,
+    PIPELINE_PARALLEL,
+    PIPELINE_SCHEDULE,
+    accumulation,
+)
 
 ROOT = Path(__file__).parents[1]
 FAKE = ROOT / "tests" / "scripts" / "fake_trial.py"
@@ -190,6 +197,55 @@ def test_memory_budget_prunes_before_running(tmp_path: Path) -> None:
     assert pruned[0].predicted_memory > budget
     assert sorted(t.config["data"]["batch_size"] for t in runner.trials) == [1, 2]
     assert result.best is not None and result.best.settings["data.batch_size"] == 2
+
+
+def test_pipeline_settings_are_searched_with_invalid_layouts_pruned_and_memory_per_stage(tmp_path: Path) -> None:
+    base = yaml.safe_load(_config(tmp_path).read_text())  # 2 layers, micro-batch 4 of 32 tokens
+    base["trainer"]["devices"] = 4
+    (tmp_path / "four.yaml").write_text(yaml.safe_dump(base))
+    space = default_space(base, world=4, cuda=False)
+    assert space[PIPELINE_PARALLEL] == [1, 2]  # no more stages than layers
+    assert space[PIPELINE_MICROBATCHES] == [2, 4, 8] and "zbv" in space[PIPELINE_SCHEDULE]
+    sharding = "trainer.strategy.init_args.sharding"
+    space = {"data.batch_size": [4], sharding: ["ddp", "fsdp"], PIPELINE_PARALLEL: [1, 2, 4],
+             PIPELINE_MICROBATCHES: [1, 2, 3, 4], PIPELINE_SCHEDULE: ["1f1b", "gpipe", "zbv"]}  # fmt: skip
+    runner = FakeRunner({4: 1.0})
+    result = tune(TuneConfig(tmp_path / "four.yaml", tmp_path / "out", space=space, global_batch=16, eta=10), runner)
+    keys = (sharding, PIPELINE_PARALLEL, PIPELINE_MICROBATCHES, PIPELINE_SCHEDULE)
+    records = {tuple(r.settings.get(k, 1 if k == PIPELINE_MICROBATCHES else "1f1b") for k in keys): r
+               for r in result.records}  # fmt: skip
+    assert len(records) == len(result.records) == 2 + 2 * 2 * 4 * 3  # pp=1: one candidate, its pipeline knobs idle
+    ran = {key for key, r in records.items() if r.status == "ok"}
+    assert ran == {("ddp", 1, 1, "1f1b"), ("fsdp", 1, 1, "1f1b"), ("ddp", 2, 2, "1f1b"), ("ddp", 2, 4, "1f1b"),
+                   ("ddp", 2, 1, "gpipe"), ("ddp", 2, 2, "gpipe"), ("ddp", 2, 4, "gpipe")}  # fmt: skip
+    assert len(runner.trials) == len(ran)  # the pruned never ran
+    reasons = {
+        ("ddp", 2, 1, "1f1b"): "needs microbatches >= pipeline size 2",
+        ("ddp", 2, 3, "gpipe"): "must divide the batch size 4",
+        ("ddp", 2, 2, "zbv"): "4 stages (size 2 x stages_per_rank 2) but the model has only 2 layers",
+        ("ddp", 4, 4, "gpipe"): "the model has only 2 layers",
+        ("fsdp", 2, 2, "1f1b"): "does not compose with sharding",
+    }
+    for key, reason in reasons.items():
+        assert records[key].status == "pruned" and reason in records[key].reason, key
+    # The stages of a pipeline share their micro-batches: 16 sequences a step are 2 pipelines x 4 x 2 accumulated.
+    assert {
+        t.config["trainer"]["accumulate_grad_batches"] for t in runner.trials if t.settings[PIPELINE_PARALLEL] == 2
+    } == {2}
+    # Memory per stage, by hand: each stage one layer; rank 0 the embedding, rank 1 the final norm and the tied head;
+    # parameters, gradients, two AdamW moments in fp32; the microbatches in flight of what one sequence saves.
+    model = MoEGPT(MoEGPTConfig(**MODEL, vocab_size=258))
+    probe, kinds = measure_probe(model.config, 32)
+    embed, norm = model.embed.weight.numel(), model.norm.weight.numel()
+    states = [
+        16 * (sum(p.numel() for p in model.layers[i].parameters()) + extra)
+        for i, extra in ((0, embed), (1, embed + norm))
+    ]
+    saved = [sum(probe.storages[kinds[0]]), sum(probe.storages[kinds[1]]) + probe.outside]
+    for m, schedule, in_flight in ((2, "gpipe", (2, 2)), (4, "1f1b", (2, 1)), (2, "1f1b", (2, 1))):
+        rows = 4 // m
+        expected = max(states[r] + in_flight[r] * rows * saved[r] for r in range(2))
+        assert records["ddp", 2, m, schedule].predicted_memory == expected, (m, schedule)
 
 
 def test_trial_log_drops_a_cut_line_and_refuses_a_damaged_one(tmp_path: Path) -> None:

@@ -13,9 +13,10 @@ or is complete.
 Sources:
 
 - :func:`export_checkpoint`: a checkpoint the strategy writes for an ``HFCausalLMModule``: a Lightning ``.ckpt``
-  file (memory-mapped, read shard by shard) or a DCP directory written by FSDP2 / expert parallelism on any number of
-  ranks (read shard by shard with ``torch.distributed.checkpoint``, no process group). The pretrained directory is
-  the ``model`` hyper-parameter the checkpoint keeps.
+  file (memory-mapped, read shard by shard) or a DCP directory written by FSDP2 / expert parallelism / pipeline
+  stages on any number of ranks (read shard by shard with ``torch.distributed.checkpoint``, no process group). The
+  pretrained directory is the ``model`` hyper-parameter the checkpoint keeps. A ``MoEGPTLightningModule``'s
+  checkpoint is written as the Mixtral it is (:mod:`~lightning_llmfast.parallel.moegpt_export`).
 - :func:`export_module`: a model in one process (``HFCausalLMModule.save_pretrained``).
 
 Example::
@@ -45,6 +46,7 @@ from transformers.utils.hub import convert_file_size_to_int
 from lightning_llmfast.errors import CheckpointError, ConfigError
 from lightning_llmfast.expert_parallel.state import sharded_moe_blocks
 from lightning_llmfast.hf.state_dict import state_dict_adapter
+from lightning_llmfast.models import MoEGPTConfig
 from lightning_llmfast.parallel.checkpoint import (
     META_FILENAME,
     MetadataReader,
@@ -52,6 +54,7 @@ from lightning_llmfast.parallel.checkpoint import (
     read_metadata,
 )
 from lightning_llmfast.parallel.integrity import verify_shard_digests
+from lightning_llmfast.parallel.moegpt_export import mixtral_config, mixtral_source
 from lightning_llmfast.parallel.pretrained import INDEX_FILENAME
 
 __all__ = ["DTYPES", "TOKENIZER_FILES", "export_checkpoint", "export_dtype", "export_module"]
@@ -115,11 +118,12 @@ def export_checkpoint(
     dtype: torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
 ) -> Path:
-    """Write a Lightning ``.ckpt`` file or a DCP checkpoint directory of an ``HFCausalLMModule`` as a
+    """Write a Lightning ``.ckpt`` file or a DCP checkpoint directory of an ``HFCausalLMModule`` (or of a
+    ``MoEGPTLightningModule``, as a Mixtral: :mod:`~lightning_llmfast.parallel.moegpt_export`) as a
     ``from_pretrained`` directory, streaming.
 
     Args:
-        checkpoint: the ``.ckpt`` file or DCP directory (written by any number of ranks).
+        checkpoint: the ``.ckpt`` file or DCP directory (written by any number of ranks, in any pipeline layout).
         directory: the output directory; must not exist.
         dtype: weights' dtype on disk (``None``: the source checkpoint's, bf16 for a block-FP8 source;
             :func:`export_dtype`).
@@ -130,8 +134,9 @@ def export_checkpoint(
 
     Raises:
         CheckpointError: no such checkpoint, or one that is unreadable, corrupt or holds no model weights.
-        ConfigError: its hyper-parameters name no pretrained directory (the config to write), the directory is gone,
-            its family is unsupported, or ``directory`` exists.
+        ConfigError: its hyper-parameters name no pretrained directory nor a ``MoEGPTConfig`` (the config to
+            write), the directory is gone, its family is unsupported, a MoEGPT Mixtral cannot express, or
+            ``directory`` exists.
 
     Example::
 
@@ -144,11 +149,16 @@ def export_checkpoint(
         meta, shapes, read = _file_source(path)
     else:
         raise CheckpointError(f"{path}: no such checkpoint (a Lightning .ckpt file or a DCP directory)")
-    source = (meta.get("hyper_parameters") or {}).get("model")
+    hyper = meta.get("hyper_parameters") or {}
+    source = hyper.get("model")
+    if isinstance(hyper.get("config"), MoEGPTConfig):  # MoEGPTLightningModule: written as the Mixtral it is
+        mixtral = mixtral_config(hyper["config"])
+        shapes, read = mixtral_source(hyper["config"], shapes, read)
+        return _write(mixtral, shapes, read, directory, None, dtype, max_shard_size)
     if not isinstance(source, str):
         raise ConfigError(
-            f"{path}: its hyper-parameters name no pretrained directory (HFCausalLMModule(model='<dir>')), so there "
-            "is no config to export with"
+            f"{path}: its hyper-parameters name no pretrained directory (HFCausalLMModule(model='<dir>')) and no "
+            "MoEGPTConfig, so there is no config to export with"
         )
     if not (Path(source) / "config.json").is_file():
         raise ConfigError(f"{path}: its pretrained directory {source} has no config.json any more")
@@ -158,7 +168,8 @@ def export_checkpoint(
 
 def _file_source(path: Path) -> tuple[dict[str, Any], dict[str, Any], Reader]:
     try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        with torch.serialization.safe_globals([MoEGPTConfig]):  # MoEGPTLightningModule's hyper-parameters
+            checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError... for a bad file
         raise CheckpointError(f"{path}: unreadable checkpoint file ({err})") from err
     state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
@@ -173,7 +184,8 @@ def _dcp_source(path: Path) -> tuple[dict[str, Any], dict[str, Any], Reader]:
     metadata = read_metadata(path)  # once: every read below plans against it
     saved = metadata.state_dict_metadata
     try:
-        meta = torch.load(path / META_FILENAME, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals([MoEGPTConfig]):
+            meta = torch.load(path / META_FILENAME, map_location="cpu", weights_only=True)
     except Exception as err:
         raise CheckpointError(f"{path}: unreadable distributed checkpoint ({err})") from err
     prefix = _DCP_PREFIX + _MODULE_PREFIX

@@ -349,7 +349,7 @@ class _MicrobatchStage(PipelineStage):
 
 
 class PipelineRunner:
-    """Runs training and evaluation batches of a model through a pipeline schedule over ``group``.
+    """Runs training, evaluation and prediction batches of a model through a pipeline schedule over ``group``.
 
     Construction cuts the model (by :attr:`PipelineConfig.layers`, or balanced) and prunes it in place to this rank's
     stages; schedules are built per microbatch shape on first use.
@@ -443,7 +443,7 @@ class PipelineRunner:
         if self.group is None:
             return None
         ranks = dist.get_process_group_ranks(self.group)
-        last_rank = 0 if self.config.style == "v" else (self.num_stages - 1) % self.config.size
+        last_rank = self.last_rank
         if last_rank == 0:
             return None
         pair = [ranks[0], ranks[last_rank]]
@@ -475,8 +475,8 @@ class PipelineRunner:
         """The current batch's router-loss weight and packed metadata per microbatch."""
         return self._weights, self._metas
 
-    def _schedule(self, rows: int, seq_len: int, ids_dtype: torch.dtype, train: bool) -> Any:
-        key = (rows, seq_len, ids_dtype, train)
+    def _schedule(self, rows: int, seq_len: int, ids_dtype: torch.dtype, train: bool, loss: bool = True) -> Any:
+        key = (rows, seq_len, ids_dtype, train, loss)
         schedule = self._schedules.get(key)
         if schedule is not None:
             return schedule
@@ -502,7 +502,7 @@ class PipelineRunner:
                 )
             )
         cls = getattr(torch_schedules, SCHEDULES[cfg.schedule])
-        loss_fn = self._loss if train else self._eval_loss
+        loss_fn = (self._loss if train else self._eval_loss) if loss else None  # None: the logits alone
         target = stages[0] if cfg.schedule in _SINGLE else stages
         schedule = cls(target, cfg.microbatches, loss_fn=loss_fn, scale_grads=False)
         if not train and cfg.schedule == "zbv":
@@ -541,12 +541,15 @@ class PipelineRunner:
         tokens = counts.sum()
         self._total = tokens.clamp_min(1) if divisor is None else divisor.to(tokens)
         self._weights = self.aux_loss_coef * counts / self._total if train and self.aux_loss_coef else None
-        self._metas = []
-        if not self.adapter.needs_metadata:
-            return tokens
-        meta = metadata if metadata is not None else SequenceMetadata.from_position_ids(position_ids)
-        self._metas = split_metadata(meta, m)
+        self._open_metadata(position_ids, metadata)
         return tokens
+
+    def _open_metadata(self, position_ids: Tensor, metadata: SequenceMetadata | None) -> None:
+        """The microbatches' packed metadata (when the adapter's attention reads it), cut from the batch's."""
+        self._metas = []
+        if self.adapter.needs_metadata:
+            meta = metadata if metadata is not None else SequenceMetadata.from_position_ids(position_ids)
+            self._metas = split_metadata(meta, self.config.microbatches)
 
     def _close(self) -> None:
         self._metas, self._weights, self._total = [], None, None
@@ -614,6 +617,42 @@ class PipelineRunner:
             val = runner.evaluate(batch.input_ids, batch.labels, batch.position_ids)
         """
         return self._run(input_ids, labels, position_ids, metadata, train=False)
+
+    @torch.no_grad()
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor | None = None, metadata: SequenceMetadata | None = None
+    ) -> Tensor | None:
+        """The batch's logits ``(B, T, vocab)``, stages forward only (no loss): on the rank holding the last stage;
+        ``None`` on the others (:func:`~lightning_llmfast.parallel.broadcast.broadcast_tree` shares what the last
+        stage makes of them).
+
+        Args:
+            input_ids: ``(B, T)`` token ids; ``B`` a multiple of the microbatches.
+            position_ids: ``(B, T)`` or ``(1, T)``; ``None``: one sequence per row.
+            metadata: the batch's packed boundaries (``"cached"`` attention); ``None``: built from ``position_ids``.
+
+        Raises:
+            ConfigError: the microbatches do not divide ``B``, or ``input_ids`` is not ``(B, T)``.
+            MetadataError: a sequence crosses a microbatch boundary.
+
+        Example::
+
+            logits = runner.forward(batch.input_ids, batch.position_ids, SequenceMetadata.from_batch(batch))
+        """
+        positions = self._inputs(input_ids, input_ids, position_ids)
+        b, t = input_ids.shape
+        schedule = self._schedule(b // self.config.microbatches, t, input_ids.dtype, train=False, loss=False)
+        self._open_metadata(positions, metadata)
+        try:
+            logits = schedule.eval(input_ids, position_ids=positions)
+        finally:
+            self._close()
+        return logits if self.has_last else None
+
+    @property
+    def last_rank(self) -> int:
+        """The pipeline rank holding the last stage (0 under ``"zbv"``'s V)."""
+        return 0 if self.config.style == "v" else (self.num_stages - 1) % self.config.size
 
     def _run(
         self,

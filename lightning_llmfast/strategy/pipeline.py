@@ -21,7 +21,8 @@ clipping, optimizer and scheduler steps, callbacks, loggers):
 - ``train/loss`` is logged on every rank: the loss of its replica's batch (the last stage's value plus every
   stage's router term, summed over the pipeline), ``pipeline/bubble`` (the schedule's idle share) and
   ``pipeline/stage_ms`` (this rank's schedule time per step: CUDA events, or the wall clock on the CPU);
-  ``validate`` and ``test`` run the stages forward and log ``val/loss``/``test/loss``;
+  ``validate`` and ``test`` run the stages forward and log ``val/loss``/``test/loss``; ``predict`` runs them forward
+  and returns on every rank what the LightningModule's ``predict_step`` makes of the last stage's logits;
 - checkpoints are DCP directories keyed by the model's names (each rank writes its stages), so they resume under
   another pipeline size, or none.
 
@@ -33,7 +34,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +47,7 @@ from lightning_llmfast.comm.timing import SpanTimer, clock_for
 from lightning_llmfast.data import PackedBatch
 from lightning_llmfast.data.packing import IGNORE_INDEX
 from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.parallel.broadcast import broadcast_tree
 from lightning_llmfast.parallel.checkpoint import is_distributed_checkpoint
 from lightning_llmfast.parallel.clip import ShardedGrad, clip_grad_norm
 from lightning_llmfast.parallel.pipeline import PipelineConfig, PipelineRunner
@@ -272,10 +275,23 @@ class PipelineParallelBase(ShardedDataParallelBase):
         return self._pipeline_eval(args[0] if args else kwargs["batch"], "test/loss")
 
     @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        if self._runner is not None:
-            raise ConfigError(f"{type(self).__name__}: predict is not available under pipeline parallelism yet")
-        return super().predict_step(*args, **kwargs)
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Under pipelining: the stages forward, then on the last stage the LightningModule's own ``predict_step``
+        with its ``forward`` answering the pipeline's logits; its result is broadcast over the pipeline, so every
+        rank returns what one process would."""
+        runner, module = self._runner, self.lightning_module
+        if runner is None or module is None:
+            return super().predict_step(*args, **kwargs)
+        batch = args[0] if args else kwargs["batch"]
+        input_ids, _, position_ids, metadata = self._batch_inputs(batch)
+        with self.precision_plugin.predict_step_context():
+            logits = runner.forward(input_ids, position_ids, metadata)
+        result = None
+        if logits is not None:
+            with _forward_answers(module, batch, logits):
+                result = super().predict_step(*args, **kwargs)
+        assert runner.group is not None
+        return broadcast_tree(result, runner.last_rank, runner.group, self.root_device)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -309,3 +325,26 @@ class PipelineParallelBase(ShardedDataParallelBase):
         ]
         norm = clip_grad_norm(grads, max_norm, runner.group)
         module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+
+
+@contextmanager
+def _forward_answers(module: nn.Module, batch: Any, logits: Tensor) -> Iterator[None]:
+    """``module(batch)`` returns ``logits`` (once, for this very batch) inside the block: the LightningModule's own
+    ``predict_step`` then runs on the pipeline's logits; its model is cut into stages and cannot run whole."""
+    calls = []
+
+    def forward(*args: Any, **kwargs: Any) -> Tensor:
+        given = args[0] if args else next(iter(kwargs.values()), None)
+        if given is not batch or len(args) + len(kwargs) != 1 or calls:
+            raise ConfigError(
+                f"pipelined predict: {type(module).__name__}.predict_step may call the module's forward once, on the "
+                "batch it was given (the pipeline computes that batch's logits); it called it otherwise"
+            )
+        calls.append(1)
+        return logits
+
+    module.forward = forward  # type: ignore[method-assign]  # an instance attribute over the class's method
+    try:
+        yield
+    finally:
+        del module.forward

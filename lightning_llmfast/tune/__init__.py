@@ -4,9 +4,11 @@ The search takes an example-CLI config (``examples/train_moe.py fit --config CFG
 dotted keys (``data.batch_size``, ``model.config.router_backend``, ``trainer.strategy.init_args.offload`` ...) mapped
 to lists of values (``--space SPACE.yaml``, or :func:`default_space` from the config and the world). Every candidate
 keeps the optimizer's batch (``--global-batch`` sequences per optimizer step: ``trainer.accumulate_grad_batches`` is
-set per candidate, and one that cannot reach it is pruned), gets a predicted peak memory per device
+set per candidate, and one that cannot reach it is pruned; so is one the strategy would refuse: a pipeline layout it
+cannot run on the world, the model's layers or the micro-batch), gets a predicted peak memory per device
 (:func:`predict_memory`: the sharding plan's parameter, gradient and AdamW bytes plus the saved activations the memory
-plan predicts from a measured probe) and, with ``--memory-budget``, is pruned when predicted over it. The others run
+plan predicts from a measured probe; under pipelining those of the most loaded stage and its microbatches in flight)
+and, with ``--memory-budget``, is pruned when predicted over it. The others run
 the example CLI, each in a process of its own forked from a server that imported torch and Lightning once (a crash,
 an OOM or a hang ends one trial; each has a timeout), and log ``train/tokens_per_sec`` and the peak memory through
 the package's monitors and a CSV logger; warm-up steps are left out and the trial's rate is the median of the rest.

@@ -15,12 +15,16 @@ from torch import nn
 
 from lightning_llmfast.errors import LLMFastError
 from lightning_llmfast.tune.records import settings_key
-from lightning_llmfast.tune.space import CONTEXT_PARALLEL, MICRO_BATCH, get_setting, on_cuda
+from lightning_llmfast.tune.space import (
+    CONTEXT_PARALLEL,
+    MICRO_BATCH,
+    REFERENCE_MODULE,
+    get_setting,
+    on_cuda,
+    pipeline_layout,
+)
 
-__all__ = ["REFERENCE_MODULE", "Probe", "predict_memory"]
-
-REFERENCE_MODULE = "lightning_llmfast.MoEGPTLightningModule"
-"""The module whose memory is predicted (the reference MoE GPT); another model gets ``None``."""
+__all__ = ["REFERENCE_MODULE", "Probe", "measure_probe", "predict_memory"]
 
 
 @dataclass(frozen=True)
@@ -87,15 +91,28 @@ class _SavedBytes:
 
 
 def _measure_probe(config: Mapping[str, Any]) -> tuple[Probe, list[int]]:
-    """Run the probe model's forward and backward on one CPU sequence; count its saved activations per layer."""
+    """:func:`measure_probe` of an example-CLI config's model, sequence length and precision."""
+    seq_len = int(get_setting(config, "data.seq_len", 256))
+    bf16 = "bf16" in str(get_setting(config, "trainer.precision", "32"))
+    return measure_probe(_model_config(config), seq_len, bf16=bf16)
+
+
+def measure_probe(model_config: Any, seq_len: int, *, bf16: bool = False) -> tuple[Probe, list[int]]:
+    """Run one layer of each kind of a ``MoEGPTConfig``'s model forward and backward on one CPU sequence of
+    ``seq_len`` tokens; count its saved activations per layer. Returns the :class:`Probe` and, for every layer of the
+    full model, the index of its probed kind.
+
+    Example::
+
+        probe, kinds = measure_probe(MoEGPTConfig(n_layers=8), 256)
+        per_layer = [sum(probe.storages[k]) for k in kinds]  # bytes one sequence saves in each layer
+    """
     from lightning_llmfast.offload.must_save import MustSaveCounter
 
-    model_config = _model_config(config)
     if model_config.router_backend in ("auto", "triton"):  # on CPU: the kernels' PyTorch reference saves the same
         model_config = dataclasses.replace(model_config, router_backend="torch")
     torch.manual_seed(0)
     model, kinds = _probe_model(model_config)
-    seq_len = int(get_setting(config, "data.seq_len", 256))
     counter = _SavedBytes(len(model.layers))
     keeps = [0] * len(model.layers)
     modes: dict[int, Any] = {}
@@ -120,7 +137,6 @@ def _measure_probe(config: Mapping[str, Any]) -> tuple[Probe, list[int]]:
         layer.register_forward_pre_hook(enter(index))
         layer.register_forward_hook(leave(index))
     ids = torch.randint(0, model_config.vocab_size, (1, seq_len))
-    bf16 = "bf16" in str(get_setting(config, "trainer.precision", "32"))
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = model(ids)
@@ -193,6 +209,23 @@ def _context_share(config: Mapping[str, Any], activations: int) -> int:
     return -(-activations // cp) + model.n_layers * rows * kv_bytes
 
 
+def _pipeline_stages(config: Mapping[str, Any], probe: Probe, kinds: Sequence[int]) -> int | None:
+    """Under pipelining: the most loaded pipeline rank's bytes (its stages' parameters, gradients and AdamW moments
+    and the activations of its microbatches in flight at their peak:
+    :func:`~lightning_llmfast.parallel.pipeline_memory.stage_memory`); ``None`` without pipelining."""
+    from lightning_llmfast.models import MoEGPT
+    from lightning_llmfast.parallel.pipeline_memory import stage_memory
+
+    layout = pipeline_layout(config)
+    if layout is None:
+        return None
+    with torch.device("meta"):
+        model = MoEGPT(_model_config(config))
+    rows = int(get_setting(config, MICRO_BATCH, 8)) // layout.microbatches  # one microbatch's sequences
+    layers = [rows * sum(probe.storages[k]) for k in kinds]
+    return max(r.total for r in stage_memory(model, layout, layers, head_activations=rows * probe.outside))
+
+
 def predict_memory(
     config: Mapping[str, Any], world: int, probes: dict[str, tuple[Probe, list[int]]] | None = None
 ) -> int | None:
@@ -200,8 +233,10 @@ def predict_memory(
     AdamW moments (the sharding plan, :func:`~lightning_llmfast.plan.formula_plan`) plus its micro-batch's saved
     activations at their peak (:func:`~lightning_llmfast.offload.memory_plan.predict_peak` on a profile measured
     once per model config: one sequence through one layer of each kind on CPU, scaled by the micro-batch; auto
-    offload plans are predicted at their upper bound, keeping everything). ``None`` for a model other than the
-    reference MoE GPT, or a config the prediction cannot build (the trial then tells).
+    offload plans are predicted at their upper bound, keeping everything). Under pipelining
+    (``pipeline_parallel_size > 1``), per stage: the most loaded pipeline rank's stages and its microbatches in
+    flight, from the same profile. ``None`` for a model other than the reference MoE GPT, or a config the
+    prediction cannot build (the trial then tells).
 
     Example::
 
@@ -216,6 +251,9 @@ def predict_memory(
         )
         if model_key not in probes:
             probes[model_key] = _measure_probe(config)
+        staged = _pipeline_stages(config, *probes[model_key])
+        if staged is not None:
+            return staged
         return _model_states(config, world) + _context_share(config, _activations(config, *probes[model_key]))
     except (LLMFastError, TypeError, ValueError, RuntimeError):  # a config the model refuses: the trial will say why
         return None

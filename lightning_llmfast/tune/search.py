@@ -34,10 +34,12 @@ from lightning_llmfast.tune.space import (
     ACCUMULATE,
     accumulation,
     apply_settings,
+    canonical_settings,
     config_global_batch,
     default_space,
     invalid,
     load_space,
+    pipeline_invalid,
     world_size,
 )
 
@@ -67,13 +69,19 @@ def plan_candidates(
     global_batch = tc.global_batch if tc.global_batch is not None else config_global_batch(config, world)
     probes: dict[str, tuple[Probe, list[int]]] = {}
     out: list[Candidate] = []
+    seen: set[str] = set()
     for values in itertools.product(*space.values()):
         settings = dict(zip(space, values))
-        reason = invalid(settings)
+        key = settings_key(canonical_settings(settings, config))
+        if key in seen:  # the same run as a candidate already listed (pipeline knobs without pipelining)
+            continue
+        seen.add(key)
+        refused = invalid(settings) or pipeline_invalid(apply_settings(config, settings), world)
+        reason = refused
         if ACCUMULATE not in space:
             reason = accumulation(settings, config, global_batch, world) or reason
         predicted = None
-        if not invalid(settings):
+        if not refused:
             merged = apply_settings(config, {k: v for k, v in settings.items() if v is not None or k != ACCUMULATE})
             predicted = predict_memory(merged, world, probes)
         if not reason and tc.memory_budget is not None and predicted is not None and predicted > tc.memory_budget:

@@ -13,27 +13,42 @@ import torch
 import yaml
 
 from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.models import MoEGPTConfig
+from lightning_llmfast.parallel.pipeline import PipelineConfig
 
 __all__ = [
     "ACCUMULATE",
     "CONTEXT_PARALLEL",
     "MICRO_BATCH",
+    "PIPELINE_MICROBATCHES",
+    "PIPELINE_PARALLEL",
+    "PIPELINE_SCHEDULE",
+    "REFERENCE_MODULE",
     "STRATEGY_CLASS",
     "accumulation",
     "apply_settings",
+    "canonical_settings",
     "config_global_batch",
     "default_space",
     "get_setting",
     "invalid",
     "load_space",
     "on_cuda",
+    "pipeline_invalid",
+    "pipeline_layout",
     "world_size",
 ]
 
 ACCUMULATE = "trainer.accumulate_grad_batches"
 MICRO_BATCH = "data.batch_size"
 CONTEXT_PARALLEL = "trainer.strategy.init_args.context_parallel_size"
+PIPELINE_PARALLEL = "trainer.strategy.init_args.pipeline_parallel_size"
+PIPELINE_MICROBATCHES = "trainer.strategy.init_args.pipeline_microbatches"
+PIPELINE_SCHEDULE = "trainer.strategy.init_args.pipeline_schedule"
 STRATEGY_CLASS = "lightning_llmfast.LLMFastStrategy"
+REFERENCE_MODULE = "lightning_llmfast.MoEGPTLightningModule"
+"""The reference MoE GPT's LightningModule: the model whose memory is predicted and which pipelining splits."""
+_STRATEGY = "trainer.strategy.init_args."
 
 
 def _section(node: dict[str, Any], part: str, key: str) -> dict[str, Any]:
@@ -144,9 +159,11 @@ def default_space(config: Mapping[str, Any], world: int | None = None, cuda: boo
     Micro-batches from a quarter to twice the config's (powers of two); with several ranks the sharding (DDP, FSDP2,
     and HSDP across nodes), the expert-parallel sizes that divide the world and the experts, with the dispatch
     payload where experts are parallel, and the context-parallel sizes that divide the world and every micro-batch's
-    tokens (ranks sharing each batch's positions); on CUDA the router kernels (Triton, PyTorch), the offload/recompute
-    plans (none, offload all but the last layer, selective recomputation) and compiling the layers. Knobs that do
-    nothing on CPU (offload needs a device, compile takes minutes on a CPU) or with one rank stay out.
+    tokens (ranks sharing each batch's positions), and for the reference model the pipeline sizes that divide the
+    world and do not outnumber its layers, with 2, 4 or 8 microbatches (those dividing a micro-batch) and the
+    ``"1f1b"``, ``"interleaved_1f1b"`` and ``"zbv"`` schedules; on CUDA the router kernels (Triton, PyTorch), the
+    offload/recompute plans (none, offload all but the last layer, selective recomputation) and compiling the layers.
+    Knobs that do nothing on CPU (offload needs a device, compile takes minutes on a CPU) or with one rank stay out.
 
     Example::
 
@@ -168,6 +185,13 @@ def default_space(config: Mapping[str, Any], world: int | None = None, cuda: boo
         splits = [n for n in range(1, world + 1) if world % n == 0 and tokens % n == 0]
         if len(splits) > 1:
             space[CONTEXT_PARALLEL] = splits
+        layers = int(get_setting(config, "model.config.n_layers", MoEGPTConfig.n_layers))
+        stages = [n for n in range(1, min(world, layers) + 1) if world % n == 0]
+        counts = [m for m in (2, 4, 8) if any(b % m == 0 for b in space[MICRO_BATCH])]
+        if len(stages) > 1 and counts and get_setting(config, "model.class_path", REFERENCE_MODULE) == REFERENCE_MODULE:
+            space[PIPELINE_PARALLEL] = stages
+            space[PIPELINE_MICROBATCHES] = counts
+            space[PIPELINE_SCHEDULE] = ["1f1b", "interleaved_1f1b", "zbv"]
     if cuda:
         space["model.config.router_backend"] = ["triton", "torch"]
         space["trainer.strategy.init_args.offload"] = [False, True, {"offload_layers": 0, "recompute": "selective"}]
@@ -175,22 +199,36 @@ def default_space(config: Mapping[str, Any], world: int | None = None, cuda: boo
     return space
 
 
+def _setting(settings: Mapping[str, Any], config: Mapping[str, Any], key: str, default: Any) -> Any:
+    """A candidate's value of ``key``: its own setting, else the config's, else ``default`` (also for ``None``)."""
+    value = settings.get(key, get_setting(config, key, default))
+    return default if value is None else value
+
+
+def _sharing(settings: Mapping[str, Any], config: Mapping[str, Any]) -> tuple[int, int]:
+    """``(cp, pp)``: the ranks of a context-parallel group and of a pipeline, who all read one stream of batches."""
+    return int(_setting(settings, config, CONTEXT_PARALLEL, 1)), int(_setting(settings, config, PIPELINE_PARALLEL, 1))
+
+
 def config_global_batch(config: Mapping[str, Any], world: int) -> int:
     """The config's own sequences per optimizer step: micro-batch x accumulation x streams of batches (the world
-    over its context-parallel size)."""
-    streams = world // int(get_setting(config, CONTEXT_PARALLEL, 1) or 1)
-    return int(get_setting(config, MICRO_BATCH, 8)) * int(get_setting(config, ACCUMULATE, 1)) * streams
+    over its context-parallel and pipeline sizes)."""
+    cp, pp = _sharing({}, config)
+    return int(get_setting(config, MICRO_BATCH, 8)) * int(get_setting(config, ACCUMULATE, 1)) * (world // (cp * pp))
 
 
 def accumulation(settings: Mapping[str, Any], config: Mapping[str, Any], global_batch: int, world: int) -> str:
     """Sets ``settings[ACCUMULATE]`` so the candidate takes ``global_batch`` sequences a step (the ranks of a
-    context-parallel group share their micro-batches); returns why it cannot (``""`` when it can)."""
+    context-parallel group, and the stages of a pipeline, share their micro-batches); returns why it cannot (``""``
+    when it can)."""
     micro = settings.get(MICRO_BATCH, get_setting(config, MICRO_BATCH, 8))
-    cp = int(settings.get(CONTEXT_PARALLEL, get_setting(config, CONTEXT_PARALLEL, 1)) or 1)
-    per_step = int(micro) * (world // cp)
+    cp, pp = _sharing(settings, config)
+    per_step = int(micro) * max(1, world // (cp * pp))
     if global_batch % per_step:
         settings[ACCUMULATE] = None
         streams = f"{world} ranks" if cp == 1 else f"{world // cp} groups of {cp} context-parallel ranks"
+        if pp > 1:
+            streams = f"{max(1, world // (cp * pp))} pipelines of {pp} stages" + (f" x cp {cp}" if cp > 1 else "")
         return f"global batch {global_batch} is not a multiple of micro-batch {micro} x {streams}"
     settings[ACCUMULATE] = global_batch // per_step
     return ""
@@ -202,3 +240,58 @@ def invalid(settings: Mapping[str, Any]) -> str:
     if settings.get("trainer.strategy.init_args.dispatch_dtype") is not None and ep == 1:
         return "dispatch_dtype needs expert_parallel_size > 1"
     return ""
+
+
+def pipeline_layout(config: Mapping[str, Any]) -> PipelineConfig | None:
+    """The pipeline layout of a candidate's (merged) config; ``None`` without pipelining.
+
+    Raises:
+        ConfigError: a layout the strategy refuses at construction (an unknown schedule, a stage count it cannot
+            take, too few microbatches for ``"1f1b"``, ...).
+    """
+    pp = int(_setting({}, config, PIPELINE_PARALLEL, 1))
+    if pp == 1:
+        return None
+    return PipelineConfig(
+        pp,
+        int(_setting({}, config, PIPELINE_MICROBATCHES, 1)),
+        str(_setting({}, config, PIPELINE_SCHEDULE, "1f1b")),
+        get_setting(config, _STRATEGY + "pipeline_stages_per_rank"),
+        get_setting(config, _STRATEGY + "pipeline_layers"),
+    )
+
+
+def pipeline_invalid(config: Mapping[str, Any], world: int) -> str:
+    """Why the strategy would refuse a candidate's (merged) config's pipelining (``""`` if it would not): a layout
+    it refuses, a size that does not divide the world, more stages than layers, microbatches that do not divide the
+    micro-batch, a model other than the reference MoEGPT, or what pipelining does not compose with yet (as
+    ``LLMFastStrategy`` refuses at setup: sharding other than DDP, expert or context parallelism, offload)."""
+    try:
+        layout = pipeline_layout(config)
+        if layout is None:
+            return ""
+        layout.check_world(world)
+        layout.check_layers(int(get_setting(config, "model.config.n_layers", MoEGPTConfig.n_layers)))
+        layout.check_batch(int(get_setting(config, MICRO_BATCH, 8)))
+    except ConfigError as err:
+        return str(err)
+    if get_setting(config, "model.class_path", REFERENCE_MODULE) != REFERENCE_MODULE:
+        return f"pipeline_parallel_size={layout.size} splits {REFERENCE_MODULE} only"
+    others = {
+        "sharding": get_setting(config, _STRATEGY + "sharding", "ddp") != "ddp",
+        "expert_parallel_size": int(get_setting(config, _STRATEGY + "expert_parallel_size", 1) or 1) > 1,
+        "context_parallel_size": int(get_setting(config, CONTEXT_PARALLEL, 1) or 1) > 1,
+        "offload": bool(get_setting(config, _STRATEGY + "offload")),
+    }
+    refused = [name for name, used in others.items() if used]
+    if refused:
+        return f"pipeline_parallel_size={layout.size} does not compose with {', '.join(refused)} yet"
+    return ""
+
+
+def canonical_settings(settings: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` without what does nothing in them: the pipeline's microbatches and schedule without pipelining
+    (candidates equal after this are one candidate)."""
+    if int(_setting(settings, config, PIPELINE_PARALLEL, 1)) > 1:
+        return dict(settings)
+    return {k: v for k, v in settings.items() if k not in (PIPELINE_MICROBATCHES, PIPELINE_SCHEDULE)}

@@ -26,6 +26,7 @@ from lightning_llmfast.data import PackedBatch, SyntheticCorpus, pack_documents
 
 STEPS, MICRO, ROWS = 3, 2, 2
 REPLICAS = 2  # batches for up to this many data-parallel replicas
+PREDICT = 2  # batches trainer.predict runs
 
 
 def micro_batches() -> list[PackedBatch]:
@@ -46,6 +47,7 @@ def joined(parts: list[PackedBatch]) -> PackedBatch:
         cu_seqlens=torch.cat(cu),
         max_seqlen=max(p.max_seqlen for p in parts),
         num_tokens=sum(p.num_tokens for p in parts),
+        documents=[d for p in parts for d in p.documents or []],
     )
 
 
@@ -81,6 +83,14 @@ class Record(L.Callback):
         self.seen.extend(i for i, ids in enumerate(known) if torch.equal(ids, batch.input_ids))
 
 
+def _predictor(args: argparse.Namespace) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu", devices=args.devices, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=LLMFastStrategy(pipeline_parallel_size=args.pp, pipeline_microbatches=max(MICRO, args.pp),
+                                 pipeline_schedule=args.schedule, timeout=timedelta(seconds=60)),
+    )  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -89,8 +99,14 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from (then only its weights are saved)")
+    parser.add_argument("--predict-only", action="store_true", help="only trainer.predict of the untrained model")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.predict_only:
+        trainer = _predictor(args)
+        predicted = trainer.predict(module(), DataLoader(batches()[:PREDICT], batch_size=None))
+        torch.save({"predicted_alone": predicted}, f"{args.out}.rank{trainer.global_rank}.pt")
+        return
     model = module()
     record = Record()
     strategy = LLMFastStrategy(
@@ -120,6 +136,9 @@ def main() -> None:
     val = trainer.validate(model, DataLoader(data[:1], batch_size=None), verbose=False)[0]["val/loss"]
     result = {"losses": record.losses, "bubbles": record.bubbles, "seen": record.seen, "params": params, "val": val}
     result["stage_ms"] = record.stage_ms
+    result["predicted"] = trainer.predict(model, DataLoader(data[:PREDICT], batch_size=None))
+    # predict alone, on a fresh trainer and an untrained model
+    result["predicted_alone"] = _predictor(args).predict(module(), DataLoader(data[:PREDICT], batch_size=None))
     torch.save(result, f"{args.out}.rank{rank}.pt")
 
 
