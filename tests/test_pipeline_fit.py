@@ -21,16 +21,9 @@ from lightning_llmfast.parallel import consolidate_checkpoint
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).parents[1]
 sys.path.insert(0, str(SCRIPTS))
-from pipeline_fit import MICRO, STEPS, Record, batches, micro_batches, module  # noqa: E402
+from pipeline_fit import STEPS, batches, module, one_process_fit, one_process_trainer  # noqa: E402
 
 from lightning_llmfast.parallel.dims import ParallelDims  # noqa: E402
-
-
-def _trainer(**kwargs: Any) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu", devices=1, strategy="llmfast", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.5, **kwargs,
-    )  # fmt: skip
 
 
 def _fit(tmp: Path, devices: int, *args: str, out: str = "run") -> list[dict[str, Any]]:
@@ -49,31 +42,13 @@ def pipelined(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict
     return tmp, _fit(tmp, 2)
 
 
-def _reference(order: list[list[int]]) -> tuple[L.LightningModule, list[float]]:
-    """One process accumulating the micro-batches of the batches each optimizer step's replicas trained on
-    (``order``: per step, the batches of every replica, in turn); returns the module and each batch's loss."""
-    torch.set_num_threads(1)
-    single, record = module(), Record()
-    micro = micro_batches()
-    chosen = [micro[MICRO * b + k] for step in order for b in step for k in range(MICRO)]
-    trainer = _trainer(max_steps=len(order), accumulate_grad_batches=MICRO * len(order[0]), callbacks=[record])
-    trainer.fit(single, train_dataloaders=DataLoader(chosen, batch_size=None))
-    counts = [float((b.labels != -100).sum()) for b in chosen]
-    # A replica's loss of a batch is its microbatches' losses weighted by their label tokens.
-    batch_losses = [
-        sum(record.losses[i] * counts[i] for i in range(s, s + MICRO)) / sum(counts[s : s + MICRO])
-        for s in range(0, len(chosen), MICRO)
-    ]
-    return single, batch_losses
-
-
 def test_two_stage_fit_equals_one_process_accumulating_the_microbatches(
     pipelined: tuple[Path, list[dict[str, Any]]],
 ) -> None:
     _, ranks = pipelined
     assert ranks[0]["seen"] == ranks[1]["seen"] == list(range(STEPS))  # one pipeline: the stream, in order
     start = {name: p.detach().clone() for name, p in module().named_parameters()}
-    single, expected = _reference([[step] for step in range(STEPS)])
+    single, expected = one_process_fit([[step] for step in range(STEPS)])
     for rank in ranks:  # train/loss logged on every rank, the same value
         assert rank["losses"] == pytest.approx(expected, abs=1e-5)
         assert rank["bubbles"] == pytest.approx([1 / 3] * STEPS)  # 1F1B, 2 stages, 2 microbatches
@@ -85,7 +60,7 @@ def test_two_stage_fit_equals_one_process_accumulating_the_microbatches(
     for name, value in held.items():
         assert float((value - reference[name].detach()).abs().max()) < 1e-5, name
     assert max(float((start[n] - p.detach()).abs().max()) for n, p in reference.items()) > 1e-3
-    validation = _trainer().validate(single, DataLoader(batches()[:1], batch_size=None), verbose=False)
+    validation = one_process_trainer().validate(single, DataLoader(batches()[:1], batch_size=None), verbose=False)
     assert ranks[0]["val"] == ranks[1]["val"] == pytest.approx(validation[0]["val/loss"], abs=1e-5)
 
 
@@ -93,7 +68,7 @@ def test_two_stage_checkpoint_resumes_on_one_process(pipelined: tuple[Path, list
     tmp, ranks = pipelined
     torch.set_num_threads(1)
     resumed = module()
-    trainer = _trainer(max_steps=STEPS)
+    trainer = one_process_trainer(max_steps=STEPS)
     trainer.fit(resumed, train_dataloaders=DataLoader(batches(), batch_size=None), ckpt_path=str(tmp / "run.ckpt"))
     assert trainer.global_step == STEPS
     held = {name: p for rank in ranks for name, p in rank["params"].items()}
@@ -117,7 +92,7 @@ def test_two_replicas_of_a_two_stage_pipeline_equal_one_process_on_both_streams(
     assert all(ranks[r]["seen"] == streams[replica] for r, replica in enumerate(replicas))  # a pipeline's stages
     assert sorted(streams[0] + streams[1]) == list(range(2 * STEPS))  # the sampler split the batches between them
     order = [[streams[0][step], streams[1][step]] for step in range(STEPS)]
-    single, losses = _reference(order)
+    single, losses = one_process_fit(order)
     for r, replica in enumerate(replicas):  # each rank logs its own replica's batch loss
         assert ranks[r]["losses"] == pytest.approx(losses[replica::2], abs=1e-5)
     reference = dict(single.named_parameters())
@@ -146,7 +121,7 @@ def test_accumulating_two_pipelined_batches_equals_one_process_on_both(tmp_path:
     # Lightning zeroes gradients between a training step and its backward at the start of every window: the
     # pipelined step's gradients must survive that, and the step's tokens span both batches.
     ranks = _fit(tmp_path, 2, "--accumulate", "2")
-    single, losses = _reference([[0, 1]])  # one optimizer step on batches 0 and 1
+    single, losses = one_process_fit([[0, 1]])  # one optimizer step on batches 0 and 1
     for rank in ranks:
         assert rank["seen"] == [0, 1] and rank["losses"] == pytest.approx(losses, abs=1e-5)
     reference = dict(single.named_parameters())

@@ -328,6 +328,7 @@ class LLMFastStrategy(PipelineParallelBase):
         self._setup_clipping()
         if self.pipeline_config is not None:
             self._setup_pipeline(trainer)  # its own setup: stages cut and pruned, no DDP wrapper
+            self._setup_node_dispatch()  # expert parallelism inside the stages: dispatch and overlap as asked
             return
         if self.sharding == "ddp" and not self.single_process:
             self._read_locally()
