@@ -3,8 +3,6 @@ and its DCP checkpoint resumes on one process by parameter name."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,28 +16,16 @@ from lightning_llmfast import LLMFastStrategy
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.parallel import consolidate_checkpoint
 
-SCRIPTS = Path(__file__).parent / "scripts"
-REPO = Path(__file__).parents[1]
-sys.path.insert(0, str(SCRIPTS))
-from pipeline_fit import STEPS, batches, module, one_process_fit, one_process_trainer  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from pipeline_fit import STEPS, batches, launch, module, one_process_fit, one_process_trainer
 
-from lightning_llmfast.parallel.dims import ParallelDims  # noqa: E402
-
-
-def _fit(tmp: Path, devices: int, *args: str, out: str = "run") -> list[dict[str, Any]]:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "pipeline_fit.py"), "--out", out, "--schedule", "1f1b", "--devices",
-         str(devices), *args], cwd=tmp, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [torch.load(tmp / f"{out}.rank{r}.pt", weights_only=True) for r in range(devices)]
+from lightning_llmfast.parallel.dims import ParallelDims
 
 
 @pytest.fixture(scope="module")
 def pipelined(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("pipeline_fit")
-    return tmp, _fit(tmp, 2)
+    return tmp, launch(tmp, 2)
 
 
 def test_two_stage_fit_equals_one_process_accumulating_the_microbatches(
@@ -85,7 +71,7 @@ def test_two_stage_checkpoint_resumes_on_one_process(pipelined: tuple[Path, list
 
 @pytest.mark.slow
 def test_two_replicas_of_a_two_stage_pipeline_equal_one_process_on_both_streams(tmp_path: Path) -> None:
-    ranks = _fit(tmp_path, 4)
+    ranks = launch(tmp_path, 4)
     dims = ParallelDims(4, pipeline_parallel_size=2)
     replicas = [dims.data_parallel_rank(r) for r in range(4)]  # ranks 0 and 2 read one stream, 1 and 3 the other
     streams = {replica: ranks[r]["seen"] for r, replica in enumerate(replicas)}
@@ -104,7 +90,7 @@ def test_two_replicas_of_a_two_stage_pipeline_equal_one_process_on_both_streams(
 @pytest.mark.slow
 def test_two_stage_checkpoint_resumes_on_four_stages(pipelined: tuple[Path, list[dict[str, Any]]]) -> None:
     tmp, ranks = pipelined
-    resumed = _fit(tmp, 4, "--pp", "4", "--resume", str(tmp / "run.ckpt"), out="pp4")
+    resumed = launch(tmp, 4, "--pp", "4", "--resume", str(tmp / "run.ckpt"), out="pp4")
     held = {name: p for rank in ranks for name, p in rank["params"].items()}
     assert all(rank["step"] == STEPS for rank in resumed)
     # Every stage's AdamW state came back from the other layout, by parameter name.
@@ -120,7 +106,7 @@ def test_two_stage_checkpoint_resumes_on_four_stages(pipelined: tuple[Path, list
 def test_accumulating_two_pipelined_batches_equals_one_process_on_both(tmp_path: Path) -> None:
     # Lightning zeroes gradients between a training step and its backward at the start of every window: the
     # pipelined step's gradients must survive that, and the step's tokens span both batches.
-    ranks = _fit(tmp_path, 2, "--accumulate", "2")
+    ranks = launch(tmp_path, 2, "--accumulate", "2")
     single, losses = one_process_fit([[0, 1]])  # one optimizer step on batches 0 and 1
     for rank in ranks:
         assert rank["seen"] == [0, 1] and rank["losses"] == pytest.approx(losses, abs=1e-5)

@@ -1,18 +1,24 @@
 """A pipelined fit of the reference MoE GPT under ``LLMFastStrategy(pipeline_parallel_size=2)`` on CPU ranks.
 
-Run by tests/test_pipeline_fit.py with ``--devices 2`` (one pipeline) or ``4`` (two replicas of it reading their
-own batches through Lightning's sampler); Lightning launches the other ranks. Every batch joins ``MICRO``
-consecutive micro-batches of :func:`micro_batches` (the pipeline's microbatches), so one process accumulating the
-micro-batches is the reference. Each rank writes ``<out>.rank<r>.pt``: its logged ``train/loss`` and
-``pipeline/bubble`` per step, the index of every batch it trained on, its parameters by name, and its ``val/loss``;
-the run ends with a DCP checkpoint at ``<out>.ckpt``.
+Run by tests/test_pipeline_fit.py and tests/test_pipeline_compose.py (:func:`launch`) with ``--devices 2`` (one
+pipeline) or ``4`` (two ranks per stage, each reading its own batches through Lightning's sampler: replicas, FSDP2
+shards with ``--sharding fsdp``, or expert-parallel ranks with ``--ep 2``); Lightning launches the other ranks. Every
+batch joins ``MICRO`` consecutive micro-batches of :func:`micro_batches` (the pipeline's microbatches), so one process
+accumulating the micro-batches is the reference (:func:`one_process_fit`). Each rank writes ``<out>.rank<r>.pt``: its
+logged ``train/loss``, ``pipeline/bubble`` and ``train/grad_norm`` per step, the index of every batch it trained on,
+its parameters by name (whole), what it holds, and its ``val/loss``; the run ends with a DCP checkpoint at
+``<out>.ckpt``.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import os
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -24,7 +30,7 @@ from torch.utils.data import DataLoader
 from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModule
 from lightning_llmfast.bench.processes import leave_world
 from lightning_llmfast.data import PackedBatch, SyntheticCorpus, pack_documents
-from lightning_llmfast.expert_parallel import expert_dtensor, expert_parameters
+from lightning_llmfast.expert_parallel import expert_dtensor, expert_parameters, sharded_moe_blocks
 
 STEPS, MICRO, ROWS = 3, 2, 2
 REPLICAS = 2  # batches for up to this many data-parallel replicas
@@ -92,6 +98,17 @@ class Record(L.Callback):
         if "train/grad_norm" in metrics:
             self.grad_norms.append(float(metrics["train/grad_norm"]))
         self.seen.extend(i for i, ids in enumerate(self.known) if torch.equal(ids, batch.input_ids))
+
+
+def launch(tmp: Path, devices: int, *args: str, out: str = "run") -> list[dict[str, Any]]:
+    """Run this script on ``devices`` CPU processes in ``tmp`` (1F1B unless ``args`` say otherwise); every rank's
+    result."""
+    proc = subprocess.run(
+        [sys.executable, __file__, "--out", out, "--schedule", "1f1b", "--devices", str(devices), *args], cwd=tmp,
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [torch.load(tmp / f"{out}.rank{r}.pt", weights_only=True) for r in range(devices)]
 
 
 def one_process_trainer(**kwargs: Any) -> L.Trainer:
@@ -188,6 +205,9 @@ def main() -> None:
     val = trainer.validate(model, DataLoader(data[:1], batch_size=None), verbose=False)[0]["val/loss"]
     result = {"losses": record.losses, "bubbles": record.bubbles, "seen": record.seen, "params": params, "val": val}
     result["stage_ms"], result["grad_norms"] = record.stage_ms, record.grad_norms
+    # What this rank holds: parameter elements (FSDP2: its shards) and every MoE block's exchange overlap.
+    result["held"] = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    result["overlap"] = [dispatcher.overlap_chunks for _, _, dispatcher in sharded_moe_blocks(model)]
     torch.save(result, f"{args.out}.rank{rank}.pt")
 
 

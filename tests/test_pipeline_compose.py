@@ -1,0 +1,92 @@
+"""Pipeline stages composed with data and expert parallelism inside each stage (issue 53): four gloo processes, two
+stages of two ranks, equal to one process accumulating the same micro-batches (fp32, gradient clipping active).
+
+- ``sharding="fsdp"``: each stage's blocks FSDP2-sharded over its two ranks (each holds half of its stage); its DCP
+  checkpoint resumes on one process without pipelining.
+- ``expert_parallel_size=2``: each stage's experts split over its two ranks (overlapped exchanges, as by default); the
+  balance loss covers the stage's micro-batch ``k`` of both ranks, so the reference joins them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from pipeline_fit import STEPS, batches, launch, module, one_process_fit, one_process_trainer
+
+from lightning_llmfast.parallel.dims import ParallelDims
+
+CLIP = 0.5  # pipeline_fit's gradient_clip_val
+
+
+def _streams(ranks: list[dict[str, Any]], dims: ParallelDims) -> tuple[list[int], list[list[int]]]:
+    """Each rank's data-parallel index, and per step the batch of each of the two streams (the sampler split the
+    batches between them; a pipeline's stages read the same)."""
+    replicas = [dims.data_parallel_rank(r) for r in range(dims.world_size)]
+    streams = {replica: ranks[r]["seen"] for r, replica in enumerate(replicas)}
+    assert all(ranks[r]["seen"] == streams[replica] for r, replica in enumerate(replicas))
+    assert sorted(streams[0] + streams[1]) == list(range(2 * STEPS))
+    return replicas, [[streams[0][step], streams[1][step]] for step in range(STEPS)]
+
+
+def _assert_parameters(ranks: list[dict[str, Any]], single: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every rank's (gathered) parameters within 1e-5 of one process's; returns them by name."""
+    reference = dict(single.named_parameters())
+    held = {name: p for rank in ranks for name, p in rank["params"].items()}
+    assert set(held) == set(reference)  # every parameter on some stage, under the model's own name
+    for rank in ranks:
+        for name, value in rank["params"].items():
+            assert float((value - reference[name].detach()).abs().max()) < 1e-5, name
+    return held
+
+
+@pytest.mark.slow
+def test_fsdp_sharded_stages_equal_one_process_and_resume_without_pipelining(tmp_path: Path) -> None:
+    ranks = launch(tmp_path, 4, "--sharding", "fsdp")
+    replicas, order = _streams(ranks, ParallelDims(4, "fsdp", pipeline_parallel_size=2))
+    single, losses = one_process_fit(order)
+    for r, replica in enumerate(replicas):  # each rank logs its own replica's batch loss
+        assert ranks[r]["losses"] == pytest.approx(losses[replica::2], abs=1e-5)
+    norms = ranks[0]["grad_norms"]  # one norm over both stages and all shards, clipping every step
+    assert min(norms) > CLIP and all(rank["grad_norms"] == pytest.approx(norms, rel=1e-6) for rank in ranks)
+    for rank in ranks:  # each rank holds half of its stage's parameters
+        assert rank["held"] / sum(p.numel() for p in rank["params"].values()) == pytest.approx(0.5, abs=1e-3)
+    held = _assert_parameters(ranks, single)
+    validation = one_process_trainer().validate(single, DataLoader(batches()[:1], batch_size=None), verbose=False)
+    assert all(rank["val"] == pytest.approx(validation[0]["val/loss"], abs=1e-5) for rank in ranks)
+
+    torch.set_num_threads(1)
+    resumed = module()
+    trainer = one_process_trainer(max_steps=STEPS)
+    trainer.fit(resumed, DataLoader(batches(), batch_size=None), ckpt_path=str(tmp_path / "run.ckpt"))
+    assert trainer.global_step == STEPS
+    for name, param in resumed.named_parameters():  # the shards of both stages, by name
+        assert torch.equal(param.detach(), held[name]), name
+    state = trainer.optimizers[0].state
+    assert len(state) == sum(1 for _ in resumed.parameters())  # every parameter's AdamW state came back
+    assert all(int(s["step"]) == STEPS for s in state.values())
+
+
+@pytest.mark.slow
+def test_expert_parallel_stages_equal_one_process_on_joined_micro_batches(tmp_path: Path) -> None:
+    ranks = launch(tmp_path, 4, "--ep", "2", "--equal")
+    replicas, order = _streams(ranks, ParallelDims(4, expert_parallel_size=2, pipeline_parallel_size=2))
+    single, losses = one_process_fit(order, equal=True, joint=True)
+    # A rank's balance term is its share of the stage's balance loss: the two streams' losses average to the step's.
+    by_replica = {replica: ranks[r]["losses"] for r, replica in enumerate(replicas)}
+    assert [(a + b) / 2 for a, b in zip(by_replica[0], by_replica[1], strict=True)] == pytest.approx(losses, abs=1e-5)
+    assert min(ranks[0]["grad_norms"]) > CLIP
+    for rank in ranks:
+        assert rank["overlap"] and all(chunks is not None for chunks in rank["overlap"])  # overlapped exchanges
+        experts = [n for n in rank["params"] if ".experts." in n]
+        assert experts  # MoE layers on both stages; each rank holds half of their experts
+        assert rank["held"] == sum(p.numel() for p in rank["params"].values()) - sum(
+            rank["params"][n].numel() // 2 for n in experts
+        )
+    _assert_parameters(ranks, single)
