@@ -13,11 +13,13 @@ clipping, optimizer and scheduler steps, callbacks, loggers):
 - the strategy's ``training_step`` runs the batch's forward and backward through the schedule and returns the loss
   as a tensor whose own backward reaches nothing (the gradients are already accumulated), so the closure's
   ``backward`` costs nothing and its hooks still run;
+- the ``world / P`` ranks of a stage read their own streams of batches (``distributed_sampler_kwargs``) and hold
+  the stage replicated (``sharding="ddp"``) or FSDP2-sharded (``"fsdp"``/``"hsdp"``), its experts split over them
+  with ``expert_parallel_size`` (:func:`~lightning_llmfast.parallel.pipeline_layout.parallelize_stages`);
 - before the optimizer step (inside the closure, so before clipping) the gradients are divided by the step's label
-  tokens over every replica, summed over the replicas of each stage (``world / P`` pipelines read
-  ``distributed_sampler_kwargs``' streams) and over the tied embedding/head's two copies
-  (:meth:`~lightning_llmfast.parallel.pipeline.PipelineRunner.finish_step`); clipping by norm takes the norm over
-  every stage (one all-reduce over the pipeline);
+  tokens over every replica, summed over the ranks of each stage (FSDP2 has summed its shards already) and over the
+  tied embedding/head's two copies (:meth:`~lightning_llmfast.parallel.pipeline.PipelineRunner.finish_step`);
+  clipping by norm takes the norm over every stage and shard (one all-reduce over the world);
 - ``train/loss`` is logged on every rank: the loss of its replica's batch (the last stage's value plus every
   stage's router term, summed over the pipeline), ``pipeline/bubble`` (the schedule's idle share) and
   ``pipeline/stage_ms`` (this rank's schedule time per step: CUDA events, or the wall clock on the CPU);
@@ -81,9 +83,10 @@ class PipelineParallelBase(ShardedDataParallelBase):
         ConfigError: at construction, for a layout :class:`~lightning_llmfast.parallel.pipeline.PipelineConfig`
             refuses; at setup on every rank before any step, when ``P`` does not divide the world, the model
             (``module.model``, MoEGPT or transformers decoder) cannot be cut, has fewer layers than stages, uses manual
-            optimization, or pipelining is combined with what it does not compose with yet (``sharding`` other than
-            ``"ddp"``, expert or context parallelism, offload, ``precision="16-mixed"``'s gradient scaler); when
-            resuming from a checkpoint file rather than a distributed checkpoint directory.
+            optimization, or pipelining is combined with what it does not compose with yet (context parallelism,
+            offload, ``precision="16-mixed"``'s gradient scaler), or under ``sharding="fsdp"``/``"hsdp"`` a tied
+            embedding and head would sit in two stages of one rank (``"zbv"``); when resuming from a checkpoint file
+            rather than a distributed checkpoint directory.
 
     Example::
 
