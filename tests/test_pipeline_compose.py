@@ -3,8 +3,9 @@ stages of two ranks, equal to one process accumulating the same micro-batches (f
 
 - ``sharding="fsdp"``: each stage's blocks FSDP2-sharded over its two ranks (each holds half of its stage); its DCP
   checkpoint resumes on one process without pipelining.
-- ``expert_parallel_size=2``: each stage's experts split over its two ranks (overlapped exchanges, as by default); the
-  balance loss covers the stage's micro-batch ``k`` of both ranks, so the reference joins them.
+- ``expert_parallel_size=2``: each stage's experts split over its two ranks (overlapped exchanges, as by default),
+  the rest replicated or FSDP2-sharded; the balance loss covers the stage's micro-batch ``k`` of both ranks, so the
+  reference joins them.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def _assert_parameters(ranks: list[dict[str, Any]], single: torch.nn.Module) -> 
 
 @pytest.mark.slow
 def test_fsdp_sharded_stages_equal_one_process_and_resume_without_pipelining(tmp_path: Path) -> None:
-    ranks = launch(tmp_path, 4, "--sharding", "fsdp")
+    # Interleaved: two stages per rank, each its own FSDP2 root (stages 0 and 2 on the first two ranks).
+    ranks = launch(tmp_path, 4, "--sharding", "fsdp", "--schedule", "interleaved_1f1b")
     replicas, order = _streams(ranks, ParallelDims(4, "fsdp", pipeline_parallel_size=2))
     single, losses = one_process_fit(order)
     for r, replica in enumerate(replicas):  # each rank logs its own replica's batch loss
@@ -74,9 +76,10 @@ def test_fsdp_sharded_stages_equal_one_process_and_resume_without_pipelining(tmp
 
 
 @pytest.mark.slow
-def test_expert_parallel_stages_equal_one_process_on_joined_micro_batches(tmp_path: Path) -> None:
-    ranks = launch(tmp_path, 4, "--ep", "2", "--equal")
-    replicas, order = _streams(ranks, ParallelDims(4, expert_parallel_size=2, pipeline_parallel_size=2))
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_expert_parallel_stages_equal_one_process_on_joined_micro_batches(tmp_path: Path, sharding: str) -> None:
+    ranks = launch(tmp_path, 4, "--ep", "2", "--equal", "--sharding", sharding)
+    replicas, order = _streams(ranks, ParallelDims(4, sharding, expert_parallel_size=2, pipeline_parallel_size=2))
     single, losses = one_process_fit(order, equal=True, joint=True)
     # A rank's balance term is its share of the stage's balance loss: the two streams' losses average to the step's.
     by_replica = {replica: ranks[r]["losses"] for r, replica in enumerate(replicas)}
@@ -85,8 +88,8 @@ def test_expert_parallel_stages_equal_one_process_on_joined_micro_batches(tmp_pa
     for rank in ranks:
         assert rank["overlap"] and all(chunks is not None for chunks in rank["overlap"])  # overlapped exchanges
         experts = [n for n in rank["params"] if ".experts." in n]
-        assert experts  # MoE layers on both stages; each rank holds half of their experts
-        assert rank["held"] == sum(p.numel() for p in rank["params"].values()) - sum(
-            rank["params"][n].numel() // 2 for n in experts
-        )
+        assert experts  # MoE layers on both stages; each rank holds half of their experts (FSDP2: of everything)
+        whole = sum(p.numel() for p in rank["params"].values())
+        dense = whole - sum(rank["params"][n].numel() for n in experts)
+        assert rank["held"] == (whole // 2 if sharding == "fsdp" else dense + (whole - dense) // 2)
     _assert_parameters(ranks, single)
