@@ -1,8 +1,8 @@
 """Pipeline stages composed with data and expert parallelism inside each stage (issue 53): four gloo processes, two
 stages of two ranks, equal to one process accumulating the same micro-batches (fp32, gradient clipping active).
 
-- ``sharding="fsdp"``: each stage's blocks FSDP2-sharded over its two ranks (each holds half of its stage); its DCP
-  checkpoint resumes on one process without pipelining.
+- ``sharding="fsdp"``: each stage's blocks FSDP2-sharded over its two ranks (each holds half of its stage), every
+  layer's saved activations offloaded (CPU copies); its DCP checkpoint resumes on one process without pipelining.
 - ``expert_parallel_size=2``: each stage's experts split over its two ranks (overlapped exchanges, as by default),
   the rest replicated or FSDP2-sharded; the balance loss covers the stage's micro-batch ``k`` of both ranks, so the
   reference joins them.
@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from pipeline_fit import STEPS, batches, launch, module, one_process_fit, one_process_trainer
 
+from lightning_llmfast import ConfigError, LLMFastStrategy
 from lightning_llmfast.parallel.dims import ParallelDims
 
 CLIP = 0.5  # pipeline_fit's gradient_clip_val
@@ -48,9 +49,10 @@ def _assert_parameters(ranks: list[dict[str, Any]], single: torch.nn.Module) -> 
 
 
 @pytest.mark.slow
-def test_fsdp_sharded_stages_equal_one_process_and_resume_without_pipelining(tmp_path: Path) -> None:
-    # Interleaved: two stages per rank, each its own FSDP2 root (stages 0 and 2 on the first two ranks).
-    ranks = launch(tmp_path, 4, "--sharding", "fsdp", "--schedule", "interleaved_1f1b")
+def test_fsdp_sharded_offloaded_stages_equal_one_process_and_resume_without_pipelining(tmp_path: Path) -> None:
+    # Interleaved: two stages per rank, each its own FSDP2 root (stages 0 and 2 on the first two ranks), whose
+    # microbatches' forwards and backwards interleave under the offloader.
+    ranks = launch(tmp_path, 4, "--sharding", "fsdp", "--schedule", "interleaved_1f1b", "--offload")
     replicas, order = _streams(ranks, ParallelDims(4, "fsdp", pipeline_parallel_size=2))
     single, losses = one_process_fit(order)
     for r, replica in enumerate(replicas):  # each rank logs its own replica's batch loss
@@ -59,6 +61,9 @@ def test_fsdp_sharded_stages_equal_one_process_and_resume_without_pipelining(tmp
     assert min(norms) > CLIP and all(rank["grad_norms"] == pytest.approx(norms, rel=1e-6) for rank in ranks)
     for rank in ranks:  # each rank holds half of its stage's parameters
         assert rank["held"] / sum(p.numel() for p in rank["params"].values()) == pytest.approx(0.5, abs=1e-3)
+    for rank in ranks:  # both layers of the rank offloaded, every buffer back in the pool
+        stats = rank["offload"]
+        assert stats["offload_layers"] == 2 and stats["offloaded_tensors"] > 0 and stats["checked_out"] == 0
     held = _assert_parameters(ranks, single)
     validation = one_process_trainer().validate(single, DataLoader(batches()[:1], batch_size=None), verbose=False)
     assert all(rank["val"] == pytest.approx(validation[0]["val/loss"], abs=1e-5) for rank in ranks)
@@ -93,3 +98,11 @@ def test_expert_parallel_stages_equal_one_process_on_joined_micro_batches(tmp_pa
         dense = whole - sum(rank["params"][n].numel() for n in experts)
         assert rank["held"] == (whole // 2 if sharding == "fsdp" else dense + (whole - dense) // 2)
     _assert_parameters(ranks, single)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_zero_bubble", "zbv"])
+def test_offload_with_a_split_backward_schedule_is_refused_at_construction(schedule: str) -> None:
+    # Their weight-gradient step reads the saved activations again after the input-gradient step released them.
+    with pytest.raises(ConfigError, match="does not compose with pipeline_schedule"):
+        LLMFastStrategy(pipeline_parallel_size=2, pipeline_microbatches=2, pipeline_schedule=schedule, offload=True)
+    LLMFastStrategy(pipeline_parallel_size=2, pipeline_microbatches=2, pipeline_schedule="1f1b", offload=True)

@@ -66,6 +66,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PipelineParallelBase"]
 
+_SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv")  # schedules whose backward is split into input and weight
+
 
 class PipelineParallelBase(ShardedDataParallelBase):
     """ShardedDataParallelBase with pipeline stages (``pipeline_parallel_size > 1``).
@@ -81,10 +83,11 @@ class PipelineParallelBase(ShardedDataParallelBase):
 
     Raises:
         ConfigError: at construction, for a layout :class:`~lightning_llmfast.parallel.pipeline.PipelineConfig`
-            refuses; at setup on every rank before any step, when ``P`` does not divide the world, the model
-            (``module.model``, MoEGPT or transformers decoder) cannot be cut, has fewer layers than stages, uses manual
+            refuses, or activation offload with a zero-bubble schedule (``"interleaved_zero_bubble"``, ``"zbv"``); at
+            setup on every rank before any step, when ``P`` does not divide the world, the model (``module.model``,
+            MoEGPT or transformers decoder) cannot be cut, has fewer layers than stages, uses manual
             optimization, or pipelining is combined with what it does not compose with yet (context parallelism,
-            offload, ``precision="16-mixed"``'s gradient scaler), or under ``sharding="fsdp"``/``"hsdp"`` a tied
+            ``precision="16-mixed"``'s gradient scaler), or under ``sharding="fsdp"``/``"hsdp"`` a tied
             embedding and head would sit in two stages of one rank (``"zbv"``); when resuming from a checkpoint file
             rather than a distributed checkpoint directory.
 
@@ -106,6 +109,14 @@ class PipelineParallelBase(ShardedDataParallelBase):
         config = PipelineConfig(
             pipeline_parallel_size, pipeline_microbatches, pipeline_schedule, pipeline_stages_per_rank, pipeline_layers
         )
+        if config.size > 1 and config.schedule in _SPLIT_BACKWARD and getattr(self, "offload_config", None) is not None:
+            # Their weight-gradient step reads the layers' saved activations again after the input-gradient step
+            # has reloaded (and released) them.
+            raise ConfigError(
+                f"{type(self).__name__}: activation offload does not compose with pipeline_schedule="
+                f"{config.schedule!r} (its backward is split into input and weight gradients); use 'gpipe', '1f1b' or "
+                "'interleaved_1f1b'"
+            )
         super().__init__(*args, pipeline_parallel_size=pipeline_parallel_size, **kwargs)
         self.pipeline_config: PipelineConfig | None = config if config.size > 1 else None
         """The pipeline layout (``None`` without pipelining)."""
@@ -125,7 +136,7 @@ class PipelineParallelBase(ShardedDataParallelBase):
         config.check_world(self.world_size)
         others = {
             "context_parallel_size": self.context_parallel_size > 1,
-            "offload": getattr(self, "offload_config", None) is not None,
+            "offload": False,
             # A gradient scaler scales the closure's loss, which the schedule's backward never sees.
             'precision="16-mixed"': str(self.precision_plugin.precision) == "16-mixed",
         }

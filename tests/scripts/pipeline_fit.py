@@ -31,6 +31,7 @@ from lightning_llmfast import LLMFastStrategy, MoEGPTConfig, MoEGPTLightningModu
 from lightning_llmfast.bench.processes import leave_world
 from lightning_llmfast.data import PackedBatch, SyntheticCorpus, pack_documents
 from lightning_llmfast.expert_parallel import expert_dtensor, expert_parameters, sharded_moe_blocks
+from lightning_llmfast.offload import OffloadConfig
 
 STEPS, MICRO, ROWS = 3, 2, 2
 REPLICAS = 2  # batches for up to this many data-parallel replicas
@@ -172,6 +173,7 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--sharding", default="ddp")
     parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--offload", action="store_true", help="offload every layer's saved activations (CPU copies)")
     parser.add_argument("--equal", action="store_true", help="equal label tokens in every micro-batch")
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from (then only its weights are saved)")
     args = parser.parse_args()
@@ -182,6 +184,7 @@ def main() -> None:
     strategy = LLMFastStrategy(
         pipeline_parallel_size=args.pp, pipeline_microbatches=max(MICRO, args.pp), pipeline_schedule=args.schedule,
         sharding=args.sharding, expert_parallel_size=args.ep, timeout=timedelta(seconds=60),
+        offload=OffloadConfig(force=True, min_offload_bytes=0, keep_last_layers=0) if args.offload else None,
     )  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=STEPS // args.accumulate, logger=False,
@@ -208,6 +211,7 @@ def main() -> None:
     # What this rank holds: parameter elements (FSDP2: its shards) and every MoE block's exchange overlap.
     result["held"] = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
     result["overlap"] = [dispatcher.overlap_chunks for _, _, dispatcher in sharded_moe_blocks(model)]
+    result["offload"] = dict(trainer.strategy.offload_stats or {})
     torch.save(result, f"{args.out}.rank{rank}.pt")
 
 
