@@ -6,6 +6,8 @@ stages of two ranks, equal to one process accumulating the same micro-batches (f
 - ``expert_parallel_size=2``: each stage's experts split over its two ranks (overlapped exchanges, as by default),
   the rest replicated or FSDP2-sharded; the balance loss covers the stage's micro-batch ``k`` of both ranks, so the
   reference joins them.
+- ``sharding="hsdp"`` on four one-rank nodes (each stage replicated over two nodes, sharded over one): one step's
+  gradients through the runner equal one process's on both replicas' batches.
 """
 
 from __future__ import annotations
@@ -16,13 +18,19 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
+from _distributed import run_distributed
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from pipeline_fit import STEPS, batches, launch, module, one_process_fit, one_process_trainer
+from pipeline_fit import MICRO, STEPS, batches, launch, module, one_process_fit, one_process_trainer
 
 from lightning_llmfast import ConfigError, LLMFastStrategy
 from lightning_llmfast.parallel.dims import ParallelDims
+from lightning_llmfast.parallel.pipeline import PipelineConfig, PipelineRunner
+from lightning_llmfast.parallel.pipeline_layout import parallelize_stages
+from lightning_llmfast.seqmeta import SequenceMetadata
 
 CLIP = 0.5  # pipeline_fit's gradient_clip_val
 
@@ -106,3 +114,50 @@ def test_offload_with_a_split_backward_schedule_is_refused_at_construction(sched
     with pytest.raises(ConfigError, match="does not compose with pipeline_schedule"):
         LLMFastStrategy(pipeline_parallel_size=2, pipeline_microbatches=2, pipeline_schedule=schedule, offload=True)
     LLMFastStrategy(pipeline_parallel_size=2, pipeline_microbatches=2, pipeline_schedule="1f1b", offload=True)
+
+
+def _hsdp_step(rank: int, world: int, out: str) -> None:
+    """One pipelined step of 2 stages x 2 replicas (4 one-rank nodes: HSDP replicates over them, shards over 1)."""
+    model = module().model
+    dims = ParallelDims(world, "hsdp", num_nodes=world, pipeline_parallel_size=2)
+    dims.build_mesh("cpu")
+    assert (dims.dp_replicate, dims.dp_shard) == (2, 1)
+    config = PipelineConfig(2, MICRO, "1f1b")
+    runner = PipelineRunner(model, config, dims.pp_group, device=torch.device("cpu"), dp_group=dims.dp_group)
+    parallelize_stages(runner, dims)
+    batch = batches()[dims.data_parallel_rank(rank)]
+    runner.step(batch.input_ids, batch.labels, batch.position_ids, SequenceMetadata.from_batch(batch))
+    runner.finish_step()
+    grads = {}
+    for name, param in model.named_parameters():
+        assert isinstance(param.grad, DTensor) and param.grad.placements[0].is_replicate()  # 2-D: (replicas, shards)
+        grads[name] = param.grad.full_tensor()
+    torch.save(grads, f"{out}/grads{rank}.pt")
+
+
+def test_hsdp_stages_give_one_process_gradients_on_both_replicas_batches(tmp_path: Path) -> None:
+    run_distributed(_hsdp_step, 4, str(tmp_path))
+    model = module().model
+    data = batches()[:2]  # the two replicas' batches
+    tokens = sum(float((b.labels != -100).sum()) for b in data)
+    loss = sum(
+        F.cross_entropy(model(b.input_ids, b.position_ids).flatten(0, 1), b.labels.flatten(), reduction="sum")
+        for b in data
+    )
+    (loss / tokens).backward()
+    reference = dict(model.named_parameters())
+    held: dict[str, torch.Tensor] = {}
+    for rank in range(4):
+        grads = torch.load(tmp_path / f"grads{rank}.pt", weights_only=True)
+        for name, grad in grads.items():  # replicas agree, and each stage's gradients are one process's
+            assert torch.equal(grad, held.setdefault(name, grad)), name
+            assert float((grad - reference[name].grad).abs().max()) < 1e-5, name
+    assert set(held) == set(reference)  # the tied embedding/head summed over both stages
+
+
+def test_fsdp_refuses_a_tied_embedding_and_head_on_one_ranks_two_stages() -> None:
+    # "zbv" puts the first and the last stage on one rank: one tied parameter cannot sit in two FSDP2 groups.
+    runner = PipelineRunner(module().model, PipelineConfig(1, 2, "zbv"), None, device=torch.device("cpu"))
+    assert runner.stages == [0, 1] and runner.tied
+    with pytest.raises(ConfigError, match="untie them"):  # before any mesh is used
+        parallelize_stages(runner, ParallelDims(4, "fsdp", pipeline_parallel_size=2))
