@@ -32,6 +32,7 @@ from lightning_llmfast.expert_parallel import DispatchPayload, expert_parameters
 from lightning_llmfast.parallel.dims import ParallelDims
 from lightning_llmfast.parallel.fsdp import fully_shard_experts
 from lightning_llmfast.parallel.pipeline import PipelineRunner
+from lightning_llmfast.parallel.pipeline_split import part, tied_parameter
 
 __all__ = ["parallelize_stages", "stage_fsdp_units"]
 
@@ -64,8 +65,9 @@ def parallelize_stages(
     if dims.fsdp_enabled and runner.tied and runner.has_first and runner.has_last:
         raise ConfigError(
             f"pipeline with sharding={dims.sharding!r}: the tied embedding and head sit in two stages of one rank "
-            f"(stages {runner.stages}); untie them (MoEGPTConfig(tie_embeddings=False)) or use a schedule that puts "
-            "the first and the last stage on different ranks"
+            f"(stages {runner.stages}); untie them (MoEGPTConfig(tie_embeddings=False), a "
+            "transformers config's tie_word_embeddings=False) or use a schedule that puts the first and the last stage "
+            "on different ranks"
         )
     if dims.ep_enabled:
         shard_model_experts(model, dims.ep_mesh, loss_group=dims.dp_group, fsdp=dims.fsdp_enabled, dispatch=dispatch)
@@ -74,7 +76,9 @@ def parallelize_stages(
             runner.expert_params = {id(p) for _, p, _ in expert_parameters(model)}
             runner.expert_group = dims.edp_mesh.get_group() if dims.edp > 1 else None
         return
-    embed = model.embed
+    embed, head = part(runner.adapter, "embed"), part(runner.adapter, "head")
+    tied = tied_parameter(runner.adapter) if embed is not None and head is not None else None
+    names = [next((n for n, p in m.named_parameters() if p is tied), None) for m in (embed, head) if m is not None]
     if dims.ep_enabled:
         fully_shard_experts(model, dims, mp_policy=mp_policy, reshard_after_forward=False)
     kwargs = {"mesh": dims.dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), "reshard_after_forward": False}
@@ -87,10 +91,13 @@ def parallelize_stages(
         # a plain sum, also on gloo, which has no pre-multiplied one).
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
-    if runner.tied and embed is not None and model.lm_head is not None:
+    if tied is not None and not runner.has_first and embed is not None and head is not None:
         # The last stage's root sharded the head's weight; the embedding registered beside it (for its name) shares
         # the sharded parameter again.
-        embed.weight = model.lm_head.weight
+        embed_name, head_name = names
+        assert embed_name is not None and head_name is not None
+        owner, _, name = embed_name.rpartition(".")
+        embed.get_submodule(owner).register_parameter(name, head.get_parameter(head_name))
 
 
 def stage_fsdp_units(runner: PipelineRunner) -> list[FSDPModule]:
