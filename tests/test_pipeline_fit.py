@@ -3,8 +3,6 @@ and its DCP checkpoint resumes on one process by parameter name."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,53 +17,16 @@ from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.export import main as export_main
 from lightning_llmfast.parallel import consolidate_checkpoint
 
-SCRIPTS = Path(__file__).parent / "scripts"
-REPO = Path(__file__).parents[1]
-sys.path.insert(0, str(SCRIPTS))
-from pipeline_fit import MICRO, PREDICT, STEPS, Record, batches, micro_batches, module  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from pipeline_fit import PREDICT, STEPS, batches, launch, module, one_process_fit, one_process_trainer
 
-from lightning_llmfast.parallel.dims import ParallelDims  # noqa: E402
-
-
-def _trainer(**kwargs: Any) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu", devices=1, strategy="llmfast", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.5, **kwargs,
-    )  # fmt: skip
-
-
-def _fit(tmp: Path, devices: int, *args: str, out: str = "run", schedule: str = "1f1b") -> list[dict[str, Any]]:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "pipeline_fit.py"), "--out", out, "--schedule", schedule, "--devices",
-         str(devices), *args], cwd=tmp, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [torch.load(tmp / f"{out}.rank{r}.pt", weights_only=True) for r in range(devices)]
+from lightning_llmfast.parallel.dims import ParallelDims
 
 
 @pytest.fixture(scope="module")
 def pipelined(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("pipeline_fit")
-    return tmp, _fit(tmp, 2)
-
-
-def _reference(order: list[list[int]]) -> tuple[L.LightningModule, list[float]]:
-    """One process accumulating the micro-batches of the batches each optimizer step's replicas trained on
-    (``order``: per step, the batches of every replica, in turn); returns the module and each batch's loss."""
-    torch.set_num_threads(1)
-    single, record = module(), Record()
-    micro = micro_batches()
-    chosen = [micro[MICRO * b + k] for step in order for b in step for k in range(MICRO)]
-    trainer = _trainer(max_steps=len(order), accumulate_grad_batches=MICRO * len(order[0]), callbacks=[record])
-    trainer.fit(single, train_dataloaders=DataLoader(chosen, batch_size=None))
-    counts = [float((b.labels != -100).sum()) for b in chosen]
-    # A replica's loss of a batch is its microbatches' losses weighted by their label tokens.
-    batch_losses = [
-        sum(record.losses[i] * counts[i] for i in range(s, s + MICRO)) / sum(counts[s : s + MICRO])
-        for s in range(0, len(chosen), MICRO)
-    ]
-    return single, batch_losses
+    return tmp, launch(tmp, 2, "--predict")
 
 
 def test_two_stage_fit_equals_one_process_accumulating_the_microbatches(
@@ -74,7 +35,7 @@ def test_two_stage_fit_equals_one_process_accumulating_the_microbatches(
     _, ranks = pipelined
     assert ranks[0]["seen"] == ranks[1]["seen"] == list(range(STEPS))  # one pipeline: the stream, in order
     start = {name: p.detach().clone() for name, p in module().named_parameters()}
-    single, expected = _reference([[step] for step in range(STEPS)])
+    single, expected = one_process_fit([[step] for step in range(STEPS)])
     for rank in ranks:  # train/loss logged on every rank, the same value
         assert rank["losses"] == pytest.approx(expected, abs=1e-5)
         assert rank["bubbles"] == pytest.approx([1 / 3] * STEPS)  # 1F1B, 2 stages, 2 microbatches
@@ -86,13 +47,13 @@ def test_two_stage_fit_equals_one_process_accumulating_the_microbatches(
     for name, value in held.items():
         assert float((value - reference[name].detach()).abs().max()) < 1e-5, name
     assert max(float((start[n] - p.detach()).abs().max()) for n, p in reference.items()) > 1e-3
-    validation = _trainer().validate(single, DataLoader(batches()[:1], batch_size=None), verbose=False)
+    validation = one_process_trainer().validate(single, DataLoader(batches()[:1], batch_size=None), verbose=False)
     assert ranks[0]["val"] == ranks[1]["val"] == pytest.approx(validation[0]["val/loss"], abs=1e-5)
     # trainer.predict after the fit and alone (a fresh trainer, an untrained model): on every rank what
     # MoEGPTLightningModule.predict_step returns in one process (rank 0 receives it from the last stage)
     data = DataLoader(batches()[:PREDICT], batch_size=None)
     for key, reference_module in (("predicted", single), ("predicted_alone", module())):
-        expected_batches = _trainer().predict(reference_module, data)
+        expected_batches = one_process_trainer().predict(reference_module, data)
         assert expected_batches is not None and len(expected_batches) == PREDICT
         for rank in ranks:
             for got, want in zip(rank[key], expected_batches, strict=True):
@@ -104,7 +65,7 @@ def test_two_stage_checkpoint_resumes_on_one_process(pipelined: tuple[Path, list
     tmp, ranks = pipelined
     torch.set_num_threads(1)
     resumed = module()
-    trainer = _trainer(max_steps=STEPS)
+    trainer = one_process_trainer(max_steps=STEPS)
     trainer.fit(resumed, train_dataloaders=DataLoader(batches(), batch_size=None), ckpt_path=str(tmp / "run.ckpt"))
     assert trainer.global_step == STEPS
     held = {name: p for rank in ranks for name, p in rank["params"].items()}
@@ -149,14 +110,14 @@ def test_two_stage_checkpoint_exports_as_the_one_process_model(
 
 @pytest.mark.slow
 def test_two_replicas_of_a_two_stage_pipeline_equal_one_process_on_both_streams(tmp_path: Path) -> None:
-    ranks = _fit(tmp_path, 4)
+    ranks = launch(tmp_path, 4)
     dims = ParallelDims(4, pipeline_parallel_size=2)
     replicas = [dims.data_parallel_rank(r) for r in range(4)]  # ranks 0 and 2 read one stream, 1 and 3 the other
     streams = {replica: ranks[r]["seen"] for r, replica in enumerate(replicas)}
     assert all(ranks[r]["seen"] == streams[replica] for r, replica in enumerate(replicas))  # a pipeline's stages
     assert sorted(streams[0] + streams[1]) == list(range(2 * STEPS))  # the sampler split the batches between them
     order = [[streams[0][step], streams[1][step]] for step in range(STEPS)]
-    single, losses = _reference(order)
+    single, losses = one_process_fit(order)
     for r, replica in enumerate(replicas):  # each rank logs its own replica's batch loss
         assert ranks[r]["losses"] == pytest.approx(losses[replica::2], abs=1e-5)
     reference = dict(single.named_parameters())
@@ -168,7 +129,7 @@ def test_two_replicas_of_a_two_stage_pipeline_equal_one_process_on_both_streams(
 @pytest.mark.slow
 def test_two_stage_checkpoint_resumes_on_four_stages(pipelined: tuple[Path, list[dict[str, Any]]]) -> None:
     tmp, ranks = pipelined
-    resumed = _fit(tmp, 4, "--pp", "4", "--resume", str(tmp / "run.ckpt"), out="pp4")
+    resumed = launch(tmp, 4, "--pp", "4", "--resume", str(tmp / "run.ckpt"), out="pp4")
     held = {name: p for rank in ranks for name, p in rank["params"].items()}
     assert all(rank["step"] == STEPS for rank in resumed)
     # Every stage's AdamW state came back from the other layout, by parameter name.
@@ -184,8 +145,8 @@ def test_two_stage_checkpoint_resumes_on_four_stages(pipelined: tuple[Path, list
 def test_accumulating_two_pipelined_batches_equals_one_process_on_both(tmp_path: Path) -> None:
     # Lightning zeroes gradients between a training step and its backward at the start of every window: the
     # pipelined step's gradients must survive that, and the step's tokens span both batches.
-    ranks = _fit(tmp_path, 2, "--accumulate", "2")
-    single, losses = _reference([[0, 1]])  # one optimizer step on batches 0 and 1
+    ranks = launch(tmp_path, 2, "--accumulate", "2")
+    single, losses = one_process_fit([[0, 1]])  # one optimizer step on batches 0 and 1
     for rank in ranks:
         assert rank["seen"] == [0, 1] and rank["losses"] == pytest.approx(losses, abs=1e-5)
     reference = dict(single.named_parameters())
@@ -215,8 +176,8 @@ def test_predict_alone_equals_one_process_when_the_last_stage_is_elsewhere(
     schedule: str, pp: int, tmp_path: Path
 ) -> None:
     # zbv: the last stage on rank 0 (its V); on 4 ranks: on rank 3, two ranks in between
-    ranks = _fit(tmp_path, pp, "--pp", str(pp), "--predict-only", schedule=schedule)
-    expected = _trainer().predict(module(), DataLoader(batches()[:PREDICT], batch_size=None))
+    ranks = launch(tmp_path, pp, "--pp", str(pp), "--predict-only", "--schedule", schedule)
+    expected = one_process_trainer().predict(module(), DataLoader(batches()[:PREDICT], batch_size=None))
     assert expected is not None
     for rank in ranks:
         for got, want in zip(rank["predicted_alone"], expected, strict=True):

@@ -214,17 +214,18 @@ def test_pipeline_settings_are_searched_with_invalid_layouts_pruned_and_memory_p
     keys = (sharding, PIPELINE_PARALLEL, PIPELINE_MICROBATCHES, PIPELINE_SCHEDULE)
     records = {tuple(r.settings.get(k, 1 if k == PIPELINE_MICROBATCHES else "1f1b") for k in keys): r
                for r in result.records}  # fmt: skip
-    assert len(records) == len(result.records) == 2 + 2 * 2 * 4 * 3  # pp=1: one candidate, its pipeline knobs idle
+    assert len(records) == 2 + 2 * 2 * 4 * 3  # pp=1: one candidate, its pipeline knobs idle
+    assert len(result.records) == len(records) + sum(r.rung == 1 for r in result.records)  # promoted: run again
     ran = {key for key, r in records.items() if r.status == "ok"}
-    assert ran == {("ddp", 1, 1, "1f1b"), ("fsdp", 1, 1, "1f1b"), ("ddp", 2, 2, "1f1b"), ("ddp", 2, 4, "1f1b"),
-                   ("ddp", 2, 1, "gpipe"), ("ddp", 2, 2, "gpipe"), ("ddp", 2, 4, "gpipe")}  # fmt: skip
-    assert len(runner.trials) == len(ran)  # the pruned never ran
+    staged = {(2, 2, "1f1b"), (2, 4, "1f1b"), (2, 1, "gpipe"), (2, 2, "gpipe"), (2, 4, "gpipe")}
+    assert ran == {("ddp", 1, 1, "1f1b"), ("fsdp", 1, 1, "1f1b")} | {(s, *k) for s in ("ddp", "fsdp") for k in staged}
+    assert len(runner.trials) == len(ran) + sum(r.rung == 1 for r in result.records)  # the pruned never ran
     reasons = {
         ("ddp", 2, 1, "1f1b"): "needs microbatches >= pipeline size 2",
         ("ddp", 2, 3, "gpipe"): "must divide the batch size 4",
         ("ddp", 2, 2, "zbv"): "4 stages (size 2 x stages_per_rank 2) but the model has only 2 layers",
         ("ddp", 4, 4, "gpipe"): "the model has only 2 layers",
-        ("fsdp", 2, 2, "1f1b"): "does not compose with sharding",
+        ("fsdp", 2, 2, "zbv"): "but the model has only 2 layers",
     }
     for key, reason in reasons.items():
         assert records[key].status == "pruned" and reason in records[key].reason, key
@@ -246,6 +247,9 @@ def test_pipeline_settings_are_searched_with_invalid_layouts_pruned_and_memory_p
         rows = 4 // m
         expected = max(states[r] + in_flight[r] * rows * saved[r] for r in range(2))
         assert records["ddp", 2, m, schedule].predicted_memory == expected, (m, schedule)
+        # sharding="fsdp": a stage's states over its world / pp = 2 ranks
+        sharded = max(-(-states[r] // 2) + in_flight[r] * rows * saved[r] for r in range(2))
+        assert records["fsdp", 2, m, schedule].predicted_memory == sharded, (m, schedule)
 
 
 def test_trial_log_drops_a_cut_line_and_refuses_a_damaged_one(tmp_path: Path) -> None:

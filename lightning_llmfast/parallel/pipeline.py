@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.tensor import DTensor
 
 from lightning_llmfast._checks import check_int
 from lightning_llmfast.errors import ConfigError
@@ -437,6 +438,11 @@ class PipelineRunner:
         self._step_tokens: Tensor | None = None  # label tokens of the batches since the last finish_step
         self.last_schedule: Any = None
         """The schedule of the latest batch (its ``pipeline_order`` is the action table)."""
+        self.expert_params: set[int] = set()
+        """``id()`` of the plain parameters split over the stage's expert-parallel ranks (set by
+        :func:`~lightning_llmfast.parallel.pipeline_layout.parallelize_stages`): not summed over ``dp_group``."""
+        self.expert_group: dist.ProcessGroup | None = None
+        """The ranks holding this rank's experts, whose expert gradients :meth:`finish_step` sums (``None``: one)."""
 
     def _make_tied_group(self) -> dist.ProcessGroup | None:
         """The two ranks holding the first and the last stage, when they differ (ZBV puts both on rank 0)."""
@@ -731,11 +737,17 @@ class PipelineRunner:
         grads: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for param in params:
             assert param.grad is not None
-            grads.setdefault((param.grad.device, param.grad.dtype), []).append(param.grad)
+            grad = _local(param.grad)
+            grads.setdefault((grad.device, grad.dtype), []).append(grad)
         for (device, dtype), group in grads.items():
             torch._foreach_mul_(group, factor.to(device=device, dtype=dtype))
+        # FSDP2 summed its (DTensor) gradients over the stage's ranks already; local experts are summed over the
+        # ranks holding the same experts, the replicated rest over the stage.
+        plain = [p for p in params if not isinstance(p.grad, DTensor)]
         if self.dp_group is not None:
-            sum_gradients(params, self.dp_group)
+            sum_gradients([p for p in plain if id(p) not in self.expert_params], self.dp_group)
+        if self.expert_group is not None:
+            sum_gradients([p for p in plain if id(p) in self.expert_params], self.expert_group)
         self._reduce_tied_grads()
 
     def _reduce_tied_grads(self) -> None:
@@ -747,4 +759,10 @@ class PipelineRunner:
         assert weight is not None
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
-        dist.all_reduce(weight.grad, group=self._tied_group)
+        # Under FSDP2 both copies are sharded alike over their stages' ranks: the pair holds the same rows.
+        dist.all_reduce(_local(weight.grad), group=self._tied_group)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """A DTensor's local shard (sharing its storage), or ``tensor`` itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -328,6 +328,10 @@ class LLMFastStrategy(PipelineParallelBase):
         self._setup_clipping()
         if self.pipeline_config is not None:
             self._setup_pipeline(trainer)  # its own setup: stages cut and pruned, no DDP wrapper
+            self._setup_node_dispatch()  # expert parallelism inside the stages: dispatch and overlap as asked
+            if self._offload is not None and trainer.state.fn == TrainerFn.FITTING:
+                assert self.lightning_module is not None
+                self._offload.on_fit_start(trainer, self.lightning_module)
             return
         if self.sharding == "ddp" and not self.single_process:
             self._read_locally()

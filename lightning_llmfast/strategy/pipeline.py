@@ -13,11 +13,13 @@ clipping, optimizer and scheduler steps, callbacks, loggers):
 - the strategy's ``training_step`` runs the batch's forward and backward through the schedule and returns the loss
   as a tensor whose own backward reaches nothing (the gradients are already accumulated), so the closure's
   ``backward`` costs nothing and its hooks still run;
+- the ``world / P`` ranks of a stage read their own streams of batches (``distributed_sampler_kwargs``) and hold
+  the stage replicated (``sharding="ddp"``) or FSDP2-sharded (``"fsdp"``/``"hsdp"``), its experts split over them
+  with ``expert_parallel_size`` (:func:`~lightning_llmfast.parallel.pipeline_layout.parallelize_stages`);
 - before the optimizer step (inside the closure, so before clipping) the gradients are divided by the step's label
-  tokens over every replica, summed over the replicas of each stage (``world / P`` pipelines read
-  ``distributed_sampler_kwargs``' streams) and over the tied embedding/head's two copies
-  (:meth:`~lightning_llmfast.parallel.pipeline.PipelineRunner.finish_step`); clipping by norm takes the norm over
-  every stage (one all-reduce over the pipeline);
+  tokens over every replica, summed over the ranks of each stage (FSDP2 has summed its shards already) and over the
+  tied embedding/head's two copies (:meth:`~lightning_llmfast.parallel.pipeline.PipelineRunner.finish_step`);
+  clipping by norm takes the norm over every stage and shard (one all-reduce over the world);
 - ``train/loss`` is logged on every rank: the loss of its replica's batch (the last stage's value plus every
   stage's router term, summed over the pipeline), ``pipeline/bubble`` (the schedule's idle share) and
   ``pipeline/stage_ms`` (this rank's schedule time per step: CUDA events, or the wall clock on the CPU);
@@ -34,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -41,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.strategies import Strategy
 from torch import nn
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_llmfast.comm.timing import SpanTimer, clock_for
@@ -50,7 +54,9 @@ from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.parallel.broadcast import broadcast_tree
 from lightning_llmfast.parallel.checkpoint import is_distributed_checkpoint
 from lightning_llmfast.parallel.clip import ShardedGrad, clip_grad_norm
+from lightning_llmfast.parallel.fsdp import time_reduce_scatters
 from lightning_llmfast.parallel.pipeline import PipelineConfig, PipelineRunner
+from lightning_llmfast.parallel.pipeline_layout import parallelize_stages, stage_fsdp_units
 from lightning_llmfast.seqmeta import SequenceMetadata
 from lightning_llmfast.strategy.sharded import ShardedDataParallelBase
 
@@ -62,6 +68,8 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
 __all__ = ["PipelineParallelBase"]
+
+_SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv")  # schedules whose backward is split into input and weight
 
 
 class PipelineParallelBase(ShardedDataParallelBase):
@@ -78,11 +86,13 @@ class PipelineParallelBase(ShardedDataParallelBase):
 
     Raises:
         ConfigError: at construction, for a layout :class:`~lightning_llmfast.parallel.pipeline.PipelineConfig`
-            refuses; at setup on every rank before any step, when ``P`` does not divide the world, the model
-            (``module.model``, MoEGPT or transformers decoder) cannot be cut, has fewer layers than stages, uses manual
-            optimization, or pipelining is combined with what it does not compose with yet (``sharding`` other than
-            ``"ddp"``, expert or context parallelism, offload, ``precision="16-mixed"``'s gradient scaler); when
-            resuming from a checkpoint file rather than a distributed checkpoint directory.
+            refuses, or activation offload with a zero-bubble schedule (``"interleaved_zero_bubble"``, ``"zbv"``); at
+            setup on every rank before any step, when ``P`` does not divide the world, the model (``module.model``,
+            MoEGPT or transformers decoder) cannot be cut, has fewer layers than stages, uses manual
+            optimization, or pipelining is combined with what it does not compose with yet (context parallelism,
+            ``precision="16-mixed"``'s gradient scaler), or under ``sharding="fsdp"``/``"hsdp"`` a tied
+            embedding and head would sit in two stages of one rank (``"zbv"``); when resuming from a checkpoint file
+            rather than a distributed checkpoint directory.
 
     Example::
 
@@ -102,6 +112,14 @@ class PipelineParallelBase(ShardedDataParallelBase):
         config = PipelineConfig(
             pipeline_parallel_size, pipeline_microbatches, pipeline_schedule, pipeline_stages_per_rank, pipeline_layers
         )
+        if config.size > 1 and config.schedule in _SPLIT_BACKWARD and getattr(self, "offload_config", None) is not None:
+            # Their weight-gradient step reads the layers' saved activations again after the input-gradient step
+            # has reloaded (and released) them.
+            raise ConfigError(
+                f"{type(self).__name__}: activation offload does not compose with pipeline_schedule="
+                f"{config.schedule!r} (its backward is split into input and weight gradients); use 'gpipe', '1f1b' or "
+                "'interleaved_1f1b'"
+            )
         super().__init__(*args, pipeline_parallel_size=pipeline_parallel_size, **kwargs)
         self.pipeline_config: PipelineConfig | None = config if config.size > 1 else None
         """The pipeline layout (``None`` without pipelining)."""
@@ -120,10 +138,8 @@ class PipelineParallelBase(ShardedDataParallelBase):
         assert config is not None
         config.check_world(self.world_size)
         others = {
-            "sharding": self.sharding != "ddp",
-            "expert_parallel_size": self.expert_parallel_size > 1,
             "context_parallel_size": self.context_parallel_size > 1,
-            "offload": getattr(self, "offload_config", None) is not None,
+            "offload": False,
             # A gradient scaler scales the closure's loss, which the schedule's backward never sees.
             'precision="16-mixed"': str(self.precision_plugin.precision) == "16-mixed",
         }
@@ -131,8 +147,7 @@ class PipelineParallelBase(ShardedDataParallelBase):
         if refused:
             raise ConfigError(
                 f"{type(self).__name__}: pipeline_parallel_size={config.size} does not compose with "
-                f"{', '.join(refused)} yet: run pipelines of {config.size} ranks with sharding='ddp' (each stage "
-                "replicated over the data-parallel ranks)"
+                f"{', '.join(refused)} yet"
             )
         assert dims is not None and dims.pp_group is not None
 
@@ -157,9 +172,17 @@ class PipelineParallelBase(ShardedDataParallelBase):
             assert dims is not None
             coef = float(getattr(module, "aux_loss_coef", 0.0))
             config, device = self.pipeline_config, self.root_device
-            self._runner = PipelineRunner(
+            self._runner = runner = PipelineRunner(
                 model, config, dims.pp_group, device=device, aux_loss_coef=coef, dp_group=dims.dp_group
             )
+            # Experts split and FSDP2 groups inside each stage, before materialising (each rank allocates its
+            # shards) and before the optimizers are built.
+            policy = self._fsdp_mp_policy() if self.sharding != "ddp" else None
+            parallelize_stages(runner, dims, mp_policy=policy, dispatch=self._dispatch())
+            timer = self._grad_sync_timer()
+            if timer is not None and dims.fsdp_enabled:
+                for stage in runner.modules:
+                    time_reduce_scatters(stage, timer)
             # Pruned first: a model built on the meta device allocates and initialises only this rank's stages.
             self._materialize()
             model.to(device)
@@ -253,7 +276,13 @@ class PipelineParallelBase(ShardedDataParallelBase):
         runner, module = self._runner, self.lightning_module
         assert runner is not None and module is not None
         input_ids, labels, position_ids, metadata = self._batch_inputs(batch)
-        loss = runner.evaluate(input_ids, labels, position_ids, metadata)
+        try:
+            loss = runner.evaluate(input_ids, labels, position_ids, metadata)
+        finally:
+            # FSDP2 keeps a stage's parameters gathered from forward to the schedule's end (no per-microbatch
+            # gather); a forward-only schedule has no end that frees them, and the next update would leave them stale.
+            for unit in stage_fsdp_units(runner):
+                unit.reshard()
         metric = getattr(module, "val_ce" if name == "val/loss" else "test_ce", None)
         if metric is not None:  # MoEGPTLightningModule's token-weighted mean over the split
             metric.update(loss, (labels != IGNORE_INDEX).sum())
@@ -299,14 +328,19 @@ class PipelineParallelBase(ShardedDataParallelBase):
         if runner is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
+        timer = self._grad_sync_timer() if self.sharding != "ddp" else None
+
         def closure_then_finish() -> Any:
             # After the step's last backward, before clipping and the update: the gradients divided by the step's
             # label tokens, summed over the replicas and over the tied weight's two copies.
             result = closure()
+            if timer is not None:
+                timer.close()  # FSDP2's reduce-scatters launched at each schedule's end
             runner.finish_step()
             return result
 
-        return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
+        # DDPStrategy's step: the runner reduces every gradient itself (the base's expert averaging would again).
+        return super(ShardedDataParallelBase, self).optimizer_step(optimizer, closure_then_finish, model, **kwargs)
 
     @override
     def _clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> None:
@@ -314,16 +348,26 @@ class PipelineParallelBase(ShardedDataParallelBase):
         if runner is None or module is None:
             super()._clip_grad_norm(optimizer, max_norm)
             return
+        dims = self.parallel_dims
+        assert dims is not None
         tied = runner.tied_weight() if runner.tied_holders == 2 else None
-        grads = [
-            # Every stage's squares go into one all-reduce over the pipeline; the tied weight's two equal copies
-            # count once.
-            ShardedGrad(p.grad, 2 if p is tied else 1)
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if p.grad is not None
-        ]
-        norm = clip_grad_norm(grads, max_norm, runner.group)
+        grads = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                # Every rank's squares go into one all-reduce over the world, each divided by the ranks holding the
+                # same elements: an FSDP2 shard by its replicas (HSDP), a local expert by the stage's holders of
+                # it, a replicated gradient by the stage's ranks; the tied weight's two equal copies count once.
+                if isinstance(p.grad, DTensor):
+                    mesh, local = p.grad.device_mesh, p.grad.to_local()
+                    replicas = math.prod(mesh.size(i) for i, pl in enumerate(p.grad.placements) if pl.is_replicate())
+                    replicas *= dims.stage_size // mesh.size()
+                else:
+                    local = p.grad
+                    replicas = dims.edp if id(p) in runner.expert_params else dims.stage_size
+                grads.append(ShardedGrad(local, replicas * (2 if p is tied else 1)))
+        norm = clip_grad_norm(grads, max_norm)  # the default group: the world
         module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
 
 

@@ -19,6 +19,7 @@ from lightning_llmfast.tune.space import (
     CONTEXT_PARALLEL,
     MICRO_BATCH,
     REFERENCE_MODULE,
+    STRATEGY,
     get_setting,
     on_cuda,
     pipeline_layout,
@@ -209,7 +210,7 @@ def _context_share(config: Mapping[str, Any], activations: int) -> int:
     return -(-activations // cp) + model.n_layers * rows * kv_bytes
 
 
-def _pipeline_stages(config: Mapping[str, Any], probe: Probe, kinds: Sequence[int]) -> int | None:
+def _pipeline_stages(config: Mapping[str, Any], world: int, probe: Probe, kinds: Sequence[int]) -> int | None:
     """Under pipelining: the most loaded pipeline rank's bytes (its stages' parameters, gradients and AdamW moments
     and the activations of its microbatches in flight at their peak:
     :func:`~lightning_llmfast.parallel.pipeline_memory.stage_memory`); ``None`` without pipelining."""
@@ -223,7 +224,11 @@ def _pipeline_stages(config: Mapping[str, Any], probe: Probe, kinds: Sequence[in
         model = MoEGPT(_model_config(config))
     rows = int(get_setting(config, MICRO_BATCH, 8)) // layout.microbatches  # one microbatch's sequences
     layers = [rows * sum(probe.storages[k]) for k in kinds]
-    return max(r.total for r in stage_memory(model, layout, layers, head_activations=rows * probe.outside))
+    # Under sharding="fsdp" a stage's parameters, gradients and moments are sharded over its world / pp ranks; under
+    # "hsdp" and expert parallelism the replicated stage is kept as an upper bound.
+    shards = world // layout.size if get_setting(config, STRATEGY + "sharding", "ddp") == "fsdp" else 1
+    rows_bytes = stage_memory(model, layout, layers, head_activations=rows * probe.outside)
+    return max(-(-(r.params + r.grads + r.optimizer) // shards) + r.activations for r in rows_bytes)
 
 
 def predict_memory(
@@ -251,7 +256,7 @@ def predict_memory(
         )
         if model_key not in probes:
             probes[model_key] = _measure_probe(config)
-        staged = _pipeline_stages(config, *probes[model_key])
+        staged = _pipeline_stages(config, world, *probes[model_key])
         if staged is not None:
             return staged
         return _model_states(config, world) + _context_share(config, _activations(config, *probes[model_key]))

@@ -48,7 +48,7 @@ PIPELINE_SCHEDULE = "trainer.strategy.init_args.pipeline_schedule"
 STRATEGY_CLASS = "lightning_llmfast.LLMFastStrategy"
 REFERENCE_MODULE = "lightning_llmfast.MoEGPTLightningModule"
 """The reference MoE GPT's LightningModule: the model whose memory is predicted and which pipelining splits."""
-_STRATEGY = "trainer.strategy.init_args."
+STRATEGY = "trainer.strategy.init_args."
 
 
 def _section(node: dict[str, Any], part: str, key: str) -> dict[str, Any]:
@@ -256,16 +256,16 @@ def pipeline_layout(config: Mapping[str, Any]) -> PipelineConfig | None:
         pp,
         int(_setting({}, config, PIPELINE_MICROBATCHES, 1)),
         str(_setting({}, config, PIPELINE_SCHEDULE, "1f1b")),
-        get_setting(config, _STRATEGY + "pipeline_stages_per_rank"),
-        get_setting(config, _STRATEGY + "pipeline_layers"),
+        get_setting(config, STRATEGY + "pipeline_stages_per_rank"),
+        get_setting(config, STRATEGY + "pipeline_layers"),
     )
 
 
 def pipeline_invalid(config: Mapping[str, Any], world: int) -> str:
     """Why the strategy would refuse a candidate's (merged) config's pipelining (``""`` if it would not): a layout
     it refuses, a size that does not divide the world, more stages than layers, microbatches that do not divide the
-    micro-batch, a model other than the reference MoEGPT, or what pipelining does not compose with yet (as
-    ``LLMFastStrategy`` refuses at setup: sharding other than DDP, expert or context parallelism, offload)."""
+    micro-batch, a model other than the reference MoEGPT, or what pipelining does not compose with (as
+    ``LLMFastStrategy`` refuses: context parallelism, offload under a zero-bubble schedule)."""
     try:
         layout = pipeline_layout(config)
         if layout is None:
@@ -277,15 +277,10 @@ def pipeline_invalid(config: Mapping[str, Any], world: int) -> str:
         return str(err)
     if get_setting(config, "model.class_path", REFERENCE_MODULE) != REFERENCE_MODULE:
         return f"pipeline_parallel_size={layout.size} splits {REFERENCE_MODULE} only"
-    others = {
-        "sharding": get_setting(config, _STRATEGY + "sharding", "ddp") != "ddp",
-        "expert_parallel_size": int(get_setting(config, _STRATEGY + "expert_parallel_size", 1) or 1) > 1,
-        "context_parallel_size": int(get_setting(config, CONTEXT_PARALLEL, 1) or 1) > 1,
-        "offload": bool(get_setting(config, _STRATEGY + "offload")),
-    }
-    refused = [name for name, used in others.items() if used]
-    if refused:
-        return f"pipeline_parallel_size={layout.size} does not compose with {', '.join(refused)} yet"
+    if int(get_setting(config, CONTEXT_PARALLEL, 1) or 1) > 1:
+        return f"pipeline_parallel_size={layout.size} does not compose with context_parallel_size yet"
+    if get_setting(config, STRATEGY + "offload") and layout.schedule in ("interleaved_zero_bubble", "zbv"):
+        return f"pipeline schedule {layout.schedule!r} does not compose with activation offload"
     return ""
 
 
