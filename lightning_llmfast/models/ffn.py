@@ -8,6 +8,7 @@ Example::
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -71,8 +72,11 @@ def sequence_boundaries(metadata: SequenceMetadata | Tensor | None, hidden: Tens
     if shard is None:
         return SequenceBoundaries(metadata.document_ids, metadata.num_sequences)
     ids = metadata.document_ids
-    documents = metadata.memo(
-        ("cp_documents", ids.device), lambda: shard.documents.to(ids.device, non_blocking=True)[ids]
-    )
+
+    def documents() -> Tensor:
+        return shard.documents.to(ids.device, non_blocking=True)[ids]
+
+    # Memoised in eager mode only: a memo filled while tracing would give the first layer another graph.
+    documents = documents() if torch.compiler.is_compiling() else metadata.memo(("cp_documents", ids.device), documents)
     group = None if shard.size == 1 else shard.group if shard.group is not None else dist.group.WORLD
     return SequenceBoundaries(documents, shard.num_documents, group)

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed._functional_collectives import all_reduce, wait_tensor
 
 from lightning_llmfast.errors import RoutingError
 
@@ -155,8 +156,8 @@ def sequence_balance_loss(
     ranks = 1
     if boundaries.group is not None:
         # Every rank's pieces of each document: one all-reduce of the integer counts and lengths (queued, no host read).
-        summed = torch.cat([counts, lengths])
-        dist.all_reduce(summed, group=boundaries.group, async_op=True).wait()
+        # Functional: traceable by torch.compile as well.
+        summed = wait_tensor(all_reduce(torch.cat([counts, lengths]), "sum", boundaries.group))
         counts, lengths = summed[: counts.numel()], summed[counts.numel() :]
         ranks = dist.get_world_size(boundaries.group)
     docs_used = (lengths > 0).sum().clamp(min=1)
