@@ -617,7 +617,9 @@ def _piece_plan(meta: SequenceMetadata, cu_k_host: torch.Tensor, offsets: torch.
 _OP_METADATA: dict[tuple[Any, ...], SequenceMetadata] = {}
 
 
-def _pieces_metadata(cu_q: torch.Tensor, cu_k: torch.Tensor, offsets: torch.Tensor, device: torch.device) -> Any:
+def _pieces_metadata(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, offsets: torch.Tensor, device: torch.device
+) -> SequenceMetadata:
     """The pieces' metadata on ``device``, built once per plan (every layer of a batch passes the same host tensors;
     one entry, keyed by the plan's contents)."""
     key = (device, cu_q.numpy().tobytes(), cu_k.numpy().tobytes(), offsets.numpy().tobytes())
