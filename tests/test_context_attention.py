@@ -197,10 +197,10 @@ def test_compiled_path_op_against_float64() -> None:
         order = torch.cat(context_split(cu, cp))  # the gathered order: every rank's positions, rank after rank
         dk, dv = torch.zeros_like(k, dtype=torch.float64), torch.zeros_like(v, dtype=torch.float64)
         for rank in range(cp):
-            shard, cu_q = context_shard_plan(cu, rank, cp)
+            shard, _ = context_shard_plan(cu, rank, cp)
             held, rows = shard.positions, order[shard.key_index]
             q_r, k_r, v_r = (t.detach().clone().requires_grad_() for t in (q[held], k[rows], v[rows]))
-            args = (cu_q, shard.cu_seqlens_k, shard.offsets, scale, "auto")
+            args = (shard.cu_seqlens_k, shard.offsets, scale, "auto")
             out = _context_attend(q_r, k_r, v_r, *args)
             (out * weight[held]).sum().backward()
             torch.testing.assert_close(out.double(), expected[0][held], atol=1e-5, rtol=1e-5, msg=name)

@@ -402,15 +402,20 @@ def context_shard_plan(cu_seqlens: Any, cp_rank: int, cp_size: int, group: Any =
     np.cumsum(keys, out=cu_k[1:])
     # Each piece's keys: its document's positions from the start to the piece's end, as rows of the gathered buffer.
     key_positions = np.repeat(doc_start - cu_k[:-1], keys) + np.arange(int(cu_k[-1]), dtype=np.int64)
+    plan = [torch.from_numpy(a) for a in (offsets, cu_k.astype(np.int32), gather_order[key_positions])]
+    for tensor in plan:
+        # Their sizes change with the document layout: torch.compile traces them with dynamic sizes from the first
+        # batch on (the compiled attention takes them as op inputs), not one graph per size.
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
     shard = ContextShard(
         rank=rank,
         size=int(cp_size),
         group=group,
         positions=torch.from_numpy(held),
-        offsets=torch.from_numpy(offsets),
-        cu_seqlens_k=torch.from_numpy(cu_k.astype(np.int32)),
+        offsets=plan[0],
+        cu_seqlens_k=plan[1],
         max_seqlen_k=int(keys.max()) if keys.size else 0,
-        key_index=torch.from_numpy(gather_order[key_positions]),
+        key_index=plan[2],
         gather_order=torch.from_numpy(gather_order),
         documents=torch.from_numpy(doc[first]),
         num_documents=int(cu.size - 1),

@@ -535,7 +535,7 @@ def _attend_shard(
     if impl == "flash" and (reason := _flash_unsupported(q, values)) is not None:
         raise ConfigError(f"impl: 'flash' {reason}")
     if torch.compiler.is_compiling():
-        return _context_attend(q, keys, values, meta.cu_seqlens_cpu, shard.cu_seqlens_k, shard.offsets, scale, impl)
+        return _context_attend(q, keys, values, shard.cu_seqlens_k, shard.offsets, scale, impl)
     return _attend_gathered(q, keys, values, meta, shard.cu_seqlens_k, shard.offsets, shard.max_seqlen_k, scale, impl)
 
 
@@ -611,86 +611,86 @@ def _piece_plan(meta: SequenceMetadata, cu_k_host: torch.Tensor, offsets: torch.
 # ------------------------------------------------------------------------------------- under torch.compile
 # The shard's attention as one custom op: its plan (per-piece lengths, offsets) is host data that changes with every
 # batch's document layout. Traced, it would be specialised on (a recompilation per layout, and int reads of tensors
-# Dynamo cannot trace); as op inputs the plan's tensors only change sizes, which Dynamo makes dynamic after the first
-# change. The op's backward recomputes the attention's forward (autograd cannot see inside the op) and takes its
-# gradients: exact, at the cost of one more attention forward per layer under compile.
+# Dynamo cannot trace); as op inputs the plan's tensors only change sizes, and context_shard_plan marks those sizes
+# dynamic (with the gather order's), so one graph serves every layout. The op's backward recomputes the attention's
+# forward (autograd cannot see inside the op) and takes its gradients: exact, at the cost of one more attention
+# forward per layer under compile.
 _OP_METADATA: dict[tuple[Any, ...], SequenceMetadata] = {}
 
 
-def _pieces_metadata(
-    cu_q: torch.Tensor, cu_k: torch.Tensor, offsets: torch.Tensor, device: torch.device
-) -> SequenceMetadata:
+def _pieces_metadata(cu_k: torch.Tensor, offsets: torch.Tensor, device: torch.device) -> SequenceMetadata:
     """The pieces' metadata on ``device``, built once per plan (every layer of a batch passes the same host tensors;
-    one entry, keyed by the plan's contents)."""
-    key = (device, cu_q.numpy().tobytes(), cu_k.numpy().tobytes(), offsets.numpy().tobytes())
+    one entry, keyed by the plan's contents): piece ``j`` holds ``keys_j - offsets[j]`` queries."""
+    key = (device, cu_k.numpy().tobytes(), offsets.numpy().tobytes())
     meta = _OP_METADATA.get(key)
     if meta is None:
         _OP_METADATA.clear()
-        meta = _OP_METADATA[key] = SequenceMetadata(cu_q, device=device)
+        queries = (cu_k[1:] - cu_k[:-1]).to(torch.int64) - offsets
+        meta = _OP_METADATA[key] = SequenceMetadata.from_lengths(queries, device=device)
     return meta
 
 
 def _attend_pieces(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-    offsets: torch.Tensor, scale: float, impl: str,
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_k: torch.Tensor, offsets: torch.Tensor, scale: float,
+    impl: str,
 ) -> torch.Tensor:  # fmt: skip
-    meta = _pieces_metadata(cu_q, cu_k, offsets, q.device)
+    meta = _pieces_metadata(cu_k, offsets, q.device)
     max_seqlen_k = int((cu_k[1:] - cu_k[:-1]).max()) if cu_k.numel() > 1 else 0
     return _attend_gathered(q, keys, values, meta, cu_k, offsets, max_seqlen_k, scale, impl)
 
 
 @torch.library.custom_op("lightning_llmfast::context_attend", mutates_args=())
 def _context_attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-    offsets: torch.Tensor, scale: float, impl: str,
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_k: torch.Tensor, offsets: torch.Tensor, scale: float,
+    impl: str,
 ) -> torch.Tensor:  # fmt: skip
-    """A shard's attention (:func:`_attend_gathered`) from host plan tensors: ``cu_q`` (pieces' query boundaries),
-    ``cu_k`` (their key boundaries) and ``offsets`` (their first positions in their documents)."""
+    """A shard's attention (:func:`_attend_gathered`) from its host plan tensors: ``cu_k`` (the pieces' key
+    boundaries) and ``offsets`` (their first positions in their documents)."""
     with torch.no_grad():
-        return _attend_pieces(q, keys, values, cu_q, cu_k, offsets, scale, impl)
+        return _attend_pieces(q, keys, values, cu_k, offsets, scale, impl)
 
 
 @_context_attend.register_fake
 def _context_attend_fake(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-    offsets: torch.Tensor, scale: float, impl: str,
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_k: torch.Tensor, offsets: torch.Tensor, scale: float,
+    impl: str,
 ) -> torch.Tensor:  # fmt: skip
     return q.new_empty(q.shape[0], q.shape[1], values.shape[2])
 
 
 @torch.library.custom_op("lightning_llmfast::context_attend_backward", mutates_args=())
 def _context_attend_backward(
-    grad: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_q: torch.Tensor,
-    cu_k: torch.Tensor, offsets: torch.Tensor, scale: float, impl: str,
+    grad: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_k: torch.Tensor,
+    offsets: torch.Tensor, scale: float, impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The gradients of :func:`_context_attend` with respect to ``q``, ``keys`` and ``values`` (forward recomputed)."""
     # An op's implementation runs below autograd (its dispatch keys excluded): let the recomputation record again.
     exclude = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.AutogradFunctionality)
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (q, keys, values)]
-        out = _attend_pieces(*leaves, cu_q, cu_k, offsets, scale, impl)
+        out = _attend_pieces(*leaves, cu_k, offsets, scale, impl)
         dq, dk, dv = torch.autograd.grad(out, leaves, grad)
     return dq, dk, dv
 
 
 @_context_attend_backward.register_fake
 def _context_attend_backward_fake(
-    grad: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_q: torch.Tensor,
-    cu_k: torch.Tensor, offsets: torch.Tensor, scale: float, impl: str,
+    grad: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_k: torch.Tensor,
+    offsets: torch.Tensor, scale: float, impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     return torch.empty_like(q), torch.empty_like(keys), torch.empty_like(values)
 
 
 def _context_attend_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    q, keys, values, cu_q, cu_k, offsets, scale, impl = inputs
-    ctx.save_for_backward(q, keys, values, cu_q, cu_k, offsets)
+    q, keys, values, cu_k, offsets, scale, impl = inputs
+    ctx.save_for_backward(q, keys, values, cu_k, offsets)
     ctx.scale, ctx.impl = scale, impl
 
 
 def _context_attend_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    q, keys, values, cu_q, cu_k, offsets = ctx.saved_tensors
-    dq, dk, dv = _context_attend_backward(grad.contiguous(), q, keys, values, cu_q, cu_k, offsets, ctx.scale, ctx.impl)
-    return dq, dk, dv, None, None, None, None, None
+    q, keys, values, cu_k, offsets = ctx.saved_tensors
+    dq, dk, dv = _context_attend_backward(grad.contiguous(), q, keys, values, cu_k, offsets, ctx.scale, ctx.impl)
+    return dq, dk, dv, None, None, None, None
 
 
 _context_attend.register_autograd(_context_attend_grad, setup_context=_context_attend_setup)
