@@ -182,6 +182,38 @@ def test_offset_causal_attention_against_float64() -> None:
         torch.testing.assert_close(mine.double(), theirs, atol=1e-6, rtol=1e-6)
 
 
+def test_compiled_path_op_against_float64() -> None:
+    """The custom op a compiled layer calls (its plan as host tensors; backward by recomputation) on every rank's
+    pieces, the gather simulated in one process: outputs and q/k/v gradients against the float64 loop; and its
+    contract (fake shapes, autograd, no aliasing) by ``torch.library.opcheck``."""
+    from lightning_llmfast.seqmeta.attention import _context_attend
+
+    scale, cp = 0.3, 4
+    for name, lengths in BATCHES.items():
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        q, k, v, weight = _inputs(int(cu[-1]))
+        exact = (t.double() for t in (q, k, v, weight))
+        expected = _grads(*exact, lambda a, b, c, n=lengths: _reference(a, b, c, n, scale))
+        order = torch.cat(context_split(cu, cp))  # the gathered order: every rank's positions, rank after rank
+        dk, dv = torch.zeros_like(k, dtype=torch.float64), torch.zeros_like(v, dtype=torch.float64)
+        for rank in range(cp):
+            shard, _ = context_shard_plan(cu, rank, cp)
+            held, rows = shard.positions, order[shard.key_index]
+            q_r, k_r, v_r = (t.detach().clone().requires_grad_() for t in (q[held], k[rows], v[rows]))
+            args = (shard.cu_seqlens_k, shard.offsets, scale, "auto")
+            out = _context_attend(q_r, k_r, v_r, *args)
+            (out * weight[held]).sum().backward()
+            torch.testing.assert_close(out.double(), expected[0][held], atol=1e-5, rtol=1e-5, msg=name)
+            torch.testing.assert_close(q_r.grad.double(), expected[1][held], atol=1e-5, rtol=1e-5, msg=name)
+            dk.index_add_(0, rows, k_r.grad.double())
+            dv.index_add_(0, rows, v_r.grad.double())
+            if rank == 0 and name == "length_one":  # starting and inner pieces
+                torch.library.opcheck(_context_attend, (q_r, k_r, v_r, *args))
+        # Each key's gradient summed over the pieces that attend it (the gather's reduce-scatter).
+        torch.testing.assert_close(dk, expected[2], atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(dv, expected[3], atol=1e-5, rtol=1e-5, msg=name)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention varlen needs CUDA")
 @pytest.mark.parametrize("cp", [2, 4])
 def test_flash_varlen_pieces_against_float64(cp: int) -> None:

@@ -1,5 +1,5 @@
-"""Context parallelism refuses at setup what it cannot keep equal to one process: a sequence-level balance loss,
-whose per-document value the ranks of a cp group (each holding pieces of the documents) cannot form."""
+"""Context parallelism's setup shares every MoE block's balance loss over the cp group (a sequence-level block is told
+its group too, so that boundaries without it are refused at its forward), and a batch it cannot split is refused."""
 
 from __future__ import annotations
 
@@ -36,19 +36,14 @@ def _setup_context_parallel(module: MoEGPTLightningModule) -> None:
         dist.destroy_process_group()
 
 
-def test_sequence_balance_loss_is_refused_naming_the_block_and_the_fix() -> None:
-    module = _module("sequence")
-    with pytest.raises(ConfigError, match=r"'model\.layers\.1\.ffn'.*aux_loss='sequence'.*aux_loss='micro_batch'"):
-        _setup_context_parallel(module)
-    assert not isinstance(module.model.layers[0].ffn.dispatcher, SharedBatchDispatcher)  # nothing half-changed
-
-
-@pytest.mark.parametrize("aux_loss", ["micro_batch", "global"])
+@pytest.mark.parametrize("aux_loss", ["micro_batch", "global", "sequence"])
 def test_batch_and_step_balance_losses_are_shared_over_the_cp_group(aux_loss: str) -> None:
     module = _module(aux_loss)
+    assert module.model.layers[1].ffn.batch_group is None
     _setup_context_parallel(module)
     blocks = [layer.ffn for layer in module.model.layers]
     assert all(isinstance(block.dispatcher, SharedBatchDispatcher) for block in blocks)
+    assert all(block.batch_group is not None for block in blocks)
 
 
 def test_a_batch_that_is_not_packed_is_refused_naming_the_fix() -> None:

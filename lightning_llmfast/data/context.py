@@ -330,12 +330,16 @@ class ContextShard:
         key_index: ``(cu_seqlens_k[-1],)`` int64 host: for each piece's keys, in order, its row in gathered order.
         gather_order: ``(N,)`` int64 host: the gathered row of every global position
             (``gathered.index_select(0, gather_order)`` is the batch's global order).
+        documents: ``(pieces,)`` int64 host: each piece's document, as its segment's index in the batch's
+            ``cu_seqlens`` (the same numbering on every rank of the group: what a per-document statistic sums over).
+        num_documents: segments of the batch's ``cu_seqlens``.
 
     Example::
 
         shard, cu_q = context_shard_plan(torch.tensor([0, 8]), cp_rank=0, cp_size=2)
         shard.positions, shard.offsets        # tensor([0, 1, 6, 7]), tensor([0, 6])
         shard.cu_seqlens_k                     # tensor([0, 2, 10], dtype=torch.int32)
+        shard.documents, shard.num_documents   # tensor([0, 0]), 1: both pieces belong to document 0
     """
 
     rank: int
@@ -347,6 +351,8 @@ class ContextShard:
     max_seqlen_k: int
     key_index: Tensor
     gather_order: Tensor
+    documents: Tensor
+    num_documents: int
 
     @property
     def num_keys(self) -> int:
@@ -396,15 +402,22 @@ def context_shard_plan(cu_seqlens: Any, cp_rank: int, cp_size: int, group: Any =
     np.cumsum(keys, out=cu_k[1:])
     # Each piece's keys: its document's positions from the start to the piece's end, as rows of the gathered buffer.
     key_positions = np.repeat(doc_start - cu_k[:-1], keys) + np.arange(int(cu_k[-1]), dtype=np.int64)
+    plan = [torch.from_numpy(a) for a in (offsets, cu_k.astype(np.int32), gather_order[key_positions])]
+    for tensor in plan:
+        # Their sizes change with the document layout: torch.compile traces them with dynamic sizes from the first
+        # batch on (the compiled attention takes them as op inputs), not one graph per size.
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
     shard = ContextShard(
         rank=rank,
         size=int(cp_size),
         group=group,
         positions=torch.from_numpy(held),
-        offsets=torch.from_numpy(offsets),
-        cu_seqlens_k=torch.from_numpy(cu_k.astype(np.int32)),
+        offsets=plan[0],
+        cu_seqlens_k=plan[1],
         max_seqlen_k=int(keys.max()) if keys.size else 0,
-        key_index=torch.from_numpy(gather_order[key_positions]),
+        key_index=plan[2],
         gather_order=torch.from_numpy(gather_order),
+        documents=torch.from_numpy(doc[first]),
+        num_documents=int(cu.size - 1),
     )
     return shard, torch.from_numpy(cu_q.astype(np.int32))

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed._functional_collectives import all_reduce, wait_tensor
 
 from lightning_llmfast.comm.timing import ExchangeTimer
 from lightning_llmfast.errors import ConfigError, RoutingError
@@ -559,8 +560,8 @@ def global_aux_loss(plan: RoutingPlan, group: dist.ProcessGroup | None = None, s
             valid = torch.full((1,), plan.num_tokens, dtype=torch.int64, device=routed.device)
         else:
             valid = plan.token_mask.sum(dtype=torch.int64).view(1)
-        stats = torch.cat([routed, valid])
-        dist.all_reduce(stats, group=group, async_op=True).wait()
+        # Functional: traceable by torch.compile (a context-parallel group's compiled layers) as well.
+        stats = wait_tensor(all_reduce(torch.cat([routed, valid]), "sum", group))
     counts = stats[:num_experts].to(torch.float32)
     tokens = stats[num_experts].clamp(min=1).to(torch.float32)
     scale = dist.get_world_size(group) * num_experts / (counts.sum().clamp(min=1) * tokens)

@@ -398,32 +398,24 @@ def share_batch(module: nn.Module, group: dist.ProcessGroup, stats_group: dist.P
     pairs per expert over the group, so the loss, like every other statistic, equals the one-process value. Blocks
     whose experts are sharded (expert parallelism) already compute it over their dispatch's loss group.
 
+    A block with ``aux_loss="sequence"`` balances each document over the group's pieces of it, from the
+    boundaries its caller passes (:func:`~lightning_llmfast.models.ffn.sequence_boundaries` of the shard's metadata);
+    without them its forward raises.
+
     Args:
         module: the model.
         group: the ranks sharing one batch.
         stats_group: the group of the blocks' step sums (``aux_loss="global"``, the expert-bias update): every rank
             of the stage; ``None`` leaves them.
 
-    Raises:
-        ConfigError: a block has ``aux_loss="sequence"``: its loss is a mean over documents of per-document
-            products of sums, which the ranks cannot form from the pieces of a document each holds (a document split
-            across ranks would be balanced piece by piece), so it would differ from one process.
-
     Example::
 
         share_batch(model, dims.cp_group, dims.dp_group)
     """
     blocks = grouped_moe_blocks(module)
-    sequence = [name for name, block in blocks if block.config.aux_loss == "sequence"]
-    if sequence:
-        raise ConfigError(
-            f"context parallelism: MoE block {sequence[0]!r} ({len(sequence)} in all) has aux_loss='sequence', a "
-            "balance loss per document that the ranks of a context-parallel group, each holding pieces of the "
-            "documents, would compute piece by piece, unlike one process; build the MoE blocks with "
-            "aux_loss='micro_batch' or aux_loss='global' (both exact across the group), or set context_parallel_size=1"
-        )
     for _, block in blocks:
         assert isinstance(block, GroupedMoE)
+        block.batch_group = group
         if stats_group is not None:
             block.dp_group = stats_group
         if not isinstance(block.dispatcher, AllToAllDispatcher):

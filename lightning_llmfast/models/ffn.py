@@ -8,6 +8,8 @@ Example::
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -50,8 +52,31 @@ def make_ffn(config: MoEGPTConfig, layer_idx: int) -> nn.Module:
 
 def sequence_boundaries(metadata: SequenceMetadata | Tensor | None, hidden: Tensor) -> SequenceBoundaries | None:
     """The packed documents of ``hidden``'s tokens for an MoE block's sequence aux loss, from the batch's metadata
-    (passed in, or the active cache's); ``None`` without any (the block then treats each row as a document)."""
+    (passed in, or the active cache's); ``None`` without any (the block then treats each row as a document).
+
+    On a context-parallel shard the metadata's sequences are the rank's pieces: each token is given its piece's
+    document, numbered over the whole batch (``ContextShard.documents``, memoised on the metadata), and the group
+    holding the documents' other pieces, so that the block balances whole documents as one process does.
+
+    Example::
+
+        boundaries = sequence_boundaries(metadata, x)
+        y = moe_block(x, boundaries=boundaries)
+    """
     if not isinstance(metadata, SequenceMetadata):
         cache = active_cache()
         metadata = cache.get(hidden) if cache is not None else None
-    return None if metadata is None else SequenceBoundaries(metadata.document_ids, metadata.num_sequences)
+    if metadata is None:
+        return None
+    shard = metadata.context
+    if shard is None:
+        return SequenceBoundaries(metadata.document_ids, metadata.num_sequences)
+    ids = metadata.document_ids
+
+    def documents() -> Tensor:
+        return shard.documents.to(ids.device, non_blocking=True)[ids]
+
+    # Memoised in eager mode only: a memo filled while tracing would give the first layer another graph.
+    documents = documents() if torch.compiler.is_compiling() else metadata.memo(("cp_documents", ids.device), documents)
+    group = None if shard.size == 1 else shard.group if shard.group is not None else dist.group.WORLD
+    return SequenceBoundaries(documents, shard.num_documents, group)

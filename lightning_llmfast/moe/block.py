@@ -94,6 +94,8 @@ class GroupedMoE(nn.Module):
         stats: the last forward's :class:`~lightning_llmfast.moe.MoEStats` (``None`` before the first).
         expert_bias: ``(E,)`` float32 buffer (``config.expert_bias``), or ``None``.
         dp_group: the data-parallel process group of the step sums (``None``: the default group).
+        batch_group: the ranks that share this block's batch, each routing a share of its positions (a
+            context-parallel group, set by :func:`~lightning_llmfast.expert_parallel.share_batch`), or ``None``.
 
     Raises:
         ConfigError: ``config`` is not an ``MoEConfig`` or ``dispatcher`` not a ``TokenDispatcher``.
@@ -109,6 +111,7 @@ class GroupedMoE(nn.Module):
         if dispatcher is not None:
             self.set_dispatcher(dispatcher)
         self.dp_group: dist.ProcessGroup | None = None
+        self.batch_group: dist.ProcessGroup | None = None
         num_experts = config.num_experts
         self.expert_bias: Tensor | None
         self.register_buffer("expert_bias", torch.zeros(num_experts) if config.expert_bias else None)
@@ -252,6 +255,15 @@ class GroupedMoE(nn.Module):
     ) -> Tensor:
         kind = self.config.aux_loss
         if kind == "sequence":
+            if self.batch_group is not None and (boundaries is None or boundaries.group is None):
+                # Pieces of documents balanced piece by piece would silently differ from one process.
+                raise ConfigError(
+                    "aux_loss='sequence' under context parallelism needs the batch's documents: pass the block "
+                    "SequenceBoundaries numbering them over the whole batch, with the group holding their other "
+                    "pieces (lightning_llmfast.models.ffn.sequence_boundaries(metadata, x) builds them from the "
+                    "shard's SequenceMetadata); got "
+                    + ("none" if boundaries is None else "boundaries of this rank's tokens only (group=None)")
+                )
             if boundaries is None:
                 boundaries = self._rows_as_documents(shape, plan.router_probs.device)
             loss = plan.sequence_aux_loss(boundaries)

@@ -5,6 +5,11 @@ All are sync-free: token counts stay on the device, sizes come from shapes, and 
 integer scatter and a gather (no loop over documents, no ``(documents, T)`` matrix). Every balance loss equals 1
 for perfectly uniform routing.
 
+Documents split across ranks (context parallelism: each rank of a group routes pieces of the batch's documents) are
+balanced document by document: :class:`SequenceBoundaries` then number the documents over the whole batch and name
+the group, and the per-document integer counts are summed over it with one all-reduce (no gradient flows through
+them: the loss is differentiable through the local probabilities only, so the backward needs no exchange).
+
 Example::
 
     plan = route(logits, top_k=2, token_mask=mask)
@@ -13,10 +18,12 @@ Example::
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.distributed._functional_collectives import all_reduce, wait_tensor
 
 from lightning_llmfast.errors import RoutingError
 
@@ -29,9 +36,14 @@ class SequenceBoundaries(NamedTuple):
     The caller owns the sequence metadata (e.g. :class:`~lightning_llmfast.seqmeta.SequenceMetadata`) and passes its
     boundaries down: ``SequenceBoundaries(metadata.document_ids, metadata.num_sequences)``.
 
+    Under context parallelism the rank's tokens are pieces of documents that other ranks of ``group`` hold pieces
+    of too: ``document_ids`` then number the documents of the whole batch, alike on every rank of the group.
+
     Attributes:
         document_ids: ``(T,)`` integer document index of every token, in ``[0, num_documents)``.
         num_documents: the number of documents (a host int: it sizes the per-document counts).
+        group: the ranks holding the other pieces of these documents (a ``ProcessGroup``), or ``None``: every
+            document is whole here.
 
     Example::
 
@@ -40,6 +52,7 @@ class SequenceBoundaries(NamedTuple):
 
     document_ids: Tensor
     num_documents: int
+    group: Any = None
 
     @classmethod
     def rows(cls, num_rows: int, length: int, device: torch.device) -> SequenceBoundaries:
@@ -100,6 +113,11 @@ def sequence_balance_loss(
     and ``P_e = mean_t p'_te`` over its valid tokens. Summed per token as ``<p'_t, c_{d(t)}> * E / (k * L_d ** 2)``,
     so only the integer counts ``c`` go through a scatter (exact and deterministic).
 
+    With ``boundaries.group`` the counts ``c`` and lengths ``L`` (integers, no gradient) are summed over the group
+    (one all-reduce of ``D * (E + 1)`` integers) and the rank's per-token sum is multiplied by the group's size: the
+    mean over the group's ranks of the returned values, and of their gradients (what data parallelism averages), is
+    the loss of one process holding every piece.
+
     Args:
         probs: ``(T, E)`` float32 normalised router probabilities ``p'``, differentiable.
         expert_ids: ``(T, k)`` selected experts (before any capacity limit).
@@ -111,6 +129,10 @@ def sequence_balance_loss(
 
     Raises:
         RoutingError: ``boundaries`` not :class:`SequenceBoundaries` of ``T`` tokens on the probabilities' device.
+
+    Example::
+
+        loss = sequence_balance_loss(plan.router_probs, plan.expert_ids, None, SequenceBoundaries(doc_ids, 3))
     """
     num_tokens, num_experts = probs.shape
     top_k = expert_ids.shape[1]
@@ -131,7 +153,14 @@ def sequence_balance_loss(
     counts = torch.zeros(num_docs * num_experts, dtype=torch.int64, device=probs.device)
     counts.scatter_add_(0, keys, valid.repeat_interleave(top_k))
     lengths = torch.zeros(num_docs, dtype=torch.int64, device=probs.device).scatter_add_(0, doc, valid)
+    ranks = 1
+    if boundaries.group is not None:
+        # Every rank's pieces of each document: one all-reduce of the integer counts and lengths (queued, no host read).
+        # Functional: traceable by torch.compile as well.
+        summed = wait_tensor(all_reduce(torch.cat([counts, lengths]), "sum", boundaries.group))
+        counts, lengths = summed[: counts.numel()], summed[counts.numel() :]
+        ranks = dist.get_world_size(boundaries.group)
     docs_used = (lengths > 0).sum().clamp(min=1)
-    scale = num_experts / (top_k * lengths.clamp(min=1).to(torch.float32).square() * docs_used)  # (D,)
+    scale = ranks * num_experts / (top_k * lengths.clamp(min=1).to(torch.float32).square() * docs_used)  # (D,)
     per_token = (masked_probs(probs, token_mask) * counts.view(num_docs, num_experts)[doc].to(torch.float32)).sum(1)
     return torch.dot(per_token, scale[doc])

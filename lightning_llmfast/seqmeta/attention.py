@@ -396,7 +396,7 @@ def _context_parallel(
     if not causal:
         raise ConfigError("causal: context-parallel attention is causal (a piece attends its document's earlier keys)")
     keys, values = context_keys(k, v, meta)
-    return _attend_gathered(q, keys, values, meta, scale, impl)
+    return _attend_shard(q, keys, values, meta, scale, impl)
 
 
 def _shard_of(metadata: Any) -> Any:
@@ -410,14 +410,14 @@ def _shard_of(metadata: Any) -> Any:
     return shard
 
 
-def _key_plan(meta: SequenceMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shard's gather order and key boundaries on ``device`` (memoised on the metadata: once per batch)."""
+def _key_plan(meta: SequenceMetadata, device: torch.device) -> torch.Tensor:
+    """The shard's gather order on ``device`` (memoised on the metadata: once per batch; not while tracing, where
+    a memo filled by the first layer would give the later layers another graph)."""
     shard = meta.context
     assert shard is not None
-    return meta.memo(
-        ("cp_keys", device),
-        lambda: (shard.key_index.to(device, non_blocking=True), shard.cu_seqlens_k.to(device, non_blocking=True)),
-    )
+    if torch.compiler.is_compiling():
+        return shard.key_index.to(device, non_blocking=True)
+    return meta.memo(("cp_keys", device), lambda: shard.key_index.to(device, non_blocking=True))
 
 
 def context_keys(k: torch.Tensor, v: torch.Tensor, metadata: SequenceMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -469,8 +469,7 @@ def start_context_keys(
         raise MetadataError(
             f"num_tokens: k/v hold {k.shape[0]}/{v.shape[0]} tokens but the metadata describes {metadata.num_tokens}"
         )
-    key_index, _ = _key_plan(metadata, k.device)
-    return start_gather(k, v, shard, key_index)
+    return start_gather(k, v, shard, _key_plan(metadata, k.device))
 
 
 def context_attention(
@@ -511,7 +510,7 @@ def context_attention(
         out = context_attention(q, keys, values, meta)  # == varlen_attention(q, k, v, meta)
     """
     shard = _shard_of(metadata)
-    num_keys = int(shard.cu_seqlens_k[-1])
+    num_keys = shard.num_keys if not torch.compiler.is_compiling() else keys.shape[0]  # a host read, eager only
     if keys.shape[0] != num_keys or values.shape[0] != num_keys:
         raise MetadataError(
             f"num_keys: keys/values hold {keys.shape[0]}/{values.shape[0]} rows but the shard's pieces attend "
@@ -523,21 +522,41 @@ def context_attention(
     if metadata.device != q.device:
         metadata = metadata.to(q.device)
     keys, values = keys.to(q.dtype), values.to(q.dtype)
-    return _attend_gathered(q, keys, values, metadata, scale if scale is not None else q.shape[2] ** -0.5, impl)
+    return _attend_shard(q, keys, values, metadata, scale if scale is not None else q.shape[2] ** -0.5, impl)
+
+
+def _attend_shard(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: SequenceMetadata, scale: float, impl: Impl
+) -> torch.Tensor:
+    """A shard's attention of its queries against its pieces' gathered keys; under ``torch.compile`` one opaque op
+    (:func:`_context_attend`), whose plan arrives as host tensors, so that a new document layout is not a new graph."""
+    shard = meta.context
+    assert shard is not None
+    if impl == "flash" and (reason := _flash_unsupported(q, values)) is not None:
+        raise ConfigError(f"impl: 'flash' {reason}")
+    if torch.compiler.is_compiling():
+        return _context_attend(q, keys, values, shard.cu_seqlens_k, shard.offsets, scale, impl)
+    return _attend_gathered(q, keys, values, meta, shard.cu_seqlens_k, shard.offsets, shard.max_seqlen_k, scale, impl)
 
 
 def _attend_gathered(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: SequenceMetadata, scale: float, impl: Impl
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    meta: SequenceMetadata,
+    cu_k: torch.Tensor,
+    offsets: torch.Tensor,
+    max_seqlen_k: int,
+    scale: float,
+    impl: str,
 ) -> torch.Tensor:
-    shard = meta.context
-    assert shard is not None
+    """Each piece of ``meta`` (its sequences) against its keys ``cu_k`` (host), starting ``offsets`` (host) into its
+    document; the plans are memoised on ``meta``."""
     if impl in ("auto", "flash") and _flash_unsupported(q, values) is None:
-        _, cu_k = _key_plan(meta, q.device)
-        lengths = (meta.cu_seqlens, cu_k, meta.max_seqlen, shard.max_seqlen_k)
+        cu_k_device = meta.memo(("cp_cu_k", q.device), lambda: cu_k.to(q.device, non_blocking=True))
+        lengths = (meta.cu_seqlens, cu_k_device, meta.max_seqlen, max_seqlen_k)
         return _flash_varlen(q, keys, values, lengths, True, scale)
-    if impl == "flash":
-        raise ConfigError(f"impl: 'flash' {_flash_unsupported(q, values)}")
-    plan = meta.memo("cp_pieces", lambda: _piece_plan(meta))
+    plan = meta.memo("cp_pieces", lambda: _piece_plan(meta, cu_k, offsets))
     outs = []
     if plan.starting is not None:
         # Pieces that start their document attend exactly their own positions: the packed paths, batched.
@@ -559,14 +578,12 @@ class _PiecePlan(NamedTuple):
     unpermute: torch.Tensor  # the local row of each output row, in the order the outputs are concatenated
 
 
-def _piece_plan(meta: SequenceMetadata) -> _PiecePlan:
+def _piece_plan(meta: SequenceMetadata, cu_k_host: torch.Tensor, offsets: torch.Tensor) -> _PiecePlan:
     """Host plan of the CPU path over a shard's pieces (built once per batch, memoised on the metadata)."""
-    shard = meta.context
-    assert shard is not None
     cu_q = meta.cu_seqlens_cpu.numpy().astype(np.int64)
-    cu_k = shard.cu_seqlens_k.numpy().astype(np.int64)
+    cu_k = cu_k_host.numpy().astype(np.int64)
     lengths = np.diff(cu_q)
-    first = shard.offsets.numpy() == 0
+    first = offsets.numpy() == 0
 
     def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
         base = np.repeat(starts - np.cumsum(counts) + counts, counts)
@@ -589,3 +606,91 @@ def _piece_plan(meta: SequenceMetadata) -> _PiecePlan:
         inner=inner,
         unpermute=to_device(unpermute),
     )
+
+
+# ------------------------------------------------------------------------------------- under torch.compile
+# The shard's attention as one custom op: its plan (per-piece lengths, offsets) is host data that changes with every
+# batch's document layout. Traced, it would be specialised on (a recompilation per layout, and int reads of tensors
+# Dynamo cannot trace); as op inputs the plan's tensors only change sizes, and context_shard_plan marks those sizes
+# dynamic (with the gather order's), so one graph serves every layout. The op's backward recomputes the attention's
+# forward (autograd cannot see inside the op) and takes its gradients: exact, at the cost of one more attention
+# forward per layer under compile.
+_OP_METADATA: dict[tuple[Any, ...], SequenceMetadata] = {}
+
+
+def _pieces_metadata(cu_k: torch.Tensor, offsets: torch.Tensor, device: torch.device) -> SequenceMetadata:
+    """The pieces' metadata on ``device``, built once per plan (every layer of a batch passes the same host tensors;
+    one entry, keyed by the plan's contents): piece ``j`` holds ``keys_j - offsets[j]`` queries."""
+    key = (device, cu_k.numpy().tobytes(), offsets.numpy().tobytes())
+    meta = _OP_METADATA.get(key)
+    if meta is None:
+        _OP_METADATA.clear()
+        queries = (cu_k[1:] - cu_k[:-1]).to(torch.int64) - offsets
+        meta = _OP_METADATA[key] = SequenceMetadata.from_lengths(queries, device=device)
+    return meta
+
+
+def _attend_pieces(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_k: torch.Tensor, offsets: torch.Tensor, scale: float,
+    impl: str,
+) -> torch.Tensor:  # fmt: skip
+    meta = _pieces_metadata(cu_k, offsets, q.device)
+    max_seqlen_k = int((cu_k[1:] - cu_k[:-1]).max()) if cu_k.numel() > 1 else 0
+    return _attend_gathered(q, keys, values, meta, cu_k, offsets, max_seqlen_k, scale, impl)
+
+
+@torch.library.custom_op("lightning_llmfast::context_attend", mutates_args=())
+def _context_attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_k: torch.Tensor, offsets: torch.Tensor, scale: float,
+    impl: str,
+) -> torch.Tensor:  # fmt: skip
+    """A shard's attention (:func:`_attend_gathered`) from its host plan tensors: ``cu_k`` (the pieces' key
+    boundaries) and ``offsets`` (their first positions in their documents)."""
+    with torch.no_grad():
+        return _attend_pieces(q, keys, values, cu_k, offsets, scale, impl)
+
+
+@_context_attend.register_fake
+def _context_attend_fake(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_k: torch.Tensor, offsets: torch.Tensor, scale: float,
+    impl: str,
+) -> torch.Tensor:  # fmt: skip
+    return q.new_empty(q.shape[0], q.shape[1], values.shape[2])
+
+
+@torch.library.custom_op("lightning_llmfast::context_attend_backward", mutates_args=())
+def _context_attend_backward(
+    grad: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_k: torch.Tensor,
+    offsets: torch.Tensor, scale: float, impl: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The gradients of :func:`_context_attend` with respect to ``q``, ``keys`` and ``values`` (forward recomputed)."""
+    # An op's implementation runs below autograd (its dispatch keys excluded): let the recomputation record again.
+    exclude = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.AutogradFunctionality)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, keys, values)]
+        out = _attend_pieces(*leaves, cu_k, offsets, scale, impl)
+        dq, dk, dv = torch.autograd.grad(out, leaves, grad)
+    return dq, dk, dv
+
+
+@_context_attend_backward.register_fake
+def _context_attend_backward_fake(
+    grad: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_k: torch.Tensor,
+    offsets: torch.Tensor, scale: float, impl: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    return torch.empty_like(q), torch.empty_like(keys), torch.empty_like(values)
+
+
+def _context_attend_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    q, keys, values, cu_k, offsets, scale, impl = inputs
+    ctx.save_for_backward(q, keys, values, cu_k, offsets)
+    ctx.scale, ctx.impl = scale, impl
+
+
+def _context_attend_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    q, keys, values, cu_k, offsets = ctx.saved_tensors
+    dq, dk, dv = _context_attend_backward(grad.contiguous(), q, keys, values, cu_k, offsets, ctx.scale, ctx.impl)
+    return dq, dk, dv, None, None, None, None
+
+
+_context_attend.register_autograd(_context_attend_grad, setup_context=_context_attend_setup)

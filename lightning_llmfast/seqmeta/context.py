@@ -15,7 +15,7 @@ keys with one ``index_select`` planned on the host (``ContextShard.key_index``).
   saved: memory linear in tokens, no (queries x keys) mask or score tensor.
 
 :data:`CONTEXT_STATS` counts the gathers and the bytes of the gathered K/V buffers (``cp`` times the local K and V,
-per layer call), for benchmarks.
+per layer call), for benchmarks; in eager mode only (not inside a ``torch.compile``'d region).
 """
 
 from __future__ import annotations
@@ -111,8 +111,9 @@ def start_gather(k: Tensor, v: Tensor, shard: ContextShard, key_index: Tensor) -
 
     def finish() -> tuple[Tensor, Tensor]:
         gathered = wait_tensor(pending)
-        CONTEXT_STATS.gathers += 1
-        CONTEXT_STATS.gathered_bytes += gathered.numel() * gathered.element_size()
+        if not torch.compiler.is_compiling():  # host counters: traced, they would be guarded on (a graph per value)
+            CONTEXT_STATS.gathers += 1
+            CONTEXT_STATS.gathered_bytes += gathered.numel() * gathered.element_size()
         keys = gathered.index_select(0, key_index)
         return keys[..., :split], keys[..., split:]
 

@@ -2,15 +2,19 @@
 holding a share of each batch's positions.
 
 Run by tests/test_context_parallel_fit.py with ``--devices N --cp C [--sharding S] [--ep E]`` (Lightning launches
-the other ranks), with ``--pretrained DIR`` a transformers model's ``HFCausalLMModule`` instead; every rank writes
-``<out>.rank<r>``: its logged ``train/loss`` per step, the final weights (gathered under FSDP) and, under DDP
-without expert parallelism, the first step's gradients. The test compares them with one process training on the
-same batches.
+the other ranks; with ``--nodes M`` the test starts one script per node, ``NODE_RANK`` set), ``--aux-loss sequence``
+for DeepSeek-V3's per-document balance loss in every MoE block, ``--ep-dispatch hierarchical`` for the expert
+dispatch across nodes, ``--compile BACKEND`` for the layers compiled (``torch.compile``), with ``--pretrained DIR``
+a transformers model's ``HFCausalLMModule`` instead; every rank writes ``<out>.rank<r>``: its logged ``train/loss``
+per step, the final weights (gathered under FSDP), under DDP without expert parallelism the first step's gradients,
+and what the run used (dispatchers, offloaded tensors, compiled graphs). The test compares them with one process
+training on the same batches.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from datetime import timedelta
 from typing import Any
 
@@ -26,6 +30,7 @@ from lightning_llmfast.bench.processes import leave_world
 from lightning_llmfast.data import PackedBatch, pack_documents
 from lightning_llmfast.expert_parallel import expert_dtensor_state_dict
 from lightning_llmfast.hf.context import LatentGatherAttention
+from lightning_llmfast.moe import MoEBlock
 from lightning_llmfast.offload import OffloadConfig
 
 STEPS = 4
@@ -51,14 +56,21 @@ def batches() -> list[PackedBatch]:
     return out
 
 
-def module(pretrained: str | None = None) -> L.LightningModule:
-    """The reference MoE GPT, or the ``HFCausalLMModule`` of a tiny transformers model's ``save_pretrained``."""
+def module(
+    pretrained: str | None = None, aux_loss: str = "micro_batch", compile: bool | str = False
+) -> L.LightningModule:
+    """The reference MoE GPT (its MoE blocks' balance loss ``aux_loss``, its layers compiled with ``compile``), or the
+    ``HFCausalLMModule`` of a tiny transformers model's ``save_pretrained``."""
     torch.manual_seed(0)
     if pretrained is not None:
         return HFCausalLMModule.from_pretrained(pretrained, lr=1e-2, warmup_steps=2, aux_loss_coef=0.01)
     config = MoEGPTConfig(vocab_size=VOCAB, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_size=32,
                           num_experts=4, top_k=2)  # fmt: skip
-    return MoEGPTLightningModule(config, lr=1e-2, warmup_steps=2, aux_loss_coef=0.01)
+    model = MoEGPTLightningModule(config, lr=1e-2, warmup_steps=2, aux_loss_coef=0.01, compile=compile)
+    for block in model.modules():
+        if isinstance(block, MoEBlock):
+            block.config = dataclasses.replace(block.config, aux_loss=aux_loss)
+    return model
 
 
 class LossLog(L.Callback):
@@ -100,18 +112,21 @@ def fit(
     steps: int = STEPS,
     save: str | None = None,
     resume: str | None = None,
+    aux_loss: str = "micro_batch",
+    nodes: int = 1,
+    compile: bool | str = False,
 ) -> tuple[L.LightningModule, LossLog, L.Trainer]:
     """Trains to ``steps`` steps (from the checkpoint ``resume``, if given; writes the checkpoint ``save`` at the end):
     several ranks read :func:`batches` through the sampler Lightning injects, one process accumulates the ``dp``
     streams' micro-batches of every step (:func:`streams`)."""
     torch.set_num_threads(1)
-    model, log = module(pretrained), LossLog()
+    model, log = module(pretrained, aux_loss, compile), LossLog()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, callbacks=[log],
-        accumulate_grad_batches=1 if devices > 1 else dp, logger=False, enable_checkpointing=False,
+        accelerator="cpu", devices=devices, num_nodes=nodes, strategy=strategy, max_steps=steps, callbacks=[log],
+        accumulate_grad_batches=1 if devices * nodes > 1 else dp, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
-    data = batches() if devices > 1 else streams(dp)
+    data = batches() if devices * nodes > 1 else streams(dp)
     trainer.fit(model, train_dataloaders=DataLoader(data, batch_size=None), ckpt_path=resume)
     if save is not None:
         trainer.save_checkpoint(save)
@@ -130,20 +145,29 @@ def main() -> None:
     parser.add_argument("--save", default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--offload", action="store_true", help="offload every layer's saved activations (forced)")
+    parser.add_argument("--aux-loss", default="micro_batch")
+    parser.add_argument("--nodes", type=int, default=1, help="Lightning nodes of --devices processes each")
+    parser.add_argument("--ep-dispatch", default="flat")
+    parser.add_argument("--compile", default=False, help="a torch.compile backend for the layers")
     args = parser.parse_args()
     strategy = LLMFastStrategy(
         sharding=args.sharding, context_parallel_size=args.cp, expert_parallel_size=args.ep,
+        ep_dispatch=args.ep_dispatch,
         offload=OffloadConfig(force=True, keep_last_layers=0, min_offload_bytes=0) if args.offload else None,
         timeout=timedelta(seconds=60),
     )  # fmt: skip
     _, log, trainer = fit(
-        strategy, args.devices, pretrained=args.pretrained, steps=args.steps, save=args.save, resume=args.resume
-    )
+        strategy, args.devices, pretrained=args.pretrained, steps=args.steps, save=args.save, resume=args.resume,
+        aux_loss=args.aux_loss, nodes=args.nodes, compile=args.compile,
+    )  # fmt: skip
     state = full_state(trainer)
     grads = log.grads if args.sharding == "ddp" and args.ep == 1 else {}  # whole tensors only
     latent = sum(isinstance(m, LatentGatherAttention) for m in trainer.lightning_module.modules())
     offloaded = (trainer.strategy.offload_stats or {}).get("offloaded_tensors", 0)
-    saved = {"losses": log.losses, "state": state, "grads": grads, "latent_attention": latent, "offloaded": offloaded}
+    dispatchers = sorted({type(block.dispatcher).__name__ for block in trainer.lightning_module.modules()
+                          if isinstance(block, MoEBlock)})  # fmt: skip
+    saved = {"losses": log.losses, "state": state, "grads": grads, "latent_attention": latent, "offloaded": offloaded,
+             "dispatchers": dispatchers, "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}  # fmt: skip
     torch.save(saved, f"{args.out}.rank{trainer.global_rank}")
 
 
