@@ -49,12 +49,12 @@ def pipelined(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict
     return tmp, _fit(tmp, 2)
 
 
-def _reference(order: list[list[int]]) -> tuple[L.LightningModule, list[float]]:
+def _reference(order: list[list[int]], awkward: bool = False) -> tuple[L.LightningModule, list[float]]:
     """One process accumulating the micro-batches of the batches each optimizer step's replicas trained on
     (``order``: per step, the batches of every replica, in turn); returns the module and each batch's loss."""
     torch.set_num_threads(1)
     single, record = module(), Record()
-    micro = micro_batches()
+    micro = micro_batches(awkward)
     chosen = [micro[MICRO * b + k] for step in order for b in step for k in range(MICRO)]
     trainer = _trainer(max_steps=len(order), accumulate_grad_batches=MICRO * len(order[0]), callbacks=[record])
     trainer.fit(single, train_dataloaders=DataLoader(chosen, batch_size=None))
@@ -169,3 +169,21 @@ def test_strategy_refuses_bad_pipeline_settings(tmp_path: Path) -> None:
     assert LLMFastStrategy().pipeline_config is None
     with pytest.raises(ConfigError, match="is a file: load its weights"):
         strategy.load_checkpoint(tmp_path / "single.ckpt")
+
+
+def test_pipeline_stages_split_over_context_parallel_ranks_equal_one_process(tmp_path: Path) -> None:
+    # pp=2 x cp=2: each microbatch cut into its cp shards on the host; a row-long document split over both cp ranks,
+    # length-1 documents, a document longer than a row, padding tails. Losses, val/loss and weights after three
+    # clipped AdamW steps equal one process accumulating the microbatches.
+    ranks = _fit(tmp_path, 4, "--cp", "2")
+    single, expected = _reference([[step] for step in range(STEPS)], awkward=True)
+    for rank in ranks:  # train/loss on every rank: the replica's whole batch, over both cp shards and both stages
+        assert rank["losses"] == pytest.approx(expected, abs=1e-5)
+    reference = dict(single.named_parameters())
+    held = {name: p for rank in ranks for name, p in rank["params"].items()}
+    assert set(held) == set(reference)
+    for rank in ranks:  # the cp ranks of a stage hold the same stage, trained to the same values
+        for name, value in rank["params"].items():
+            assert float((value - reference[name].detach()).abs().max()) < 1e-5, name
+    validation = _trainer().validate(single, DataLoader(batches(awkward=True)[:1], batch_size=None), verbose=False)
+    assert [rank["val"] for rank in ranks] == pytest.approx([validation[0]["val/loss"]] * 4, abs=1e-5)

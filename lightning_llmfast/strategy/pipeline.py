@@ -22,6 +22,9 @@ clipping, optimizer and scheduler steps, callbacks, loggers):
   stage's router term, summed over the pipeline), ``pipeline/bubble`` (the schedule's idle share) and
   ``pipeline/stage_ms`` (this rank's schedule time per step: CUDA events, or the wall clock on the CPU);
   ``validate`` and ``test`` run the stages forward and log ``val/loss``/``test/loss``;
+- with ``context_parallel_size=C`` the ``C`` ranks of a stage's cp group split every microbatch's positions: the
+  batch's rows are cut into the microbatches and each into this rank's shard on the host (the step receives the
+  list of shards), and the stages gather keys and values over the group (docs/long_context.md);
 - checkpoints are DCP directories keyed by the model's names (each rank writes its stages), so they resume under
   another pipeline size, or none.
 
@@ -47,6 +50,7 @@ from lightning_llmfast.data.packing import IGNORE_INDEX
 from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.parallel.checkpoint import is_distributed_checkpoint
 from lightning_llmfast.parallel.clip import ShardedGrad, clip_grad_norm
+from lightning_llmfast.parallel.dims import ParallelDims
 from lightning_llmfast.parallel.pipeline import PipelineConfig, PipelineRunner
 from lightning_llmfast.seqmeta import SequenceMetadata
 from lightning_llmfast.strategy.sharded import ShardedDataParallelBase
@@ -59,6 +63,8 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
 __all__ = ["PipelineParallelBase"]
+
+_FIELDS = ("input_ids", "labels", "position_ids")
 
 
 class PipelineParallelBase(ShardedDataParallelBase):
@@ -78,7 +84,7 @@ class PipelineParallelBase(ShardedDataParallelBase):
             refuses; at setup on every rank before any step, when ``P`` does not divide the world, the model
             (``module.model``, MoEGPT or transformers decoder) cannot be cut, has fewer layers than stages, uses manual
             optimization, or pipelining is combined with what it does not compose with yet (``sharding`` other than
-            ``"ddp"``, expert or context parallelism, offload, ``precision="16-mixed"``'s gradient scaler); when
+            ``"ddp"``, expert parallelism, offload, ``precision="16-mixed"``'s gradient scaler); when
             resuming from a checkpoint file rather than a distributed checkpoint directory.
 
     Example::
@@ -119,7 +125,6 @@ class PipelineParallelBase(ShardedDataParallelBase):
         others = {
             "sharding": self.sharding != "ddp",
             "expert_parallel_size": self.expert_parallel_size > 1,
-            "context_parallel_size": self.context_parallel_size > 1,
             "offload": getattr(self, "offload_config", None) is not None,
             # A gradient scaler scales the closure's loss, which the schedule's backward never sees.
             'precision="16-mixed"': str(self.precision_plugin.precision) == "16-mixed",
@@ -155,13 +160,20 @@ class PipelineParallelBase(ShardedDataParallelBase):
             coef = float(getattr(module, "aux_loss_coef", 0.0))
             config, device = self.pipeline_config, self.root_device
             self._runner = PipelineRunner(
-                model, config, dims.pp_group, device=device, aux_loss_coef=coef, dp_group=dims.dp_group
+                model,
+                config,
+                dims.pp_group,
+                device=device,
+                aux_loss_coef=coef,
+                dp_group=dims.dp_group,
+                cp_group=dims.cp_group,
             )
             # Pruned first: a model built on the meta device allocates and initialises only this rank's stages.
             self._materialize()
             model.to(device)
             self._pipelined = module
         Strategy.setup(self, trainer)
+        self._setup_context_parallel()  # this rank's MoE blocks: balance loss over the cp group's shards
         # Every stage of a pipeline reads its replica's stream of batches (distributed_sampler_kwargs). With one
         # replica that is the whole stream, as on one device: no DistributedSampler, which would reshuffle data the
         # user did not ask to shuffle.
@@ -195,7 +207,24 @@ class PipelineParallelBase(ShardedDataParallelBase):
             )
         return super().load_checkpoint(checkpoint_path, weights_only)
 
-    def _batch_inputs(self, batch: Any) -> tuple[Tensor, Tensor, Tensor | None, SequenceMetadata | None]:
+    @override
+    def _context_shard(self, batch: Any, dims: ParallelDims) -> Any:
+        """Under pipelining, this rank's shard of every microbatch: the batch's rows cut into the microbatches, each
+        cut into its context-parallel shard with its metadata planned on the host (a list, one per microbatch)."""
+        if self.pipeline_config is None or not isinstance(batch, PackedBatch):
+            return super()._context_shard(batch, dims)
+        m = self.pipeline_config.microbatches
+        self.pipeline_config.check_batch(batch.batch_size)
+        rows, shard = batch.batch_size // m, super()._context_shard
+        return [shard(batch.rows(k * rows, (k + 1) * rows), dims) for k in range(m)]
+
+    def _batch_inputs(
+        self, batch: Any
+    ) -> tuple[Tensor, Tensor, Tensor | None, SequenceMetadata | list[SequenceMetadata] | None]:
+        if isinstance(batch, list) and batch and all(isinstance(b, PackedBatch) for b in batch):
+            # The microbatches' context-parallel shards (one row each), each with its own metadata.
+            ids, labels, positions = (torch.cat([getattr(b, name) for b in batch]) for name in _FIELDS)
+            return ids, labels, positions, [SequenceMetadata.from_batch(b) for b in batch]
         if isinstance(batch, PackedBatch):
             return batch.input_ids, batch.labels, batch.position_ids, SequenceMetadata.from_batch(batch)
         if isinstance(batch, dict) and "input_ids" in batch and "labels" in batch:

@@ -1,7 +1,8 @@
 """A pipelined fit of the reference MoE GPT under ``LLMFastStrategy(pipeline_parallel_size=2)`` on CPU ranks.
 
 Run by tests/test_pipeline_fit.py with ``--devices 2`` (one pipeline) or ``4`` (two replicas of it reading their
-own batches through Lightning's sampler); Lightning launches the other ranks. Every batch joins ``MICRO``
+own batches through Lightning's sampler, or with ``--cp 2`` two context-parallel ranks per stage splitting every
+microbatch's positions, on :data:`AWKWARD` batches); Lightning launches the other ranks. Every batch joins ``MICRO``
 consecutive micro-batches of :func:`micro_batches` (the pipeline's microbatches), so one process accumulating the
 micro-batches is the reference. Each rank writes ``<out>.rank<r>.pt``: its logged ``train/loss`` and
 ``pipeline/bubble`` per step, the index of every batch it trained on, its parameters by name, and its ``val/loss``;
@@ -28,9 +29,22 @@ STEPS, MICRO, ROWS = 3, 2, 2
 REPLICAS = 2  # batches for up to this many data-parallel replicas
 
 
-def micro_batches() -> list[PackedBatch]:
-    corpus = SyntheticCorpus(80, mean_len=14, seed=5, distribution="exponential", vocab_size=64)
-    return list(pack_documents(corpus, 16, ROWS, vocab_size=64, lookahead=2))[: MICRO * STEPS * REPLICAS]
+# Awkward micro-batches of (ROWS, 16) for context parallelism: documents of exactly a row (split over the cp ranks),
+# length-1 and prime-length documents, one document longer than a row, padding tails.
+AWKWARD = [[16, 16], [1, 1, 2, 3, 5, 7, 11, 1], [32], [5, 1, 9, 13], [1, 15, 3, 4], [12, 7, 2, 2]]
+
+
+def micro_batches(awkward: bool = False) -> list[PackedBatch]:
+    if not awkward:
+        corpus = SyntheticCorpus(80, mean_len=14, seed=5, distribution="exponential", vocab_size=64)
+        return list(pack_documents(corpus, 16, ROWS, vocab_size=64, lookahead=2))[: MICRO * STEPS * REPLICAS]
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for lengths in AWKWARD:
+        docs = [torch.randint(1, 64, (n,), generator=gen).tolist() for n in lengths]
+        (packed,) = pack_documents(docs, 16, ROWS, vocab_size=64, lookahead=8)
+        out.append(packed)
+    return out
 
 
 def joined(parts: list[PackedBatch]) -> PackedBatch:
@@ -49,8 +63,8 @@ def joined(parts: list[PackedBatch]) -> PackedBatch:
     )
 
 
-def batches() -> list[PackedBatch]:
-    micro = micro_batches()
+def batches(awkward: bool = False) -> list[PackedBatch]:
+    micro = micro_batches(awkward)
     return [joined(micro[i : i + MICRO]) for i in range(0, len(micro), MICRO)]
 
 
@@ -77,6 +91,8 @@ class Record(L.Callback):
             self.bubbles.append(float(metrics["pipeline/bubble"]))
         if "pipeline/stage_ms" in metrics:
             self.stage_ms.append(float(metrics["pipeline/stage_ms"]))
+        if not isinstance(batch, PackedBatch):  # under context parallelism: the microbatches' shards
+            return
         known = [b.input_ids for b in batches()]
         self.seen.extend(i for i, ids in enumerate(known) if torch.equal(ids, batch.input_ids))
 
@@ -88,6 +104,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--cp", type=int, default=1, help="context parallelism (then on the awkward batches)")
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from (then only its weights are saved)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -95,14 +112,14 @@ def main() -> None:
     record = Record()
     strategy = LLMFastStrategy(
         pipeline_parallel_size=args.pp, pipeline_microbatches=max(MICRO, args.pp), pipeline_schedule=args.schedule,
-        timeout=timedelta(seconds=60),
+        context_parallel_size=args.cp, timeout=timedelta(seconds=60),
     )  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=STEPS // args.accumulate, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
         gradient_clip_val=0.5, limit_val_batches=1, num_sanity_val_steps=0, accumulate_grad_batches=args.accumulate,
     )  # fmt: skip
-    data = batches()
+    data = batches(awkward=args.cp > 1)
     rank = trainer.global_rank
     if args.resume is not None:  # restored, nothing left to train: the weights as the checkpoint holds them
         trainer.fit(model, train_dataloaders=DataLoader(data, batch_size=None), ckpt_path=args.resume)
