@@ -453,6 +453,9 @@ class PipelineRunner:
         self._total: Tensor | None = None
         self._step_tokens: Tensor | None = None  # label tokens of the batches since the last finish_step
         self.last_schedule: Any = None
+        self.last_ce: Tensor | None = None
+        """The latest training batch's token-mean cross entropy (its loss without the router terms), the same on
+        every rank of the pipeline."""
         """The schedule of the latest batch (its ``pipeline_order`` is the action table)."""
 
     def _make_tied_group(self) -> dist.ProcessGroup | None:
@@ -673,16 +676,21 @@ class PipelineRunner:
                 schedule.step(input_ids, target=labels, losses=losses, return_outputs=False, position_ids=positions)
             else:
                 schedule.eval(input_ids, target=labels, losses=losses, position_ids=positions)
-            total = torch.stack(losses).sum().detach().float() if losses else torch.zeros((), device=self.device)
+            ce = torch.stack(losses).sum().detach().float() if losses else torch.zeros((), device=self.device)
+            total = ce
             for module in self.modules:  # the router terms, weighted at each stage (training only)
                 if module.aux_total is not None:
                     total = total + module.aux_total.to(total.device)
+            values = torch.stack([total, ce.to(total.device)])
             if self.cp_group is not None:  # every shard's token losses and router terms
-                dist.all_reduce(total, group=self.cp_group)
-            total = total * scale.to(total.device)
+                dist.all_reduce(values, group=self.cp_group)
+            values = values * scale.to(values.device)
         finally:
             self._close()
-        return self._sum_over_pipeline(total)
+        values = self._sum_over_pipeline(values)
+        if train:
+            self.last_ce = values[1]
+        return values[0]
 
     def _sum_over_pipeline(self, value: Tensor) -> Tensor:
         if self.group is not None and self.config.size > 1:

@@ -19,9 +19,10 @@ clipping, optimizer and scheduler steps, callbacks, loggers):
   (:meth:`~lightning_llmfast.parallel.pipeline.PipelineRunner.finish_step`); clipping by norm takes the norm over
   every stage (one all-reduce over the pipeline);
 - ``train/loss`` is logged on every rank: the loss of its replica's batch (the last stage's value plus every
-  stage's router term, summed over the pipeline), ``pipeline/bubble`` (the schedule's idle share) and
-  ``pipeline/stage_ms`` (this rank's schedule time per step: CUDA events, or the wall clock on the CPU);
-  ``validate`` and ``test`` run the stages forward and log ``val/loss``/``test/loss``;
+  stage's router term, summed over the pipeline), ``train/ce`` (its cross entropy alone), ``pipeline/bubble`` (the
+  schedule's idle share) and ``pipeline/stage_ms`` (this rank's schedule time per step: CUDA events, or the wall
+  clock on the CPU); ``validate`` and ``test`` run the stages forward and log ``val/loss``/``test/loss``
+  (``HFCausalLMModule``'s ``val/ppl`` too, through its ``log_validation_loss``);
 - with ``context_parallel_size=C`` the ``C`` ranks of a stage's cp group split every microbatch's positions: the
   batch's rows are cut into the microbatches and each into this rank's shard on the host (the step receives the
   list of shards), and the stages gather keys and values over the group (docs/long_context.md);
@@ -259,6 +260,8 @@ class PipelineParallelBase(ShardedDataParallelBase):
             param.grad = grad
         rows = int(input_ids.shape[0])
         module.log("train/loss", loss, prog_bar=True, batch_size=rows, sync_dist=False)
+        if runner.last_ce is not None:  # the cross entropy alone, as the modules log it without pipelining
+            module.log("train/ce", runner.last_ce, batch_size=rows, sync_dist=False)
         bubble = runner.bubble
         if bubble is not None:
             module.log("pipeline/bubble", bubble, on_step=True, on_epoch=False, batch_size=rows)
@@ -281,9 +284,12 @@ class PipelineParallelBase(ShardedDataParallelBase):
         input_ids, labels, position_ids, metadata = self._batch_inputs(batch)
         loss = runner.evaluate(input_ids, labels, position_ids, metadata)
         metric = getattr(module, "val_ce" if name == "val/loss" else "test_ce", None)
+        log_validation = getattr(module, "log_validation_loss", None) if name == "val/loss" else None
         if metric is not None:  # MoEGPTLightningModule's token-weighted mean over the split
             metric.update(loss, (labels != IGNORE_INDEX).sum())
             module.log(name, metric, prog_bar=True, batch_size=int(input_ids.shape[0]))
+        elif callable(log_validation):  # HFCausalLMModule's val/loss, kept for its epoch's val/ppl
+            log_validation(loss, int(input_ids.shape[0]))
         else:
             module.log(name, loss, prog_bar=True, batch_size=int(input_ids.shape[0]))
         return loss
