@@ -171,11 +171,12 @@ def test_strategy_refuses_bad_pipeline_settings(tmp_path: Path) -> None:
         strategy.load_checkpoint(tmp_path / "single.ckpt")
 
 
-def test_pipeline_stages_split_over_context_parallel_ranks_equal_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zbv", marks=pytest.mark.slow)])
+def test_pipeline_stages_split_over_context_parallel_ranks_equal_one_process(tmp_path: Path, schedule: str) -> None:
     # pp=2 x cp=2: each microbatch cut into its cp shards on the host; a row-long document split over both cp ranks,
     # length-1 documents, a document longer than a row, padding tails. Losses, val/loss and weights after three
-    # clipped AdamW steps equal one process accumulating the microbatches.
-    ranks = _fit(tmp_path, 4, "--cp", "2")
+    # clipped AdamW steps equal one process accumulating the microbatches (ZBV: the zero-bubble split backward).
+    ranks = _fit(tmp_path, 4, "--cp", "2", "--schedule", schedule)
     single, expected = _reference([[step] for step in range(STEPS)], awkward=True)
     for rank in ranks:  # train/loss on every rank: the replica's whole batch, over both cp shards and both stages
         assert rank["losses"] == pytest.approx(expected, abs=1e-5)
