@@ -264,6 +264,13 @@ class PackedBatch:
         copy) are the batch's boundaries inside the rows, shifted to 0, ``documents`` their entries, ``num_tokens``
         the rows' real tokens counted as :meth:`context_shard` counts a shard's.
 
+        Args:
+            start: the first row.
+            stop: one past the last row.
+
+        Returns:
+            A new ``PackedBatch`` of ``stop - start`` rows (views of this batch's tensors); ``self`` is unchanged.
+
         Raises:
             DataError: ``[start, stop)`` is not a non-empty range of the batch's rows, or the batch is a shard.
 
