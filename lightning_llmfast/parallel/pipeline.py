@@ -64,7 +64,7 @@ from lightning_llmfast.parallel.pipeline_split import (
     stage_costs,
     tied_parameter,
 )
-from lightning_llmfast.parallel.pipeline_stage import stage_adapter
+from lightning_llmfast.parallel.pipeline_stage import StageAdapter, stage_adapter
 from lightning_llmfast.parallel.pretrained import hold_elsewhere
 from lightning_llmfast.seqmeta import SequenceMetadata, SequenceMetadataCache
 
@@ -323,6 +323,17 @@ def _forward_only(schedule: Any) -> None:
     )
 
 
+def _check_context_parallel(adapter: StageAdapter, cp_group: dist.ProcessGroup | None) -> StageAdapter:
+    """``adapter``, unless its stages would attend only a context-parallel shard's own positions."""
+    if cp_group is not None and not adapter.needs_metadata:
+        raise ConfigError(
+            "pipeline with context parallelism: the stages gather keys and values inside varlen attention from each "
+            "microbatch's shard metadata; this model's attention reads only its positions (MoEGPT: use "
+            "attention_metadata='cached', the default)"
+        )
+    return adapter
+
+
 class _MicrobatchStage(PipelineStage):
     """A :class:`PipelineStage` that opens the microbatch's metadata cache and sets its router-loss weight around
     every forward of the stage (torch names the microbatch ``fwd_chunk_id``)."""
@@ -397,13 +408,7 @@ class PipelineRunner:
         dp_group: dist.ProcessGroup | None = None,
         cp_group: dist.ProcessGroup | None = None,
     ) -> None:
-        adapter = stage_adapter(model)
-        if cp_group is not None and not adapter.needs_metadata:
-            raise ConfigError(
-                "pipeline with context parallelism: the stages gather keys and values inside varlen attention from "
-                "each microbatch's shard metadata; this model's attention reads only its positions (MoEGPT: use "
-                "attention_metadata='cached', the default)"
-            )
+        adapter = _check_context_parallel(stage_adapter(model), cp_group)
         size = dist.get_world_size(group) if group is not None else 1
         if size != config.size:
             raise ConfigError(f"pipeline: the group has {size} ranks, the pipeline size is {config.size}")
