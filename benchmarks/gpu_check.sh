@@ -27,6 +27,11 @@
 #   cp            benchmarks/bench_cp.py --device cuda --dtype bfloat16: context parallelism cp 1/2/4 (gloo ranks
 #                 sharing the GPU, FlashAttention varlen with cu_seqlens_q != cu_seqlens_k): per-rank saved bytes (the
 #                 cp=2 <= 0.6x cp=1 figure on one 4096-token document fails the stage), gathered K/V, tokens/s  -> cp.json
+#   pipeline      benchmarks/gpu_pipeline.py --device cuda: the pipelined step (PipelineRunner on torch's schedules)
+#                 with one rank holding both looped stages of interleaved 1F1B, interleaved zero bubble and ZBV,
+#                 gradients equal to one process accumulating the microbatches (fp32, a failure fails the stage),
+#                 step time and peak memory; the two-rank NCCL pipeline (pp=2, 1F1B) runs with 2 GPUs or more,
+#                 else is skipped with the reason printed                                 -> pipeline.json
 #   bench         python -m lightning_llmfast.bench --profile full --device cuda (bf16; micro: metadata, moe)
 #                                                                                   -> bench.json, bench.png
 # The last thing printed is a short table: one line per stage.
@@ -240,6 +245,11 @@ stage_cp() {
         --json "$OUT/cp.json"
 }
 
+stage_pipeline() {
+    "$PY" benchmarks/gpu_pipeline.py --device cuda --repeats "${PIPELINE_REPEATS:-3}" \
+        --timeout $((STAGE_LIMIT_S > 40 ? STAGE_LIMIT_S / 2 : 20)) --json "$OUT/pipeline.json"
+}
+
 stage_bench() {
     # A soft budget under the stage's hard limit: fewer repeats and skipped micro-benchmarks, not a lost run.
     local soft=$((STAGE_LIMIT_S > 80 ? STAGE_LIMIT_S - 40 : STAGE_LIMIT_S / 2))
@@ -249,10 +259,10 @@ stage_bench() {
 
 # ------------------------------------------------------------------------------------------------------- the runner
 export -f stage_env stage_cuda_tests stage_nccl stage_kernel_check stage_cuda_graphs stage_offload stage_memplan \
-    stage_overlap stage_cp stage_bench
+    stage_overlap stage_cp stage_pipeline stage_bench
 # name:max seconds:min seconds (the min of every later selected stage is reserved when a stage's limit is set)
 STAGES=(env:30:10 cuda_tests:150:60 nccl:50:20 kernel_check:40:15 cuda_graphs:40:15 offload:80:30 memplan:60:25
-    overlap:60:25 cp:60:30 bench:110:60)
+    overlap:60:25 cp:60:30 pipeline:45:20 bench:110:60)
 declare -a RESULTS
 FAILED=0
 PLANNED=0  # dry run: every stage is assumed to use its whole limit

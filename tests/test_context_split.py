@@ -179,3 +179,24 @@ def test_context_shard_errors() -> None:
         shard.validate()
     with pytest.raises(MetadataError, match="ContextShard of these"):
         SequenceMetadata(torch.tensor([0, 4], dtype=torch.int32), context=batch.context_shard(1, 2).context)
+
+
+def test_rows_are_whole_segments_of_the_batch() -> None:
+    # Pipeline microbatches under cp are cut from rows first: the rows' pieces put back together are the batch.
+    batch = _packed(1)
+    cuts = [(0, 1), (1, 3), (3, 4)]
+    parts = [batch.rows(lo, hi) for lo, hi in cuts]
+    cu, documents, offset = [0], [], 0
+    for (lo, hi), part in zip(cuts, parts, strict=True):
+        part.validate()
+        assert torch.equal(part.input_ids, batch.input_ids[lo:hi]) and torch.equal(part.labels, batch.labels[lo:hi])
+        assert part.max_seqlen == int(part.cu_seqlens_cpu.diff().max())
+        cu += (part.cu_seqlens_cpu[1:].long() + offset).tolist()
+        documents += part.documents
+        offset += part.input_ids.numel()
+    assert cu == batch.cu_seqlens_cpu.tolist() and documents == batch.documents
+    assert sum(p.num_tokens for p in parts) == batch.num_tokens  # padding tails known from `documents`
+    with pytest.raises(DataError, match="not a non-empty range"):
+        batch.rows(2, 2)
+    with pytest.raises(DataError, match="no rows to cut"):
+        batch.context_shard(0, 2).rows(0, 1)

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from lightning_llmfast import HFCausalLMModule, LLMFastStrategy
 from lightning_llmfast.data import PackedBatch, pack_documents
-from lightning_llmfast.errors import ConfigError
+from lightning_llmfast.errors import CheckpointError, ConfigError
 from lightning_llmfast.export import main
 from lightning_llmfast.parallel import export as export_module
 
@@ -237,3 +237,15 @@ def test_moegpt_ckpt_exports_as_a_mixtral_computing_its_logits(tmp_path: Path) -
         trainer.save_checkpoint(tmp_path / "x.ckpt")
         with pytest.raises(ConfigError, match=match):
             export_module.export_checkpoint(tmp_path / "x.ckpt", tmp_path / "x")
+
+
+def test_moegpt_config_stays_a_safe_global_after_an_export_reads_a_checkpoint(tmp_path: Path) -> None:
+    # torch's safe_globals context removes what it added on exit, the import-time registration included: loading a
+    # MoEGPTLightningModule checkpoint with weights_only must keep working after an export read one.
+    from lightning_llmfast.models import MoEGPTConfig
+
+    path = tmp_path / "hyper.pt"
+    torch.save({"config": MoEGPTConfig(n_layers=1)}, path)
+    with pytest.raises(CheckpointError, match="holds no model weights"):
+        export_module.export_checkpoint(path, tmp_path / "out")
+    assert torch.load(path, weights_only=True)["config"].n_layers == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).parents[1]
-STAGES = ("env", "cuda_tests", "nccl", "kernel_check", "cuda_graphs", "offload", "memplan", "overlap", "cp", "bench")
+STAGES = ("env", "cuda_tests", "nccl", "kernel_check", "cuda_graphs", "offload", "memplan", "overlap", "cp", "pipeline",
+          "bench")  # fmt: skip
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="gpu_check.sh is a bash script")
 
 
@@ -35,6 +37,7 @@ def test_dry_run_plans_every_stage_within_eight_minutes(tmp_path: Path) -> None:
     assert "gpu_cuda_graphs.py --json" in run.stdout  # capture, replay, compare with eager, time both
     assert "bench_overlap.py --device cuda" in run.stdout  # ep_overlap on NCCL over a slowed link
     assert "bench_cp.py --device cuda --dtype bfloat16" in run.stdout  # context parallelism's saved bytes per rank
+    assert "gpu_pipeline.py --device cuda" in run.stdout  # looped stages on one GPU, two NCCL ranks with two GPUs
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
 
 
@@ -77,3 +80,17 @@ def test_nccl_stage_script_runs_its_checks_on_gloo(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     assert "PASS fsdp_dcp" in run.stdout and "PASS expert_parallel" in run.stdout and "PASS fp8_dispatch" in run.stdout
     assert '"passed": true' in out.read_text()
+
+
+@pytest.mark.slow
+def test_pipeline_stage_script_checks_its_steps_on_gloo(tmp_path: Path) -> None:
+    """The pipeline stage's script on the CPU: one rank holding both looped stages of each multi-stage schedule, and
+    two gloo ranks of 1F1B, each equal to one process accumulating the microbatches."""
+    out = tmp_path / "pipeline.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_pipeline.py"), "--device", "cpu", "--seq", "32"]
+    run = subprocess.run([*cmd, "--repeats", "1", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert [r["schedule"] for r in report["one_rank"]] == ["interleaved_1f1b", "interleaved_zero_bubble", "zbv"]
+    assert all(r["ok"] and r["stages"] == [0, 1] for r in report["one_rank"])
+    assert [r["stages"] for r in report["two_ranks"]] == [[0], [1]] and all(r["ok"] for r in report["two_ranks"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -177,6 +178,10 @@ def test_config_refuses_bad_layouts() -> None:
         PipelineConfig(2, 4, "interleaved_1f1b").check_layers(3)
     with pytest.raises(ConfigError, match="cannot split a Linear"):
         PipelineRunner(torch.nn.Linear(2, 2), PipelineConfig(1, 1, "gpipe"), None, device=torch.device("cpu"))  # type: ignore[arg-type]
+    dense = MoEGPT(MoEGPTConfig(**{**vars(_config()), "attention_metadata": "dense"}))
+    group: Any = object()  # refused before any collective on it: a dense mask would attend the shard's own keys only
+    with pytest.raises(ConfigError, match=r"context parallelism.*attention_metadata='cached'"):
+        PipelineRunner(dense, PipelineConfig(1, 1, "gpipe"), None, device=torch.device("cpu"), cp_group=group)
 
 
 def _brute_force_cut(costs: list[float], stages: int, first: float, last: float) -> float:

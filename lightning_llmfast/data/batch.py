@@ -257,6 +257,49 @@ class PackedBatch:
             pinned._mark_checked(pinned._stamp())
         return pinned
 
+    def rows(self, start: int, stop: int) -> PackedBatch:
+        """The rows ``[start, stop)`` as a batch of their own (a pipeline microbatch), cut on the host.
+
+        Every row boundary is a segment boundary, so the rows' segments are whole: ``cu_seqlens`` (and its host
+        copy) are the batch's boundaries inside the rows, shifted to 0, ``documents`` their entries, ``num_tokens``
+        the rows' real tokens counted as :meth:`context_shard` counts a shard's.
+
+        Args:
+            start: the first row.
+            stop: one past the last row.
+
+        Returns:
+            A new ``PackedBatch`` of ``stop - start`` rows (views of this batch's tensors); ``self`` is unchanged.
+
+        Raises:
+            DataError: ``[start, stop)`` is not a non-empty range of the batch's rows, or the batch is a shard.
+
+        Example::
+
+            first = batch.rows(0, batch.batch_size // 2)  # the first half of the rows
+        """
+        if self.context is not None:
+            raise DataError("PackedBatch.rows: a context-parallel shard has no rows to cut (cut the rows first)")
+        if not (0 <= start < stop <= self.batch_size):
+            raise DataError(f"PackedBatch.rows: [{start}, {stop}) is not a non-empty range of {self.batch_size} rows")
+        self.validate()
+        host = self.cu_seqlens_cpu if self.cu_seqlens_cpu is not None else self.cu_seqlens.cpu()
+        cu = host.numpy().astype(np.int64)
+        lo, hi = start * self.seq_len, stop * self.seq_len
+        first, last = int(np.searchsorted(cu, lo, side="left")), int(np.searchsorted(cu, hi, side="left"))
+        cut = torch.from_numpy((cu[first : last + 1] - lo).astype(np.int32))
+        segment = np.searchsorted(cu, np.arange(lo, hi), side="right") - 1
+        return PackedBatch(
+            input_ids=self.input_ids[start:stop],
+            labels=self.labels[start:stop],
+            position_ids=self.position_ids[start:stop],
+            cu_seqlens=cut.to(self.cu_seqlens.device, non_blocking=True),
+            max_seqlen=int(np.diff(cu[first : last + 1]).max()),
+            num_tokens=self._real_tokens(cu, segment),
+            cu_seqlens_cpu=cut,
+            documents=self.documents[first:last] if self.documents is not None else None,
+        )
+
     def context_shard(self, cp_rank: int, cp_size: int, group: Any = None) -> PackedBatch:
         """This context-parallel rank's share of the batch, as a batch of shape ``(1, B * T / cp_size)``.
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
+
 from lightning_llmfast._checks import check_bool, check_int, check_number
 from lightning_llmfast.data import VOCAB_SIZE
 from lightning_llmfast.errors import ConfigError
@@ -124,3 +126,8 @@ class MoEGPTConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.n_heads
+
+
+# Checkpoints store the config among the hyper-parameters: a safe global for torch.load(weights_only=True),
+# Lightning's default, from the config's import on, so resuming and exporting need no unsafe loading.
+torch.serialization.add_safe_globals([MoEGPTConfig])

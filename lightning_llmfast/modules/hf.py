@@ -217,13 +217,24 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
     def _logged_loss(self, batch: PackedBatch, stage: str) -> Tensor:
         ce, loss = self._loss(batch)
         size = batch.batch_size
-        if stage == "val":  # the language-model loss only, averaged over ranks
-            self.log("val/loss", ce, prog_bar=True, batch_size=size, sync_dist=True)
-            self._val_sums.append(torch.stack([ce.detach() * size, ce.new_tensor(float(size))]))
+        if stage == "val":
+            self.log_validation_loss(ce, size)
             return ce
         shown_ce, shown = shared_batch_losses(ce, loss, batch.labels, module=self)
         self.log_dict({"train/loss": shown, "train/ce": shown_ce}, batch_size=size)
         return loss
+
+    def log_validation_loss(self, ce: Tensor, batch_size: int) -> None:
+        """Logs a validation batch's language-model loss as ``val/loss`` (averaged over ranks) and keeps it for the
+        epoch's ``val/ppl``. The validation step calls it, and so does the pipelined strategy with the loss the
+        stages computed forward.
+
+        Example::
+
+            module.log_validation_loss(ce, batch.batch_size)
+        """
+        self.log("val/loss", ce, prog_bar=True, batch_size=batch_size, sync_dist=True)
+        self._val_sums.append(torch.stack([ce.detach() * batch_size, ce.new_tensor(float(batch_size))]))
 
     @override
     def configure_optimizers(self) -> Any:

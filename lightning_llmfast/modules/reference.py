@@ -25,10 +25,6 @@ if TYPE_CHECKING:
 
 __all__ = ["MoEGPTLightningModule"]
 
-# Checkpoints store the config object among the hyper-parameters; allow it under torch.load(weights_only=True),
-# Lightning's default, so resuming needs no unsafe loading.
-torch.serialization.add_safe_globals([MoEGPTConfig])
-
 _DEFAULT_CONFIG = MoEGPTConfig()  # never used itself: each module gets a fresh copy
 
 

@@ -168,8 +168,8 @@ def export_checkpoint(
 
 def _file_source(path: Path) -> tuple[dict[str, Any], dict[str, Any], Reader]:
     try:
-        with torch.serialization.safe_globals([MoEGPTConfig]):  # MoEGPTLightningModule's hyper-parameters
-            checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        # MoEGPTLightningModule's hyper-parameters hold a MoEGPTConfig, a safe global from its import on.
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError... for a bad file
         raise CheckpointError(f"{path}: unreadable checkpoint file ({err})") from err
     state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
@@ -184,8 +184,7 @@ def _dcp_source(path: Path) -> tuple[dict[str, Any], dict[str, Any], Reader]:
     metadata = read_metadata(path)  # once: every read below plans against it
     saved = metadata.state_dict_metadata
     try:
-        with torch.serialization.safe_globals([MoEGPTConfig]):
-            meta = torch.load(path / META_FILENAME, map_location="cpu", weights_only=True)
+        meta = torch.load(path / META_FILENAME, map_location="cpu", weights_only=True)
     except Exception as err:
         raise CheckpointError(f"{path}: unreadable distributed checkpoint ({err})") from err
     prefix = _DCP_PREFIX + _MODULE_PREFIX

@@ -24,6 +24,10 @@ What the runner adds to torch's schedules:
   every rank returns the same value;
 - a tied embedding and head live on the first and the last stage under the embedding's name;
   :meth:`PipelineRunner.finish_step` sums their gradients before the optimizer step.
+- with a context-parallel group (``cp_group``) each microbatch arrives as this rank's shard of its positions with
+  the shard's metadata (cut on the host, ``PackedBatch.context_shard`` of the microbatch's rows): the pipe carries
+  only the shard's hidden states, attention gathers keys and values over the group inside each stage, and the token
+  losses, router weights and the loss value are taken over the group's label tokens.
 
 Example::
 
@@ -61,7 +65,7 @@ from lightning_llmfast.parallel.pipeline_split import (
     stage_costs,
     tied_parameter,
 )
-from lightning_llmfast.parallel.pipeline_stage import stage_adapter
+from lightning_llmfast.parallel.pipeline_stage import StageAdapter, stage_adapter
 from lightning_llmfast.parallel.pretrained import hold_elsewhere
 from lightning_llmfast.seqmeta import SequenceMetadata, SequenceMetadataCache
 
@@ -320,6 +324,17 @@ def _forward_only(schedule: Any) -> None:
     )
 
 
+def _check_context_parallel(adapter: StageAdapter, cp_group: dist.ProcessGroup | None) -> StageAdapter:
+    """``adapter``, unless its stages would attend only a context-parallel shard's own positions."""
+    if cp_group is not None and not adapter.needs_metadata:
+        raise ConfigError(
+            "pipeline with context parallelism: the stages gather keys and values inside varlen attention from each "
+            "microbatch's shard metadata; this model's attention reads only its positions (MoEGPT: use "
+            "attention_metadata='cached', the default)"
+        )
+    return adapter
+
+
 class _MicrobatchStage(PipelineStage):
     """A :class:`PipelineStage` that opens the microbatch's metadata cache and sets its router-loss weight around
     every forward of the stage (torch names the microbatch ``fwd_chunk_id``)."""
@@ -367,6 +382,10 @@ class PipelineRunner:
         ignore_index: label value that is not a target.
         dp_group: the other replicas of this rank's stages (pipelines reading other batches), or ``None``: their
             gradients are summed and the loss weighted over all of their label tokens in :meth:`finish_step`.
+            Under context parallelism: every rank of the stage (``dp x cp``).
+        cp_group: the context-parallel group whose ranks hold the other shards of each microbatch (``None``: none).
+            The batches are then the microbatches' shards, each with its metadata (:meth:`step`); the token losses
+            and the router terms' weights are taken over the group's label tokens.
 
     Raises:
         ConfigError: a model without a stage adapter (the message says what a split needs), a group whose size is
@@ -388,12 +407,15 @@ class PipelineRunner:
         aux_loss_coef: float = 0.0,
         ignore_index: int = -100,
         dp_group: dist.ProcessGroup | None = None,
+        cp_group: dist.ProcessGroup | None = None,
     ) -> None:
-        adapter = stage_adapter(model)
+        adapter = _check_context_parallel(stage_adapter(model), cp_group)
         size = dist.get_world_size(group) if group is not None else 1
         if size != config.size:
             raise ConfigError(f"pipeline: the group has {size} ranks, the pipeline size is {config.size}")
         self.config, self.group, self.device, self.dp_group = config, group, device, dp_group
+        self.cp_group = cp_group
+        """The context-parallel group sharing this rank's microbatches (``None``: none)."""
         self.aux_loss_coef, self.ignore_index = float(aux_loss_coef), ignore_index
         self.rank = dist.get_rank(group) if group is not None else 0
         costs, first, last = stage_costs(adapter)
@@ -437,6 +459,9 @@ class PipelineRunner:
         self._total: Tensor | None = None
         self._step_tokens: Tensor | None = None  # label tokens of the batches since the last finish_step
         self.last_schedule: Any = None
+        self.last_ce: Tensor | None = None
+        """The latest training batch's token-mean cross entropy (its loss without the router terms), the same on
+        every rank of the pipeline."""
         """The schedule of the latest batch (its ``pipeline_order`` is the action table)."""
         self.expert_params: set[int] = set()
         """``id()`` of the plain parameters split over the stage's expert-parallel ranks (set by
@@ -535,27 +560,42 @@ class PipelineRunner:
         self,
         labels: Tensor,
         position_ids: Tensor,
-        metadata: SequenceMetadata | None,
+        metadata: SequenceMetadata | Sequence[SequenceMetadata] | None,
         train: bool,
         divisor: Tensor | None,
-    ) -> Tensor:
-        """The divisor of the token losses, the microbatches' router-loss weights and metadata; returns the batch's
-        label tokens."""
+    ) -> tuple[Tensor, Tensor]:
+        """The divisor of the token losses, the microbatches' router-loss weights and metadata; returns this rank's
+        label tokens and the batch's (over the context-parallel group)."""
         m = self.config.microbatches
         valid = labels != self.ignore_index
         counts = valid.reshape(m, -1).sum(1).to(torch.float32)
         tokens = counts.sum()
-        self._total = tokens.clamp_min(1) if divisor is None else divisor.to(tokens)
-        self._weights = self.aux_loss_coef * counts / self._total if train and self.aux_loss_coef else None
+        shared = counts
+        if self.cp_group is not None:  # the microbatches' label tokens over every shard of them
+            shared = counts.clone()
+            dist.all_reduce(shared, group=self.cp_group)
+        batch_tokens = shared.sum()
+        self._total = batch_tokens.clamp_min(1) if divisor is None else divisor.to(tokens)
+        # A router term is batch-wide (the group computes one value per microbatch): each shard weighs its
+        # microbatch's tokens over the group equally, as scale_by_token_share does without pipelining.
+        share = shared / dist.get_world_size(self.cp_group) if self.cp_group is not None else counts
+        self._weights = self.aux_loss_coef * share / self._total if train and self.aux_loss_coef else None
         self._open_metadata(position_ids, metadata)
-        return tokens
+        return tokens, batch_tokens
 
-    def _open_metadata(self, position_ids: Tensor, metadata: SequenceMetadata | None) -> None:
-        """The microbatches' packed metadata (when the adapter's attention reads it), cut from the batch's."""
+    def _open_metadata(
+        self, position_ids: Tensor, metadata: SequenceMetadata | Sequence[SequenceMetadata] | None
+    ) -> None:
+        """The microbatches' packed metadata (when the adapter's attention reads it): the given one per microbatch
+        (context-parallel shards), or cut from the batch's."""
         self._metas = []
-        if self.adapter.needs_metadata:
-            meta = metadata if metadata is not None else SequenceMetadata.from_position_ids(position_ids)
-            self._metas = split_metadata(meta, self.config.microbatches)
+        if not self.adapter.needs_metadata:
+            return
+        if isinstance(metadata, Sequence):
+            self._metas = list(metadata)
+            return
+        meta = metadata if metadata is not None else SequenceMetadata.from_position_ids(position_ids)
+        self._metas = split_metadata(meta, self.config.microbatches)
 
     def _close(self) -> None:
         self._metas, self._weights, self._total = [], None, None
@@ -579,7 +619,7 @@ class PipelineRunner:
         input_ids: Tensor,
         labels: Tensor,
         position_ids: Tensor | None = None,
-        metadata: SequenceMetadata | None = None,
+        metadata: SequenceMetadata | Sequence[SequenceMetadata] | None = None,
     ) -> Tensor:
         """Forward and backward of one batch through the schedule; gradients accumulate into this rank's parameters.
 
@@ -591,12 +631,15 @@ class PipelineRunner:
             labels: ``(B, T)`` shifted labels (``ignore_index`` where there is no target).
             position_ids: ``(B, T)`` or ``(1, T)``; ``None``: one sequence per row.
             metadata: the batch's packed boundaries over the ``B * T`` positions (``"cached"`` attention); ``None``:
-                built from ``position_ids`` (one host read on an accelerator).
+                built from ``position_ids`` (one host read on an accelerator). Or the metadata of every microbatch,
+                in order: under context parallelism each row of the inputs is one microbatch's shard
+                (``PackedBatch.context_shard`` of its rows) and each metadata that shard's.
 
         Returns:
             The batch's loss (token-mean cross entropy plus the router loss weighted by the microbatches' token
-            shares), detached, the same on every rank of the pipeline. The gradients are those of the token-loss sum
-            until :meth:`finish_step` divides them by the step's label tokens.
+            shares), detached, the same on every rank of the pipeline (and of the context-parallel group). The
+            gradients are those of the token-loss sum until :meth:`finish_step` divides them by the step's label
+            tokens.
 
         Raises:
             ConfigError: the microbatches do not divide ``B``, or the inputs are not ``(B, T)``.
@@ -614,7 +657,7 @@ class PipelineRunner:
         input_ids: Tensor,
         labels: Tensor,
         position_ids: Tensor | None = None,
-        metadata: SequenceMetadata | None = None,
+        metadata: SequenceMetadata | Sequence[SequenceMetadata] | None = None,
     ) -> Tensor:
         """The batch's token-mean cross entropy, stages forward only; the same on every rank of the pipeline.
 
@@ -665,7 +708,7 @@ class PipelineRunner:
         input_ids: Tensor,
         labels: Tensor,
         position_ids: Tensor | None,
-        meta: SequenceMetadata | None,
+        meta: SequenceMetadata | Sequence[SequenceMetadata] | None,
         *,
         train: bool,
     ) -> Tensor:
@@ -676,9 +719,9 @@ class PipelineRunner:
             self.last_schedule = schedule
         # Training sums the token losses (finish_step divides by the step's tokens); the values are the batch's mean.
         one = torch.ones((), device=labels.device)
-        tokens = self._open(labels, positions, meta, train, one if train else None)
+        tokens, batch_tokens = self._open(labels, positions, meta, train, one if train else None)
         assert self._total is not None
-        scale = self._total / tokens.clamp_min(1)
+        scale = self._total / batch_tokens.clamp_min(1)
         if train:
             self._step_tokens = tokens if self._step_tokens is None else self._step_tokens + tokens
         losses: list[Tensor] = []
@@ -687,14 +730,21 @@ class PipelineRunner:
                 schedule.step(input_ids, target=labels, losses=losses, return_outputs=False, position_ids=positions)
             else:
                 schedule.eval(input_ids, target=labels, losses=losses, position_ids=positions)
-            total = torch.stack(losses).sum().detach().float() if losses else torch.zeros((), device=self.device)
+            ce = torch.stack(losses).sum().detach().float() if losses else torch.zeros((), device=self.device)
+            total = ce
             for module in self.modules:  # the router terms, weighted at each stage (training only)
                 if module.aux_total is not None:
                     total = total + module.aux_total.to(total.device)
-            total = total * scale.to(total.device)
+            values = torch.stack([total, ce.to(total.device)])
+            if self.cp_group is not None:  # every shard's token losses and router terms
+                dist.all_reduce(values, group=self.cp_group)
+            values = values * scale.to(values.device)
         finally:
             self._close()
-        return self._sum_over_pipeline(total)
+        values = self._sum_over_pipeline(values)
+        if train:
+            self.last_ce = values[1]
+        return values[0]
 
     def _sum_over_pipeline(self, value: Tensor) -> Tensor:
         if self.group is not None and self.config.size > 1:

@@ -136,7 +136,8 @@ class LLMFastStrategy(PipelineParallelBase):
         pipeline_parallel_size: ``P > 1`` cuts the model's layers into pipeline stages run by torch's schedules
             inside the training step, with ``pipeline_microbatches``, ``pipeline_schedule``,
             ``pipeline_stages_per_rank`` and ``pipeline_layers``
-            (:class:`~lightning_llmfast.strategy.pipeline.PipelineParallelBase`, docs/pipeline.md).
+            (:class:`~lightning_llmfast.strategy.pipeline.PipelineParallelBase`, docs/pipeline.md). With
+            ``context_parallel_size`` the cp ranks of each stage split every microbatch's positions.
         dispatch_dtype: with ``expert_parallel_size > 1``, the tokens' payload on the all-to-all: ``None`` (the
             activations' dtype), ``"bf16"``, or ``"fp8"`` (e4m3 with one fp32 scale per row, ``H + 4`` bytes: half of
             bf16 plus the scales); the expert outputs and gradients then come back in bf16. A

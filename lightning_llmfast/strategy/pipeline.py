@@ -21,10 +21,14 @@ clipping, optimizer and scheduler steps, callbacks, loggers):
   tied embedding/head's two copies (:meth:`~lightning_llmfast.parallel.pipeline.PipelineRunner.finish_step`);
   clipping by norm takes the norm over every stage and shard (one all-reduce over the world);
 - ``train/loss`` is logged on every rank: the loss of its replica's batch (the last stage's value plus every
-  stage's router term, summed over the pipeline), ``pipeline/bubble`` (the schedule's idle share) and
-  ``pipeline/stage_ms`` (this rank's schedule time per step: CUDA events, or the wall clock on the CPU);
-  ``validate`` and ``test`` run the stages forward and log ``val/loss``/``test/loss``; ``predict`` runs them forward
-  and returns on every rank what the LightningModule's ``predict_step`` makes of the last stage's logits;
+  stage's router term, summed over the pipeline), ``train/ce`` (its cross entropy alone), ``pipeline/bubble`` (the
+  schedule's idle share) and ``pipeline/stage_ms`` (this rank's schedule time per step: CUDA events, or the wall
+  clock on the CPU); ``validate`` and ``test`` run the stages forward and log ``val/loss``/``test/loss``
+  (``HFCausalLMModule``'s ``val/ppl`` too, through its ``log_validation_loss``); ``predict`` runs them forward and
+  returns on every rank what the LightningModule's ``predict_step`` makes of the last stage's logits;
+- with ``context_parallel_size=C`` the ``C`` ranks of a stage's cp group split every microbatch's positions: the
+  batch's rows are cut into the microbatches and each into this rank's shard on the host (the step receives the
+  list of shards), and the stages gather keys and values over the group (docs/long_context.md);
 - checkpoints are DCP directories keyed by the model's names (each rank writes its stages), so they resume under
   another pipeline size, or none.
 
@@ -54,6 +58,7 @@ from lightning_llmfast.errors import ConfigError
 from lightning_llmfast.parallel.broadcast import broadcast_tree
 from lightning_llmfast.parallel.checkpoint import is_distributed_checkpoint
 from lightning_llmfast.parallel.clip import ShardedGrad, clip_grad_norm
+from lightning_llmfast.parallel.dims import ParallelDims
 from lightning_llmfast.parallel.fsdp import time_reduce_scatters
 from lightning_llmfast.parallel.pipeline import PipelineConfig, PipelineRunner
 from lightning_llmfast.parallel.pipeline_layout import parallelize_stages, stage_fsdp_units
@@ -70,6 +75,7 @@ if TYPE_CHECKING:
 __all__ = ["PipelineParallelBase"]
 
 _SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv")  # schedules whose backward is split into input and weight
+_FIELDS = ("input_ids", "labels", "position_ids")
 
 
 class PipelineParallelBase(ShardedDataParallelBase):
@@ -89,8 +95,8 @@ class PipelineParallelBase(ShardedDataParallelBase):
             refuses, or activation offload with a zero-bubble schedule (``"interleaved_zero_bubble"``, ``"zbv"``); at
             setup on every rank before any step, when ``P`` does not divide the world, the model (``module.model``,
             MoEGPT or transformers decoder) cannot be cut, has fewer layers than stages, uses manual
-            optimization, or pipelining is combined with what it does not compose with yet (context parallelism,
-            ``precision="16-mixed"``'s gradient scaler), or under ``sharding="fsdp"``/``"hsdp"`` a tied
+            optimization, or pipelining is combined with ``precision="16-mixed"`` (its
+            gradient scaler), or under ``sharding="fsdp"``/``"hsdp"`` a tied
             embedding and head would sit in two stages of one rank (``"zbv"``); when resuming from a checkpoint file
             rather than a distributed checkpoint directory.
 
@@ -137,17 +143,11 @@ class PipelineParallelBase(ShardedDataParallelBase):
         config, dims = self.pipeline_config, self.parallel_dims
         assert config is not None
         config.check_world(self.world_size)
-        others = {
-            "context_parallel_size": self.context_parallel_size > 1,
-            "offload": False,
+        if str(self.precision_plugin.precision) == "16-mixed":
             # A gradient scaler scales the closure's loss, which the schedule's backward never sees.
-            'precision="16-mixed"': str(self.precision_plugin.precision) == "16-mixed",
-        }
-        refused = [name for name, used in others.items() if used]
-        if refused:
             raise ConfigError(
                 f"{type(self).__name__}: pipeline_parallel_size={config.size} does not compose with "
-                f"{', '.join(refused)} yet"
+                'precision="16-mixed" (its gradient scaler never sees the schedule\'s backward): use "bf16-mixed"'
             )
         assert dims is not None and dims.pp_group is not None
 
@@ -173,7 +173,8 @@ class PipelineParallelBase(ShardedDataParallelBase):
             coef = float(getattr(module, "aux_loss_coef", 0.0))
             config, device = self.pipeline_config, self.root_device
             self._runner = runner = PipelineRunner(
-                model, config, dims.pp_group, device=device, aux_loss_coef=coef, dp_group=dims.dp_group
+                model, config, dims.pp_group, device=device, aux_loss_coef=coef, dp_group=dims.dp_group,
+                cp_group=dims.cp_group,
             )
             # Experts split and FSDP2 groups inside each stage, before materialising (each rank allocates its
             # shards) and before the optimizers are built.
@@ -188,6 +189,7 @@ class PipelineParallelBase(ShardedDataParallelBase):
             model.to(device)
             self._pipelined = module
         Strategy.setup(self, trainer)
+        self._setup_context_parallel()  # this rank's MoE blocks: balance loss over the cp group's shards
         # Every stage of a pipeline reads its replica's stream of batches (distributed_sampler_kwargs). With one
         # replica that is the whole stream, as on one device: no DistributedSampler, which would reshuffle data the
         # user did not ask to shuffle.
@@ -221,7 +223,24 @@ class PipelineParallelBase(ShardedDataParallelBase):
             )
         return super().load_checkpoint(checkpoint_path, weights_only)
 
-    def _batch_inputs(self, batch: Any) -> tuple[Tensor, Tensor, Tensor | None, SequenceMetadata | None]:
+    @override
+    def _context_shard(self, batch: Any, dims: ParallelDims) -> Any:
+        """Under pipelining, this rank's shard of every microbatch: the batch's rows cut into the microbatches, each
+        cut into its context-parallel shard with its metadata planned on the host (a list, one per microbatch)."""
+        if self.pipeline_config is None or not isinstance(batch, PackedBatch):
+            return super()._context_shard(batch, dims)
+        m = self.pipeline_config.microbatches
+        self.pipeline_config.check_batch(batch.batch_size)
+        rows, shard = batch.batch_size // m, super()._context_shard
+        return [shard(batch.rows(k * rows, (k + 1) * rows), dims) for k in range(m)]
+
+    def _batch_inputs(
+        self, batch: Any
+    ) -> tuple[Tensor, Tensor, Tensor | None, SequenceMetadata | list[SequenceMetadata] | None]:
+        if isinstance(batch, list) and batch and all(isinstance(b, PackedBatch) for b in batch):
+            # The microbatches' context-parallel shards (one row each), each with its own metadata.
+            ids, labels, positions = (torch.cat([getattr(b, name) for b in batch]) for name in _FIELDS)
+            return ids, labels, positions, [SequenceMetadata.from_batch(b) for b in batch]
         if isinstance(batch, PackedBatch):
             return batch.input_ids, batch.labels, batch.position_ids, SequenceMetadata.from_batch(batch)
         if isinstance(batch, dict) and "input_ids" in batch and "labels" in batch:
@@ -256,6 +275,8 @@ class PipelineParallelBase(ShardedDataParallelBase):
             param.grad = grad
         rows = int(input_ids.shape[0])
         module.log("train/loss", loss, prog_bar=True, batch_size=rows, sync_dist=False)
+        if runner.last_ce is not None:  # the cross entropy alone, as the modules log it without pipelining
+            module.log("train/ce", runner.last_ce, batch_size=rows, sync_dist=False)
         bubble = runner.bubble
         if bubble is not None:
             module.log("pipeline/bubble", bubble, on_step=True, on_epoch=False, batch_size=rows)
@@ -284,9 +305,12 @@ class PipelineParallelBase(ShardedDataParallelBase):
             for unit in stage_fsdp_units(runner):
                 unit.reshard()
         metric = getattr(module, "val_ce" if name == "val/loss" else "test_ce", None)
+        log_validation = getattr(module, "log_validation_loss", None) if name == "val/loss" else None
         if metric is not None:  # MoEGPTLightningModule's token-weighted mean over the split
             metric.update(loss, (labels != IGNORE_INDEX).sum())
             module.log(name, metric, prog_bar=True, batch_size=int(input_ids.shape[0]))
+        elif callable(log_validation):  # HFCausalLMModule's val/loss, kept for its epoch's val/ppl
+            log_validation(loss, int(input_ids.shape[0]))
         else:
             module.log(name, loss, prog_bar=True, batch_size=int(input_ids.shape[0]))
         return loss
@@ -312,6 +336,12 @@ class PipelineParallelBase(ShardedDataParallelBase):
         if runner is None or module is None:
             return super().predict_step(*args, **kwargs)
         batch = args[0] if args else kwargs["batch"]
+        if isinstance(batch, list):  # the microbatches' context-parallel shards
+            raise ConfigError(
+                f"{type(self).__name__}: predict under pipeline_parallel_size with context_parallel_size="
+                f"{self.context_parallel_size} is not supported (the per-sequence results would be split over the cp "
+                "ranks): predict with context_parallel_size=1"
+            )
         input_ids, _, position_ids, metadata = self._batch_inputs(batch)
         with self.precision_plugin.predict_step_context():
             logits = runner.forward(input_ids, position_ids, metadata)

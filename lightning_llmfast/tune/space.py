@@ -265,7 +265,7 @@ def pipeline_invalid(config: Mapping[str, Any], world: int) -> str:
     """Why the strategy would refuse a candidate's (merged) config's pipelining (``""`` if it would not): a layout
     it refuses, a size that does not divide the world, more stages than layers, microbatches that do not divide the
     micro-batch, a model other than the reference MoEGPT, or what pipelining does not compose with (as
-    ``LLMFastStrategy`` refuses: context parallelism, offload under a zero-bubble schedule)."""
+    ``LLMFastStrategy`` refuses: offload under a zero-bubble schedule)."""
     try:
         layout = pipeline_layout(config)
         if layout is None:
@@ -277,8 +277,6 @@ def pipeline_invalid(config: Mapping[str, Any], world: int) -> str:
         return str(err)
     if get_setting(config, "model.class_path", REFERENCE_MODULE) != REFERENCE_MODULE:
         return f"pipeline_parallel_size={layout.size} splits {REFERENCE_MODULE} only"
-    if int(get_setting(config, CONTEXT_PARALLEL, 1) or 1) > 1:
-        return f"pipeline_parallel_size={layout.size} does not compose with context_parallel_size yet"
     if get_setting(config, STRATEGY + "offload") and layout.schedule in ("interleaved_zero_bubble", "zbv"):
         return f"pipeline schedule {layout.schedule!r} does not compose with activation offload"
     return ""

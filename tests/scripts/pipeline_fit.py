@@ -2,12 +2,13 @@
 
 Run by tests/test_pipeline_fit.py and tests/test_pipeline_compose.py (:func:`launch`) with ``--devices 2`` (one
 pipeline) or ``4`` (two ranks per stage, each reading its own batches through Lightning's sampler: replicas, FSDP2
-shards with ``--sharding fsdp``, or expert-parallel ranks with ``--ep 2``); Lightning launches the other ranks. Every
-batch joins ``MICRO`` consecutive micro-batches of :func:`micro_batches` (the pipeline's microbatches), so one process
-accumulating the micro-batches is the reference (:func:`one_process_fit`). Each rank writes ``<out>.rank<r>.pt``: its
-logged ``train/loss``, ``pipeline/bubble`` and ``train/grad_norm`` per step, the index of every batch it trained on,
-its parameters by name (whole), what it holds, and its ``val/loss``; the run ends with a DCP checkpoint at
-``<out>.ckpt``.
+shards with ``--sharding fsdp``, expert-parallel ranks with ``--ep 2``, or with ``--cp 2`` two context-parallel ranks
+per stage splitting every microbatch's positions, on :data:`AWKWARD` batches); Lightning launches the other ranks.
+Every batch joins ``MICRO`` consecutive micro-batches of :func:`micro_batches` (the pipeline's microbatches), so one
+process accumulating the micro-batches is the reference (:func:`one_process_fit`). Each rank writes
+``<out>.rank<r>.pt``: its logged ``train/loss``, ``pipeline/bubble`` and ``train/grad_norm`` per step, the index of
+every batch it trained on, its parameters by name (whole), what it holds, and its ``val/loss``; the run ends with a
+DCP checkpoint at ``<out>.ckpt``.
 """
 
 from __future__ import annotations
@@ -38,11 +39,25 @@ REPLICAS = 2  # batches for up to this many data-parallel replicas
 PREDICT = 2  # batches trainer.predict runs
 
 
-def micro_batches(equal: bool = False) -> list[PackedBatch]:
+# Awkward micro-batches of (ROWS, 16) for context parallelism: documents of exactly a row (split over the cp ranks),
+# length-1 and prime-length documents, one document longer than a row, padding tails.
+AWKWARD = [[16, 16], [1, 1, 2, 3, 5, 7, 11, 1], [32], [5, 1, 9, 13], [1, 15, 3, 4], [12, 7, 2, 2]]
+
+
+def micro_batches(equal: bool = False, awkward: bool = False) -> list[PackedBatch]:
     """Packed micro-batches of documents of many lengths, or (``equal``) of one 16-token document per row: every
     micro-batch then has as many label tokens (expert parallelism's balance loss covers the ranks of a stage, whose
-    shares one process reproduces on their joined micro-batches when each weighs the same)."""
+    shares one process reproduces on their joined micro-batches when each weighs the same), or (``awkward``) those of
+    :data:`AWKWARD`."""
     count = MICRO * STEPS * REPLICAS
+    if awkward:
+        gen = torch.Generator().manual_seed(3)
+        out = []
+        for lengths in AWKWARD:
+            docs = [torch.randint(1, 64, (n,), generator=gen).tolist() for n in lengths]
+            (packed,) = pack_documents(docs, 16, ROWS, vocab_size=64, lookahead=8)
+            out.append(packed)
+        return out
     if equal:
         g = torch.Generator().manual_seed(11)
         docs = [torch.randint(0, 64, (16,), generator=g) for _ in range(count * ROWS)]
@@ -68,8 +83,8 @@ def joined(parts: list[PackedBatch]) -> PackedBatch:
     )
 
 
-def batches(equal: bool = False) -> list[PackedBatch]:
-    micro = micro_batches(equal)
+def batches(equal: bool = False, awkward: bool = False) -> list[PackedBatch]:
+    micro = micro_batches(equal, awkward)
     return [joined(micro[i : i + MICRO]) for i in range(0, len(micro), MICRO)]
 
 
@@ -100,6 +115,8 @@ class Record(L.Callback):
             self.stage_ms.append(float(metrics["pipeline/stage_ms"]))
         if "train/grad_norm" in metrics:
             self.grad_norms.append(float(metrics["train/grad_norm"]))
+        if not isinstance(batch, PackedBatch):  # under context parallelism: the microbatches' shards
+            return
         self.seen.extend(i for i, ids in enumerate(self.known) if torch.equal(ids, batch.input_ids))
 
 
@@ -123,7 +140,7 @@ def one_process_trainer(**kwargs: Any) -> L.Trainer:
 
 
 def one_process_fit(
-    order: list[list[int]], *, equal: bool = False, joint: bool = False
+    order: list[list[int]], *, equal: bool = False, awkward: bool = False, joint: bool = False
 ) -> tuple[MoEGPTLightningModule, list[float]]:
     """One process accumulating the micro-batches of the batches each optimizer step's replicas trained on
     (``order``: per step, the batch of every replica); returns the module and the loss of every group of ``MICRO``
@@ -134,7 +151,7 @@ def one_process_fit(
     """
     torch.set_num_threads(1)
     single, record = module(), Record()
-    micro = micro_batches(equal)
+    micro = micro_batches(equal, awkward)
     if joint:
         chosen = [joined([micro[MICRO * b + k] for b in step]) for step in order for k in range(MICRO)]
     else:
@@ -185,6 +202,7 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--offload", action="store_true", help="offload every layer's saved activations (CPU copies)")
     parser.add_argument("--equal", action="store_true", help="equal label tokens in every micro-batch")
+    parser.add_argument("--cp", type=int, default=1, help="context parallelism (then on the awkward batches)")
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from (then only its weights are saved)")
     parser.add_argument("--predict-only", action="store_true", help="only trainer.predict of the untrained model")
     parser.add_argument("--predict", action="store_true", help="also trainer.predict after the fit and alone")
@@ -196,11 +214,12 @@ def main() -> None:
         torch.save({"predicted_alone": predicted}, f"{args.out}.rank{trainer.global_rank}.pt")
         return
     model = module()
-    data = batches(args.equal)
+    data = batches(args.equal, awkward=args.cp > 1)
     record = Record(data)
     strategy = LLMFastStrategy(
         pipeline_parallel_size=args.pp, pipeline_microbatches=max(MICRO, args.pp), pipeline_schedule=args.schedule,
-        sharding=args.sharding, expert_parallel_size=args.ep, timeout=timedelta(seconds=60),
+        sharding=args.sharding, expert_parallel_size=args.ep, context_parallel_size=args.cp,
+        timeout=timedelta(seconds=60),
         offload=OffloadConfig(force=True, min_offload_bytes=0, keep_last_layers=0) if args.offload else None,
     )  # fmt: skip
     trainer = L.Trainer(
