@@ -2,7 +2,8 @@
 for Mixtral (stages chained equal the model's own forward, loss and gradients in float64; pruning under the model's
 names; the balanced cut's costs), refusals of models that cannot be cut, and ``HFCausalLMModule`` from a
 ``save_pretrained`` directory fitted by Lightning's Trainer on two gloo stages, equal to one process accumulating the
-microbatches (Qwen3-MoE with tied embeddings under 1F1B; DeepSeek-V3, one layer a stage, under ZBV)."""
+microbatches (Qwen3-MoE with tied embeddings under 1F1B; DeepSeek-V3, one layer a stage, under ZBV), whose DCP
+checkpoints resume in one process without pipelining and export as pretrained directories (item 4)."""
 
 from __future__ import annotations
 
@@ -149,7 +150,7 @@ def test_two_stage_fits_equal_one_process_accumulating_the_microbatches(pipeline
         micro = _micro_batches(microbatches, index)
         start = {name: p.detach().clone() for name, p in _materialized(pretrained / family).named_parameters()}
         reference = _module(str(pretrained / family))
-        record, val, _ = _fit(reference, micro, "llmfast", 1, microbatches)
+        record, val, adam = _fit(reference, micro, "llmfast", 1, microbatches)
         counts = [float((b.labels != -100).sum()) for b in micro]
         expected = [  # a batch's loss: its microbatches' losses weighted by their label tokens
             sum(record.losses[i] * counts[i] for i in range(s, s + microbatches)) / sum(counts[s : s + microbatches])
@@ -176,6 +177,8 @@ def test_two_stage_fits_equal_one_process_accumulating_the_microbatches(pipeline
             for name, value in rank["params"].items():
                 diff = float((value - weights[name].detach()).abs().max())
                 assert diff < 1e-5, (family, name, diff)
+                for key, expected in adam[name].items():  # AdamW's moments and step, as the checkpoint saves them
+                    assert float((rank["adam"][name][key] - expected).abs().max()) < 1e-5, (family, name, key)
         assert max(float((start[n] - p.detach()).abs().max()) for n, p in weights.items()) > 1e-3  # it trained
 
 
