@@ -2,11 +2,13 @@
 for Mixtral (stages chained equal the model's own forward, loss and gradients in float64; pruning under the model's
 names; the balanced cut's costs), refusals of models that cannot be cut, and ``HFCausalLMModule`` from a
 ``save_pretrained`` directory fitted by Lightning's Trainer on two gloo stages, equal to one process accumulating the
-microbatches (Qwen3-MoE with tied embeddings under 1F1B; DeepSeek-V3, one layer a stage, under ZBV)."""
+microbatches (Qwen3-MoE with tied embeddings under 1F1B; DeepSeek-V3, one layer a stage, under ZBV), whose DCP
+checkpoints resume in one process without pipelining and export as pretrained directories (item 4)."""
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
 from pathlib import Path
@@ -22,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from lightning_llmfast import ConfigError, HFCausalLMModule, LLMFastStrategy
 from lightning_llmfast.data import PackedBatch, pack_documents
+from lightning_llmfast.export import main as export_main
 from lightning_llmfast.parallel.pipeline_split import (
     StageModule,
     balanced_cut,
@@ -74,20 +77,39 @@ class _Record(L.Callback):
             self.bubbles.append(float(trainer.callback_metrics["pipeline/bubble"]))
 
 
-def _fit(
-    module: HFCausalLMModule, data: list[PackedBatch], strategy: Any, devices: int, accumulate: int
-) -> tuple[_Record, dict[str, float]]:
-    """The fit's record, then ``val/loss`` and ``val/ppl`` of the trained model on the first batch (its microbatches
-    joined)."""
-    record = _Record()
-    trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=accumulate,
-        gradient_clip_val=0.5, callbacks=[record], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
+def _trainer(strategy: Any, devices: int, *, steps: int = STEPS, accumulate: int = 1, **kwargs: Any) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
+        gradient_clip_val=0.5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
     )  # fmt: skip
+
+
+def _fit(
+    module: HFCausalLMModule,
+    data: list[PackedBatch],
+    strategy: Any,
+    devices: int,
+    accumulate: int,
+    save: str | None = None,
+) -> tuple[_Record, dict[str, float], dict[str, dict[str, torch.Tensor]]]:
+    """The fit's record, ``val/loss`` and ``val/ppl`` of the trained model on the first batch (its microbatches
+    joined) and the AdamW state by parameter name; ``save``: the trained state's checkpoint is written there before
+    the validation."""
+    record = _Record()
+    trainer = _trainer(strategy, devices, accumulate=accumulate, callbacks=[record])
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=None))
+    adam = _adam_state(trainer, module)
+    if save is not None:
+        trainer.save_checkpoint(save)
     val = DataLoader([data[0] if accumulate == 1 else joined(data[:accumulate])], batch_size=None)
-    return record, trainer.validate(module, val, verbose=False)[0]
+    return record, trainer.validate(module, val, verbose=False)[0], adam
+
+
+def _adam_state(trainer: L.Trainer, module: HFCausalLMModule) -> dict[str, dict[str, torch.Tensor]]:
+    """The optimizer's state of every parameter, keyed by its name (copies)."""
+    state = trainer.optimizers[0].state
+    return {name: {k: v.clone() for k, v in state[p].items()} for name, p in module.named_parameters()}
 
 
 def _worker(rank: int, world: int, out: str) -> None:
@@ -101,9 +123,10 @@ def _worker(rank: int, world: int, out: str) -> None:
         strategy = LLMFastStrategy(
             pipeline_parallel_size=2, pipeline_microbatches=microbatches, pipeline_schedule=schedule
         )
-        record, val = _fit(module, batches, strategy, world, 1)
+        record, val, adam = _fit(module, batches, strategy, world, 1, save=str(Path(out, f"{family}.ckpt")))
         params = {name: p.detach().clone() for name, p in module.named_parameters()}
         result = {"losses": record.losses, "ces": record.ces, "bubbles": record.bubbles, "params": params, "val": val}
+        result["adam"] = adam
         torch.save(result, f"{out}/{family}.{rank}.pt")
 
 
@@ -115,15 +138,23 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_two_stage_fits_equal_one_process_accumulating_the_microbatches(pretrained: Path) -> None:
+@pytest.fixture(scope="module")
+def pipelined(pretrained: Path) -> Path:
+    """The directory of :func:`pretrained` after the two-stage fits: per family and rank ``<family>.<rank>.pt``
+    (:func:`_worker`'s results) and each fit's DCP checkpoint ``<family>.ckpt``."""
     run_distributed(_worker, 2, str(pretrained), timeout=240)
+    return pretrained
+
+
+def test_two_stage_fits_equal_one_process_accumulating_the_microbatches(pipelined: Path) -> None:
+    pretrained = pipelined
     torch.set_num_threads(1)
     for index, (family, schedule, microbatches, _) in enumerate(CASES):
         ranks = [torch.load(pretrained / f"{family}.{r}.pt", weights_only=True) for r in range(2)]
         micro = _micro_batches(microbatches, index)
         start = {name: p.detach().clone() for name, p in _materialized(pretrained / family).named_parameters()}
         reference = _module(str(pretrained / family))
-        record, val = _fit(reference, micro, "llmfast", 1, microbatches)
+        record, val, adam = _fit(reference, micro, "llmfast", 1, microbatches)
         counts = [float((b.labels != -100).sum()) for b in micro]
         expected, expected_ce = (
             [  # a batch's loss: its microbatches' losses weighted by their label tokens
@@ -157,7 +188,68 @@ def test_two_stage_fits_equal_one_process_accumulating_the_microbatches(pretrain
             for name, value in rank["params"].items():
                 diff = float((value - weights[name].detach()).abs().max())
                 assert diff < 1e-5, (family, name, diff)
+                for key, expected in adam[name].items():  # AdamW's moments and step, as the checkpoint saves them
+                    assert float((rank["adam"][name][key] - expected).abs().max()) < 1e-5, (family, name, key)
         assert max(float((start[n] - p.detach()).abs().max()) for n, p in weights.items()) > 1e-3  # it trained
+
+
+class _Restored(L.Callback):
+    """What a resumed fit starts from, once Lightning restored its checkpoint: step, weights and AdamW state."""
+
+    def on_train_start(self, trainer: L.Trainer, module: HFCausalLMModule) -> None:
+        self.step = trainer.global_step
+        self.params = {name: p.detach().clone() for name, p in module.named_parameters()}
+        self.adam = _adam_state(trainer, module)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[case[0] for case in CASES])
+def test_two_stage_checkpoint_resumes_on_one_process_and_exports_the_trained_model(
+    pipelined: Path, index: int, tmp_path: Path
+) -> None:
+    """The pp=2 fit's DCP checkpoint resumes without pipelining (weights and AdamW state by name, then one more
+    step), and ``python -m lightning_llmfast.export`` writes it as a directory transformers loads, holding the
+    pipeline's trained weights (a tied embedding saved once, as ``save_pretrained`` does)."""
+    family, _, microbatches, _ = CASES[index]
+    torch.set_num_threads(1)
+    checkpoint, source = pipelined / f"{family}.ckpt", pipelined / family
+    ranks = [torch.load(pipelined / f"{family}.{r}.pt", weights_only=True) for r in range(2)]
+    held = {name: value for rank in ranks for name, value in rank["params"].items()}  # tied: equal on both ends
+    adam = {name: state for rank in ranks for name, state in rank["adam"].items()}
+
+    assert export_main([str(checkpoint), str(tmp_path / "out"), "--max-shard-size", "8KB"]) == 0
+    single = _materialized(source)  # the one-process model holding the pipeline's trained parameters
+    with torch.no_grad():
+        for name, param in single.named_parameters():  # each tied parameter once, under the model's name
+            param.copy_(held[name])
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    tied = bool(exported.config.tie_word_embeddings)
+    assert tied == (family == "qwen3_moe")
+    index_file = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert ("lm_head.weight" in index_file["weight_map"]) == (not tied)  # a tied head saved once, as transformers does
+    if tied:
+        assert exported.lm_head.weight is exported.model.embed_tokens.weight
+    mine = dict(single.model.named_parameters())
+    for name, value in exported.named_parameters():
+        assert torch.equal(value, mine[name].detach()), (family, name)
+    ids = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(index))
+    with torch.no_grad():
+        diff = float((exported(input_ids=ids).logits - single.model(input_ids=ids).logits).abs().max())
+    assert diff < 1e-5, (family, diff)
+
+    micro = _micro_batches(microbatches, index)
+    batches = [joined(micro[i : i + microbatches]) for i in range(0, len(micro), microbatches)]
+    resumed, restored = _module(str(source)), _Restored()
+    trainer = _trainer("llmfast", 1, steps=STEPS + 1, callbacks=[restored])
+    trainer.fit(resumed, train_dataloaders=DataLoader(batches, batch_size=None), ckpt_path=str(checkpoint))
+    assert restored.step == STEPS and trainer.global_step == STEPS + 1
+    assert set(restored.params) == set(held) and set(restored.adam) == set(adam)
+    for name, value in restored.params.items():
+        assert torch.equal(value, held[name]), (family, name)
+        assert restored.adam[name].keys() == adam[name].keys() == {"step", "exp_avg", "exp_avg_sq"}, name
+        for key, expected in adam[name].items():
+            assert torch.equal(restored.adam[name][key], expected), (family, name, key)
+    steps = [int(state["step"]) for state in trainer.optimizers[0].state.values()]
+    assert steps == [STEPS + 1] * len(held)  # the fit went on from the checkpoint
 
 
 def _materialized(directory: Path) -> HFCausalLMModule:
@@ -218,7 +310,7 @@ def test_mixtral_stages_chained_equal_the_models_forward_and_gradients_float64()
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-9, atol=1e-12, msg=name)
 
 
-def test_mixtral_costs_and_pruning_under_the_models_names() -> None:
+def test_mixtral_costs_and_pruning_under_the_models_names(tmp_path: Path) -> None:
     module = _mixtral()
     adapter = stage_adapter(module.model)
     costs, first, last = stage_costs(adapter)
@@ -238,6 +330,9 @@ def test_mixtral_costs_and_pruning_under_the_models_names() -> None:
         wanted |= {"model.embed_tokens.weight"} if is_first else set()
         wanted |= {"model.norm.weight", "lm_head.weight"} if is_last else set()
         assert set(dict(pruned.model.named_parameters())) == wanted, keep
+        with pytest.raises(ConfigError, match="pipeline parallelism this process holds only part of it"):
+            pruned.save_pretrained(tmp_path / str(keep))  # a stage is exported from a checkpoint, never alone
+        assert not (tmp_path / str(keep)).exists()
     tied = _mixtral(tie=True)
     adapter = stage_adapter(tied.model)
     assert tied_parameter(adapter) is tied.model.model.embed_tokens.weight
@@ -277,7 +372,7 @@ def _context_parallel_worker(rank: int, world: int, out: str) -> None:
         pipeline_schedule=schedule,
         context_parallel_size=2,
     )
-    record, val = _fit(module, batches, strategy, world, 1)
+    record, val, _ = _fit(module, batches, strategy, world, 1)
     params = {name: p.detach().clone() for name, p in module.named_parameters()}
     torch.save({"losses": record.losses, "params": params, "val": val}, f"{out}/{family}.cp.{rank}.pt")
 
@@ -292,7 +387,7 @@ def test_qwen3_moe_stages_over_context_parallel_ranks_equal_one_process(pretrain
     ranks = [torch.load(pretrained / f"{family}.cp.{r}.pt", weights_only=True) for r in range(4)]
     micro = _micro_batches(microbatches, 0)
     reference = _module(str(pretrained / family))
-    record, val = _fit(reference, micro, "llmfast", 1, microbatches)
+    record, val, _ = _fit(reference, micro, "llmfast", 1, microbatches)
     counts = [float((b.labels != -100).sum()) for b in micro]
     expected = [
         sum(record.losses[i] * counts[i] for i in range(s, s + microbatches)) / sum(counts[s : s + microbatches])

@@ -275,9 +275,9 @@ class HFCausalLMModule(GroupedRouterMixin, L.LightningModule):
             max_shard_size: largest safetensors shard (``"5GB"``, ``"500MB"`` or bytes).
 
         Raises:
-            ConfigError: this process holds only part of the model (FSDP2, or expert parallelism under any sharding):
-                save a checkpoint and export it with ``python -m lightning_llmfast.export CHECKPOINT OUT_DIR``;
-                or ``directory`` exists.
+            ConfigError: this process holds only part of the model (FSDP2, expert parallelism under any sharding, or
+                a pipeline stage): save a checkpoint and export it with
+                ``python -m lightning_llmfast.export CHECKPOINT OUT_DIR``; or ``directory`` exists.
 
         Example::
 

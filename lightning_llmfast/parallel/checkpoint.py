@@ -55,6 +55,7 @@ __all__ = [
     "MetadataReader",
     "consolidate_checkpoint",
     "is_distributed_checkpoint",
+    "load_checkpoint_meta",
     "load_distributed_checkpoint",
     "model_state",
     "optimizer_state",
@@ -270,8 +271,23 @@ def load_distributed_checkpoint(
     set_model_state_dict(module, state[_MODEL_KEY], options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(module, optimizer, state[_optimizer_key(index)])
+    return load_checkpoint_meta(path, weights_only=weights_only)
+
+
+def load_checkpoint_meta(path: str | Path, *, weights_only: bool | None = None) -> dict[str, Any]:
+    """The non-tensor entries of a distributed checkpoint (:data:`META_FILENAME`: loops, schedulers, callbacks,
+    hyper-parameters...), without its tensors.
+
+    Args:
+        path: the checkpoint directory.
+        weights_only: passed to ``torch.load`` (``None``: torch's default).
+
+    Example::
+
+        load_checkpoint_meta("ckpts/last.ckpt")["global_step"]
+    """
     kwargs = {} if weights_only is None else {"weights_only": weights_only}
-    return torch.load(path / META_FILENAME, map_location="cpu", **kwargs)
+    return torch.load(Path(path) / META_FILENAME, map_location="cpu", **kwargs)
 
 
 def _verify_together(path: Path) -> Metadata:
@@ -332,8 +348,7 @@ def consolidate_checkpoint(path: str | Path, output: str | Path, *, weights_only
         if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
     dcp.load({_MODEL_KEY: weights}, storage_reader=MetadataReader(path, metadata), no_dist=True)
-    kwargs = {} if weights_only is None else {"weights_only": weights_only}
-    checkpoint = torch.load(path / META_FILENAME, map_location="cpu", **kwargs)
+    checkpoint = load_checkpoint_meta(path, weights_only=weights_only)
     checkpoint[_MODEL_KEY] = weights
     output.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_file_atomically(output, lambda file: torch.save(checkpoint, file))  # never half-written

@@ -55,6 +55,7 @@ from lightning_llmfast.parallel.checkpoint import (
 )
 from lightning_llmfast.parallel.integrity import verify_shard_digests
 from lightning_llmfast.parallel.moegpt_export import mixtral_config, mixtral_source
+from lightning_llmfast.parallel.pipeline_split import KeptLayers
 from lightning_llmfast.parallel.pretrained import INDEX_FILENAME
 
 __all__ = ["DTYPES", "TOKENIZER_FILES", "export_checkpoint", "export_dtype", "export_module"]
@@ -93,19 +94,26 @@ def export_module(
         max_shard_size: largest shard (``"5GB"``, ``"500MB"`` or bytes); a larger single tensor is a shard alone.
 
     Raises:
-        ConfigError: this process holds only part of the model (FSDP2's DTensors, or an expert-parallel block's
-            local experts: save a checkpoint and use :func:`export_checkpoint`), or ``directory`` exists.
+        ConfigError: this process holds only part of the model (FSDP2's DTensors, an expert-parallel block's
+            local experts, or a pipeline stage's layers: save a checkpoint and use :func:`export_checkpoint`), or
+            ``directory`` exists.
 
     Example::
 
         export_module(module.model, "exported/", source=Path("Qwen3-0.6B"))
     """
     state = model.state_dict()
-    # A DTensor (FSDP2) or an expert-parallel block (its local experts only, plain tensors under DDP) is a part.
-    if any(isinstance(t, DTensor) for t in state.values()) or next(sharded_moe_blocks(model), None) is not None:
+    # A DTensor (FSDP2), an expert-parallel block (its local experts only, plain tensors under DDP) or a pipeline
+    # stage (its layers only) is a part.
+    if (
+        any(isinstance(t, DTensor) for t in state.values())
+        or next(sharded_moe_blocks(model), None) is not None
+        or any(isinstance(m, KeptLayers) for m in model.modules())
+    ):
         raise ConfigError(
-            "save_pretrained needs the whole model in one process; under FSDP2 or expert parallelism this process "
-            "holds only part of it: save a checkpoint and run python -m lightning_llmfast.export CHECKPOINT OUT_DIR"
+            "save_pretrained needs the whole model in one process; under FSDP2, expert parallelism or pipeline "
+            "parallelism this process holds only part of it: save a checkpoint and run python -m "
+            "lightning_llmfast.export CHECKPOINT OUT_DIR"
         )
     return _write(model.config, state, lambda keys: {k: state[k] for k in keys}, directory, source, dtype,
                   max_shard_size)  # fmt: skip

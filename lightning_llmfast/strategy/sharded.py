@@ -423,7 +423,15 @@ class ShardedDataParallelBase(DDPStrategy):
                 f"{path} is not one (load a single-file checkpoint's weights with LightningModule.load_from_checkpoint)"
             )
         agree(error, f"resuming from {path}")  # every rank refuses, or none
-        assert self.lightning_module is not None
+        module = self.lightning_module
+        assert module is not None
+        if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            # Lightning restores before setup when it cannot see the path yet (Trainer.ckpt_path is set by this very
+            # restore, so restore_checkpoint_after_setup said no): a model still on the meta device (configure_model,
+            # a pretrained directory) has nothing to read into. Only the non-tensor entries now; Lightning restores
+            # again after setup, knowing the path, and the tensors are read into the materialized model then.
+            self._restored_distributed = True  # nothing for load_model_state_dict to load
+            return dcp_io.load_checkpoint_meta(path, weights_only=weights_only)
         meta = dcp_io.load_distributed_checkpoint(
             path,
             self.lightning_module,
