@@ -439,12 +439,7 @@ class PipelineRunner:
         dtype = next(p.dtype for p in embed.parameters() if p.is_floating_point())
         # By name in the embedding: materialising a meta model replaces the parameter objects.
         self._tied_name = next((n for n, p in embed.named_parameters() if p is tied), None)
-        keep = [i for s in self.stages for i in ranges[s]]
-        shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
-        prune_stages(adapter, keep, first=self.has_first, last=self.has_last)
-        kept = model.state_dict(keep_vars=True)
-        # A model waiting for its pretrained weights reads only this rank's; the other stages' keys are theirs.
-        hold_elsewhere(model, {name: shape for name, shape in shapes.items() if name not in kept})
+        self._prune(model, adapter, [i for s in self.stages for i in ranges[s]])
         self.model, self.adapter = model, adapter
         """The model (pruned to this rank's stages) and its stage adapter."""
         self.modules = [
@@ -459,15 +454,23 @@ class PipelineRunner:
         self._total: Tensor | None = None
         self._step_tokens: Tensor | None = None  # label tokens of the batches since the last finish_step
         self.last_schedule: Any = None
+        """The schedule of the latest batch (its ``pipeline_order`` is the action table)."""
         self.last_ce: Tensor | None = None
         """The latest training batch's token-mean cross entropy (its loss without the router terms), the same on
         every rank of the pipeline."""
-        """The schedule of the latest batch (its ``pipeline_order`` is the action table)."""
         self.expert_params: set[int] = set()
         """``id()`` of the plain parameters split over the stage's expert-parallel ranks (set by
         :func:`~lightning_llmfast.parallel.pipeline_layout.parallelize_stages`): not summed over ``dp_group``."""
         self.expert_group: dist.ProcessGroup | None = None
         """The ranks holding this rank's experts, whose expert gradients :meth:`finish_step` sums (``None``: one)."""
+
+    def _prune(self, model: nn.Module, adapter: StageAdapter, keep: list[int]) -> None:
+        """Prune ``model`` in place to the layers ``keep`` (this rank's stages' layers) and its ends."""
+        shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+        prune_stages(adapter, keep, first=self.has_first, last=self.has_last)
+        kept = model.state_dict(keep_vars=True)
+        # A model waiting for its pretrained weights reads only this rank's; the other stages' keys are theirs.
+        hold_elsewhere(model, {name: shape for name, shape in shapes.items() if name not in kept})
 
     def _make_tied_group(self) -> dist.ProcessGroup | None:
         """The two ranks holding the first and the last stage, when they differ (ZBV puts both on rank 0)."""
