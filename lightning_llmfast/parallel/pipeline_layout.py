@@ -77,7 +77,7 @@ def parallelize_stages(
             runner.expert_group = dims.edp_mesh.get_group() if dims.edp > 1 else None
         return
     embed, head = part(runner.adapter, "embed"), part(runner.adapter, "head")
-    tied = tied_parameter(runner.adapter) if embed is not None and head is not None else None
+    tied = tied_parameter(runner.adapter)  # None unless this rank holds both
     names = [next((n for n, p in m.named_parameters() if p is tied), None) for m in (embed, head) if m is not None]
     if dims.ep_enabled:
         fully_shard_experts(model, dims, mp_policy=mp_policy, reshard_after_forward=False)
@@ -91,11 +91,11 @@ def parallelize_stages(
         # a plain sum, also on gloo, which has no pre-multiplied one).
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
-    if tied is not None and not runner.has_first and embed is not None and head is not None:
+    if tied is not None and not runner.has_first:
         # The last stage's root sharded the head's weight; the embedding registered beside it (for its name) shares
         # the sharded parameter again.
         embed_name, head_name = names
-        assert embed_name is not None and head_name is not None
+        assert embed is not None and head is not None and embed_name is not None and head_name is not None
         owner, _, name = embed_name.rpartition(".")
         embed.get_submodule(owner).register_parameter(name, head.get_parameter(head_name))
 
